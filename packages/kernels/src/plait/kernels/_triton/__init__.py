@@ -1,0 +1,1 @@
+"""Triton kernels; imported lazily by the public ops when the Triton path is taken."""

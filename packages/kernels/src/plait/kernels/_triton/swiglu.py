@@ -1,0 +1,127 @@
+"""Triton SwiGLU forward/backward: one program per row block, fp32 math, silu recomputed in backward."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_fwd(
+    g_ptr, u_ptr, w_ptr, y_ptr, n_cols, in_stride, out_stride,
+    HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * in_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * in_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    if HAS_W:
+        y = y * tl.load(w_ptr + row).to(tl.float32)
+    tl.store(y_ptr + row * out_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd(
+    dy_ptr, g_ptr, u_ptr, w_ptr, dg_ptr, du_ptr, dwp_ptr, n_cols, in_stride, dy_stride, n_col_blocks,
+    HAS_W: tl.constexpr, NEED_DW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cb = tl.program_id(1)
+    cols = cb * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dy = tl.load(dy_ptr + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * in_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * in_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    silu = g * s
+    if NEED_DW:
+        # d row_weight = sum_cols dy * silu * up; one partial per column block, summed by torch.
+        tl.store(dwp_ptr + row * n_col_blocks + cb, tl.sum(dy * silu * u, axis=0))
+    if HAS_W:
+        dy = dy * tl.load(w_ptr + row).to(tl.float32)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * silu
+    tl.store(dg_ptr + row * in_stride + cols, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + row * in_stride + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(n_cols: int) -> int:
+    return min(4096, triton.next_power_of_2(max(n_cols, 16)))
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, w, fused):  # type: ignore[override]
+        a = a.contiguous()
+        if fused:
+            n = a.shape[-1] // 2
+            a2 = a.view(-1, 2 * n)
+            gate, up = a2, a2[:, n:]
+            in_stride = 2 * n
+        else:
+            b = b.contiguous()
+            n = a.shape[-1]
+            gate, up = a.view(-1, n), b.view(-1, n)
+            in_stride = n
+        rows = gate.shape[0]
+        y = torch.empty((*a.shape[:-1], n), dtype=a.dtype, device=a.device)
+        wf = w.contiguous().view(-1) if w is not None else None
+        block = _block(n)
+        if rows and n:
+            _swiglu_fwd[(rows, triton.cdiv(n, block))](
+                gate, up, wf if wf is not None else gate, y, n, in_stride, n,
+                HAS_W=wf is not None, BLOCK=block, num_warps=_warps(block),
+            )  # fmt: skip
+        ctx.save_for_backward(a, b if not fused else None, wf)
+        ctx.fused, ctx.n, ctx.w_shape, ctx.w_dtype = fused, n, (w.shape if w is not None else None), (
+            w.dtype if w is not None else None
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        a, b, wf = ctx.saved_tensors
+        n, fused = ctx.n, ctx.fused
+        dy = dy.contiguous().view(-1, n)
+        if fused:
+            a2 = a.view(-1, 2 * n)
+            gate, up = a2, a2[:, n:]
+            dgu = torch.empty_like(a)
+            d2 = dgu.view(-1, 2 * n)
+            dgate, dup = d2, d2[:, n:]
+            in_stride = 2 * n
+        else:
+            gate, up = a.view(-1, n), b.view(-1, n)
+            dga, dgb = torch.empty_like(a), torch.empty_like(b)
+            dgate, dup = dga.view(-1, n), dgb.view(-1, n)
+            in_stride = n
+        rows = gate.shape[0]
+        block = _block(n)
+        ncb = triton.cdiv(n, block) if n else 1
+        need_dw = wf is not None and ctx.needs_input_grad[2]
+        dwp = torch.empty((rows, ncb), dtype=torch.float32, device=a.device) if need_dw else None
+        if rows and n:
+            _swiglu_bwd[(rows, ncb)](
+                dy, gate, up, wf if wf is not None else gate, dgate, dup, dwp if dwp is not None else dy,
+                n, in_stride, n, ncb,
+                HAS_W=wf is not None, NEED_DW=need_dw, BLOCK=block, num_warps=_warps(block),
+            )  # fmt: skip
+        dw = None
+        if need_dw:
+            assert dwp is not None
+            dw = dwp.sum(1).view(ctx.w_shape).to(ctx.w_dtype)
+        if fused:
+            return dgu, None, dw, None
+        return dga, dgb, dw, None
+
+
+def swiglu_triton(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """Triton SwiGLU; ``fused`` means ``a`` is ``[..., 2I]`` and ``b`` is unused."""
+    return _SwiGLU.apply(a, b, w, fused)

@@ -1,0 +1,76 @@
+"""The split-backward switch: which gradients plait's autograd Functions compute.
+
+A pipeline schedule with split backward (zero-bubble style) first runs an *inputs* pass, which
+only needs gradients w.r.t. the activations flowing back to the previous stage, and later a
+*weights* pass. PyTorch's custom ``autograd.Function``s compute every gradient they are asked
+for, whatever the pass (pytorch issue 174017). plait's Functions read :func:`current_grad_direction`
+inside ``backward`` and return ``None`` for the kind of gradient that is switched off.
+
+The switch is process-wide (not thread-local) on purpose: CUDA backward runs in autograd's
+device threads, which would not see a thread-local or ``contextvars`` value set by the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["GradDirection", "current_grad_direction", "grad_direction"]
+
+
+class GradDirection(enum.Flag):
+    """Which gradients a backward pass computes.
+
+    ``INPUTS``: gradients w.r.t. activations (what flows to earlier layers / stages).
+    ``WEIGHTS``: gradients w.r.t. parameters (classifier, grouped-GEMM experts, norm weights).
+    ``BOTH``: the normal backward.
+    """
+
+    INPUTS = enum.auto()
+    WEIGHTS = enum.auto()
+    BOTH = INPUTS | WEIGHTS
+
+
+_lock = threading.Lock()
+_stack: list[GradDirection] = []
+
+
+def current_grad_direction() -> GradDirection:
+    """Return the innermost active :class:`GradDirection` (``BOTH`` outside any context)."""
+    return _stack[-1] if _stack else GradDirection.BOTH
+
+
+@contextmanager
+def grad_direction(direction: GradDirection) -> Iterator[GradDirection]:
+    """Enable only the given gradients in plait autograd Functions for the duration of the block.
+
+    Example:
+        >>> with grad_direction(GradDirection.INPUTS):
+        ...     torch.autograd.backward(outputs, grads, retain_graph=True)  # no weight grads
+        >>> with grad_direction(GradDirection.WEIGHTS):
+        ...     torch.autograd.backward(outputs, grads)  # weight grads only
+
+    Args:
+        direction: the gradients to compute; must not be empty.
+    """
+    if not isinstance(direction, GradDirection):
+        raise TypeError(f"grad_direction expects a GradDirection, got {type(direction).__name__}")
+    if not direction:
+        raise ValueError("grad_direction: direction must enable INPUTS, WEIGHTS or both")
+    with _lock:
+        _stack.append(direction)
+    try:
+        yield direction
+    finally:
+        with _lock:
+            _stack.pop()
+
+
+def _wants_inputs() -> bool:
+    return GradDirection.INPUTS in current_grad_direction()
+
+
+def _wants_weights() -> bool:
+    return GradDirection.WEIGHTS in current_grad_direction()

@@ -1,0 +1,279 @@
+"""Linear + cross-entropy without materialising the ``[N, V]`` logits.
+
+The loss is computed block by block: the tokens are split into chunks and the vocabulary into
+blocks; each ``[chunk, block]`` logit tile comes from one matmul, is folded into a running
+(max, sum-exp, target-logit) per token and thrown away. The backward recomputes each tile, turns
+it into ``dlogits`` in place (``softmax - onehot`` with z-loss / soft-cap terms), and feeds it to
+the two gradient matmuls: ``dhidden += dlogits @ W_blk`` (fp32 accumulator per token chunk) and
+``dW_blk += dlogits^T @ hidden_chunk`` (written straight into the gradient). Peak extra memory is
+the gradients plus one tile and one fp32 chunk accumulator.
+
+With ``process_group`` the classifier is sharded over the vocabulary (rank r holds a contiguous
+slice; slices may differ in size): per-token statistics are combined with two all-reduces and the
+hidden gradient is all-reduced in the backward.
+
+Matmuls run in the input dtype (cuBLAS on GPU); the softmax arithmetic is fp32 (Triton kernels on
+CUDA / under ``TRITON_INTERPRET=1``, PyTorch otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from plait.kernels._dispatch import use_triton
+from plait.kernels.grad_direction import _wants_inputs, _wants_weights
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
+
+Reduction = Literal["mean", "sum", "none"]
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Materialising reference: ``logits = hidden @ weight.T`` then the same loss in fp32 (or the input's precision if higher)."""
+    ct = torch.promote_types(hidden.dtype, torch.float32)
+    logits = (hidden @ weight.T).to(ct)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    lse = torch.logsumexp(logits, -1)
+    valid = targets != ignore_index
+    tgt = logits.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0)
+    loss = _reduce(loss, valid, reduction)
+    return (loss, lse) if return_lse else loss
+
+
+def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    # Mean over non-ignored tokens; an all-ignored batch gives 0 (not NaN) so that empty
+    # pipeline micro-batches do not poison the step.
+    return loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-tile elementwise steps (PyTorch versions; Triton versions in _triton/linear_cross_entropy)
+# --------------------------------------------------------------------------------------------
+
+
+def _tile_stats_torch(
+    logits: torch.Tensor, local_t: torch.Tensor, m: torch.Tensor, s: torch.Tensor, tgt: torch.Tensor, softcap: float | None
+) -> None:
+    z = logits.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    new_m = torch.maximum(m, z.max(1).values)
+    s.mul_(torch.exp(m - new_m)).add_(torch.exp(z - new_m[:, None]).sum(1))
+    m.copy_(new_m)
+    inside = (local_t >= 0) & (local_t < z.shape[1])
+    tgt.add_(torch.where(inside, z.gather(1, local_t.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0))
+
+
+def _tile_grad_torch(
+    logits: torch.Tensor,
+    local_t: torch.Tensor,
+    lse: torch.Tensor,
+    g_p: torch.Tensor,
+    g_t: torch.Tensor,
+    softcap: float | None,
+) -> torch.Tensor:
+    # dlogit_j = g_p * softmax_j - g_t * onehot_j  (times d softcap / d logit)
+    z = logits.float()
+    if softcap is not None:
+        th = torch.tanh(z / softcap)
+        z = softcap * th
+    d = torch.exp(z - lse[:, None]) * g_p[:, None]
+    inside = (local_t >= 0) & (local_t < z.shape[1])
+    idx = local_t.clamp(0, z.shape[1] - 1)[:, None]
+    d.scatter_add_(1, idx, torch.where(inside, -g_t, 0.0)[:, None])
+    if softcap is not None:
+        d = d * (1.0 - th * th)
+    return d.to(logits.dtype)
+
+
+def _tile_ops(triton: bool) -> tuple[Any, Any]:
+    if triton:
+        from plait.kernels._triton.linear_cross_entropy import tile_grad_triton, tile_stats_triton
+
+        return tile_stats_triton, tile_grad_triton
+    return _tile_stats_torch, _tile_grad_torch
+
+
+def _chunks(n_tokens: int, hidden: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None) -> tuple[int, int]:
+    # Defaults keep one [chunk, block] tile (input dtype) plus one fp32 [chunk, H] accumulator
+    # around 48 MiB for 8k x 4k x 152k, while the matmuls stay large enough to run at full rate.
+    vb = chunk_vocab or min(vocab, 4096)
+    nc = chunk_tokens or min(n_tokens, max(256, (8 * 1024 * 1024) // max(hidden, 1)))
+    return max(1, nc), max(1, vb)
+
+
+def _vocab_offset(local_vocab: int, group: Any) -> int:
+    if group is None:
+        return 0
+    world = dist.get_world_size(group)
+    sizes = [0] * world
+    dist.all_gather_object(sizes, local_vocab, group=group)
+    return sum(sizes[: dist.get_rank(group)])
+
+
+class _LinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, z_loss, softcap, group, triton, nc, vb):  # type: ignore[override]
+        n, v = hidden.shape[0], weight.shape[0]
+        stats, _ = _tile_ops(triton)
+        v0 = _vocab_offset(v, group)
+        valid = targets != ignore_index
+        local_all = torch.where(valid, targets - v0, -1)
+        m = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
+        s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        tgt = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        with torch.no_grad():
+            for a in range(0, n, nc):
+                xc = hidden[a : a + nc]
+                for b in range(0, v, vb):
+                    logits = xc @ weight[b : b + vb].T
+                    stats(logits, local_all[a : a + nc] - b, m[a : a + nc], s[a : a + nc], tgt[a : a + nc], softcap)
+            if group is None:
+                lse = m + torch.log(s)
+            else:
+                gm = m.clone()
+                dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
+                gm = torch.where(torch.isfinite(gm), gm, 0.0)
+                s = s * torch.exp(m - gm)
+                dist.all_reduce(s, group=group)
+                dist.all_reduce(tgt, group=group)
+                lse = gm + torch.log(s)
+            loss = torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0)
+        ctx.save_for_backward(hidden, weight, local_all, lse, valid)
+        ctx.cfg = (z_loss, softcap, group, triton, nc, vb)
+        ctx.mark_non_differentiable(valid)
+        return loss, lse, valid
+
+    @staticmethod
+    def backward(ctx, dloss, dlse, _dvalid):  # type: ignore[override]
+        hidden, weight, local_all, lse, valid = ctx.saved_tensors
+        z_loss, softcap, group, triton, nc, vb = ctx.cfg
+        need_dx = ctx.needs_input_grad[0] and _wants_inputs()
+        need_dw = ctx.needs_input_grad[1] and _wants_weights()
+        if not (need_dx or need_dw):
+            return (None,) * 10
+        _, grad = _tile_ops(triton)
+        n, v = hidden.shape[0], weight.shape[0]
+        g_t = torch.where(valid, dloss.float(), 0.0) if dloss is not None else torch.zeros_like(lse)
+        # d(loss)/d(lse) = 1 + 2 z lse on valid tokens, plus the caller's direct gradient on lse.
+        g_p = g_t * (1.0 + 2.0 * z_loss * lse)
+        if dlse is not None:
+            g_p = g_p + dlse.float()
+        dx = torch.empty_like(hidden) if need_dx else None
+        dw = torch.empty_like(weight) if need_dw else None
+        with torch.no_grad():
+            for a in range(0, n, nc):
+                xc = hidden[a : a + nc]
+                acc = torch.zeros(xc.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
+                for b in range(0, v, vb):
+                    wb = weight[b : b + vb]
+                    logits = xc @ wb.T
+                    d = grad(logits, local_all[a : a + nc] - b, lse[a : a + nc], g_p[a : a + nc], g_t[a : a + nc], softcap)
+                    if acc is not None:
+                        acc += d @ wb
+                    if dw is not None:
+                        if a == 0:
+                            torch.mm(d.T, xc, out=dw[b : b + vb])
+                        else:
+                            dw[b : b + vb].addmm_(d.T, xc)
+                if dx is not None:
+                    dx[a : a + nc] = acc
+            if dx is not None and group is not None:
+                dist.all_reduce(dx, group=group)
+        if dw is not None and n == 0:
+            dw.zero_()
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    process_group: Any = None,
+    backend: Literal["auto", "plait", "cce"] = "auto",
+    chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without storing the logits.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (flatten batch and sequence first).
+        weight: ``[V, H]`` classifier (``lm_head.weight``); with ``process_group`` the local
+            vocabulary shard ``[V_r, H]``, shards ordered by rank.
+        targets: ``[N]`` int64 global token ids; ``ignore_index`` entries contribute nothing.
+        ignore_index: target value to skip.
+        reduction: ``"mean"`` (over non-ignored tokens; 0 if all are ignored), ``"sum"`` or
+            ``"none"`` (``[N]`` fp32, 0 at ignored tokens).
+        z_loss: coefficient of the ``lse**2`` auxiliary term added to each token's loss.
+        softcap: if set, logits are ``softcap * tanh(logits / softcap)`` (Gemma-2 style).
+        return_lse: also return the fp32 ``[N]`` log-sum-exp (differentiable).
+        process_group: vocabulary-parallel group, or ``None``.
+        backend: ``"plait"`` (this implementation), ``"cce"`` (Apple's cut-cross-entropy, needs the
+            ``plait-kernels[cce]`` extra; no z-loss / lse / process group / grad-direction switch),
+            or ``"auto"`` (= ``"plait"``).
+        chunk_tokens: tokens per chunk (memory/speed knob; default keeps the fp32 accumulator ~32 MiB).
+        chunk_vocab: vocabulary entries per tile (default 4096).
+
+    Returns:
+        The loss in fp32 (scalar, or ``[N]`` for ``"none"``), and the lse if ``return_lse``.
+        Gradients respect :func:`plait.kernels.grad_direction`.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be [N, H] and weight {tuple(weight.shape)} [V, H]"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_cross_entropy: targets {tuple(targets.shape)} must be [{hidden.shape[0]}]")
+    if targets.dtype.is_floating_point:
+        raise ValueError(f"linear_cross_entropy: targets must be integer token ids, got {targets.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"linear_cross_entropy: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"linear_cross_entropy: softcap must be positive, got {softcap}")
+    if backend == "cce":
+        if z_loss or return_lse or process_group is not None:
+            raise ValueError("linear_cross_entropy: backend='cce' supports neither z_loss, return_lse nor process_group")
+        try:
+            from cut_cross_entropy import linear_cross_entropy as _cce
+        except ImportError as e:
+            raise ImportError(
+                "linear_cross_entropy(backend='cce') needs cut-cross-entropy: pip install 'plait-kernels[cce]'"
+            ) from e
+        return _cce(hidden, weight, targets, ignore_index=ignore_index, softcap=softcap, reduction=reduction)
+    if backend not in ("auto", "plait"):
+        raise ValueError(f"linear_cross_entropy: unknown backend {backend!r} (expected 'auto', 'plait' or 'cce')")
+    nc, vb = _chunks(hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_tokens, chunk_vocab)
+    triton = use_triton(hidden, weight)
+    loss, lse, valid = _LinearCE.apply(
+        hidden, weight, targets.long(), ignore_index, float(z_loss), softcap, process_group, triton, nc, vb
+    )
+    loss = _reduce(loss, valid, reduction)
+    return (loss, lse) if return_lse else loss

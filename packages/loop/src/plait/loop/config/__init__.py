@@ -1,0 +1,61 @@
+"""Configuration: :class:`TrainerConfig`, its sections, file loading and overrides."""
+
+from plait.loop.config._mesh import DeviceMeshParameters
+from plait.loop.config.loading import (
+    ConfigError,
+    apply_overrides,
+    config_json_schema,
+    dump_config,
+    load_config,
+    parse_override,
+    read_config_file,
+    split_cli_overrides,
+)
+from plait.loop.config.sections import (
+    AdamWConfig,
+    BatchingConfig,
+    CheckpointConfig,
+    DeterminismConfig,
+    GCConfig,
+    GradClipConfig,
+    GradientConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ProfilingConfig,
+    RunConfig,
+    SGDConfig,
+    StochasticAdamWConfig,
+    TimeoutConfig,
+    TrackerConfig,
+)
+from plait.loop.config.trainer_config import PipelineConfig, TrainerConfig, dp_size_of
+
+__all__ = [
+    "AdamWConfig",
+    "BatchingConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DeterminismConfig",
+    "DeviceMeshParameters",
+    "GCConfig",
+    "GradClipConfig",
+    "GradientConfig",
+    "LoggingConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "ProfilingConfig",
+    "RunConfig",
+    "SGDConfig",
+    "StochasticAdamWConfig",
+    "TimeoutConfig",
+    "TrackerConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "config_json_schema",
+    "dump_config",
+    "dp_size_of",
+    "load_config",
+    "parse_override",
+    "read_config_file",
+    "split_cli_overrides",
+]

@@ -1,0 +1,209 @@
+"""Loading a config from TOML, YAML or JSON, dotted command-line overrides and JSON-schema export."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from plait.loop.config.trainer_config import TrainerConfig
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "config_json_schema",
+    "dump_config",
+    "load_config",
+    "parse_override",
+    "read_config_file",
+    "split_cli_overrides",
+]
+
+C = TypeVar("C", bound=BaseModel)
+_TAGS = {"adamw", "stochastic_adamw", "sgd"}
+
+
+class ConfigError(ValueError):
+    """A config that does not parse or validate; the message names each bad field and value."""
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file into a plain dict.
+
+    Raises:
+        ConfigError: unknown suffix, unparsable file, or a top level that is not a table.
+        ImportError: a YAML file without pyyaml (``pip install 'plait-loop[yaml]'``).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    text = path.read_text()
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError as e:  # pragma: no cover - pyyaml is present in dev envs
+                raise ImportError(f"reading {path} needs pyyaml: pip install 'plait-loop[yaml]'") from e
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: unknown config format {suffix!r} (use .toml, .yaml, .yml or .json)")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot parse: {e}") from e
+    except Exception as e:
+        if type(e).__module__.startswith("yaml"):
+            raise ConfigError(f"{path}: cannot parse: {e}") from e
+        raise
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table/mapping, got {type(data).__name__}")
+    return data
+
+
+def _parse_value(text: str) -> Any:
+    # JSON covers numbers, booleans, null, lists and objects; anything else stays a string and
+    # pydantic coerces it to the field's type.
+    lowered = {"true": True, "false": False, "none": None, "null": None}
+    if text.lower() in lowered:
+        return lowered[text.lower()]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"--optimizer.lr=3e-4"`` -> ``(["optimizer", "lr"], 3e-4)``.
+
+    Raises:
+        ConfigError: when there is no ``=`` or the key is empty.
+    """
+    body = item[2:] if item.startswith("--") else item
+    key, sep, value = body.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"bad override {item!r}: expected --section.field=value")
+    return key.split("."), _parse_value(value)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with dotted overrides applied (lists are indexed by integers)."""
+    out = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        path, value = parse_override(item)
+        node: Any = out
+        for i, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                idx = _index(part, node, item)
+                node = node[idx]
+                continue
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = {}
+                node[part] = nxt
+            elif not isinstance(nxt, dict | list):
+                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is a value, not a section")
+            node = nxt
+        last = path[-1]
+        if isinstance(node, list):
+            node[_index(last, node, item)] = value
+        else:
+            node[last] = value
+    return out
+
+
+def _index(part: str, node: list[Any], item: str) -> int:
+    try:
+        idx = int(part)
+        node[idx]
+    except (ValueError, IndexError):
+        raise ConfigError(f"override {item!r}: {part!r} is not an index of a list of {len(node)}") from None
+    return idx
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        parts = [str(p) for p in e["loc"]]
+        # Drop the tag pydantic inserts for tagged unions (optimizer.adamw.lr -> optimizer.lr).
+        parts = [p for i, p in enumerate(parts) if not (i > 0 and parts[i - 1] == "optimizer" and p in _TAGS)]
+        loc = ".".join(parts)
+        value = e.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {loc or '<root>'}: {e['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    cls: type[C] = TrainerConfig,  # type: ignore[assignment]
+    base: Mapping[str, Any] | None = None,
+) -> C:
+    """Build a config from defaults, an optional file and dotted overrides (applied in that order).
+
+    Args:
+        path: a TOML, YAML or JSON file, or None for the defaults (and ``base``).
+        overrides: items like ``"--optimizer.lr=3e-4"`` or ``"run.steps=10"``.
+        cls: the config class (a subclass of TrainerConfig, or any pydantic model).
+        base: data under the file (e.g. a script's embedded defaults).
+
+    Raises:
+        ConfigError: naming each bad field and the value it got.
+    """
+    data: dict[str, Any] = json.loads(json.dumps(dict(base or {})))
+    source = "defaults"
+    if path is not None:
+        data = _merge(data, read_config_file(path))
+        source = str(path)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " + overrides " + " ".join(overrides)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def split_cli_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into dotted overrides (``--a.b=v``) and the remaining arguments."""
+    overrides, rest = [], []
+    for arg in argv:
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+        (overrides if "." in key and "=" in arg else rest).append(arg)
+    return overrides, rest
+
+
+def config_json_schema(cls: type[BaseModel] = TrainerConfig, path: str | Path | None = None) -> dict[str, Any]:
+    """The config's JSON schema (written to ``path`` when given)."""
+    schema = cls.model_json_schema()
+    if path is not None:
+        Path(path).write_text(json.dumps(schema, indent=2))
+    return schema
+
+
+def dump_config(config: BaseModel, path: str | Path) -> None:
+    """Write a config as JSON or YAML (by suffix); it loads back with :func:`load_config`."""
+    path = Path(path)
+    data = config.model_dump(mode="json")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    else:
+        path.write_text(json.dumps(data, indent=2))

@@ -1,0 +1,199 @@
+"""The sections of :class:`TrainerConfig`: one frozen pydantic model per concern."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+
+__all__ = [
+    "AdamWConfig",
+    "BatchingConfig",
+    "CheckpointConfig",
+    "DeterminismConfig",
+    "GCConfig",
+    "GradClipConfig",
+    "GradientConfig",
+    "LoggingConfig",
+    "OptimizerConfig",
+    "ProfilingConfig",
+    "RunConfig",
+    "SGDConfig",
+    "StochasticAdamWConfig",
+    "TimeoutConfig",
+    "TrackerConfig",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunConfig(_Section):
+    """Name, output directory and length of the run."""
+
+    name: str = "run"
+    run_dir: str = "runs/run"
+    steps: int = Field(100, ge=1, description="Number of optimizer steps of the whole run.")
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class BatchingConfig(_Section):
+    """Global batch and microbatch sizes, counted in sequences (samples).
+
+    ``grad_accum_steps = global_batch_size / (microbatch_size * dp_size)`` is derived by
+    :meth:`grad_accum_steps`; :class:`~plait.loop.config.TrainerConfig` validates the division.
+    """
+
+    global_batch_size: int = Field(8, ge=1)
+    microbatch_size: int = Field(1, ge=1)
+    seq_len: int = Field(128, ge=1)
+
+    def grad_accum_steps(self, dp_size: int) -> int:
+        """Microbatches per rank and step for a data-parallel size ``dp_size``.
+
+        Raises:
+            ValueError: naming ``batching.global_batch_size`` when it is not a multiple of
+                ``microbatch_size * dp_size``.
+        """
+        per_step = self.microbatch_size * dp_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"batching.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"batching.microbatch_size ({self.microbatch_size}) x data-parallel size ({dp_size})"
+            )
+        return self.global_batch_size // per_step
+
+
+class AdamWConfig(_Section):
+    """``torch.optim.AdamW``; ``fused=None`` picks the fused kernel where the device supports it."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    fused: bool | None = None
+    no_decay_norms_biases_embeddings: bool = True
+
+
+class StochasticAdamWConfig(_Section):
+    """plait.kernels' ``StochasticAdamW`` (stochastic rounding into bf16 parameters)."""
+
+    name: Literal["stochastic_adamw"] = "stochastic_adamw"
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    no_decay_norms_biases_embeddings: bool = True
+
+
+class SGDConfig(_Section):
+    """``torch.optim.SGD``."""
+
+    name: Literal["sgd"] = "sgd"
+    lr: float = Field(1e-2, gt=0)
+    momentum: float = Field(0.0, ge=0)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    no_decay_norms_biases_embeddings: bool = True
+
+
+def _optimizer_name(value: Any) -> str:
+    # A section without ``name`` is AdamW, so ``--optimizer.lr=...`` alone works.
+    if isinstance(value, dict):
+        return str(value.get("name", "adamw"))
+    return str(getattr(value, "name", "adamw"))
+
+
+OptimizerConfig = Annotated[
+    Annotated[AdamWConfig, Tag("adamw")]
+    | Annotated[StochasticAdamWConfig, Tag("stochastic_adamw")]
+    | Annotated[SGDConfig, Tag("sgd")],
+    Discriminator(_optimizer_name),
+]
+
+
+class GradClipConfig(_Section):
+    """Global gradient-norm clipping (DTensor-aware); ``max_norm=None`` only measures the norm."""
+
+    max_norm: float | None = Field(1.0, gt=0)
+    norm_type: float = 2.0
+
+
+class GradientConfig(_Section):
+    """Gradient reduction settings passed to the model's ``parallelize`` (FSDP2 reduce dtype, buckets)."""
+
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    bucket_size_mb: float = Field(25.0, gt=0)
+
+
+class CheckpointConfig(_Section):
+    """Checkpointing (filled by plait.loop.checkpoint): when to save and how many to keep."""
+
+    enabled: bool = False
+    interval: int | None = Field(None, ge=1, description="Save every N steps (and at the last step).")
+    keep_last: int | None = Field(None, ge=1)
+    async_mode: bool = True
+    dir: str | None = Field(None, description="Defaults to <run_dir>/checkpoints.")
+
+
+class TrackerConfig(_Section):
+    """One experiment tracker: ``jsonl`` (default), ``console``, ``tensorboard``, ``aim``, ``wandb``."""
+
+    kind: Literal["jsonl", "console", "tensorboard", "aim", "wandb"]
+    project: str | None = None
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+
+class LoggingConfig(_Section):
+    """How often metrics are logged, and where."""
+
+    interval: int = Field(1, ge=1)
+    trackers: tuple[TrackerConfig, ...] = (TrackerConfig(kind="jsonl"), TrackerConfig(kind="console"))
+    progress_bar: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    peak_flops: float | None = Field(
+        None, gt=0, description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only)."
+    )
+
+
+class ProfilingConfig(_Section):
+    """torch.profiler window(s): skip ``wait`` steps, warm up, record ``active`` steps, ``repeat`` times."""
+
+    enabled: bool = False
+    wait: int = Field(1, ge=0)
+    warmup: int = Field(1, ge=0)
+    active: int = Field(2, ge=1)
+    repeat: int = Field(1, ge=0)
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+
+class TimeoutConfig(_Section):
+    """Collective timeouts: a long one for start-up (compilation, weight loading), a short one per step."""
+
+    init_s: float = Field(600.0, gt=0)
+    step_s: float = Field(120.0, gt=0)
+
+
+class GCConfig(_Section):
+    """Automatic garbage collection off; a full collection every ``interval`` steps on every rank."""
+
+    disable_automatic: bool = True
+    interval: int | None = Field(50, ge=1)
+    generation: Literal[0, 1, 2] = 1
+
+
+class DeterminismConfig(_Section):
+    """Determinism and the NaN/Inf loss policy."""
+
+    deterministic_algorithms: bool = False
+    nonfinite_loss: Literal["raise", "skip"] = "raise"
+    max_skipped_steps: int | None = Field(None, ge=0, description="Raise once more steps than this were skipped.")
+
+
+

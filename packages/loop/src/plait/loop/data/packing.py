@@ -1,0 +1,91 @@
+"""Packing documents into fixed-length sequences, with document ids and position ids for masking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["PackedTokens", "pack_documents"]
+
+
+class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A flat token stream (array or ``np.memmap``) read as fixed windows of ``seq_len`` + 1 tokens.
+
+    Sample ``i`` covers ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` and returns ``input_ids``
+    (the first ``seq_len``), ``labels`` (the next-token targets), ``position_ids`` (restarting at each
+    document) and ``document_ids`` (0, 1, ... within the window). A document starts after every
+    ``eos_id``. With ``mask_cross_document=True`` the label of a document's last token (predicting the
+    next document's first token) is ``ignore_index``.
+
+    Args:
+        tokens: 1-d integer array-like (numpy array or memmap; read lazily per sample).
+        seq_len: tokens per sample.
+        eos_id: the document separator, or None for one unbroken document.
+        mask_cross_document: mask labels that cross a document boundary.
+        ignore_index: the masked label value.
+    """
+
+    def __init__(
+        self,
+        tokens: Any,
+        seq_len: int,
+        eos_id: int | None = None,
+        mask_cross_document: bool = True,
+        ignore_index: int = -100,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.eos_id = eos_id
+        self.mask_cross_document = mask_cross_document
+        self.ignore_index = ignore_index
+        self._n = max((len(tokens) - 1) // seq_len, 0)
+        if self._n == 0:
+            raise ValueError(f"{len(tokens)} tokens are too few for one sequence of seq_len={seq_len}")
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self._n:
+            raise IndexError(f"sample {i} out of range [0, {self._n})")
+        start = i * self.seq_len
+        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1]).astype(np.int64))
+        if self.eos_id is None:
+            doc = torch.zeros(self.seq_len + 1, dtype=torch.long)
+        else:
+            # A new document begins right after each eos.
+            starts = torch.zeros(self.seq_len + 1, dtype=torch.long)
+            starts[1:] = (window[:-1] == self.eos_id).long()
+            doc = torch.cumsum(starts, 0)
+        inputs, labels = window[:-1], window[1:].clone()
+        doc_in = doc[:-1]
+        if self.mask_cross_document and self.eos_id is not None:
+            labels[doc[1:] != doc_in] = self.ignore_index
+        idx = torch.arange(self.seq_len)
+        is_start = torch.ones(self.seq_len, dtype=torch.bool)
+        is_start[1:] = doc_in[1:] != doc_in[:-1]
+        first = torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), 0).values
+        return {"input_ids": inputs, "labels": labels, "position_ids": idx - first, "document_ids": doc_in}
+
+
+def pack_documents(
+    docs: Iterable[Sequence[int]],
+    seq_len: int,
+    eos_id: int,
+    *,
+    mask_cross_document: bool = True,
+    dtype: Any = np.int32,
+) -> PackedTokens:
+    """Concatenate tokenised documents, each followed by ``eos_id``, into a :class:`PackedTokens`."""
+    parts: list[np.ndarray] = []
+    for d in docs:
+        parts.append(np.asarray(d, dtype=dtype))
+        parts.append(np.asarray([eos_id], dtype=dtype))
+    if not parts:
+        raise ValueError("pack_documents: no documents")
+    return PackedTokens(np.concatenate(parts), seq_len, eos_id, mask_cross_document)

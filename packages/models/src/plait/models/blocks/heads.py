@@ -1,0 +1,121 @@
+"""Token embedding, causal-LM head (fused linear cross-entropy) and hidden-state pooling."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from plait.kernels import linear_cross_entropy
+from plait.models._comm import all_reduce_backward
+
+__all__ = ["LMHead", "PoolingMethod", "TokenEmbedding", "pool_hidden_states"]
+
+PoolingMethod = Literal["last", "mean"]
+
+
+class TokenEmbedding(nn.Embedding):
+    """Token embedding (``nn.Embedding``; the tensor-parallel plan makes it vocab-parallel)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, padding_idx: int | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, padding_idx=padding_idx)
+
+    def reset_parameters(self, std: float = 1.0) -> None:  # type: ignore[override]
+        """Normal(0, std); the padding row (if any) is zeroed like Hugging Face's init."""
+        nn.init.normal_(self.weight, 0.0, std)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.padding_idx].zero_()
+
+
+class LMHead(nn.Linear):
+    """Causal-LM head ``[V, H]`` whose loss never materialises the logits.
+
+    :meth:`loss` calls ``plait.kernels.linear_cross_entropy`` (chunked / fused); :meth:`logits`
+    computes logits for inference. Under tensor parallelism the weight is a vocab-sharded DTensor
+    (``Shard(0)``) and the loss becomes a vocab-parallel cross-entropy over ``tp_group``.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.tp_group: dist.ProcessGroup | None = None
+
+    def _local_weight(self) -> torch.Tensor:
+        w = self.weight
+        return w.to_local() if isinstance(w, DTensor) else w
+
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        ignore_index: int = -100,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> torch.Tensor:
+        """Cross-entropy of ``hidden [..., H]`` against ``labels [...]`` (already aligned targets).
+
+        Args:
+            hidden: Final (normed) hidden states.
+            labels: Target token per position; ``ignore_index`` positions are skipped.
+            ignore_index: Label value to ignore.
+            reduction: ``mean`` over non-ignored tokens or ``sum``.
+        """
+        h = hidden.reshape(-1, hidden.shape[-1])
+        h = all_reduce_backward(h, self.tp_group)
+        return linear_cross_entropy(
+            h,
+            self._local_weight(),
+            labels.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            process_group=self.tp_group,
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[..., V]`` (gathered over the tensor-parallel group if sharded)."""
+        out = nn.functional.linear(hidden, self._local_weight())
+        if self.tp_group is not None:
+            parts = [torch.empty_like(out) for _ in range(dist.get_world_size(self.tp_group))]
+            dist.all_gather(parts, out.contiguous(), group=self.tp_group)
+            out = torch.cat(parts, dim=-1)
+        return out
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Same as :meth:`logits`."""
+        return self.logits(hidden)
+
+    def reset_parameters(self, std: float = 0.02) -> None:  # type: ignore[override]
+        """Normal(0, std)."""
+        nn.init.normal_(self.weight, 0.0, std)
+
+
+def pool_hidden_states(
+    hidden: torch.Tensor,
+    method: PoolingMethod = "last",
+    *,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pool ``hidden [B, S, H]`` into ``[B, H]`` for classification or embedding heads.
+
+    Args:
+        hidden: Hidden states.
+        method: ``last`` takes the right-most token whose mask is 1 (the last token if no mask);
+            ``mean`` averages the masked tokens.
+        attention_mask: ``[B, S]`` 1 for real tokens, 0 for padding.
+    """
+    b, s, _ = hidden.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(b, s, dtype=torch.long, device=hidden.device)
+    if tuple(attention_mask.shape) != (b, s):
+        raise ValueError(f"attention_mask must have shape {(b, s)}, got {tuple(attention_mask.shape)}")
+    mask = attention_mask.to(hidden.device)
+    if method == "last":
+        idx = (torch.arange(s, device=hidden.device) * (mask != 0)).argmax(-1)
+        return hidden[torch.arange(b, device=hidden.device), idx]
+    if method == "mean":
+        w = (mask != 0).to(hidden.dtype).unsqueeze(-1)
+        return (hidden * w).sum(1) / w.sum(1).clamp_min(1.0)
+    raise ValueError(f"pooling method must be 'last' or 'mean', got {method!r}")

@@ -1,0 +1,73 @@
+"""Router configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RouterConfig(BaseModel):
+    """How tokens pick experts and how the choice is kept balanced.
+
+    Attributes:
+        score_func: ``"softmax"`` (Qwen/Mixtral) or ``"sigmoid"`` (DeepSeek-V3); always computed in fp32.
+        top_k: Experts per token.
+        norm_topk_prob: Renormalise the k selected scores to sum to 1.
+        scaling_factor: Multiplies the (renormalised) top-k weights (DeepSeek's ``routed_scaling_factor``).
+        n_groups: Group-limited routing: number of expert groups (``None`` = off).
+        topk_groups: Groups kept per token before the expert top-k.
+        group_score: How a group is scored: its best expert (``"max"``, DeepSeek-V2) or the sum of its
+            two best (``"top2_sum"``, DeepSeek-V3).
+        aux_loss_coef: Switch-Transformer load-balancing loss coefficient (0 = off).
+        seq_aux_loss_coef: DeepSeek-V3 sequence-level balancing loss coefficient (0 = off).
+        z_loss_coef: ST-MoE router z-loss coefficient (0 = off).
+        bias_update_rate: Auxiliary-loss-free balancing: rate of the selection-only expert bias
+            update (``None`` = no bias).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    top_k: int = Field(ge=1)
+    norm_topk_prob: bool = False
+    scaling_factor: float = Field(default=1.0, gt=0.0)
+    n_groups: int | None = Field(default=None, ge=1)
+    topk_groups: int | None = Field(default=None, ge=1)
+    group_score: Literal["max", "top2_sum"] = "max"
+    aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    seq_aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    z_loss_coef: float = Field(default=0.0, ge=0.0)
+    bias_update_rate: float | None = Field(default=None, gt=0.0)
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> RouterConfig:
+        if (self.n_groups is None) != (self.topk_groups is None):
+            raise ValueError("RouterConfig: set both n_groups and topk_groups for group-limited routing, or neither")
+        if self.n_groups is not None and self.topk_groups is not None and self.topk_groups > self.n_groups:
+            raise ValueError(
+                f"RouterConfig.topk_groups ({self.topk_groups}) must be <= n_groups ({self.n_groups})"
+            )
+        return self
+
+    def validate_for(self, num_experts: int) -> None:
+        """Check this config against a number of experts.
+
+        Raises:
+            ValueError: naming the offending field.
+        """
+        if self.top_k > num_experts:
+            raise ValueError(f"RouterConfig.top_k ({self.top_k}) exceeds num_experts ({num_experts})")
+        if self.n_groups is not None and self.topk_groups is not None:
+            if num_experts % self.n_groups:
+                raise ValueError(
+                    f"RouterConfig.n_groups ({self.n_groups}) must divide num_experts ({num_experts})"
+                )
+            per_group = num_experts // self.n_groups
+            if self.top_k > self.topk_groups * per_group:
+                raise ValueError(
+                    f"RouterConfig.top_k ({self.top_k}) exceeds the experts in topk_groups "
+                    f"({self.topk_groups} groups x {per_group} experts)"
+                )
+            if self.group_score == "top2_sum" and per_group < 2:
+                raise ValueError("RouterConfig.group_score='top2_sum' needs at least 2 experts per group")

@@ -1,0 +1,58 @@
+"""Helpers that let merge/unmerge work on plain tensors and on FSDP2/TP DTensor parameters alike.
+
+Merging never all-gathers a base weight when it can avoid it: the adapter factors are small, so
+each rank gathers them, cuts out the rows/columns that match its own shard of the base weight
+(``Replicate -> Shard`` redistribution is a local chunk, no communication) and computes only its
+local slice of ``B @ A``. Placements this does not understand (``_StridedShard`` from FSDP+TP
+compositions) take the plain path: full delta, then the local chunk of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["full_tensor", "is_dtensor", "local_chunk", "local_view", "simple_placements"]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2 / tensor-parallel parameter)."""
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole logical tensor (a collective on DTensors: every rank must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor aliasing ``t``'s local storage, writable under ``torch.no_grad()``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def simple_placements(placements: Sequence[Placement]) -> bool:
+    """True if every placement is a plain ``Shard(d)`` or ``Replicate()``."""
+    return all(type(p) is Shard or type(p) is Replicate for p in placements)
+
+
+def local_chunk(full: torch.Tensor, like: DTensor, dim_map: Mapping[int, int] | None = None) -> torch.Tensor:
+    """This rank's chunk of ``full`` laid out like ``like``'s placements.
+
+    Args:
+        full: the same tensor on every rank.
+        like: DTensor whose mesh and placements define the chunking.
+        dim_map: maps ``like``'s sharded dims to ``full``'s dims (``Shard(d)`` on a dim missing from
+            the map becomes ``Replicate``). None: identical layout.
+    """
+    mesh = like.device_mesh
+    if dim_map is None:
+        placements: list[Placement] = list(like.placements)
+    else:
+        placements = [
+            Shard(dim_map[p.dim]) if type(p) is Shard and p.dim in dim_map else Replicate() for p in like.placements
+        ]
+    rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return rep.redistribute(mesh, placements).to_local()
