@@ -14,7 +14,7 @@ __all__ = ["triton_available", "use_triton"]
 def triton_available() -> bool:
     """True when triton imports (it is a hard dependency on Linux, absent elsewhere)."""
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception:
         return False

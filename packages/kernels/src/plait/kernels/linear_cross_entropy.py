@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-
 from plait.kernels._dispatch import use_triton
 from plait.kernels.grad_direction import _wants_inputs, _wants_weights
 
@@ -72,7 +71,12 @@ def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Te
 
 
 def _tile_stats_torch(
-    logits: torch.Tensor, local_t: torch.Tensor, m: torch.Tensor, s: torch.Tensor, tgt: torch.Tensor, softcap: float | None
+    logits: torch.Tensor,
+    local_t: torch.Tensor,
+    m: torch.Tensor,
+    s: torch.Tensor,
+    tgt: torch.Tensor,
+    softcap: float | None,
 ) -> None:
     z = logits.float()
     if softcap is not None:
@@ -114,7 +118,9 @@ def _tile_ops(triton: bool) -> tuple[Any, Any]:
     return _tile_stats_torch, _tile_grad_torch
 
 
-def _chunks(n_tokens: int, hidden: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None) -> tuple[int, int]:
+def _chunks(
+    n_tokens: int, hidden: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None
+) -> tuple[int, int]:
     # Defaults keep one [chunk, block] tile (input dtype) plus one fp32 [chunk, H] accumulator
     # around 48 MiB for 8k x 4k x 152k, while the matmuls stay large enough to run at full rate.
     vb = chunk_vocab or min(vocab, 4096)
@@ -147,7 +153,14 @@ class _LinearCE(torch.autograd.Function):
                 xc = hidden[a : a + nc]
                 for b in range(0, v, vb):
                     logits = xc @ weight[b : b + vb].T
-                    stats(logits, local_all[a : a + nc] - b, m[a : a + nc], s[a : a + nc], tgt[a : a + nc], softcap)
+                    stats(
+                        logits,
+                        local_all[a : a + nc] - b,
+                        m[a : a + nc],
+                        s[a : a + nc],
+                        tgt[a : a + nc],
+                        softcap,
+                    )
             if group is None:
                 lse = m + torch.log(s)
             else:
@@ -188,7 +201,14 @@ class _LinearCE(torch.autograd.Function):
                 for b in range(0, v, vb):
                     wb = weight[b : b + vb]
                     logits = xc @ wb.T
-                    d = grad(logits, local_all[a : a + nc] - b, lse[a : a + nc], g_p[a : a + nc], g_t[a : a + nc], softcap)
+                    d = grad(
+                        logits,
+                        local_all[a : a + nc] - b,
+                        lse[a : a + nc],
+                        g_p[a : a + nc],
+                        g_t[a : a + nc],
+                        softcap,
+                    )
                     if acc is not None:
                         acc += d @ wb
                     if dw is not None:
@@ -255,12 +275,16 @@ def linear_cross_entropy(
     if hidden.dtype != weight.dtype:
         raise ValueError(f"linear_cross_entropy: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        raise ValueError(
+            f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
+        )
     if softcap is not None and softcap <= 0:
         raise ValueError(f"linear_cross_entropy: softcap must be positive, got {softcap}")
     if backend == "cce":
         if z_loss or return_lse or process_group is not None:
-            raise ValueError("linear_cross_entropy: backend='cce' supports neither z_loss, return_lse nor process_group")
+            raise ValueError(
+                "linear_cross_entropy: backend='cce' supports neither z_loss, return_lse nor process_group"
+            )
         try:
             from cut_cross_entropy import linear_cross_entropy as _cce
         except ImportError as e:
@@ -269,7 +293,9 @@ def linear_cross_entropy(
             ) from e
         return _cce(hidden, weight, targets, ignore_index=ignore_index, softcap=softcap, reduction=reduction)
     if backend not in ("auto", "plait"):
-        raise ValueError(f"linear_cross_entropy: unknown backend {backend!r} (expected 'auto', 'plait' or 'cce')")
+        raise ValueError(
+            f"linear_cross_entropy: unknown backend {backend!r} (expected 'auto', 'plait' or 'cce')"
+        )
     nc, vb = _chunks(hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_tokens, chunk_vocab)
     triton = use_triton(hidden, weight)
     loss, lse, valid = _LinearCE.apply(

@@ -9,7 +9,6 @@ The weight gradient respects :func:`plait.kernels.grad_direction`.
 from __future__ import annotations
 
 import torch
-
 from plait.kernels._dispatch import use_triton
 from plait.kernels.grad_direction import _wants_inputs, _wants_weights
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plait.kernels._dispatch import use_triton
 
 __all__ = ["swiglu", "swiglu_fused", "swiglu_reference"]
 
 
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_reference(
+    gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """Plain-PyTorch SwiGLU (fp32 math, output in ``gate.dtype``); the CPU path and test baseline."""
     y = F.silu(gate.float()) * up.float()
     if row_weight is not None:
@@ -26,7 +27,9 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Ten
 
 def _check(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None) -> None:
     if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+        raise ValueError(
+            f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape"
+        )
     if gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate dtype {gate.dtype} != up dtype {up.dtype}")
     if gate.dim() < 1:

@@ -148,6 +148,8 @@ class MetricCollection:
 
         All ranks of the group must call it with the same metric names.
         """
+        if sync and dist.is_available() and dist.is_initialized():
+            self._union_names()
         states = {n: list(m._state) for n, m in self.metrics.items() if isinstance(m, Metric)}
         if sync and dist.is_available() and dist.is_initialized():
             states = self._reduce(states)
@@ -160,10 +162,24 @@ class MetricCollection:
                 out[n] = float(m.fn(*(out[i] for i in m.inputs)))
         return out
 
+    def _union_names(self) -> None:
+        # Ranks may have seen different metric names (e.g. only the last pipeline stage computes the
+        # loss's extra terms); every rank must reduce the same set, so add the missing ones empty.
+        mine = sorted((n, type(m).__name__) for n, m in self.metrics.items() if isinstance(m, Metric))
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        kinds = {"Mean": Mean, "Sum": Sum, "Min": Min, "Max": Max}
+        for names in gathered:
+            for n, kind in names:
+                if n not in self.metrics:
+                    self.metrics[n] = kinds.get(kind, Mean)()
+
     def _reduce(self, states: dict[str, list[float]]) -> dict[str, list[float]]:
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         backend = dist.get_backend(self.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
         for op_name, op in ops.items():
             names = sorted(n for n in states if self.metrics[n].op == op_name)  # type: ignore[union-attr]
             if not names:

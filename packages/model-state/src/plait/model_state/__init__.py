@@ -1,3 +1,95 @@
-"""plait.model_state: Streaming safetensors IO through declarative mapper graphs; usable from any framework (torch + safetensors only)."""
+"""plait.model_state: streaming safetensors IO through declarative mapper graphs.
 
-__all__: list[str] = []
+Depends on torch and safetensors only, so any framework can use its checkpoint mappers.
+"""
+
+from .dtensor import local_region, local_shard, to_dtensor
+from .errors import CheckpointFormatError, KeyMismatchError, MapperError, ModelStateError, SpecMismatchError
+from .mappers import (
+    AddPrefix,
+    Cast,
+    Chunk,
+    Concatenate,
+    Distribute,
+    Drop,
+    Gather,
+    Identity,
+    KeyReport,
+    KeyTemplate,
+    Mapper,
+    MapperGroup,
+    Parallel,
+    Plan,
+    Rename,
+    Reshape,
+    Scoped,
+    Select,
+    Sequential,
+    Shard,
+    Stack,
+    Transpose,
+    Unstack,
+    plan_groups,
+)
+from .module_io import (
+    LoadResult,
+    convert_checkpoint,
+    iter_groups,
+    load_module,
+    read_state,
+    save_module,
+    state_specs,
+)
+from .reader import INDEX_NAME, SINGLE_NAME, CheckpointReader
+from .specs import Region, TensorSpec
+from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, parse_size
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "AddPrefix",
+    "Cast",
+    "CheckpointFormatError",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "Chunk",
+    "Concatenate",
+    "Distribute",
+    "Drop",
+    "Gather",
+    "Identity",
+    "KeyMismatchError",
+    "KeyReport",
+    "KeyTemplate",
+    "LoadResult",
+    "Mapper",
+    "MapperError",
+    "MapperGroup",
+    "ModelStateError",
+    "Parallel",
+    "Plan",
+    "Region",
+    "Rename",
+    "Reshape",
+    "Scoped",
+    "Select",
+    "Sequential",
+    "Shard",
+    "SpecMismatchError",
+    "Stack",
+    "TensorSpec",
+    "Transpose",
+    "Unstack",
+    "convert_checkpoint",
+    "iter_groups",
+    "load_module",
+    "local_region",
+    "local_shard",
+    "parse_size",
+    "plan_groups",
+    "read_state",
+    "save_module",
+    "state_specs",
+    "to_dtensor",
+]

@@ -53,7 +53,9 @@ class RopeParameters(BaseModel):
         if self.rope_type in ("linear", "dynamic") and self.factor is None:
             raise ValueError(f"rope_parameters.factor is required for rope_type={self.rope_type!r}")
         if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
-            raise ValueError("rope_parameters.original_max_position_embeddings is required for rope_type='yarn'")
+            raise ValueError(
+                "rope_parameters.original_max_position_embeddings is required for rope_type='yarn'"
+            )
         return self
 
 

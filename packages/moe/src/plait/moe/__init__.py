@@ -1,3 +1,41 @@
 """plait.moe: Mixture-of-Experts: routers with load balancing, grouped experts, expert-parallel token dispatch."""
 
-__all__: list[str] = []
+from plait.moe.balancing import expert_load_stats, register_expert_bias_hook, update_expert_biases
+from plait.moe.capacity import apply_capacity, expert_capacity
+from plait.moe.config import RouterConfig
+from plait.moe.dispatch import (
+    AllToAllDispatcher,
+    DeepEPDispatcher,
+    LocalDispatcher,
+    TokenDispatcher,
+    all_to_all,
+)
+from plait.moe.experts import GroupedExperts, SharedExpert
+from plait.moe.layer import MoELayer, MoEOutput
+from plait.moe.losses import router_z_loss, seq_aux_loss, switch_aux_loss
+from plait.moe.parallel import expert_parallel
+from plait.moe.router import RouterOutput, TopKRouter
+
+__all__ = [
+    "AllToAllDispatcher",
+    "DeepEPDispatcher",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoELayer",
+    "MoEOutput",
+    "RouterConfig",
+    "RouterOutput",
+    "SharedExpert",
+    "TokenDispatcher",
+    "TopKRouter",
+    "all_to_all",
+    "apply_capacity",
+    "expert_capacity",
+    "expert_load_stats",
+    "expert_parallel",
+    "register_expert_bias_hook",
+    "router_z_loss",
+    "seq_aux_loss",
+    "switch_aux_loss",
+    "update_expert_biases",
+]

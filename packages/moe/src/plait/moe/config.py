@@ -43,7 +43,9 @@ class RouterConfig(BaseModel):
     @model_validator(mode="after")
     def _check_groups(self) -> RouterConfig:
         if (self.n_groups is None) != (self.topk_groups is None):
-            raise ValueError("RouterConfig: set both n_groups and topk_groups for group-limited routing, or neither")
+            raise ValueError(
+                "RouterConfig: set both n_groups and topk_groups for group-limited routing, or neither"
+            )
         if self.n_groups is not None and self.topk_groups is not None and self.topk_groups > self.n_groups:
             raise ValueError(
                 f"RouterConfig.topk_groups ({self.topk_groups}) must be <= n_groups ({self.n_groups})"

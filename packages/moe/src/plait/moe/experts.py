@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
-
 from plait.kernels import gmm, swiglu, swiglu_fused
+from torch import Tensor, nn
 
 
 def local_tensor(t: Tensor) -> Tensor:

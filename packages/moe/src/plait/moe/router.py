@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from plait.moe.config import RouterConfig
 from plait.moe.losses import (
     balancing_probs,
@@ -17,6 +15,7 @@ from plait.moe.losses import (
     seq_aux_loss,
     switch_aux_loss,
 )
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,8 @@ class TopKRouter(nn.Module):
     """
 
     expert_bias: Tensor | None
+    _bias_counts: Tensor
+    _stat_counts: Tensor
 
     def __init__(self, hidden_size: int, num_experts: int, config: RouterConfig) -> None:
         super().__init__()
@@ -199,5 +200,7 @@ def all_reduce_sum(t: Tensor, group: object) -> None:
     if isinstance(group, DeviceMesh):
         for dim in range(group.ndim):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.get_group(dim))
+    elif isinstance(group, dist.ProcessGroup):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     else:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)  # type: ignore[arg-type]
+        raise TypeError(f"group must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}")

@@ -1,3 +1,74 @@
-"""plait.peft: Parameter-efficient fine-tuning: LoRA/DoRA for linear layers and grouped experts, full-tune, method stacking, Hugging Face PEFT adapter IO."""
+"""plait.peft: parameter-efficient fine-tuning.
 
-__all__: list[str] = []
+LoRA/DoRA for ``nn.Linear``, per-expert LoRA for grouped-expert weights, full-tune by regex, method
+stacking (pydantic discriminated union), merge/unmerge (plain and DTensor parameters), adapter
+IO (safetensors) and Hugging Face PEFT adapter export/import.
+"""
+
+from plait.peft.apply import (
+    AdaptedModule,
+    PeftApplier,
+    PeftReport,
+    apply_peft,
+    canonical_name,
+    expert_adapters,
+    linear_adapters,
+    merge_and_unload,
+    merge_peft,
+    register_peft_method,
+    trainable_parameters,
+    unmerge_peft,
+)
+from plait.peft.config import (
+    DoRAConfig,
+    FullTuneConfig,
+    LoRAConfig,
+    LoRAInit,
+    PeftConfig,
+    PeftStackConfig,
+    Targets,
+    matches,
+)
+from plait.peft.experts import EXPERT_ADAPTERS_ATTR, ExpertLoRA, GroupedMM, grouped_mm
+from plait.peft.hf import export_hf_adapter, import_hf_adapter
+from plait.peft.io import load_adapter, read_adapter_config, save_adapter
+from plait.peft.lora import DoRALinear, LoRALinear
+from plait.peft.mappers import BaseKeyRename, adapter_keys, base_to_injected, load_base_checkpoint
+
+__all__ = [
+    "EXPERT_ADAPTERS_ATTR",
+    "AdaptedModule",
+    "BaseKeyRename",
+    "DoRAConfig",
+    "DoRALinear",
+    "ExpertLoRA",
+    "FullTuneConfig",
+    "GroupedMM",
+    "LoRAConfig",
+    "LoRAInit",
+    "LoRALinear",
+    "PeftApplier",
+    "PeftConfig",
+    "PeftReport",
+    "PeftStackConfig",
+    "Targets",
+    "adapter_keys",
+    "apply_peft",
+    "base_to_injected",
+    "canonical_name",
+    "expert_adapters",
+    "export_hf_adapter",
+    "grouped_mm",
+    "import_hf_adapter",
+    "linear_adapters",
+    "load_adapter",
+    "load_base_checkpoint",
+    "matches",
+    "merge_and_unload",
+    "merge_peft",
+    "read_adapter_config",
+    "register_peft_method",
+    "save_adapter",
+    "trainable_parameters",
+    "unmerge_peft",
+]

@@ -52,7 +52,8 @@ def local_chunk(full: torch.Tensor, like: DTensor, dim_map: Mapping[int, int] | 
         placements: list[Placement] = list(like.placements)
     else:
         placements = [
-            Shard(dim_map[p.dim]) if type(p) is Shard and p.dim in dim_map else Replicate() for p in like.placements
+            Shard(dim_map[p.dim]) if type(p) is Shard and p.dim in dim_map else Replicate()
+            for p in like.placements
         ]
     rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return rep.redistribute(mesh, placements).to_local()

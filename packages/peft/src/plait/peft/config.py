@@ -70,7 +70,9 @@ class _Frozen(BaseModel):
 
 class _LowRankFields(_Frozen):
     r: int = Field(8, gt=0, description="adapter rank")
-    alpha: float = Field(16.0, gt=0, description="scaling numerator: scaling = alpha / r (alpha / sqrt(r) with rsLoRA)")
+    alpha: float = Field(
+        16.0, gt=0, description="scaling numerator: scaling = alpha / r (alpha / sqrt(r) with rsLoRA)"
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
     use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     init: LoRAInit = "kaiming"

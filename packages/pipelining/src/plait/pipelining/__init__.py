@@ -1,3 +1,96 @@
-"""plait.pipelining: Pipeline-parallel schedule IR, program builders (GPipe to DualPipeV), validator, simulator and executor with split backward."""
+"""plait.pipelining: pipeline-parallel schedule IR, program builders (GPipe to DualPipeV), validator,
+simulator and executor with split backward."""
 
-__all__: list[str] = []
+from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction, parse_action
+from plait.pipelining.config import (
+    BaseScheduleConfig,
+    DualPipeVConfig,
+    GPipeConfig,
+    InferenceConfig,
+    Interleaved1F1BConfig,
+    LoopedBFSConfig,
+    OneFOneBConfig,
+    PipelineScheduleConfig,
+    ZB1PConfig,
+    ZBVConfig,
+    build_pipeline,
+    build_program,
+    parse_schedule_config,
+    register_schedule,
+    registered_schedules,
+)
+from plait.pipelining.executor import LossFn, OfflineExecutor, PipelineExecutor, StepResult
+from plait.pipelining.lowering import lower
+from plait.pipelining.program import Program, parse_program
+from plait.pipelining.schedules import (
+    build_1f1b,
+    build_dualpipev,
+    build_gpipe,
+    build_inference,
+    build_interleaved_1f1b,
+    build_looped_bfs,
+    build_zb1p,
+    build_zbv,
+)
+from plait.pipelining.simulator import ActionCosts, SimulationResult, TimelineEntry, simulate
+from plait.pipelining.split_backward import WeightGradWork, backward_input, backward_weight
+from plait.pipelining.state import MicrobatchView, PipelineState, Replicate, ShardSpec, Split, Stack
+from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+from plait.pipelining.validation import ProgramError, dry_run, validate
+
+__all__ = [
+    "Action",
+    "ActionCosts",
+    "ActionKind",
+    "AnyAction",
+    "BaseScheduleConfig",
+    "DualPipeVConfig",
+    "GPipeConfig",
+    "InferenceConfig",
+    "Interleaved1F1BConfig",
+    "LoopedBFSConfig",
+    "LossFn",
+    "MicrobatchView",
+    "OfflineExecutor",
+    "OneFOneBConfig",
+    "OverlapAction",
+    "PipelineExecutor",
+    "PipelineScheduleConfig",
+    "PipelineState",
+    "Program",
+    "ProgramError",
+    "Replicate",
+    "ShardSpec",
+    "SimulationResult",
+    "Split",
+    "Stack",
+    "StepResult",
+    "TimelineEntry",
+    "Topology",
+    "WeightGradWork",
+    "ZB1PConfig",
+    "ZBVConfig",
+    "backward_input",
+    "backward_weight",
+    "build_1f1b",
+    "build_dualpipev",
+    "build_gpipe",
+    "build_inference",
+    "build_interleaved_1f1b",
+    "build_looped_bfs",
+    "build_pipeline",
+    "build_program",
+    "build_zb1p",
+    "build_zbv",
+    "dry_run",
+    "loop_topology",
+    "lower",
+    "parse_action",
+    "parse_program",
+    "parse_schedule_config",
+    "register_schedule",
+    "registered_schedules",
+    "simulate",
+    "validate",
+    "vshape_topology",
+]

@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import pickle
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +68,9 @@ def run_distributed(
 
         n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n_gpus < world_size:
-            raise ValueError(f"backend='nccl' with world_size={world_size} needs {world_size} GPUs, found {n_gpus}")
+            raise ValueError(
+                f"backend='nccl' with world_size={world_size} needs {world_size} GPUs, found {n_gpus}"
+            )
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as e:
@@ -77,10 +78,7 @@ def run_distributed(
             f"run_distributed could not pickle {getattr(fn, '__qualname__', fn)!r} and its arguments: {e}. "
             "Define fn at module level (not a lambda or a nested function) and pass picklable arguments."
         ) from e
-    main_path = None
-    if getattr(fn, "__module__", None) == "__main__":
-        main_path = getattr(sys.modules["__main__"], "__file__", None)
-    return get_pool().run(payload, world_size, backend, float(timeout), main_path)
+    return get_pool().run(payload, world_size, backend, float(timeout))
 
 
 def shutdown_pool() -> None:

@@ -1,52 +1,47 @@
 """A warm pool of rank processes, kept alive across :func:`run_distributed` calls.
 
-One pool per Python process. It grows to the largest world size asked for; a call with ``n`` ranks
-uses workers ``0..n-1``. After a crash, a timeout or a rank that stays stuck after another rank
-failed, the whole pool is killed (its ranks may be blocked in collectives) and the next call
-starts a fresh one.
+One pool per Python process. Workers are forked from a multiprocessing *forkserver* that preloads
+torch and plait.dist_core once, so a new worker costs milliseconds instead of a torch import. The
+pool grows to the largest world size asked for; a call with ``n`` ranks uses workers ``0..n-1``.
+After a crash, a timeout, or a rank that stays stuck after another rank failed, the pool is killed
+(its ranks may be blocked in collectives) and the next call forks a fresh one.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
+import contextlib
+import multiprocessing
 import os
 import pickle
-import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener, wait
-from typing import IO, Any
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from typing import Any
 
+from plait.dist_core.testing import _worker
 from plait.dist_core.testing._protocol import Task, TaskResult
 from plait.dist_core.testing.errors import DistributedTestError
 
 # Seconds the other ranks get to finish after one rank failed, before they count as stuck.
 _GRACE_AFTER_FAILURE = 3.0
-_STARTUP_TIMEOUT = 120.0
 _OUTPUT_TAIL = 6000
-
-_BOOTSTRAP = (
-    "import json, os, sys; sys.path[:] = json.loads(os.environ['PLAIT_HARNESS_SYS_PATH']); "
-    "from plait.dist_core.testing._worker import main; main()"
-)
 
 
 @dataclass
 class _Worker:
-    process: subprocess.Popen[bytes]
+    process: Any  # multiprocessing.Process of the pool's context
     conn: Connection
     log_path: str
-    log_file: IO[bytes]
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return bool(self.process.is_alive())
 
     def log_size(self) -> int:
         try:
@@ -64,10 +59,23 @@ class _Worker:
         return text if len(text) <= _OUTPUT_TAIL else "...\n" + text[-_OUTPUT_TAIL:]
 
 
+class _SetupFailure(Exception):
+    """The ranks failed to form the process group; the call is retried once."""
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _context() -> BaseContext:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        # Only effective before the forkserver starts; harmless (just slower) if it already runs.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", _worker.__name__])
+        return ctx
+    return multiprocessing.get_context("spawn")
 
 
 class WorkerPool:
@@ -75,109 +83,76 @@ class WorkerPool:
 
     def __init__(self) -> None:
         self._workers: list[_Worker] = []
-        self._authkey = secrets.token_bytes(16)
-        self._listener: Listener | None = None
+        self._ctx: BaseContext | None = None
         self._log_dir: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._failure_deadline = 0.0
+        self.num_threads = int(os.environ.get("PLAIT_HARNESS_THREADS", "1"))
+
+    @property
+    def size(self) -> int:
+        """Number of live workers."""
+        return len(self._workers)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _ensure(self, n: int) -> None:
-        dead = [w for w in self._workers if not w.alive()]
-        if dead:
-            self.shutdown()
-        if len(self._workers) >= n:
-            return
-        if self._listener is None:
-            self._listener = Listener(authkey=self._authkey)
+        if any(not w.alive() for w in self._workers):
+            self._kill()
+        if self._ctx is None:
+            self._ctx = _context()
             self._log_dir = tempfile.mkdtemp(prefix="plait-harness-")
         assert self._log_dir is not None
-        env = dict(os.environ)
-        env.update(
-            PLAIT_HARNESS_ADDRESS=str(self._listener.address),
-            PLAIT_HARNESS_AUTHKEY=self._authkey.hex(),
-            PLAIT_HARNESS_SYS_PATH=json.dumps(sys.path),
-            PYTHONUNBUFFERED="1",
-        )
-        # Ranks share few cores: one intra-op thread each unless the caller set it.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        pending = []
         for i in range(len(self._workers), n):
-            log_path = os.path.join(self._log_dir, f"worker{i}.log")
-            log_file = open(log_path, "ab")  # noqa: SIM115 (lives as long as the worker)
-            process = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP], env=env, stdout=log_file, stderr=subprocess.STDOUT
+            parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+            log_path = os.path.join(self._log_dir, f"worker{i}-{time.monotonic_ns()}.log")
+            process = self._ctx.Process(  # type: ignore[attr-defined]
+                target=_worker.main,
+                args=(child_conn, log_path, self.num_threads),
+                name=f"plait-harness-{i}",
+                daemon=True,
             )
-            pending.append((process, log_path, log_file))
-        # Workers connect in any order; match them to their process by the pid they send first.
-        by_pid = {p.pid: (p, path, f) for p, path, f in pending}
-        deadline = time.monotonic() + _STARTUP_TIMEOUT
-        connected: dict[int, Connection] = {}
-        while len(connected) < len(pending):
-            conn = self._accept(deadline, pending)
-            pid = pickle.loads(conn.recv_bytes())
-            connected[pid] = conn
-        for p, path, f in pending:
-            self._workers.append(_Worker(p, connected[p.pid], path, f))
-        del by_pid
-
-    def _accept(self, deadline: float, pending: list[Any]) -> Connection:
-        assert self._listener is not None
-        # Listener.accept blocks without a timeout: poll the raw socket so a worker that dies at
-        # start-up (bad environment) is reported instead of hanging.
-        sock = self._listener._listener._socket  # type: ignore[attr-defined]
-        sock.settimeout(1.0)
-        while True:
-            try:
-                return self._listener.accept()
-            except (TimeoutError, socket.timeout):
-                for p, path, _ in pending:
-                    if p.poll() is not None:
-                        with open(path, "rb") as f:
-                            out = f.read().decode(errors="replace")[-_OUTPUT_TAIL:]
-                        self.shutdown()
-                        raise DistributedTestError(
-                            f"harness worker failed to start (exit code {p.returncode}):\n{out}"
-                        ) from None
-                if time.monotonic() > deadline:
-                    self.shutdown()
-                    raise DistributedTestError("harness workers did not start in time") from None
+            process.start()
+            child_conn.close()
+            self._workers.append(_Worker(process, parent_conn, log_path))
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and forget them."""
-        for w in self._workers:
-            try:
-                w.conn.send_bytes(pickle.dumps(None))
-            except OSError:
-                pass
-        deadline = time.monotonic() + 2.0
-        for w in self._workers:
-            try:
-                w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.process.kill()
-                w.process.wait()
-            w.conn.close()
-            w.log_file.close()
-        self._workers = []
+        with self._lock:
+            for w in self._workers:
+                with contextlib.suppress(OSError):
+                    w.conn.send_bytes(pickle.dumps(None))
+            deadline = time.monotonic() + 2.0
+            for w in self._workers:
+                w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+                if w.alive():
+                    w.process.kill()
+                    w.process.join()
+                w.conn.close()
+            self._workers = []
 
     def _kill(self) -> None:
         for w in self._workers:
             if w.alive():
                 w.process.kill()
         for w in self._workers:
-            w.process.wait()
+            w.process.join()
             w.conn.close()
-            w.log_file.close()
         self._workers = []
 
     # -- one call --------------------------------------------------------------------------------
-    def run(
-        self,
-        payload: bytes,
-        world_size: int,
-        backend: str,
-        timeout: float,
-        main_path: str | None,
+    def run(self, payload: bytes, world_size: int, backend: str, timeout: float) -> list[Any]:
+        """Send one task per rank to workers ``0..world_size-1`` and collect the results.
+
+        A rendezvous failure (e.g. another process took the chosen port) is retried once with a
+        fresh port; failures of ``fn`` itself are never retried.
+        """
+        try:
+            return self._run_once(payload, world_size, backend, timeout)
+        except _SetupFailure:
+            return self._run_once(payload, world_size, backend, timeout, retry=False)
+
+    def _run_once(
+        self, payload: bytes, world_size: int, backend: str, timeout: float, retry: bool = True
     ) -> list[Any]:
         with self._lock:
             self._ensure(world_size)
@@ -194,12 +169,13 @@ class WorkerPool:
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port),
                 }
-                task = Task(payload, env, list(sys.path), os.getcwd(), main_path, backend, timeout)
+                task = Task(payload, env, list(sys.path), os.getcwd(), backend, timeout)
                 w.conn.send_bytes(pickle.dumps(task))
-            return self._collect(workers, offsets, timeout)
+            return self._collect(workers, offsets, timeout, retry)
 
-    def _collect(self, workers: list[_Worker], offsets: list[int], timeout: float) -> list[Any]:
+    def _collect(self, workers: list[_Worker], offsets: list[int], timeout: float, retry: bool) -> list[Any]:
         results: dict[int, TaskResult] = {}
+        setup_failures: set[int] = set()
         failures: dict[int, str] = {}
         rank_of = {id(w.conn): r for r, w in enumerate(workers)}
         deadline = time.monotonic() + timeout
@@ -219,23 +195,29 @@ class WorkerPool:
                         result: TaskResult = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
                     except (EOFError, OSError):
                         w = workers[rank]
-                        code = w.process.wait()
+                        w.process.join(timeout=5.0)
                         failures[rank] = (
-                            f"rank process died (exit code {code}); its output:\n{w.output_since(offsets[rank])}"
+                            f"rank process died (exit code {w.process.exitcode}); its output:\n"
+                            f"{w.output_since(offsets[rank])}"
                         )
-                        self._failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE
-                        continue
-                    if result.ok:
-                        results[rank] = result
                     else:
+                        if result.ok:
+                            results[rank] = result
+                            continue
                         failures[rank] = result.error
-                        if len(failures) == 1:
-                            self._failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE
+                        if result.during_setup:
+                            setup_failures.add(rank)
+                    if len(failures) == 1:
+                        self._failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE
         except BaseException:
             self._kill()
             raise
 
         stuck = [r for r in range(len(workers)) if r not in results and r not in failures]
+        if retry and failures and set(failures) == setup_failures:
+            if stuck or any(not w.alive() for w in workers):
+                self._kill()
+            raise _SetupFailure
         if stuck:
             stacks = self._dump_stacks(workers, stuck, offsets)
             self._kill()
@@ -253,10 +235,10 @@ class WorkerPool:
         if failures:
             if any(not w.alive() for w in workers):
                 self._kill()
-            raise DistributedTestError(_format_failures(failures, workers, offsets), failed_ranks=sorted(failures))
+            raise DistributedTestError(
+                _format_failures(failures, workers, offsets), failed_ranks=sorted(failures)
+            )
         return [pickle.loads(results[r].payload) for r in range(len(workers))]
-
-    _failure_deadline: float = 0.0
 
     @staticmethod
     def _dump_stacks(workers: list[_Worker], ranks: list[int], offsets: list[int]) -> str:

@@ -13,7 +13,6 @@ class Task:
     env: dict[str, str]  # RANK, WORLD_SIZE, LOCAL_RANK, ... as torchrun sets them
     sys_path: list[str]  # the caller's sys.path, so test modules import in the worker
     cwd: str
-    main_path: str | None  # the caller's __main__ script when fn is defined there
     backend: str
     timeout: float
 
@@ -25,3 +24,4 @@ class TaskResult:
     ok: bool
     payload: bytes = b""
     error: str = ""
+    during_setup: bool = False  # failed while joining the process group

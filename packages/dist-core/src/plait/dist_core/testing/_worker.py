@@ -1,9 +1,10 @@
 """Rank process of the distributed test harness (started by :mod:`plait.dist_core.testing._pool`).
 
-A worker imports torch once, connects back to the harness, then loops: receive a task, set the
-torchrun environment variables, initialise the default process group, run the function, tear the
-group down and send back the result or the formatted traceback. It exits when the harness closes
-the connection (so workers never outlive the test session).
+Workers are forked from a multiprocessing forkserver that has already imported this module (and so
+torch), so starting one costs milliseconds. A worker loops: receive a task, set the torchrun
+environment variables, initialise the default process group, run the function, tear the group down
+and send back the result or the formatted traceback. It exits when the harness closes the
+connection (so workers never outlive the test session).
 """
 
 from __future__ import annotations
@@ -11,34 +12,17 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
-import runpy
 import signal
 import sys
 import traceback
-import types
 from datetime import timedelta
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
-
 from plait.dist_core.testing._protocol import Task, TaskResult
-
-_MAIN_MODULES: dict[str, types.ModuleType] = {}
-
-
-def _load_parent_main(path: str) -> None:
-    """Make the parent's ``__main__`` script importable so that functions defined in it unpickle."""
-    module = _MAIN_MODULES.get(path)
-    if module is None:
-        # Same trick as multiprocessing's spawn: run the script under a name that skips its
-        # ``if __name__ == "__main__":`` block.
-        module = types.ModuleType("__mp_main__")
-        module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
-        _MAIN_MODULES[path] = module
-    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+from torch.utils._pytree import tree_map
 
 
 def _to_cpu(value: Any) -> Any:
@@ -49,14 +33,14 @@ def _to_cpu(value: Any) -> Any:
 def _run_task(task: Task) -> TaskResult:
     saved_env = dict(os.environ)
     saved_dtype = torch.get_default_dtype()
+    setup = False
     try:
         os.environ.update(task.env)
         sys.path[:] = task.sys_path
         if task.cwd and os.path.isdir(task.cwd):
             os.chdir(task.cwd)
-        if task.main_path is not None:
-            _load_parent_main(task.main_path)
         fn, args, kwargs = pickle.loads(task.payload)
+        setup = True
         if task.backend == "nccl" or "cuda" in task.backend:
             torch.cuda.set_device(int(task.env["LOCAL_RANK"]))
         dist.init_process_group(
@@ -66,6 +50,7 @@ def _run_task(task: Task) -> TaskResult:
             world_size=int(task.env["WORLD_SIZE"]),
             timeout=timedelta(seconds=task.timeout),
         )
+        setup = False
         try:
             value = _to_cpu(fn(*args, **kwargs))
         finally:
@@ -76,7 +61,7 @@ def _run_task(task: Task) -> TaskResult:
         except Exception:
             return TaskResult(ok=False, error="return value is not picklable:\n" + traceback.format_exc())
     except BaseException:
-        return TaskResult(ok=False, error=traceback.format_exc())
+        return TaskResult(ok=False, error=traceback.format_exc(), during_setup=setup)
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
@@ -85,16 +70,18 @@ def _run_task(task: Task) -> TaskResult:
         sys.stderr.flush()
 
 
-def main() -> None:
-    """Connect to the harness and serve tasks until the connection closes."""
+def main(conn: Connection, log_path: str, num_threads: int) -> None:
+    """Serve tasks from ``conn`` until it closes; stdout and stderr go to ``log_path``."""
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
     if hasattr(signal, "SIGUSR1"):
         # The harness sends SIGUSR1 to a rank that hangs: all thread stacks go to the rank's log.
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    torch.set_num_threads(int(os.environ.get("PLAIT_HARNESS_THREADS", "1")))
-    address = os.environ["PLAIT_HARNESS_ADDRESS"]
-    authkey = bytes.fromhex(os.environ["PLAIT_HARNESS_AUTHKEY"])
-    conn: Connection = Client(address, authkey=authkey)
-    conn.send_bytes(pickle.dumps(os.getpid()))
+    torch.set_num_threads(num_threads)
     while True:
         try:
             message = conn.recv_bytes()
@@ -108,7 +95,3 @@ def main() -> None:
             conn.send_bytes(pickle.dumps(result))
         except (EOFError, OSError):
             return
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from plait.kernels.grad_direction import _wants_inputs, _wants_weights
 
 

@@ -80,8 +80,11 @@ class _SwiGLU(torch.autograd.Function):
                 HAS_W=wf is not None, BLOCK=block, num_warps=_warps(block),
             )  # fmt: skip
         ctx.save_for_backward(a, b if not fused else None, wf)
-        ctx.fused, ctx.n, ctx.w_shape, ctx.w_dtype = fused, n, (w.shape if w is not None else None), (
-            w.dtype if w is not None else None
+        ctx.fused, ctx.n, ctx.w_shape, ctx.w_dtype = (
+            fused,
+            n,
+            (w.shape if w is not None else None),
+            (w.dtype if w is not None else None),
         )
         return y
 
@@ -122,6 +125,8 @@ class _SwiGLU(torch.autograd.Function):
         return dga, dgb, dw, None
 
 
-def swiglu_triton(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, fused: bool) -> torch.Tensor:
+def swiglu_triton(
+    a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, fused: bool
+) -> torch.Tensor:
     """Triton SwiGLU; ``fused`` means ``a`` is ``[..., 2I]`` and ``b`` is unused."""
     return _SwiGLU.apply(a, b, w, fused)

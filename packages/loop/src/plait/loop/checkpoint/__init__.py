@@ -1,6 +1,6 @@
 """Async, atomic, resumable checkpoints of the whole training state (DCP underneath)."""
 
-from plait.loop.checkpoint.checkpointer import AsyncMode, CheckpointMismatchError, Checkpointer
+from plait.loop.checkpoint.checkpointer import AsyncMode, Checkpointer, CheckpointMismatchError
 from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState, ValueState
 

@@ -26,13 +26,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
 from plait.loop.checkpoint import _layout
 from plait.loop.checkpoint.state import RngState
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,9 @@ class Checkpointer:
         return box[0]
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], *, blocking: bool = False, meta: dict | None = None) -> None:
+    def save(
+        self, step: int, state: dict[str, Any], *, blocking: bool = False, meta: dict | None = None
+    ) -> None:
         """Start saving ``state`` (a dict of Stateful objects and values) as checkpoint ``step``.
 
         The previous save is finalised first. With ``blocking`` (or ``async_mode="off"``) the
@@ -145,7 +146,11 @@ class Checkpointer:
             _layout.remove(path)
             path.mkdir(parents=True, exist_ok=True)
         self._barrier()
-        self._meta = {"step": step, "world_size": dist.get_world_size(self.pg) if _initialised() else 1, **(meta or {})}
+        self._meta = {
+            "step": step,
+            "world_size": dist.get_world_size(self.pg) if _initialised() else 1,
+            **(meta or {}),
+        }
         if self.async_mode == "off" or blocking:
             dcp.save(state, checkpoint_id=str(path), planner=self._planner, process_group=self.pg)
             self._pending = _Pending(step, path, None, t0)
@@ -183,7 +188,9 @@ class Checkpointer:
         final = _layout.final_dir(self.root, pending.step)
         if self.rank == 0:
             marker = pending.path / _layout.MARKER
-            marker.write_text(json.dumps({**self._meta, "saved_s": round(time.perf_counter() - pending.started, 3)}))
+            marker.write_text(
+                json.dumps({**self._meta, "saved_s": round(time.perf_counter() - pending.started, 3)})
+            )
             _fsync(marker)
             _layout.remove(final)
             os.replace(pending.path, final)
@@ -236,31 +243,50 @@ class Checkpointer:
         state = dict(state)
         for key, value in list(state.items()):
             if isinstance(value, RngState) and not any(k.startswith(f"{key}.rank{self.rank}") for k in saved):
-                log.warning("checkpoint %s has no RNG state for rank %d (saved with world size %s); "
-                            "keeping this rank's current RNG", path, self.rank, meta.get("world_size"))
+                log.warning(
+                    "checkpoint %s has no RNG state for rank %d (saved with world size %s); "
+                    "keeping this rank's current RNG",
+                    path,
+                    self.rank,
+                    meta.get("world_size"),
+                )
                 del state[key]
-        self._verify(path, saved, _flatten(state), strict=strict, rank_keyed=[k for k, v in state.items()
-                                                                            if isinstance(v, RngState)])
+        self._verify(
+            path,
+            saved,
+            _flatten(state),
+            strict=strict,
+            rank_keyed=[k for k, v in state.items() if isinstance(v, RngState)],
+        )
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
         return meta
 
-    def _verify(self, path: Path, saved: dict, expected: dict[str, Any], *, strict: bool, rank_keyed: list[str]) -> None:
+    def _verify(
+        self, path: Path, saved: dict, expected: dict[str, Any], *, strict: bool, rank_keyed: list[str]
+    ) -> None:
         problems = []
         missing = sorted(k for k in expected if k not in saved)
         if missing:
             problems.append(f"missing in checkpoint: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
         for key, value in expected.items():
             md = saved.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata):
-                if tuple(md.size) != tuple(value.shape):
-                    problems.append(f"{key}: checkpoint shape {tuple(md.size)} != current {tuple(value.shape)}")
+            if (
+                isinstance(value, torch.Tensor)
+                and isinstance(md, TensorStorageMetadata)
+                and tuple(md.size) != tuple(value.shape)
+            ):
+                problems.append(f"{key}: checkpoint shape {tuple(md.size)} != current {tuple(value.shape)}")
         if strict:
             own = tuple(f"{k}." for k in rank_keyed)
             unexpected = sorted(k for k in saved if k not in expected and not k.startswith(own))
             if unexpected:
-                problems.append(f"not in the current state: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+                problems.append(
+                    f"not in the current state: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+                )
         if problems:
-            raise CheckpointMismatchError(f"checkpoint {path} does not match the training state:\n  " + "\n  ".join(problems))
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not match the training state:\n  " + "\n  ".join(problems)
+            )
 
 
 def _fsync(path: Path) -> None:

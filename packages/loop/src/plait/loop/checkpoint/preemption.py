@@ -22,8 +22,12 @@ class PreemptionHandler:
     process after ``grace_period_s`` if the final save has not let it exit by then.
     """
 
-    def __init__(self, grace_period_s: float = 120.0, process_group: dist.ProcessGroup | None = None,
-                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def __init__(
+        self,
+        grace_period_s: float = 120.0,
+        process_group: dist.ProcessGroup | None = None,
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
         self.grace_period_s = grace_period_s
         self.pg = process_group
         self.received: int | None = None
@@ -33,8 +37,11 @@ class PreemptionHandler:
         if self.received is not None:  # a second signal: stop waiting
             os._exit(128 + signum)
         self.received = signum
-        log.warning("received %s: finishing this step, saving, exiting within %.0f s",
-                    signal.Signals(signum).name, self.grace_period_s)
+        log.warning(
+            "received %s: finishing this step, saving, exiting within %.0f s",
+            signal.Signals(signum).name,
+            self.grace_period_s,
+        )
         timer = threading.Timer(self.grace_period_s, os._exit, args=(128 + signum,))
         timer.daemon = True
         timer.start()

@@ -35,7 +35,9 @@ class ModelState:
             sd = get_model_state_dict(part)
             clash = merged.keys() & sd.keys()
             if clash:
-                raise ValueError(f"model parts share parameter names {sorted(clash)[:5]}; give stages unique FQNs")
+                raise ValueError(
+                    f"model parts share parameter names {sorted(clash)[:5]}; give stages unique FQNs"
+                )
             merged.update(sd)
         return merged
 

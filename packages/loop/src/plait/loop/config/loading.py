@@ -8,9 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
-
 from plait.loop.config.trainer_config import TrainerConfig
+from pydantic import BaseModel, ValidationError
 
 __all__ = [
     "ConfigError",
@@ -90,23 +89,35 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), _parse_value(value)
 
 
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with dotted overrides applied (lists are indexed by integers)."""
+def apply_overrides(
+    data: dict[str, Any], overrides: Sequence[str], defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Return a copy of ``data`` with dotted overrides applied (lists are indexed by integers).
+
+    ``defaults`` (the dumped config without overrides) supplies lists that ``data`` does not spell
+    out, so ``--logging.trackers.0.kind=console`` edits the default tracker list.
+    """
     out = json.loads(json.dumps(data))  # deep copy of plain data
     for item in overrides:
         path, value = parse_override(item)
         node: Any = out
+        dnode: Any = defaults or {}
         for i, part in enumerate(path[:-1]):
             if isinstance(node, list):
                 idx = _index(part, node, item)
                 node = node[idx]
+                dnode = dnode[idx] if isinstance(dnode, list) and idx < len(dnode) else {}
                 continue
             nxt = node.get(part)
+            dnext = dnode.get(part) if isinstance(dnode, dict) else None
             if nxt is None:
-                nxt = {}
+                # Copy a default list only when the override indexes into it.
+                is_index = path[i + 1].lstrip("-").isdigit()
+                nxt = json.loads(json.dumps(dnext)) if is_index and isinstance(dnext, list) else {}
                 node[part] = nxt
             elif not isinstance(nxt, dict | list):
                 raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is a value, not a section")
+            dnode = dnext
             node = nxt
         last = path[-1]
         if isinstance(node, list):
@@ -134,7 +145,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
         loc = ".".join(parts)
         value = e.get("input")
         shown = repr(value) if not isinstance(value, dict) else "{...}"
-        lines.append(f"  {loc or '<root>'}: {e['msg']} (got {shown})")
+        if loc:
+            lines.append(f"  {loc}: {e['msg']} (got {shown})")
+        else:  # a cross-field check: its message names the fields itself
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
 
 
@@ -162,7 +176,11 @@ def load_config(
         data = _merge(data, read_config_file(path))
         source = str(path)
     if overrides:
-        data = apply_overrides(data, overrides)
+        try:
+            defaults: dict[str, Any] | None = cls.model_validate(data).model_dump(mode="json")
+        except ValidationError:
+            defaults = None
+        data = apply_overrides(data, overrides, defaults)
         source += " + overrides " + " ".join(overrides)
     try:
         return cls.model_validate(data)
@@ -189,7 +207,9 @@ def split_cli_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return overrides, rest
 
 
-def config_json_schema(cls: type[BaseModel] = TrainerConfig, path: str | Path | None = None) -> dict[str, Any]:
+def config_json_schema(
+    cls: type[BaseModel] = TrainerConfig, path: str | Path | None = None
+) -> dict[str, Any]:
     """The config's JSON schema (written to ``path`` when given)."""
     schema = cls.model_json_schema()
     if path is not None:

@@ -6,7 +6,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-
 __all__ = [
     "AdamWConfig",
     "BatchingConfig",
@@ -193,7 +192,6 @@ class DeterminismConfig(_Section):
 
     deterministic_algorithms: bool = False
     nonfinite_loss: Literal["raise", "skip"] = "raise"
-    max_skipped_steps: int | None = Field(None, ge=0, description="Raise once more steps than this were skipped.")
-
-
-
+    max_skipped_steps: int | None = Field(
+        None, ge=0, description="Raise once more steps than this were skipped."
+    )

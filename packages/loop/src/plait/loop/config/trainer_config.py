@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from plait.loop.config._mesh import DeviceMeshParameters
 from plait.loop.config.sections import (
     AdamWConfig,
@@ -22,6 +20,7 @@ from plait.loop.config.sections import (
     TimeoutConfig,
 )
 from plait.loop.optim.schedules import LRScheduleConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["PipelineConfig", "TrainerConfig", "dp_size_of"]
 

@@ -25,7 +25,11 @@ class PadCollator:
     """
 
     def __init__(
-        self, pad_id: int = 0, ignore_index: int = -100, pad_to_multiple_of: int = 1, max_length: int | None = None
+        self,
+        pad_id: int = 0,
+        ignore_index: int = -100,
+        pad_to_multiple_of: int = 1,
+        max_length: int | None = None,
     ) -> None:
         self.pad_values = {"input_ids": pad_id, "labels": ignore_index, "position_ids": 0, "document_ids": -1}
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -47,7 +51,9 @@ class PadCollator:
             t = torch.full((len(v), length), self.pad_values.get(k, 0), dtype=torch.long)
             for i, r in enumerate(v):
                 if len(r) != lengths[i]:
-                    raise ValueError(f"PadCollator: sample {i} has {len(r)} {k!r} but {lengths[i]} {keys[0]!r}")
+                    raise ValueError(
+                        f"PadCollator: sample {i} has {len(r)} {k!r} but {lengths[i]} {keys[0]!r}"
+                    )
                 t[i, : len(r)] = r
             out[k] = t
         if len(set(lengths)) > 1 or length != lengths[0]:

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-
 from plait.loop.data.collate import PadCollator
 from plait.loop.data.sampler import GlobalBatchPlan
 
@@ -165,6 +164,8 @@ class DistributedDataLoader:
             ("global_batch_size", self.global_batch_size),
         ):
             if key in state and int(state[key]) != mine:
-                raise ValueError(f"data loader state: {key}={state[key]} was saved, but this loader has {key}={mine}")
+                raise ValueError(
+                    f"data loader state: {key}={state[key]} was saved, but this loader has {key}={mine}"
+                )
         self.batches_consumed = int(state["batches_consumed"])
         self._it = None

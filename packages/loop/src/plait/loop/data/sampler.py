@@ -64,7 +64,9 @@ class GlobalBatchPlan:
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         g = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(self.num_samples, generator=g) if self.shuffle else torch.arange(self.num_samples)
+        order = (
+            torch.randperm(self.num_samples, generator=g) if self.shuffle else torch.arange(self.num_samples)
+        )
         order = order[: self.batches_per_epoch * self.global_batch_size]
         gb = self.global_batch_size
         if self.lengths is not None and self.bucket_buffer_batches > 1:
@@ -90,6 +92,8 @@ class GlobalBatchPlan:
     def rank_slice(self, index: int, dp_rank: int, dp_size: int) -> list[int]:
         """The contiguous share of global batch ``index`` that data-parallel rank ``dp_rank`` reads."""
         if self.global_batch_size % dp_size:
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by dp size {dp_size}")
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by dp size {dp_size}"
+            )
         per = self.global_batch_size // dp_size
         return self.global_batch(index)[dp_rank * per : (dp_rank + 1) * per]

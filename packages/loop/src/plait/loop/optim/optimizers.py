@@ -9,9 +9,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
-
 from plait.loop.config.sections import AdamWConfig, OptimizerConfig, SGDConfig, StochasticAdamWConfig
+from torch import nn
 
 __all__ = ["build_optimizer", "param_groups", "wants_no_decay"]
 
@@ -32,7 +31,7 @@ def wants_no_decay(module: nn.Module, param_name: str, param: torch.Tensor) -> b
     """
     if param.ndim <= 1 or param_name.endswith("bias"):
         return True
-    if isinstance(module, _NORM_TYPES | nn.Embedding):
+    if isinstance(module, (*_NORM_TYPES, nn.Embedding)):
         return True
     cls = type(module).__name__.lower()
     return "norm" in cls or "embed" in cls or "embed" in param_name.lower()
@@ -72,7 +71,9 @@ def _fused_ok(params: Iterable[torch.Tensor]) -> bool:
     return all(p.device.type not in ("cpu", "meta") and p.is_floating_point() for p in params)
 
 
-def build_optimizer(config: OptimizerConfig, modules: nn.Module | Sequence[nn.Module]) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: OptimizerConfig, modules: nn.Module | Sequence[nn.Module]
+) -> torch.optim.Optimizer:
     """The optimizer described by ``config`` over ``modules``' trainable parameters.
 
     Raises:
@@ -85,7 +86,12 @@ def build_optimizer(config: OptimizerConfig, modules: nn.Module | Sequence[nn.Mo
         flat = [p for g in groups for p in g["params"]]
         fused = _fused_ok(flat) if config.fused is None else config.fused
         return torch.optim.AdamW(
-            groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, fused=fused
+            groups,
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            fused=fused,
         )
     if isinstance(config, StochasticAdamWConfig):
         from plait.kernels import StochasticAdamW

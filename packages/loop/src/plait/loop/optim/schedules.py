@@ -43,7 +43,9 @@ class LRSegment(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> LRSegment:
         if self.kind == "exponential" and (self.end <= 0 or (self.start is not None and self.start <= 0)):
-            raise ValueError(f"an exponential segment needs start and end > 0, got start={self.start}, end={self.end}")
+            raise ValueError(
+                f"an exponential segment needs start and end > 0, got start={self.start}, end={self.end}"
+            )
         return self
 
 
@@ -63,7 +65,9 @@ class LRScheduleConfig(BaseModel):
             raise ValueError("lr_schedule.segments must not be empty")
         open_ended = [i for i, s in enumerate(self.segments) if s.duration is None]
         if len(open_ended) > 1:
-            raise ValueError(f"lr_schedule.segments: only one segment may leave duration out, got {open_ended}")
+            raise ValueError(
+                f"lr_schedule.segments: only one segment may leave duration out, got {open_ended}"
+            )
         return self
 
     def resolve(self, total_steps: int) -> list[tuple[int, int, LRSegment, float]]:
@@ -73,7 +77,9 @@ class LRScheduleConfig(BaseModel):
             ValueError: when the fixed durations exceed ``total_steps``.
         """
         fixed = [
-            0 if s.duration is None else (s.duration if isinstance(s.duration, int) else round(s.duration * total_steps))
+            0
+            if s.duration is None
+            else (s.duration if isinstance(s.duration, int) else round(s.duration * total_steps))
             for s in self.segments
         ]
         used = sum(fixed)
@@ -124,24 +130,29 @@ class PiecewiseLR:
     Call :meth:`step` after each optimizer step. The multiplier for step 0 is applied at construction.
 
     Args:
-        optimizer: the optimizer whose groups it drives (``initial_lr`` is recorded per group).
+        optimizer: the optimizer(s) whose groups it drives (``initial_lr`` is recorded per group).
         config: the schedule.
         total_steps: the run's length, which fractional durations refer to.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: LRScheduleConfig, total_steps: int) -> None:
-        self.optimizer = optimizer
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        config: LRScheduleConfig,
+        total_steps: int,
+    ) -> None:
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         self.config = config
         self.total_steps = total_steps
         self._resolved = config.resolve(total_steps)
-        for group in optimizer.param_groups:
-            group.setdefault("initial_lr", group["lr"])
+        for group in self._groups():
+            group.setdefault("initial_lr", float(group["lr"]))
         self.last_step = 0
         self._apply()
 
     def _apply(self) -> None:
         m = _multiplier(self._resolved, self.last_step)
-        for group in self.optimizer.param_groups:
+        for group in self._groups():
             lr = group["initial_lr"] * m
             # Keep a tensor lr a tensor (fused/capturable optimizers).
             if isinstance(group["lr"], torch.Tensor):
@@ -156,7 +167,10 @@ class PiecewiseLR:
 
     def get_last_lr(self) -> list[float]:
         """The LR of every param group now."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+        return [float(g["lr"]) for g in self._groups()]
+
+    def _groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         """``{"last_step": int}``: the schedule is a pure function of the step."""

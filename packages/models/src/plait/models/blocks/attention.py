@@ -15,10 +15,9 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from plait.models.blocks.norm import RMSNorm
 from plait.models.blocks.rope import apply_rotary
+from torch import nn
 
 __all__ = [
     "AttentionMask",
@@ -67,7 +66,9 @@ class AttentionMask:
 def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, packed: bool) -> Backend:
     if requested == "flash":
         if not flash_attn_available():
-            raise ImportError("attn_implementation='flash' needs the 'flash-attn' package (pip install flash-attn)")
+            raise ImportError(
+                "attn_implementation='flash' needs the 'flash-attn' package (pip install flash-attn)"
+            )
         return "flash"
     if requested in ("sdpa", "flex"):
         return requested  # type: ignore[return-value]
@@ -157,7 +158,9 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float) -> torch.Tensor:
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
+) -> torch.Tensor:
     """q, k, v: ``[B, S, heads, D]``; returns ``[B, S, heads, D]``."""
     flash_attn = importlib.import_module("flash_attn")
     if mask.cu_seqlens is None:
@@ -191,7 +194,9 @@ def attention(
     if mask.backend == "flex" and mask.block_mask is not None:
         out = _flex(qt, kt, vt, mask.block_mask, scale)
     elif mask.dense_mask is not None:
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.dense_mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask.dense_mask, scale=scale, enable_gqa=gqa
+        )
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)

@@ -6,11 +6,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from plait.kernels import linear_cross_entropy
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-from plait.kernels import linear_cross_entropy
-from plait.models._comm import all_reduce_backward
 
 __all__ = ["LMHead", "PoolingMethod", "TokenEmbedding", "pool_hidden_states"]
 
@@ -63,8 +61,8 @@ class LMHead(nn.Linear):
             ignore_index: Label value to ignore.
             reduction: ``mean`` over non-ignored tokens or ``sum``.
         """
+        # With tp_group the kernel combines the vocab shards and all-reduces the hidden gradient.
         h = hidden.reshape(-1, hidden.shape[-1])
-        h = all_reduce_backward(h, self.tp_group)
         return linear_cross_entropy(
             h,
             self._local_weight(),

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from plait.kernels import swiglu
+from torch import nn
 
 __all__ = ["SwiGLUMLP"]
 

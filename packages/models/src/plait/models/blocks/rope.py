@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from plait.models.config import RopeParameters
+from torch import nn
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
 
@@ -76,7 +75,9 @@ def rope_inv_freq(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1
+    )
     pos_freqs = base ** (torch.arange(0, dim, 2, device=device).to(torch.float) / dim)
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation

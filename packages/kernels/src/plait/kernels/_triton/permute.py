@@ -1,0 +1,102 @@
+"""Triton row movement for MoE permute / unpermute: pure gathers, no atomics (deterministic)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_rows(x_ptr, src_ptr, w_ptr, out_ptr, n_cols, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    s = tl.load(src_ptr + row)
+    v = tl.load(x_ptr + s * n_cols + cols, mask=mask & ((cols * 0 + s) >= 0), other=0.0)
+    if HAS_W:
+        v = (v.to(tl.float32) * tl.load(w_ptr + row)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n_cols + cols, v, mask=mask)
+
+
+@triton.jit
+def _combine_rows(x_ptr, dst_ptr, w_ptr, out_ptr, n_cols, k, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, k):
+        d = tl.load(dst_ptr + t * k + j)
+        v = tl.load(x_ptr + d * n_cols + cols, mask=mask & ((cols * 0 + d) >= 0), other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + t * k + j)
+        acc += v
+    tl.store(out_ptr + t * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_dots(dy_ptr, x_ptr, dst_ptr, out_ptr, n_cols, k, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    d = tl.load(dst_ptr + t * k + j)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, n_cols, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        mask = (cols < n_cols) & ((cols * 0 + d) >= 0)
+        a = tl.load(dy_ptr + t * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + d * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += a * b
+    tl.store(out_ptr + t * k + j, tl.sum(acc, axis=0))
+
+
+def _block(n: int) -> int:
+    return min(2048, triton.next_power_of_2(max(n, 16)))
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+def gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
+    """``out[m] = x[src[m]] * w_rows[m]`` (``0`` where ``src[m] < 0``)."""
+    x = x.contiguous()
+    m, h = src.shape[0], x.shape[1]
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    if m and h:
+        b = _block(h)
+        _gather_rows[(m, triton.cdiv(h, b))](
+            x,
+            src,
+            w_rows if w_rows is not None else x,
+            out,
+            h,
+            HAS_W=w_rows is not None,
+            BLOCK=b,
+            num_warps=_warps(b),
+        )
+    return out
+
+
+def combine_rows(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * x[dst[t, j]]`` over used slots, fp32 accumulation."""
+    t, k = dst.shape
+    h = x.shape[1]
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t and h:
+        b = _block(h)
+        wc = w.contiguous() if w is not None else None
+        _combine_rows[(t, triton.cdiv(h, b))](
+            x, dst.contiguous(), wc if wc is not None else x, out, h, k,
+            HAS_W=wc is not None, BLOCK=b, num_warps=_warps(b),
+        )  # fmt: skip
+    return out
+
+
+def row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``out[t, j] = <dy[t], x[dst[t, j]]>`` in fp32 (0 for unused slots)."""
+    t, k = dst.shape
+    out = torch.zeros((t, k), dtype=torch.float32, device=dy.device)
+    if t and k:
+        b = _block(dy.shape[1])
+        _row_dots[(t, k)](dy, x, dst.contiguous(), out, dy.shape[1], k, BLOCK=b, num_warps=_warps(b))
+    return out

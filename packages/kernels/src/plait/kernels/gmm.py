@@ -1,0 +1,200 @@
+"""Grouped GEMM for MoE experts: ``y[rows of e] = x[rows of e] @ w[e]``.
+
+Backends:
+
+* ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper+ for bf16; PyTorch >= 2.15
+  also runs it on CPU). The default on CUDA when its fast path applies.
+* ``"nv"``: nv-grouped-gemm (``pip install 'plait-kernels[gmm]'``), imported lazily.
+* ``"loop"``: one matmul per expert; works for every dtype/device (the CPU default).
+
+All backends share one autograd Function whose backward honours
+:func:`plait.kernels.grad_direction`: the inputs pass computes only ``dx``, the weights pass only
+``dw``. Experts with zero tokens get a zero weight gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from plait.kernels.grad_direction import _wants_inputs, _wants_weights
+
+__all__ = ["gmm", "gmm_reference"]
+
+Backend = Literal["auto", "torch", "nv", "loop"]
+
+
+def gmm_reference(
+    x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, trans_w: bool = False
+) -> torch.Tensor:
+    """Loop-over-experts reference (plain autograd)."""
+    outs = []
+    start = 0
+    for e, cnt in enumerate(tokens_per_expert.tolist()):
+        we = w[e].T if trans_w else w[e]
+        outs.append(x[start : start + cnt] @ we)
+        start += cnt
+    n = w.shape[1] if trans_w else w.shape[2]
+    return torch.cat(outs) if outs else x.new_zeros((0, n))
+
+
+# --- primitives: y = x @ w_e (w [E,K,N]), or x @ w_e^T (w [E,N,K]); dw for each layout -------------
+
+
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], trans_b: bool) -> torch.Tensor:
+    n = b.shape[1] if trans_b else b.shape[2]
+    out = a.new_empty((a.shape[0], n))
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt:
+            torch.mm(a[start : start + cnt], b[e].T if trans_b else b[e], out=out[start : start + cnt])
+        start += cnt
+    return out
+
+
+def _loop_dw(x: torch.Tensor, dy: torch.Tensor, counts: list[int], trans_w: bool) -> torch.Tensor:
+    e_, k, n = len(counts), x.shape[1], dy.shape[1]
+    dw = x.new_zeros((e_, n, k) if trans_w else (e_, k, n))
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt:
+            xs, ds = x[start : start + cnt], dy[start : start + cnt]
+            torch.mm(ds.T, xs, out=dw[e]) if trans_w else torch.mm(xs.T, ds, out=dw[e])
+        start += cnt
+    return dw
+
+
+def _offsets(tpe: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.cumsum(tpe.to(device=device), 0).to(torch.int32)
+
+
+def _torch_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, trans_b: bool) -> torch.Tensor:
+    return torch._grouped_mm(a, b.transpose(-2, -1) if trans_b else b, offs=offs)
+
+
+def _torch_dw(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, trans_w: bool) -> torch.Tensor:
+    # The "2d x 2d" grouped_mm form groups along K: one [K, N] product per expert.
+    if trans_w:
+        return torch._grouped_mm(dy.T, x, offs=offs)
+    return torch._grouped_mm(x.T, dy, offs=offs)
+
+
+def _nv():  # type: ignore[no-untyped-def]
+    try:
+        from grouped_gemm import backend as nv_backend
+    except ImportError as e:
+        raise ImportError("gmm(backend='nv') needs nv-grouped-gemm: pip install 'plait-kernels[gmm]'") from e
+    return nv_backend
+
+
+class _GMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, tpe, trans_w, backend):  # type: ignore[override]
+        if backend == "torch":
+            offs = _offsets(tpe, x.device)
+            y = _torch_mm(x, w, offs, trans_w)
+            ctx.aux = offs
+        elif backend == "nv":
+            sizes = tpe.to("cpu", torch.int64)
+            y = _nv().gmm(x, w, sizes, trans_a=False, trans_b=trans_w)
+            ctx.aux = sizes
+        else:
+            counts = [int(c) for c in tpe.tolist()]
+            y = _loop_mm(x, w, counts, trans_w)
+            ctx.aux = counts
+        ctx.save_for_backward(x, w)
+        ctx.trans_w, ctx.backend = trans_w, backend
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        trans_w, backend, aux = ctx.trans_w, ctx.backend, ctx.aux
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0] and _wants_inputs():
+            # dx = dy @ w_e^T: the opposite transpose of the forward.
+            if backend == "torch":
+                dx = _torch_mm(dy, w, aux, not trans_w)
+            elif backend == "nv":
+                dx = _nv().gmm(dy, w, aux, trans_a=False, trans_b=not trans_w)
+            else:
+                dx = _loop_mm(dy, w, aux, not trans_w)
+        if ctx.needs_input_grad[1] and _wants_weights():
+            if backend == "torch":
+                dw = _torch_dw(x, dy, aux, trans_w)
+                # Empty groups are not guaranteed to be written by every grouped-GEMM build.
+                empty = torch.diff(aux, prepend=aux.new_zeros(1)) == 0
+                dw = dw.masked_fill(empty[:, None, None], 0)
+            elif backend == "nv":
+                nv = _nv()
+                dw = nv.gmm(dy, x, aux, trans_a=True) if trans_w else nv.gmm(x, dy, aux, trans_a=True)
+            else:
+                dw = _loop_dw(x, dy, aux, trans_w)
+        return dx, dw, None, None, None
+
+
+def _torch_fast_path(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    # CUTLASS path: bf16 operands, 16-byte aligned rows (multiples of 8 bf16 elements).
+    return (
+        x.dtype == w.dtype == torch.bfloat16
+        and x.shape[1] % 8 == 0
+        and w.shape[1] % 8 == 0
+        and w.shape[2] % 8 == 0
+    )
+
+
+def gmm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    trans_w: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Grouped matmul over experts.
+
+    Args:
+        x: ``[M, K]``, rows grouped contiguously by expert (expert 0's rows first).
+        w: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_w=True`` (the ``nn.Linear`` layout).
+        tokens_per_expert: ``[E]`` integer row counts summing to ``M`` (zeros allowed).
+        trans_w: whether ``w`` is stored ``[E, N, K]``.
+        backend: ``"auto"`` (``torch._grouped_mm`` on Hopper+ bf16 with 16-byte-aligned dims, else
+            ``"loop"``), ``"torch"``, ``"nv"`` (extra ``plait-kernels[gmm]``) or ``"loop"``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(
+            f"gmm: x must be [M, K] and w [E, K, N] / [E, N, K]; got {tuple(x.shape)}, {tuple(w.shape)}"
+        )
+    k = w.shape[2] if trans_w else w.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"gmm: x has K={x.shape[1]} but w {tuple(w.shape)} (trans_w={trans_w}) has K={k}")
+    if tokens_per_expert.dim() != 1 or tokens_per_expert.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"gmm: tokens_per_expert {tuple(tokens_per_expert.shape)} must be [{w.shape[0]}] (one count per expert)"
+        )
+    if tokens_per_expert.dtype.is_floating_point:
+        raise ValueError(f"gmm: tokens_per_expert must be an integer tensor, got {tokens_per_expert.dtype}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"gmm: x dtype {x.dtype} != w dtype {w.dtype}")
+    if backend == "auto":
+        backend = "torch" if _torch_fast_path(x, w) else "loop"
+    if backend == "nv":
+        _nv()
+    elif backend == "torch" and not hasattr(torch, "_grouped_mm"):
+        raise RuntimeError(
+            f"gmm(backend='torch') needs torch._grouped_mm (torch {torch.__version__} lacks it)"
+        )
+    elif backend not in ("torch", "loop"):
+        raise ValueError(f"gmm: unknown backend {backend!r} (expected 'auto', 'torch', 'nv' or 'loop')")
+    if backend == "loop" and not tokens_per_expert.is_cuda and int(tokens_per_expert.sum()) != x.shape[0]:
+        raise ValueError(
+            f"gmm: tokens_per_expert sums to {int(tokens_per_expert.sum())} but x has {x.shape[0]} rows"
+        )
+    return _GMM.apply(x, w, tokens_per_expert, trans_w, backend)

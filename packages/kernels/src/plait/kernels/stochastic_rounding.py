@@ -1,0 +1,191 @@
+"""Stochastic rounding fp32 -> bf16 and :class:`StochasticAdamW`, AdamW for bf16 parameters.
+
+Rounding a value to bf16 stochastically (up with probability proportional to the distance from the
+lower neighbour) is unbiased: ``E[round(x)] == x``. That keeps tiny AdamW updates, which
+round-to-nearest would drop entirely on bf16 weights, alive in expectation; bf16 weights then track
+an fp32-master-weight run without storing fp32 masters.
+
+Implementation: add 16 random bits to the fp32 bit pattern and truncate to the top 16 bits (the
+bf16 value). Random bits come from a generator owned by the optimizer; the Triton kernel turns one
+seed per tensor per step into Philox streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from plait.kernels._dispatch import use_triton
+from torch.optim import Optimizer
+
+__all__ = ["StochasticAdamW", "stochastic_round"]
+
+_SEED_MAX = 2**31 - 1
+
+
+def _random_bits(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.randint(0, 1 << 16, shape, dtype=torch.int32, device=device, generator=g)
+
+
+def _round_bits_torch(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    i = x.float().contiguous().view(torch.int32)
+    i = (i + bits) & -65536  # keep the top 16 bits: sign, exponent, 7 mantissa bits
+    return (i >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round a float tensor to bf16 stochastically (unbiased).
+
+    Args:
+        x: tensor of any float dtype (upcast to fp32 first).
+        generator: CPU ``torch.Generator`` drawing the per-call seed (default: the global one).
+
+    Returns:
+        bf16 tensor of ``x.shape``.
+    """
+    seed = int(torch.randint(0, _SEED_MAX, (1,), generator=generator).item())
+    xf = x.float().contiguous()
+    if use_triton(xf):
+        from plait.kernels._triton.stochastic_rounding import stochastic_round_triton
+
+        return stochastic_round_triton(xf, seed)
+    return _round_bits_torch(xf, _random_bits(xf.shape, seed, xf.device))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # DTensor parameters (FSDP2, TP): update the local shard in place.
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _adamw_torch(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, b1: float, b2: float,
+    eps: float, wd: float, bc1: float, bc2: float, seed: int,
+) -> None:  # fmt: skip
+    gf = g.float()
+    mf = m.float().mul_(b1).add_(gf, alpha=1 - b1)
+    vf = v.float().mul_(b2).addcmul_(gf, gf, value=1 - b2)
+    pf = p.float().mul_(1 - lr * wd)
+    pf.addcdiv_(mf / bc1, (vf / bc2).sqrt_().add_(eps), value=-lr)
+    gen = torch.Generator(device=p.device)
+    gen.manual_seed(seed)
+
+    def store(dst: torch.Tensor, val: torch.Tensor) -> None:
+        if dst.dtype == torch.bfloat16:
+            bits = torch.randint(0, 1 << 16, val.shape, dtype=torch.int32, device=val.device, generator=gen)
+            dst.copy_(_round_bits_torch(val, bits))
+        else:
+            dst.copy_(val)
+
+    store(p, pf)
+    store(m, mf)
+    store(v, vf)
+
+
+class StochasticAdamW(Optimizer):
+    """AdamW whose bf16 parameters (and optional bf16 moments) are written with stochastic rounding.
+
+    Decoupled weight decay (``p -= lr * wd * p``) and bias correction as in ``torch.optim.AdamW``.
+    fp32 parameters are updated exactly (no rounding needed). On CUDA one fused Triton kernel per
+    parameter reads ``p, g, m, v`` once and writes ``p, m, v`` once.
+
+    Randomness: the optimizer owns a CPU ``torch.Generator`` seeded with ``seed``; each step draws
+    one seed per parameter from it. Give every data-parallel replica the same ``seed`` and their
+    replicated parameters stay bit-identical. The generator state is part of ``state_dict()``
+    (key ``"rng_state"``) so resuming continues the same random stream.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: denominator epsilon.
+        weight_decay: decoupled weight decay coefficient.
+        moment_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` for ``exp_avg``/``exp_avg_sq``.
+        seed: generator seed; ``None`` draws one from torch's global generator (differs per process
+            unless seeded the same way).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        moment_dtype: torch.dtype = torch.float32,
+        seed: int | None = None,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"StochasticAdamW: invalid lr {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"StochasticAdamW: invalid betas {betas}")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"StochasticAdamW: invalid eps {eps} / weight_decay {weight_decay}")
+        if moment_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"StochasticAdamW: moment_dtype must be float32 or bfloat16, got {moment_dtype}")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "moment_dtype": moment_dtype,
+        }
+        super().__init__(params, defaults)
+        if seed is None:
+            seed = int(torch.randint(0, _SEED_MAX, (1,)).item())
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["rng_state"] = self.generator.get_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        rng = state_dict.pop("rng_state", None)
+        super().load_state_dict(state_dict)
+        if rng is not None:
+            self.generator.set_state(rng)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("StochasticAdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    md = group["moment_dtype"]
+                    state["exp_avg"] = torch.zeros_like(p, dtype=md, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=md, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = float(state["step"])
+                pl, gl = _local(p), _local(p.grad)
+                ml, vl = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                seed = int(torch.randint(0, _SEED_MAX, (1,), generator=self.generator).item())
+                kw = {
+                    "lr": float(group["lr"]), "b1": float(b1), "b2": float(b2), "eps": float(group["eps"]),
+                    "wd": float(group["weight_decay"]), "bc1": 1 - b1**t, "bc2": 1 - b2**t, "seed": seed,
+                }  # fmt: skip
+                if pl.numel() == 0:
+                    continue
+                if use_triton(pl, gl, ml, vl) and pl.is_contiguous() and gl.is_contiguous():
+                    from plait.kernels._triton.stochastic_rounding import adamw_triton
+
+                    adamw_triton(pl, gl, ml, vl, **kw)
+                else:
+                    _adamw_torch(pl, gl, ml, vl, **kw)
+        return loss

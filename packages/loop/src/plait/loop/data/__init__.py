@@ -1,0 +1,23 @@
+"""Data: a stateful distributed loader, packing, collation, readers and tokenizers."""
+
+from plait.loop.data.collate import PadCollator
+from plait.loop.data.loader import DistributedDataLoader
+from plait.loop.data.packing import PackedTokens, pack_documents
+from plait.loop.data.readers import read_hf_texts, read_jsonl_texts, read_token_file, write_token_file
+from plait.loop.data.sampler import GlobalBatchPlan
+from plait.loop.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "DistributedDataLoader",
+    "GlobalBatchPlan",
+    "HFTokenizer",
+    "PackedTokens",
+    "PadCollator",
+    "Tokenizer",
+    "pack_documents",
+    "read_hf_texts",
+    "read_jsonl_texts",
+    "read_token_file",
+    "write_token_file",
+]

@@ -1,0 +1,82 @@
+"""This rank's place in the batch domain (pp, dp, cp, tp), read from a distributed context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks, sizes and process groups the loop needs.
+
+    Attributes:
+        rank / world_size: global.
+        dp_rank / dp_size / dp_group: the batch domain's data-parallel dimension (data shards).
+        pp_rank / pp_size / pp_group: the pipeline dimension.
+        cp_size: context-parallel size (the sequence is split inside the model).
+        coords / sizes: every batch-mesh dimension's coordinate and size (for log prefixes).
+        groups: every process group of the mesh (for collective timeouts).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: Any = None
+    cp_size: int = 1
+    coords: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    groups: tuple[Any, ...] = ()
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0 (the rank that writes logs and trackers)."""
+        return self.rank == 0
+
+    @classmethod
+    def from_context(cls, ctx: Any) -> Topology:
+        """From a ``plait.dist_core.DistributedContext`` (its ``batch`` mesh: pp, dp, cp, tp)."""
+        mesh = ctx.mesh_for("batch")
+        names = tuple(mesh.mesh_dim_names or ())
+        coord = mesh.get_coordinate() or [0] * len(names)
+        coords = {n: int(c) for n, c in zip(names, coord)}
+        sizes = {n: int(mesh[n].size()) for n in names}
+        groups = {n: (mesh[n].get_group() if sizes[n] > 1 else None) for n in names}
+        return cls(
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            dp_rank=coords.get("dp", 0),
+            dp_size=sizes.get("dp", 1),
+            dp_group=groups.get("dp"),
+            pp_rank=coords.get("pp", 0),
+            pp_size=sizes.get("pp", 1),
+            pp_group=groups.get("pp"),
+            cp_size=sizes.get("cp", 1),
+            coords=coords,
+            sizes=sizes,
+            groups=tuple(g for g in groups.values() if g is not None),
+        )
+
+    @classmethod
+    def data_parallel(cls) -> Topology:
+        """Pure data parallelism over the default group (or a single process when not distributed)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return cls(
+            rank=rank,
+            world_size=world,
+            dp_rank=rank,
+            dp_size=world,
+            dp_group=dist.group.WORLD if world > 1 else None,
+            coords={"dp": rank},
+            sizes={"dp": world},
+        )

@@ -1,0 +1,27 @@
+"""Experiment tracking, throughput/MFU and memory statistics."""
+
+from plait.loop.tracking.throughput import ThroughputMeter, device_memory_stats, peak_flops_for
+from plait.loop.tracking.trackers import (
+    AimTracker,
+    ConsoleTracker,
+    JSONLTracker,
+    TensorBoardTracker,
+    Tracker,
+    WandbTracker,
+    build_tracker,
+    register_tracker,
+)
+
+__all__ = [
+    "AimTracker",
+    "ConsoleTracker",
+    "JSONLTracker",
+    "TensorBoardTracker",
+    "ThroughputMeter",
+    "Tracker",
+    "WandbTracker",
+    "build_tracker",
+    "device_memory_stats",
+    "peak_flops_for",
+    "register_tracker",
+]

@@ -1,0 +1,41 @@
+"""Declarative checkpoint mappers: each declares its dependency groups before any byte is read."""
+
+from .base import PASS_THROUGH, GroupFn, KeyReport, Mapper, MapperGroup, Plan, Slicer, plan_groups, rekey
+from .chunk import Chunk, Concatenate
+from .composite import Parallel, Sequential, Shard
+from .distribute import Distribute, Gather
+from .keys import AddPrefix, Drop, Identity, Rename, Scoped, Select
+from .stack import Stack, Unstack
+from .templates import KeyTemplate
+from .tensor_ops import Cast, Reshape, Transpose
+
+__all__ = [
+    "PASS_THROUGH",
+    "AddPrefix",
+    "Cast",
+    "Chunk",
+    "Concatenate",
+    "Distribute",
+    "Drop",
+    "Gather",
+    "GroupFn",
+    "Identity",
+    "KeyReport",
+    "KeyTemplate",
+    "Mapper",
+    "MapperGroup",
+    "Parallel",
+    "Plan",
+    "Rename",
+    "Reshape",
+    "Scoped",
+    "Select",
+    "Sequential",
+    "Shard",
+    "Slicer",
+    "Stack",
+    "Transpose",
+    "Unstack",
+    "plan_groups",
+    "rekey",
+]

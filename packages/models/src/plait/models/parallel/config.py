@@ -1,0 +1,59 @@
+"""Parallelisation settings for plait models."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ActivationCheckpointing", "ParallelConfig"]
+
+
+class ActivationCheckpointing(BaseModel):
+    """Activation checkpointing of decoder layers.
+
+    Attributes:
+        mode: ``none``; ``full`` (recompute the whole layer in backward); ``selective`` (recompute
+            the layer but keep the outputs of the ops in ``save_ops``).
+        every: Checkpoint every k-th layer (by global layer index: layers with ``idx % every == 0``).
+        save_ops: ``selective`` only: ATen op names whose outputs are saved instead of recomputed
+            (default: matmuls and attention, the expensive ops).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["none", "full", "selective"] = "none"
+    every: int = Field(default=1, ge=1)
+    save_ops: tuple[str, ...] = (
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+    )
+
+
+class ParallelConfig(BaseModel):
+    """How :func:`plait.models.parallelize` distributes a model.
+
+    Attributes:
+        data_parallel: ``fsdp`` shards parameters over the dense mesh's ``dp_cp_shard`` dim and
+            replicates over ``dp_replicate`` (HSDP when both > 1; plain replication when only
+            ``dp_replicate`` > 1); ``none`` leaves gradient synchronisation to the caller.
+        reshard_after_forward: FSDP2 ``reshard_after_forward`` (None: FSDP's default).
+        param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
+        reduce_dtype: FSDP gradient reduction dtype.
+        activation_checkpointing: Checkpointing policy for decoder layers.
+        compile: ``torch.compile`` each decoder layer (in place; parameter names unchanged).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data_parallel: Literal["fsdp", "none"] = "fsdp"
+    reshard_after_forward: bool | None = None
+    param_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
+    compile: bool = False

@@ -1,0 +1,212 @@
+"""Parallel plans for Qwen3 / Qwen3-MoE stages: TP, EP, FSDP2/HSDP, activation checkpointing, compile.
+
+Order matters and follows torchtitan: tensor parallel first (parameters become DTensors on the
+``tp`` mesh), then expert parallel (expert weights ``Shard(0)`` over ``ep_shard``), activation
+checkpointing and compile (in place, parameter names unchanged), and FSDP2 last (per decoder
+layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from plait.models.parallel.checkpointing import apply_activation_checkpointing
+from plait.models.parallel.config import ParallelConfig
+from plait.models.qwen3.model import Qwen3ForCausalLM, _Qwen3Stage
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+__all__ = ["apply_expert_parallel", "apply_fsdp", "apply_tensor_parallel", "parallelize"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _dim_size(mesh: DeviceMesh | None, name: str) -> int:
+    if mesh is None or mesh.mesh_dim_names is None or name not in mesh.mesh_dim_names:
+        return 1
+    return int(mesh[name].size())
+
+
+def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism over ``tp_mesh`` (1-D).
+
+    Attention: q/k/v column-parallel (heads split), o row-parallel; q/k RMSNorm weights stay
+    replicated with their gradients summed over ``tp``. Dense MLPs: gate/up column-parallel, down
+    row-parallel. Embedding: vocab-parallel (row-wise, masked lookup + all-reduce). LM head:
+    vocab-sharded weight with a vocab-parallel cross-entropy. MoE blocks are not tensor-parallel
+    (they run replicated over ``tp``; shard them with expert parallelism).
+
+    Raises:
+        ValueError: if heads, KV heads, intermediate or vocab sizes are not divisible by ``tp``.
+    """
+    cfg = model.config
+    tp = tp_mesh.size()
+    for name, value in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("num_key_value_heads", cfg.kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("vocab_size", cfg.vocab_size),
+    ):
+        if value % tp:
+            raise ValueError(f"tensor parallel size {tp} does not divide config.{name}={value}")
+    group = tp_mesh.get_group()
+    for layer in model.decoder_layers():
+        plan: dict[str, Any] = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+        }
+        if not layer.is_moe:
+            plan.update(
+                {
+                    "mlp.gate_proj": ColwiseParallel(),
+                    "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel(),
+                }
+            )
+        parallelize_module(layer, tp_mesh, plan)
+        layer.self_attn.q_norm.grad_reduce_group = group
+        layer.self_attn.k_norm.grad_reduce_group = group
+    if model.model.embed_tokens is not None:
+        parallelize_module(
+            model.model.embed_tokens,
+            tp_mesh,
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True),
+        )
+    if isinstance(model, Qwen3ForCausalLM) and model.lm_head is not None:
+        head = model.lm_head
+        if cfg.tie_word_embeddings and model.model.embed_tokens is not None:
+            model.tie_weights()
+        else:
+            head.weight = nn.Parameter(distribute_tensor(head.weight.data, tp_mesh, [Shard(0)]))
+        head.tp_group = group
+
+
+def apply_expert_parallel(model: _Qwen3Stage, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``."""
+    from plait.moe import expert_parallel
+
+    for moe in model.moe_layers():
+        expert_parallel(moe, ep_mesh)
+
+
+def _expert_params(model: _Qwen3Stage) -> list[nn.Parameter]:
+    out: list[nn.Parameter] = []
+    for moe in model.moe_layers():
+        experts = getattr(moe, "experts", None)
+        if experts is not None:
+            out.extend(experts.parameters())
+    return out
+
+
+def apply_fsdp(
+    model: _Qwen3Stage,
+    dp_mesh: DeviceMesh,
+    *,
+    experts_sharded: bool = False,
+    expert_dp_mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """FSDP2 per decoder layer and on the root, over ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
+
+    With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
+    ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
+    get their own ``fully_shard`` so their gradients are reduced over the expert replicas.
+    """
+    kwargs: dict[str, Any] = {}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = reshard_after_forward
+    ignored_all: set[nn.Parameter] = set()
+    for layer in model.decoder_layers():
+        ignored: set[nn.Parameter] = set()
+        if layer.is_moe and experts_sharded:
+            experts = layer.mlp.experts
+            if expert_dp_mesh is not None:
+                fully_shard(experts, mesh=expert_dp_mesh, **kwargs)
+            else:
+                ignored = set(experts.parameters())
+                ignored_all |= ignored
+        fully_shard(layer, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
+    fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
+
+
+def parallelize(
+    model: _Qwen3Stage,
+    *,
+    dense_mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    config: ParallelConfig | None = None,
+    context: Any = None,
+) -> _Qwen3Stage:
+    """Apply TP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
+
+    Pass either the meshes or a ``plait.dist_core.DistributedContext`` (``context``), whose
+    ``mesh_for("dense")`` (dims ``pp, dp_replicate, dp_cp_shard, cp_replicate, tp``) and
+    ``mesh_for("expert")`` (dims ``pp, ep_replicate, ep_shard``) are used. Dims of size 1 are
+    skipped. Call on the meta-device model before ``to_empty`` + ``reset_parameters`` (or before
+    loading a checkpoint).
+
+    Args:
+        model: A :class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification` stage.
+        dense_mesh: Mesh of the dense domain.
+        expert_mesh: Mesh of the expert domain.
+        config: Parallel settings (default: FSDP, no checkpointing, no compile).
+        context: A DistributedContext (alternative to the meshes).
+
+    Returns:
+        The same module.
+    """
+    config = config or ParallelConfig()
+    if context is not None:
+        dense_mesh = dense_mesh or context.mesh_for("dense")
+        expert_mesh = expert_mesh or context.mesh_for("expert")
+        regular = context.mesh_for("regular")
+        if _dim_size(regular, "cp_shard") > 1 or _dim_size(regular, "cp_replicate") > 1:
+            raise NotImplementedError("context parallelism is not implemented for plait's Qwen3 models")
+    if _dim_size(dense_mesh, "tp") > 1:
+        assert dense_mesh is not None
+        apply_tensor_parallel(model, dense_mesh["tp"])
+    experts_sharded = _dim_size(expert_mesh, "ep_shard") > 1 and bool(model.moe_layers())
+    if experts_sharded:
+        assert expert_mesh is not None
+        apply_expert_parallel(model, expert_mesh["ep_shard"])
+    layers = {layer.layer_idx: layer for layer in model.decoder_layers()}
+    apply_activation_checkpointing(dict(layers), config.activation_checkpointing)
+    if config.compile:
+        for layer in layers.values():
+            layer.compile()
+    dp = _dim_size(dense_mesh, "dp_replicate") * _dim_size(dense_mesh, "dp_cp_shard")
+    if config.data_parallel == "fsdp" and dp > 1:
+        assert dense_mesh is not None
+        if _dim_size(dense_mesh, "dp_replicate") > 1:
+            # HSDP; with dp_cp_shard of size 1 this is plain replication (DDP semantics).
+            dp_mesh = dense_mesh["dp_replicate", "dp_cp_shard"]
+        else:
+            dp_mesh = dense_mesh["dp_cp_shard"]
+        mp = None
+        if config.param_dtype or config.reduce_dtype:
+            mp = MixedPrecisionPolicy(
+                param_dtype=_DTYPES[config.param_dtype] if config.param_dtype else None,
+                reduce_dtype=_DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
+            )
+        ep_rep = None
+        if experts_sharded and _dim_size(expert_mesh, "ep_replicate") > 1:
+            assert expert_mesh is not None
+            ep_rep = expert_mesh["ep_replicate"]
+        apply_fsdp(
+            model,
+            dp_mesh,
+            experts_sharded=experts_sharded,
+            expert_dp_mesh=ep_rep,
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=mp,
+        )
+    return model

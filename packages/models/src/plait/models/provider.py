@@ -1,0 +1,94 @@
+"""A model provider for training loops (satisfies ``plait.loop.ModelProvider`` structurally)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from plait.models.config import Qwen3Config
+from plait.models.flops import flops_per_token
+from plait.models.hf.io import load_hf_checkpoint, save_hf_checkpoint
+from plait.models.parallel.config import ParallelConfig
+from plait.models.parallel.plan import parallelize
+from plait.models.qwen3.model import Qwen3ForCausalLM
+from torch import nn
+
+__all__ = ["Qwen3Provider"]
+
+
+class Qwen3Provider:
+    """Builds, parallelises, initialises and (optionally) loads Qwen3 / Qwen3-MoE causal-LM stages.
+
+    Args:
+        config: Model config (:class:`Qwen3Config` or :class:`Qwen3MoeConfig`).
+        parallel: Parallel plan settings (FSDP/HSDP, checkpointing, compile).
+        init_from: Optional Hugging Face checkpoint directory loaded by :meth:`load_initial_weights`.
+        dtype: Parameter dtype after materialisation (default fp32; FSDP mixed precision is set in
+            ``parallel``).
+        seed: Seed for ``reset_parameters`` (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        *,
+        parallel: ParallelConfig | None = None,
+        init_from: str | os.PathLike[str] | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.parallel = parallel or ParallelConfig()
+        self.init_from = Path(init_from) if init_from is not None else None
+        self.dtype = dtype
+        self.seed = seed
+
+    def build_stage(self, stage_index: int, num_stages: int) -> Qwen3ForCausalLM:
+        """Stage ``stage_index`` of ``num_stages`` on the meta device."""
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(self.config, stage_index=stage_index, num_stages=num_stages)
+        if self.dtype is not None:
+            model.to(self.dtype)
+        return model
+
+    def parallelize(self, module: nn.Module, ctx: Any, config: Any = None) -> nn.Module:
+        """TP / EP / checkpointing / compile / FSDP from ``ctx`` (a ``DistributedContext``; None = single process)."""
+        del config
+        if ctx is None:
+            return module
+        assert isinstance(module, Qwen3ForCausalLM)
+        return parallelize(module, context=ctx, config=self.parallel)
+
+    def materialize(self, module: nn.Module, device: torch.device | str) -> None:
+        """Allocate on ``device`` and initialise (seeded, so every rank draws the same numbers)."""
+        module.to_empty(device=device)
+        assert isinstance(module, Qwen3ForCausalLM)
+        module.tie_weights()  # to_empty may separate tied parameters
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + module.stage_index)
+            module.reset_parameters()
+
+    def load_initial_weights(self, modules: Sequence[nn.Module]) -> None:
+        """Load ``init_from`` (a Hugging Face checkpoint) into the local stages, if set."""
+        if self.init_from is not None and modules:
+            load_hf_checkpoint(list(modules), self.init_from)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the whole model."""
+        return flops_per_token(self.config, seq_len)
+
+    def export_hf(self, modules: Sequence[nn.Module], out_dir: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """Export the local stages as a Hugging Face checkpoint (collective; see :func:`save_hf_checkpoint`)."""
+        return save_hf_checkpoint(list(modules), out_dir, **kwargs)
+
+    @staticmethod
+    def moe_layers(modules: Sequence[nn.Module]) -> list[nn.Module]:
+        """All :class:`plait.moe.MoELayer` modules of the local stages (bias updates, load stats)."""
+        out: list[nn.Module] = []
+        for m in modules:
+            if isinstance(m, Qwen3ForCausalLM):
+                out.extend(m.moe_layers())
+        return out

@@ -1,0 +1,129 @@
+"""The MoE layer: router + dispatcher + grouped experts (+ shared expert)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from plait.moe.capacity import DropPolicy, apply_capacity
+from plait.moe.config import RouterConfig
+from plait.moe.dispatch.base import TokenDispatcher
+from plait.moe.dispatch.local import LocalDispatcher
+from plait.moe.experts import GroupedExperts, SharedExpert
+from plait.moe.router import TopKRouter
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class MoEOutput:
+    """Result of a :class:`MoELayer` call.
+
+    Attributes:
+        hidden_states: ``[..., H]``, same shape and dtype as the input.
+        aux_loss: fp32 scalar: the coefficient-weighted balancing losses (0 when none are enabled).
+            Add it to the training loss.
+        tokens_per_expert: ``[E]`` int64 assignments routed in this call, before capacity dropping
+            (detached, on device).
+        losses: Unweighted detached loss components (``"switch"``, ``"seq"``, ``"z"``) for logging.
+    """
+
+    hidden_states: Tensor
+    aux_loss: Tensor
+    tokens_per_expert: Tensor
+    losses: dict[str, Tensor] = field(default_factory=dict)
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN block, numerically the Hugging Face Qwen3-MoE sparse block by default.
+
+    Args:
+        hidden_size: H.
+        moe_intermediate_size: I, each routed expert's FFN width.
+        num_experts: E.
+        router: Routing and balancing configuration.
+        shared_expert_intermediate_size: Width of an always-on shared SwiGLU expert (``None`` = none).
+        shared_expert_gate: Scale the shared expert's output by ``sigmoid(x @ w)``, ``w`` ``[1, H]``.
+        capacity_factor: Per-expert slots as a multiple of ``T * k / E`` (local tokens); ``None``
+            (default) is dropless.
+        drop_policy: Which assignments an over-full expert keeps: ``"probs"`` (highest weight) or
+            ``"position"`` (earliest tokens).
+
+    Parameters: ``router.weight`` ``[E, H]``, ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
+    first), ``experts.down_proj`` ``[E, H, I]``, ``shared_expert.{gate,up,down}_proj.weight``,
+    ``shared_expert_gate.weight`` ``[1, H]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        router: RouterConfig,
+        shared_expert_intermediate_size: int | None = None,
+        shared_expert_gate: bool = False,
+        capacity_factor: float | None = None,
+        drop_policy: DropPolicy = "probs",
+    ) -> None:
+        super().__init__()
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"MoELayer.capacity_factor must be > 0 or None, got {capacity_factor}")
+        if drop_policy not in ("probs", "position"):
+            raise ValueError(f"MoELayer.drop_policy must be 'probs' or 'position', got {drop_policy!r}")
+        if shared_expert_gate and shared_expert_intermediate_size is None:
+            raise ValueError("MoELayer.shared_expert_gate needs shared_expert_intermediate_size")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+        self.drop_policy: DropPolicy = drop_policy
+        self.router = TopKRouter(hidden_size, num_experts, router)
+        self.experts = GroupedExperts(num_experts, hidden_size, moe_intermediate_size)
+        self.shared_expert = (
+            SharedExpert(hidden_size, shared_expert_intermediate_size)
+            if shared_expert_intermediate_size is not None
+            else None
+        )
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        self.dispatcher: TokenDispatcher = LocalDispatcher()
+
+    def forward(self, x: Tensor) -> MoEOutput:
+        """Route, compute and combine.
+
+        Args:
+            x: ``[..., H]``. With 3+ dims the leading ones are sequences (``[B, S, H]``: B sequences
+                for the sequence-level loss); a 2-D input is one sequence.
+        """
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer: input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
+        shape = x.shape
+        flat = x.reshape(-1, self.hidden_size)
+        num_sequences = math.prod(shape[:-2]) if x.dim() >= 3 else 1
+        routed = self.router(flat, num_sequences=num_sequences)
+        topk_idx = routed.topk_idx
+        if self.capacity_factor is not None:
+            topk_idx = apply_capacity(
+                topk_idx, routed.topk_weights, self.num_experts, self.capacity_factor, self.drop_policy
+            )
+        out = self.dispatcher(
+            flat, topk_idx, routed.topk_weights, self.experts, has_dropped=self.capacity_factor is not None
+        )
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return MoEOutput(out.view(shape), routed.aux_loss, routed.tokens_per_expert, routed.losses)
+
+    def tokens_per_expert_stats(self, reset: bool = True) -> Tensor:
+        """Assignments per expert over training forwards since the last read (device tensor, no sync)."""
+        return self.router.tokens_per_expert_stats(reset)
+
+    def update_expert_bias(self, group: object = None) -> Tensor:
+        """Auxiliary-loss-free balancing step; see :meth:`TopKRouter.update_expert_bias`."""
+        return self.router.update_expert_bias(group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, "
+            f"capacity_factor={self.capacity_factor}, dispatcher={self.dispatcher!r}"
+        )

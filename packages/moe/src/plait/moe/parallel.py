@@ -1,0 +1,64 @@
+"""Put a MoE layer's experts on an expert-parallel device mesh dimension."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from plait.moe.dispatch.all_to_all import AllToAllDispatcher
+from plait.moe.dispatch.deepep import DeepEPDispatcher
+from plait.moe.layer import MoELayer
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+
+def expert_parallel(
+    layer: MoELayer, ep_mesh: DeviceMesh, backend: Literal["all_to_all", "deepep"] = "all_to_all"
+) -> MoELayer:
+    """Shard ``layer``'s experts over ``ep_mesh`` and switch it to expert-parallel dispatch.
+
+    ``experts.gate_up_proj`` and ``experts.down_proj`` become DTensors ``Shard(0)`` (rank r of the
+    mesh owns experts ``[r*E/P, (r+1)*E/P)``); the router and shared expert stay as they are
+    (replicated; shard them with FSDP like any dense weight). Every rank routes its own tokens.
+
+    Args:
+        layer: The layer, modified in place. Its weights must be identical on all ranks of the mesh
+            (rank 0's values are scattered); meta-device weights stay on meta.
+        ep_mesh: A 1-D mesh, e.g. ``ctx.mesh_for("expert")["ep_shard"]``.
+        backend: ``"all_to_all"`` (torch.distributed, any device) or ``"deepep"`` (CUDA; needs
+            ``plait-moe[deepep]``).
+
+    Returns:
+        ``layer``.
+    """
+    if ep_mesh.ndim != 1:
+        raise ValueError(
+            f"expert_parallel: ep_mesh must be 1-D (got dims {ep_mesh.mesh_dim_names}); pass the expert "
+            "dimension, e.g. mesh['ep_shard']"
+        )
+    ep = ep_mesh.size()
+    if layer.num_experts % ep:
+        raise ValueError(
+            f"expert_parallel: num_experts ({layer.num_experts}) is not divisible by the EP size {ep}"
+        )
+    experts = layer.experts
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(experts, name)
+        if isinstance(param, DTensor):
+            raise ValueError(f"expert_parallel: experts.{name} is already a DTensor (applied twice?)")
+        if param.is_meta:
+            rank = ep_mesh.get_local_rank()
+            n_local = layer.num_experts // ep
+            local = param.data[rank * n_local : (rank + 1) * n_local]
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        else:
+            dt = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+        setattr(experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
+    group = ep_mesh.get_group()
+    if backend == "all_to_all":
+        layer.dispatcher = AllToAllDispatcher(group)
+    elif backend == "deepep":
+        layer.dispatcher = DeepEPDispatcher(group, layer.num_experts)
+    else:
+        raise ValueError(f"expert_parallel: backend must be 'all_to_all' or 'deepep', got {backend!r}")
+    return layer

@@ -1,0 +1,279 @@
+"""Inject PEFT methods into a model, merge/unmerge them, and list what is trainable.
+
+Methods are looked up by their config's ``method`` string in a small registry, so a user can plug
+in a variant with :func:`register_peft_method` and pass its config to :func:`apply_peft` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.peft.config import DoRAConfig, FullTuneConfig, LoRAConfig, PeftStackConfig, matches
+from plait.peft.experts import EXPERT_ADAPTERS_ATTR, ExpertLoRA
+from plait.peft.lora import DoRALinear, LoRALinear
+from torch import nn
+
+__all__ = [
+    "AdaptedModule",
+    "PeftApplier",
+    "PeftReport",
+    "apply_peft",
+    "canonical_name",
+    "expert_adapters",
+    "linear_adapters",
+    "merge_and_unload",
+    "merge_peft",
+    "register_peft_method",
+    "trainable_parameters",
+    "unmerge_peft",
+]
+
+
+@dataclass(frozen=True)
+class AdaptedModule:
+    """One injected adapter.
+
+    Attributes:
+        name: qualified name of the adapted module (``"layers.0.q_proj"``) or, for grouped
+            experts, of the adapted parameter (``"layers.0.mlp.experts.gate_up_proj"``).
+        method: ``"lora"``, ``"dora"`` or ``"lora_experts"``.
+    """
+
+    name: str
+    method: str
+
+
+@dataclass(frozen=True)
+class PeftReport:
+    """What :func:`apply_peft` did.
+
+    Attributes:
+        adapted: injected adapters, in model order per method.
+        full_tuned: (post-injection) names of unfrozen existing parameters.
+        trainable: names of all parameters with ``requires_grad`` afterwards.
+        num_trainable: their element count.
+        num_total: element count of all parameters.
+    """
+
+    adapted: tuple[AdaptedModule, ...]
+    full_tuned: tuple[str, ...]
+    trainable: tuple[str, ...]
+    num_trainable: int
+    num_total: int
+
+
+PeftApplier = Callable[[nn.Module, Any], "list[AdaptedModule] | list[str]"]
+"""``applier(model, config)`` injects/unfreezes and returns the AdaptedModules (or unfrozen names)."""
+
+_METHODS: dict[str, PeftApplier] = {}
+
+
+def register_peft_method(method: str, applier: PeftApplier) -> None:
+    """Register ``applier`` for configs whose ``method`` field equals ``method``.
+
+    The applier runs after everything was frozen; it must set ``requires_grad`` on what it trains.
+    """
+    _METHODS[method] = applier
+
+
+def canonical_name(name: str) -> str:
+    """A parameter/module name as it was before LoRA injection (drops ``.base_layer``)."""
+    return name.replace(".base_layer", "").removeprefix("base_layer.").removeprefix("base_layer")
+
+
+def _walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, nn.Module | None, str]]:
+    """(name, module, parent, attr) for the model's modules, not descending into adapters."""
+    stack: list[tuple[str, nn.Module, nn.Module | None, str]] = [(prefix, module, None, "")]
+    while stack:
+        name, mod, parent, attr = stack.pop()
+        yield name, mod, parent, attr
+        if isinstance(mod, (LoRALinear, ExpertLoRA)):
+            continue
+        children = [
+            (f"{name}.{k}" if name else k, child, mod, k)
+            for k, child in mod._modules.items()
+            if child is not None and not (k == EXPERT_ADAPTERS_ATTR and isinstance(child, nn.ModuleDict))
+        ]
+        stack.extend(reversed(children))
+
+
+def linear_adapters(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """(module name, adapter) for every LoRA/DoRA linear wrapper in ``model``."""
+    for name, mod, _, _ in _walk(model):
+        if isinstance(mod, LoRALinear):
+            yield name, mod
+
+
+def expert_adapters(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertLoRA]]:
+    """(module name, host module, adapter) for every grouped-expert adapter in ``model``."""
+    for name, mod, _, _ in _walk(model):
+        adapters = mod._modules.get(EXPERT_ADAPTERS_ATTR)
+        if isinstance(adapters, nn.ModuleDict):
+            for adapter in adapters.values():
+                if isinstance(adapter, ExpertLoRA):
+                    yield name, mod, adapter
+
+
+def _apply_low_rank(model: nn.Module, cfg: LoRAConfig | DoRAConfig) -> list[AdaptedModule]:
+    cls = DoRALinear if isinstance(cfg, DoRAConfig) else LoRALinear
+    kwargs = {
+        "r": cfg.r,
+        "alpha": cfg.alpha,
+        "dropout": cfg.dropout,
+        "use_rslora": cfg.use_rslora,
+        "init": cfg.init,
+    }
+    done: list[AdaptedModule] = []
+    if cfg.target_modules is not None:
+        hits = [
+            w for w in _walk(model) if w[2] is not None and matches(cfg.target_modules, canonical_name(w[0]))
+        ]
+        for name, mod, parent, attr in hits:
+            if isinstance(mod, LoRALinear):
+                raise ValueError(f"{cfg.method}: module {name!r} is already adapted by {type(mod).__name__}")
+            if type(mod) is not nn.Linear:
+                raise ValueError(
+                    f"{cfg.method}: target_modules matched {name!r} of type {type(mod).__name__}; "
+                    "only nn.Linear is supported (use target_parameters for grouped experts)"
+                )
+            assert parent is not None
+            setattr(parent, attr, cls(mod, **kwargs))
+            done.append(AdaptedModule(name, cfg.method))
+        if not hits:
+            raise ValueError(f"{cfg.method}: target_modules={cfg.target_modules!r} matched no module")
+    if isinstance(cfg, LoRAConfig) and cfg.target_parameters is not None:
+        n_before = len(done)
+        for host_name, host, _, _ in list(_walk(model)):
+            for pname, param in list(host._parameters.items()):
+                full = f"{host_name}.{pname}" if host_name else pname
+                if param is None or not matches(cfg.target_parameters, canonical_name(full)):
+                    continue
+                if param.ndim != 3:
+                    raise ValueError(
+                        f"lora: target_parameters matched {full!r} with shape {tuple(param.shape)}; "
+                        "grouped-expert LoRA needs a 3-D [E, out, in] weight"
+                    )
+                adapters = host._modules.get(EXPERT_ADAPTERS_ATTR)
+                if adapters is None:
+                    if hasattr(host, EXPERT_ADAPTERS_ATTR):
+                        raise ValueError(
+                            f"lora: {host_name!r} already has an attribute {EXPERT_ADAPTERS_ATTR!r}"
+                        )
+                    adapters = nn.ModuleDict()
+                    host.add_module(EXPERT_ADAPTERS_ATTR, adapters)
+                assert isinstance(adapters, nn.ModuleDict)
+                if pname in adapters:
+                    raise ValueError(f"lora: parameter {full!r} is already adapted")
+                adapters[pname] = ExpertLoRA(param, pname, **kwargs)
+                done.append(AdaptedModule(full, "lora_experts"))
+        if len(done) == n_before:
+            raise ValueError(f"lora: target_parameters={cfg.target_parameters!r} matched no parameter")
+    # new adapter parameters are created with requires_grad=True; base weights stay as they were
+    return done
+
+
+def _apply_full(model: nn.Module, cfg: FullTuneConfig) -> list[str]:
+    names = [n for n, p in model.named_parameters() if matches(cfg.target_parameters, canonical_name(n))]
+    if not names:
+        raise ValueError(f"full: target_parameters={cfg.target_parameters!r} matched no parameter")
+    params = dict(model.named_parameters())
+    for n in names:
+        params[n].requires_grad_(True)
+    return names
+
+
+register_peft_method("lora", _apply_low_rank)
+register_peft_method("dora", _apply_low_rank)
+register_peft_method("full", _apply_full)
+
+
+def apply_peft(model: nn.Module, config: Any) -> PeftReport:
+    """Freeze ``model`` and inject/unfreeze what ``config`` asks for, in place.
+
+    Apply before sharding (``fully_shard``/TP/EP) and after loading or materialising the base
+    weights if an init reads them (PiSSA, DoRA's magnitude); on a meta-device model call
+    :meth:`reset_adapter_parameters` on each adapter after ``to_empty``.
+
+    Args:
+        model: any ``nn.Module``.
+        config: a :data:`plait.peft.PeftConfig`, a :class:`plait.peft.PeftStackConfig`, a list of
+            configs, or a user config registered with :func:`register_peft_method`.
+
+    Returns:
+        A :class:`PeftReport`.
+    """
+    if isinstance(config, PeftStackConfig):
+        configs: Sequence[Any] = config.methods
+    elif isinstance(config, (list, tuple)):
+        configs = config
+    else:
+        configs = [config]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapted: list[AdaptedModule] = []
+    full: list[str] = []
+    for cfg in configs:
+        method = getattr(cfg, "method", None)
+        if method not in _METHODS:
+            raise ValueError(f"apply_peft: unknown PEFT method {method!r}; registered: {sorted(_METHODS)}")
+        for item in _METHODS[method](model, cfg):
+            (adapted if isinstance(item, AdaptedModule) else full).append(item)  # type: ignore[arg-type]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return PeftReport(
+        adapted=tuple(adapted),
+        full_tuned=tuple(full),
+        trainable=tuple(n for n, _ in trainable),
+        num_trainable=sum(p.numel() for _, p in trainable),
+        num_total=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters with ``requires_grad`` (the adapter state), by name."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def merge_peft(model: nn.Module, keep_original: bool = False) -> int:
+    """Merge every adapter into its base weight; returns how many were merged.
+
+    A collective on DTensor (FSDP2/TP/EP) models: call on every rank, with parameters resharded.
+
+    Args:
+        model: a model passed through :func:`apply_peft`.
+        keep_original: keep copies of the base weights so :func:`unmerge_peft` is bit-exact.
+    """
+    n = 0
+    for _, mod in linear_adapters(model):
+        mod.merge(keep_original=keep_original)
+        n += 1
+    for _, host, adapter in expert_adapters(model):
+        adapter.merge(getattr(host, adapter.param_name), keep_original=keep_original)
+        n += 1
+    return n
+
+
+def unmerge_peft(model: nn.Module) -> int:
+    """Undo :func:`merge_peft`; returns how many adapters were unmerged."""
+    n = 0
+    for _, mod in linear_adapters(model):
+        mod.unmerge()
+        n += 1
+    for _, host, adapter in expert_adapters(model):
+        adapter.unmerge(getattr(host, adapter.param_name))
+        n += 1
+    return n
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Merge all adapters and remove them, leaving the original module structure and key names."""
+    merge_peft(model)
+    for name, mod in list(linear_adapters(model)):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, mod.base_layer)
+    for _, host, _ in list(expert_adapters(model)):
+        if EXPERT_ADAPTERS_ATTR in host._modules:
+            del host._modules[EXPERT_ADAPTERS_ATTR]
+    return model

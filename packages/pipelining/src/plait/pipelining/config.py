@@ -1,0 +1,205 @@
+"""Schedule configs (pydantic discriminated union), the schedule registry and the executor factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from torch import nn
+
+from plait.pipelining import schedules as S
+from plait.pipelining.executor import ForwardKwargsFn, LossFn, OfflineExecutor, PipelineExecutor
+from plait.pipelining.program import Program
+from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+
+__all__ = [
+    "BaseScheduleConfig",
+    "DualPipeVConfig",
+    "GPipeConfig",
+    "InferenceConfig",
+    "Interleaved1F1BConfig",
+    "LoopedBFSConfig",
+    "OneFOneBConfig",
+    "PipelineScheduleConfig",
+    "ZB1PConfig",
+    "ZBVConfig",
+    "build_pipeline",
+    "build_program",
+    "parse_schedule_config",
+    "register_schedule",
+    "registered_schedules",
+]
+
+
+class BaseScheduleConfig(BaseModel):
+    """Options every schedule has. Subclass it (with a ``kind`` literal) for your own schedule."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: str
+    num_microbatches: int = Field(ge=1)
+    loss_reduction: Literal["mean", "sum"] = "mean"
+
+    def topology(self, pp_size: int) -> Topology:
+        """Stage placement this schedule uses on `pp_size` ranks."""
+        return loop_topology(pp_size, getattr(self, "stages_per_rank", 1))
+
+
+class GPipeConfig(BaseScheduleConfig):
+    kind: Literal["gpipe"] = "gpipe"
+
+
+class LoopedBFSConfig(BaseScheduleConfig):
+    kind: Literal["looped_bfs"] = "looped_bfs"
+    stages_per_rank: int = Field(1, ge=1)
+
+
+class OneFOneBConfig(BaseScheduleConfig):
+    kind: Literal["1f1b"] = "1f1b"
+
+
+class Interleaved1F1BConfig(BaseScheduleConfig):
+    kind: Literal["interleaved_1f1b"] = "interleaved_1f1b"
+    stages_per_rank: int = Field(2, ge=2)
+
+
+class ZB1PConfig(BaseScheduleConfig):
+    kind: Literal["zb1p"] = "zb1p"
+    stages_per_rank: int = Field(1, ge=1)
+
+
+class ZBVConfig(BaseScheduleConfig):
+    kind: Literal["zbv"] = "zbv"
+
+    def topology(self, pp_size: int) -> Topology:
+        return vshape_topology(pp_size)
+
+
+class DualPipeVConfig(BaseScheduleConfig):
+    kind: Literal["dualpipev"] = "dualpipev"
+
+    def topology(self, pp_size: int) -> Topology:
+        return vshape_topology(pp_size)
+
+
+class InferenceConfig(BaseScheduleConfig):
+    kind: Literal["inference"] = "inference"
+    stages_per_rank: int = Field(1, ge=1)
+
+
+PipelineScheduleConfig = Annotated[
+    GPipeConfig
+    | LoopedBFSConfig
+    | OneFOneBConfig
+    | Interleaved1F1BConfig
+    | ZB1PConfig
+    | ZBVConfig
+    | DualPipeVConfig
+    | InferenceConfig,
+    Field(discriminator="kind"),
+]
+
+ScheduleBuilder = Callable[[Any, int], Program]
+_REGISTRY: dict[str, tuple[type[BaseScheduleConfig], ScheduleBuilder]] = {}
+
+
+def register_schedule(kind: str, config_cls: type[BaseScheduleConfig], builder: ScheduleBuilder) -> None:
+    """Register a schedule: `builder(config, pp_size)` returns the compute-only :class:`Program`.
+
+    Raises:
+        ValueError: if `kind` is already registered.
+    """
+    if kind in _REGISTRY:
+        raise ValueError(f"pipeline schedule {kind!r} is already registered")
+    _REGISTRY[kind] = (config_cls, builder)
+
+
+def registered_schedules() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+register_schedule("gpipe", GPipeConfig, lambda c, pp: S.build_gpipe(pp, c.num_microbatches))
+register_schedule(
+    "looped_bfs", LoopedBFSConfig, lambda c, pp: S.build_looped_bfs(pp, c.num_microbatches, c.stages_per_rank)
+)
+register_schedule("1f1b", OneFOneBConfig, lambda c, pp: S.build_1f1b(pp, c.num_microbatches))
+register_schedule(
+    "interleaved_1f1b",
+    Interleaved1F1BConfig,
+    lambda c, pp: S.build_interleaved_1f1b(pp, c.num_microbatches, c.stages_per_rank),
+)
+register_schedule("zb1p", ZB1PConfig, lambda c, pp: S.build_zb1p(pp, c.num_microbatches, c.stages_per_rank))
+register_schedule("zbv", ZBVConfig, lambda c, pp: S.build_zbv(pp, c.num_microbatches))
+register_schedule("dualpipev", DualPipeVConfig, lambda c, pp: S.build_dualpipev(pp, c.num_microbatches))
+register_schedule(
+    "inference", InferenceConfig, lambda c, pp: S.build_inference(pp, c.num_microbatches, c.stages_per_rank)
+)
+
+
+def parse_schedule_config(data: Mapping[str, Any] | BaseScheduleConfig) -> BaseScheduleConfig:
+    """Build a config from a dict (``{"kind": ..., ...}``), including user-registered kinds."""
+    if isinstance(data, BaseScheduleConfig):
+        return data
+    kind = data.get("kind")
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown pipeline schedule kind {kind!r}; registered: {registered_schedules()}")
+    if kind in _BUILTIN:
+        return TypeAdapter(PipelineScheduleConfig).validate_python(dict(data))
+    return _REGISTRY[kind][0].model_validate(dict(data))
+
+
+_BUILTIN = {"gpipe", "looped_bfs", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev", "inference"}
+
+
+def build_program(config: BaseScheduleConfig | Mapping[str, Any], pp_size: int) -> Program:
+    """The compute-only program of `config` on `pp_size` ranks (pass it to ``lower`` for the full one)."""
+    cfg = parse_schedule_config(config)
+    if cfg.kind not in _REGISTRY:
+        raise ValueError(f"unknown pipeline schedule kind {cfg.kind!r}; registered: {registered_schedules()}")
+    return _REGISTRY[cfg.kind][1](cfg, pp_size)
+
+
+def build_pipeline(
+    config: BaseScheduleConfig | Mapping[str, Any],
+    *,
+    pp_group: dist.ProcessGroup | None,
+    stage_modules: Mapping[int, nn.Module],
+    loss_fn: LossFn | None = None,
+    forward_kwargs_fn: ForwardKwargsFn | None = None,
+    device: torch.device | str | None = None,
+) -> PipelineExecutor | OfflineExecutor:
+    """Build the executor for `config`: a :class:`PipelineExecutor`, or an :class:`OfflineExecutor` for pp=1.
+
+    Args:
+        config: a schedule config or its dict form.
+        pp_group: the pipeline process group; None or a group of size 1 means no pipeline parallelism.
+        stage_modules: the stages this rank holds (``config.topology(pp).stages_of(pp_rank)``), by global index.
+        loss_fn: ``(last_stage_outputs, microbatch_view) -> scalar``; None only for inference.
+        forward_kwargs_fn: optional ``(stage, microbatch_view) -> extra keyword tensors``.
+        device: activation device (defaults to the stage parameters' device).
+    """
+    cfg = parse_schedule_config(config)
+    pp = 1 if pp_group is None else dist.get_world_size(pp_group)
+    if cfg.kind == "inference" and loss_fn is not None:
+        raise ValueError("the inference schedule runs forward only; pass loss_fn=None")
+    if pp == 1:
+        return OfflineExecutor(
+            stage_modules,
+            loss_fn,
+            cfg.num_microbatches,
+            forward_kwargs_fn=forward_kwargs_fn,
+            loss_reduction=cfg.loss_reduction,
+        )
+    assert pp_group is not None
+    return PipelineExecutor(
+        build_program(cfg, pp),
+        stage_modules,
+        pp_group,
+        loss_fn,
+        forward_kwargs_fn=forward_kwargs_fn,
+        loss_reduction=cfg.loss_reduction,
+        device=device,
+    )

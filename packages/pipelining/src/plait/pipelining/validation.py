@@ -1,0 +1,242 @@
+"""Validator for pipeline programs, including a dry run that proves a lowered program deadlock-free."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from plait.pipelining.actions import Action, ActionKind, AnyAction
+from plait.pipelining.lowering import recvs_for
+from plait.pipelining.program import Program
+
+__all__ = ["ProgramError", "dry_run", "validate"]
+
+F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+_Msg = tuple[str, int, int]  # ("F" | "B", sending stage, microbatch)
+
+
+class ProgramError(ValueError):
+    """A program is invalid. The message shows the offending rank's program with the bad action marked."""
+
+    def __init__(self, message: str, program: Program | None = None, rank: int | None = None, index: int | None = None):
+        self.rank, self.index = rank, index
+        text = message
+        if program is not None and rank is not None:
+            text += "\n" + program.format_rank(rank, mark=index)
+        super().__init__(text)
+
+
+def _message(a: Action) -> tuple[_Msg, int]:
+    """The message a comm action carries and the stage on the other end."""
+    if a.kind is ActionKind.SEND_F:
+        return ("F", a.stage, a.microbatch), a.stage + 1
+    if a.kind is ActionKind.RECV_F:
+        return ("F", a.stage - 1, a.microbatch), a.stage - 1
+    if a.kind is ActionKind.SEND_B:
+        return ("B", a.stage, a.microbatch), a.stage - 1
+    return ("B", a.stage + 1, a.microbatch), a.stage + 1  # RECV_B
+
+
+def validate(program: Program, *, check_deadlock: bool = True) -> None:
+    """Check a program; raise :class:`ProgramError` on the first problem.
+
+    Checks: stage placement, each (stage, microbatch) forward exactly once, backward exactly once as ``B`` or
+    as ``I`` then ``W``, backward after forward, local data dependencies in order, and for lowered programs:
+    every remote input received before use, every send after its producer and matched by one receive on the
+    right rank, sends and receives of each rank pair in the same order, and a deadlock-free dry run.
+    """
+    topo, m = program.topology, program.num_microbatches
+    pos: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}  # (kind, stage, mb) -> (rank, index)
+    for r, acts in enumerate(program.actions):
+        for i, act in enumerate(acts):
+            for a in act.sub_actions():
+                if a.stage >= topo.num_stages:
+                    raise ProgramError(f"{a}: stage {a.stage} does not exist ({topo.num_stages} stages)", program, r, i)
+                if topo.rank_of(a.stage) != r:
+                    raise ProgramError(
+                        f"{a}: stage {a.stage} belongs to rank {topo.rank_of(a.stage)}, not rank {r}", program, r, i
+                    )
+                if a.microbatch >= m:
+                    raise ProgramError(f"{a}: microbatch {a.microbatch} >= num_microbatches {m}", program, r, i)
+                key = (a.kind, a.stage, a.microbatch)
+                if key in pos:
+                    raise ProgramError(f"{a} appears twice (first at index {pos[key][1]})", program, r, i)
+                if a.is_comm and not program.lowered:
+                    raise ProgramError(f"{a}: communication action in a program marked not lowered", program, r, i)
+                pos[key] = (r, i)
+
+    def where(kind: ActionKind, s: int, k: int) -> tuple[int, int] | None:
+        return pos.get((kind, s, k))
+
+    for s in range(topo.num_stages):
+        r = topo.rank_of(s)
+        for k in range(m):
+            if where(F, s, k) is None:
+                raise ProgramError(f"forward {s}F{k} is missing", program, r, None)
+            has_b, has_i, has_w = where(B, s, k), where(I, s, k), where(W, s, k)
+            if not program.has_backward:
+                extra = has_b or has_i or has_w
+                if extra:
+                    raise ProgramError("backward action in a forward-only program", program, *extra)
+                continue
+            if has_b and (has_i or has_w):
+                raise ProgramError(f"stage {s} microbatch {k} has both B and I/W", program, *has_b)
+            if not has_b and not (has_i and has_w):
+                which = "W" if has_i else "I" if has_w else "B (or I and W)"
+                raise ProgramError(f"backward {which} of stage {s} microbatch {k} is missing", program, r, None)
+    # local order of dependencies
+    for r, acts in enumerate(program.actions):
+        seen: set[tuple[ActionKind, int, int]] = set()
+        for i, act in enumerate(acts):
+            for a in act.sub_actions():
+                s, k = a.stage, a.microbatch
+                need: list[tuple[ActionKind, int, int]] = []
+                if a.kind is F and s > 0:
+                    need.append((F, s - 1, k) if topo.is_local_edge(s - 1) else (ActionKind.RECV_F, s, k))
+                elif a.kind in (B, I):
+                    need.append((F, s, k))
+                    if s < topo.num_stages - 1:
+                        if topo.is_local_edge(s):
+                            nb = B if where(B, s + 1, k) else I
+                            need.append((nb, s + 1, k))
+                        else:
+                            need.append((ActionKind.RECV_B, s, k))
+                elif a.kind is W:
+                    need.append((I, s, k))
+                elif a.kind is ActionKind.SEND_F:
+                    need.append((F, s, k))
+                elif a.kind is ActionKind.SEND_B:
+                    need.append((B, s, k) if where(B, s, k) else (I, s, k))
+                for n in need:
+                    if n[0].is_comm and not program.lowered:
+                        continue
+                    if n not in seen:
+                        what = f"{n[1]}{n[0].value}{n[2]}"
+                        raise ProgramError(f"{a} runs before {what}, which it depends on", program, r, i)
+            seen.update((a.kind, a.stage, a.microbatch) for a in act.sub_actions())
+    if not program.lowered:
+        return
+    # every remote edge carries exactly one matched message, in the same order on both ends
+    sent: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
+    recvd: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
+    for r, acts in enumerate(program.actions):
+        for i, a in enumerate(acts):
+            if not a.is_comm:
+                continue
+            assert isinstance(a, Action)
+            msg, peer_stage = _message(a)
+            if not 0 <= peer_stage < topo.num_stages:
+                raise ProgramError(f"{a}: peer stage {peer_stage} does not exist", program, r, i)
+            peer = topo.rank_of(peer_stage)
+            if peer == r:
+                raise ProgramError(f"{a}: stages {a.stage} and {peer_stage} are on the same rank", program, r, i)
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                sent[(r, peer)].append((msg, i))
+            else:
+                recvd[(peer, r)].append((msg, i))
+    for s in range(topo.num_stages - 1):
+        if topo.is_local_edge(s):
+            continue
+        for k in range(m):
+            kinds = [("F", s, k)] + ([("B", s + 1, k)] if program.has_backward else [])
+            for msg in kinds:
+                src = topo.rank_of(s if msg[0] == "F" else s + 1)
+                dst = topo.rank_of(s + 1 if msg[0] == "F" else s)
+                if not any(x == msg for x, _ in sent[(src, dst)]):
+                    raise ProgramError(f"no send of {msg[0]} message {msg[1]}->{msg[2]}", program, src, None)
+    for pair in set(sent) | set(recvd):
+        src, dst = pair
+        ss, rr = sent.get(pair, []), recvd.get(pair, [])
+        for j in range(max(len(ss), len(rr))):
+            if j >= len(rr):
+                raise ProgramError(
+                    f"send {ss[j][0]} from rank {src} to rank {dst} has no matching receive", program, src, ss[j][1]
+                )
+            if j >= len(ss):
+                raise ProgramError(
+                    f"receive {rr[j][0]} on rank {dst} from rank {src} has no matching send", program, dst, rr[j][1]
+                )
+            if ss[j][0] != rr[j][0]:
+                raise ProgramError(
+                    f"order mismatch between rank {src} -> rank {dst}: rank {src}'s send #{j} is {ss[j][0]} "
+                    f"but rank {dst}'s receive #{j} is {rr[j][0]}",
+                    program,
+                    dst,
+                    rr[j][1],
+                )
+    if check_deadlock:
+        dry_run(program)
+
+
+def dry_run(program: Program) -> None:
+    """Execute a lowered program the way the executor does and raise :class:`ProgramError` on deadlock.
+
+    Model (that of NCCL with one communication stream per rank, stricter than gloo): each rank's host walks its
+    program in order; a run of consecutive communication actions is issued as one group onto the rank's
+    communication queue without blocking the host; queued groups run one after another, and an operation
+    completes once the peer has its matching operation in the group at the head of its own queue (or already
+    completed). A compute action waits until the receives it consumes have completed.
+    """
+    if not program.lowered:
+        raise ValueError("dry_run() needs a lowered program (see plait.pipelining.lower)")
+    topo = program.topology
+    n = topo.num_ranks
+    cpu = [0] * n
+    queues: list[list[tuple[int, list[Action]]]] = [[] for _ in range(n)]
+    matched: set[_Msg] = set()
+
+    def head_msgs(r: int) -> set[tuple[str, _Msg]]:
+        if not queues[r]:
+            return set()
+        return {(_side(a), _message(a)[0]) for a in queues[r][0][1]}
+
+    while True:
+        progressed = False
+        for r in range(n):  # hosts: issue groups, run computes whose receives completed
+            acts = program.actions[r]
+            while cpu[r] < len(acts):
+                a = acts[cpu[r]]
+                if a.is_comm:
+                    start, grp = cpu[r], []
+                    while cpu[r] < len(acts) and acts[cpu[r]].is_comm:
+                        grp.append(acts[cpu[r]])  # type: ignore[arg-type]
+                        cpu[r] += 1
+                    queues[r].append((start, grp))
+                    progressed = True
+                    continue
+                needs = [_message(x)[0] for x in recvs_for(topo, a)]
+                if not all(msg in matched for msg in needs):
+                    break
+                cpu[r] += 1
+                progressed = True
+        for r in range(n):  # communication: match head operations
+            if not queues[r]:
+                continue
+            for a in queues[r][0][1]:
+                msg, peer_stage = _message(a)
+                other = ("R" if _side(a) == "S" else "S", msg)
+                if msg not in matched and other in head_msgs(topo.rank_of(peer_stage)):
+                    matched.add(msg)
+        for r in range(n):
+            while queues[r] and all(_message(a)[0] in matched for a in queues[r][0][1]):
+                queues[r].pop(0)
+                progressed = True
+        if all(cpu[r] >= len(program.actions[r]) and not queues[r] for r in range(n)):
+            return
+        if not progressed:
+            parts, first = [], None
+            for r in range(n):
+                if queues[r]:
+                    idx = queues[r][0][0]
+                    parts.append(f"rank {r} communication blocked at [{idx}] {queues[r][0][1][0]}")
+                elif cpu[r] < len(program.actions[r]):
+                    idx = cpu[r]
+                    parts.append(f"rank {r} waits at [{idx}] {program.actions[r][idx]}")
+                else:
+                    continue
+                first = first if first is not None else (r, idx)
+            assert first is not None
+            raise ProgramError("deadlock in dry run: " + "; ".join(parts), program, *first)
+
+
+def _side(a: Action) -> str:
+    return "S" if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "R"

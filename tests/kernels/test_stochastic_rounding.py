@@ -1,0 +1,162 @@
+"""Stochastic rounding (unbiased) and StochasticAdamW (AdamW math, bf16 tracking, state, replicas)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from plait.kernels import StochasticAdamW, stochastic_round
+from plait.kernels._dispatch import use_triton
+
+
+def check_unbiased(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, generator=g) * torch.logspace(-3, 3, 64)
+    reps = 4000
+    x = base.repeat(reps, 1).to(device)
+    r = stochastic_round(x, generator=g).float()
+    assert r.dtype == torch.float32
+    lo = base.to(torch.bfloat16).float()
+    # neighbours: every sample is one of the two bf16 values around x
+    down = torch.where(lo.abs() <= base.abs(), lo, torch.nextafter(lo.to(torch.bfloat16), torch.zeros_like(lo).bfloat16()).float())
+    ulp = (torch.nextafter(down.abs().bfloat16(), torch.full_like(down, float("inf")).bfloat16()).float() - down.abs())
+    mean = r.mean(0).cpu()
+    # Unbiased: mean within 5 standard errors (sd <= ulp / 2) of the fp32 value; round-to-nearest
+    # would be off by up to ulp / 2.
+    assert torch.all((mean - base).abs() <= 5 * (ulp / 2) / reps**0.5 + 1e-12), (mean - base) / ulp
+    assert torch.all((r.cpu() - base).abs() <= ulp * 1.0001)
+    # exactly representable values never move
+    exact = torch.tensor([0.0, 1.0, -2.5, 3.0e5, float("inf")], device=device)
+    assert torch.equal(stochastic_round(exact).float(), exact)
+    return use_triton(x)
+
+
+def test_stochastic_round_unbiased(run):
+    assert run(check_unbiased) == (run.path == "triton")
+
+
+def test_fp32_params_match_torch_adamw():
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(50))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    o1 = StochasticAdamW([p1], lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, seed=0)
+    o2 = torch.optim.AdamW([p2], lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn(50)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+    torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
+
+
+def _mlp(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return m.to(dtype)
+
+
+def _flat(m):
+    return torch.cat([p.detach().float().flatten() for p in m.parameters()])
+
+
+def check_tracks_fp32_master(moment_dtype, steps, device="cpu"):
+    torch.manual_seed(1)
+    data = [(torch.randn(64, 16, device=device), torch.randn(64, 1, device=device)) for _ in range(8)]
+    ref = _mlp(torch.float32).to(device)  # fp32 weights = fp32 master
+    plain = _mlp(torch.bfloat16).to(device)
+    sr = _mlp(torch.bfloat16).to(device)
+    kw = {"lr": 3e-4, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    opts = [
+        torch.optim.AdamW(ref.parameters(), **kw),
+        torch.optim.AdamW(plain.parameters(), **kw),
+        StochasticAdamW(sr.parameters(), **kw, moment_dtype=moment_dtype, seed=0),
+    ]
+    w0 = _flat(ref)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        for m, o in zip((ref, plain, sr), opts):
+            o.zero_grad()
+            dt = next(m.parameters()).dtype
+            torch.nn.functional.mse_loss(m(x.to(dt)).float(), y).backward()
+            o.step()
+    moved = (_flat(ref) - w0).norm()
+    err_plain = (_flat(plain) - _flat(ref)).norm() / moved
+    err_sr = (_flat(sr) - _flat(ref)).norm() / moved
+    return float(err_plain), float(err_sr), use_triton(next(sr.parameters()))
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_stochastic_adamw_tracks_fp32_master_where_bf16_adamw_drifts(moment_dtype):
+    err_plain, err_sr, _ = check_tracks_fp32_master(moment_dtype, 150)
+    # lr * update is below bf16 resolution for most weights: round-to-nearest loses most of the
+    # trajectory, stochastic rounding keeps it in expectation.
+    assert err_plain > 0.5, err_plain
+    assert err_sr < 0.35 * err_plain, (err_sr, err_plain)
+
+
+def test_stochastic_adamw_triton_interpreted(interpreter_pool):
+    err_plain, err_sr, used = interpreter_pool.apply(check_tracks_fp32_master, (torch.bfloat16, 40))
+    assert used
+    assert err_sr < 0.5 * err_plain, (err_sr, err_plain)
+
+
+def _run_steps(opt, params, grads):
+    for g in grads:
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        opt.step()
+
+
+def test_state_dict_round_trip_continues_identically():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, dtype=torch.bfloat16)), torch.nn.Parameter(torch.randn(4, 5))]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(6)]
+    opt = StochasticAdamW(
+        [{"params": params[:1], "lr": 1e-2}, {"params": params[1:], "weight_decay": 0.0}],
+        lr=1e-3,
+        moment_dtype=torch.bfloat16,
+        seed=7,
+    )
+    _run_steps(opt, params, grads[:3])
+    sd = copy.deepcopy(opt.state_dict())
+    snapshot = [p.detach().clone() for p in params]
+    _run_steps(opt, params, grads[3:])
+    expect = [p.detach().clone() for p in params]
+
+    params2 = [torch.nn.Parameter(s.clone()) for s in snapshot]
+    opt2 = StochasticAdamW([{"params": params2[:1]}, {"params": params2[1:]}], lr=5.0, seed=123)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[1]["weight_decay"] == 0.0
+    _run_steps(opt2, params2, grads[3:])
+    for a, b in zip(params2, expect):
+        assert torch.equal(a, b)
+
+
+def test_replicas_identical_with_same_seed_and_differ_otherwise():
+    torch.manual_seed(0)
+    init = torch.randn(1000, dtype=torch.bfloat16)
+    grads = [torch.randn(1000) for _ in range(3)]
+    outs = []
+    for seed in (5, 5, 6):
+        p = torch.nn.Parameter(init.clone())
+        _run_steps(StochasticAdamW([p], lr=1e-3, seed=seed), [p], [[g.bfloat16()] for g in grads])
+        outs.append(p.detach())
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], outs[2])
+
+
+def test_bad_arguments():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="moment_dtype"):
+        StochasticAdamW(p, moment_dtype=torch.float16)
+    with pytest.raises(ValueError, match="betas"):
+        StochasticAdamW(p, betas=(1.0, 0.9))
+
+
+@pytest.mark.gpu
+def test_stochastic_rounding_gpu():
+    assert check_unbiased("cuda")
+    err_plain, err_sr, used = check_tracks_fp32_master(torch.float32, 150, "cuda")
+    assert used and err_sr < 0.35 * err_plain

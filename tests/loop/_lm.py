@@ -1,0 +1,37 @@
+"""A tiny causal LM used by the loop tests (defined here: the loop must not know any model package)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 32
+
+
+class TinyLM(nn.Module):
+    """Embedding -> LayerNorm -> MLP (residual) -> head; forward returns ``{"logits": ...}``."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, **_: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        h = h + self.down(torch.relu(self.up(self.norm(h))))
+        return {"logits": self.head(h)}
+
+
+def pattern_tokens(n_docs: int = 64, seed: int = 0) -> list[list[int]]:
+    """Learnable documents: arithmetic sequences mod VOCAB-1 with random starts and strides."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n_docs):
+        start = int(torch.randint(0, VOCAB - 1, (1,), generator=g))
+        stride = int(torch.randint(1, 3, (1,), generator=g))
+        length = int(torch.randint(6, 14, (1,), generator=g))
+        docs.append([(start + i * stride) % (VOCAB - 1) for i in range(length)])
+    return docs

@@ -1,0 +1,117 @@
+"""TrainerConfig: files, overrides, validation errors naming the field, schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.loop import ConfigError, TrainerConfig, config_json_schema, dump_config, load_config
+from plait.loop.config import SGDConfig, read_config_file
+
+TOML = """
+[run]
+name = "t"
+steps = 50
+
+[mesh]
+data_shard = 2
+
+[batching]
+global_batch_size = 16
+microbatch_size = 2
+
+[optimizer]
+name = "sgd"
+lr = 0.5
+momentum = 0.9
+
+[[lr_schedule.segments]]
+kind = "linear"
+duration = 10
+start = 0.0
+
+[[lr_schedule.segments]]
+kind = "cosine"
+end = 0.0
+"""
+
+
+def test_toml_yaml_json_agree(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML)
+    from_toml = load_config(tmp_path / "c.toml")
+    assert isinstance(from_toml.optimizer, SGDConfig)
+    assert from_toml.optimizer.momentum == 0.9
+    assert from_toml.grad_accum_steps == 4  # 16 / (2 * dp 2)
+    assert from_toml.lr_schedule.segments[1].kind == "cosine"
+    dump_config(from_toml, tmp_path / "c.json")
+    dump_config(from_toml, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.json") == from_toml
+    assert load_config(tmp_path / "c.yaml") == from_toml
+
+
+def test_overrides_are_type_coerced():
+    cfg = load_config(
+        overrides=["--optimizer.lr=3e-4", "--run.steps=7", "--logging.progress_bar=false", "run.name=x"]
+    )
+    assert cfg.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.run.steps == 7 and cfg.run.name == "x"
+    assert cfg.logging.progress_bar is False
+    cfg = load_config(overrides=["--optimizer.betas=[0.8, 0.9]", "--logging.trackers.0.kind=console"])
+    assert cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.logging.trackers[0].kind == "console"
+
+
+def test_overrides_beat_the_file(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML)
+    cfg = load_config(tmp_path / "c.toml", ["--optimizer.lr=0.25"])
+    assert cfg.optimizer.lr == 0.25 and cfg.optimizer.momentum == 0.9
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "value"),
+    [
+        ("--optimizer.lr=-1", "optimizer.lr", "-1"),
+        ("--optimizer.lrr=1", "optimizer.lrr", "1"),
+        ("--run.steps=many", "run.steps", "'many'"),
+        ("--grad_clip.max_norm=0", "grad_clip.max_norm", "0"),
+        ("--determinism.nonfinite_loss=ignore", "determinism.nonfinite_loss", "'ignore'"),
+    ],
+)
+def test_bad_values_name_field_and_value(override, field, value):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    msg = str(e.value)
+    assert f"{field}:" in msg and f"(got {value})" in msg
+
+
+def test_bad_file_value_names_field(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML.replace("momentum = 0.9", "momentum = -2"))
+    with pytest.raises(ConfigError, match=r"optimizer\.momentum: .*got -2"):
+        load_config(tmp_path / "c.toml")
+
+
+def test_grad_accum_validated_against_dp():
+    with pytest.raises(ConfigError, match=r"batching.global_batch_size=10 is not a multiple of batching.microbatch_size \(2\) x data-parallel size \(2\)"):
+        load_config(overrides=["--batching.global_batch_size=10", "--mesh.data_shard=2", "--batching.microbatch_size=2"])
+
+
+def test_bad_override_syntax_and_format(tmp_path):
+    with pytest.raises(ConfigError, match="expected --section.field=value"):
+        load_config(overrides=["--optimizer.lr"])
+    (tmp_path / "c.ini").write_text("x")
+    with pytest.raises(ConfigError, match="unknown config format"):
+        read_config_file(tmp_path / "c.ini")
+    (tmp_path / "bad.toml").write_text("[run\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        read_config_file(tmp_path / "bad.toml")
+
+
+def test_config_is_frozen_and_schema_exports(tmp_path):
+    cfg = TrainerConfig()
+    with pytest.raises(Exception, match="frozen"):
+        cfg.run.steps = 3  # type: ignore[misc]
+    schema = config_json_schema(path=tmp_path / "schema.json")
+    assert json.loads((tmp_path / "schema.json").read_text()) == schema
+    for section in ("run", "mesh", "batching", "pipeline", "optimizer", "lr_schedule", "grad_clip", "checkpoint"):
+        assert section in schema["properties"]

@@ -1,0 +1,182 @@
+"""Data: packing, collation, bucketing, exact resume (also across dp sizes), readers, tokenizers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from plait.loop import (
+    ByteTokenizer,
+    DistributedDataLoader,
+    GlobalBatchPlan,
+    HFTokenizer,
+    PackedTokens,
+    PadCollator,
+    pack_documents,
+    read_hf_texts,
+    read_jsonl_texts,
+    read_token_file,
+    write_token_file,
+)
+
+
+def test_packing_matches_a_naive_reference():
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
+    eos, seq = 0, 5
+    ds = pack_documents(docs, seq, eos)
+    stream = [t for d in docs for t in [*d, eos]]
+    # Reference: walk the stream, tracking the document of every token.
+    doc_of = []
+    d = 0
+    for i, t in enumerate(stream):
+        doc_of.append(d)
+        if t == eos:
+            d += 1
+        del i
+    assert len(ds) == (len(stream) - 1) // seq
+    for i in range(len(ds)):
+        s = ds[i]
+        lo = i * seq
+        assert s["input_ids"].tolist() == stream[lo : lo + seq]
+        local = [x - doc_of[lo] for x in doc_of[lo : lo + seq]]
+        assert s["document_ids"].tolist() == local
+        for j in range(seq):
+            same = doc_of[lo + j] == doc_of[lo + j + 1]
+            assert s["labels"][j].item() == (stream[lo + j + 1] if same else -100)
+            start = max(k for k in range(lo, lo + j + 1) if k == lo or doc_of[k] != doc_of[k - 1])
+            assert s["position_ids"][j].item() == lo + j - start
+
+
+def test_collator_pads_and_masks():
+    out = PadCollator(pad_id=9, pad_to_multiple_of=4)(
+        [{"input_ids": [1, 2, 3], "labels": [2, 3, 4]}, {"input_ids": [5], "labels": [6]}]
+    )
+    assert out["input_ids"].tolist() == [[1, 2, 3, 9], [5, 9, 9, 9]]
+    assert out["labels"].tolist() == [[2, 3, 4, -100], [6, -100, -100, -100]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+
+
+def test_length_bucketing_reduces_padding_and_keeps_every_sample():
+    lengths = [int(x) for x in torch.randint(1, 100, (64,), generator=torch.Generator().manual_seed(0))]
+    plain = GlobalBatchPlan(64, 8, seed=1)
+    bucketed = GlobalBatchPlan(64, 8, seed=1, lengths=lengths, bucket_buffer_batches=8)
+
+    def padding(plan: GlobalBatchPlan) -> int:
+        return sum(max(lengths[i] for i in b) * 8 - sum(lengths[i] for i in b) for b in map(plan.global_batch, range(8)))
+
+    assert sorted(i for k in range(8) for i in bucketed.global_batch(k)) == list(range(64))
+    assert padding(bucketed) < padding(plain) / 3
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": [i], "labels": [i]}
+
+
+def _loaders(n: int, gb: int, mb: int, dp: int, **kw) -> list[DistributedDataLoader]:
+    return [
+        DistributedDataLoader(_Ids(n), global_batch_size=gb, microbatch_size=mb, dp_rank=r, dp_size=dp, seed=3, **kw)
+        for r in range(dp)
+    ]
+
+
+def _step(loaders: list[DistributedDataLoader]) -> list[int]:
+    """Sample ids of one global step, in rank-then-microbatch order."""
+    return [i for ld in loaders for mb in next(ld) for i in mb["input_ids"][:, 0].tolist()]
+
+
+@pytest.mark.parametrize("new_dp,new_mb", [(2, 2), (1, 4), (4, 1)])
+def test_resume_yields_exactly_the_unseen_samples(new_dp, new_mb):
+    n, gb = 40, 8  # 5 steps per epoch: the run crosses an epoch boundary
+    reference = _loaders(n, gb, 2, 2)
+    expected = [_step(reference) for _ in range(9)]
+    # Each epoch is a permutation of all samples.
+    assert sorted(i for s in expected[:5] for i in s) == list(range(n))
+
+    first = _loaders(n, gb, 2, 2)
+    seen = [_step(first) for _ in range(3)]
+    state = first[0].state_dict()
+    assert all(ld.state_dict() == state for ld in first)  # global, identical on all ranks
+    resumed = _loaders(n, gb, new_mb, new_dp)
+    for ld in resumed:
+        ld.load_state_dict(state)
+    rest = [_step(resumed) for _ in range(6)]
+    assert seen + rest == expected
+
+
+def test_resume_with_worker_processes_matches():
+    ref = _loaders(24, 4, 2, 1)[0]
+    expected = [next(ref) for _ in range(4)]
+    ld = _loaders(24, 4, 2, 1, num_workers=1)[0]
+    got = [next(ld), next(ld)]
+    state = ld.state_dict()
+    ld2 = _loaders(24, 4, 2, 1, num_workers=1)[0]
+    ld2.load_state_dict(state)
+    got += [next(ld2), next(ld2)]
+    for a, b in zip(got, expected):
+        assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+
+
+def test_resume_rejects_a_different_global_order():
+    ld = _loaders(40, 8, 2, 2)[0]
+    other = _loaders(40, 16, 2, 2)[0]
+    with pytest.raises(ValueError, match="global_batch_size=8 was saved"):
+        other.load_state_dict(ld.state_dict())
+
+
+def test_readers_and_memmap(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"text": "x"}) + "\n")
+    assert list(read_jsonl_texts(tmp_path / "d.jsonl")) == ["héllo", "x"]
+    (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'text'"):
+        list(read_jsonl_texts(tmp_path / "bad.jsonl"))
+    tokens = np.arange(50) % 7
+    write_token_file(tmp_path / "t.bin", tokens)
+    mm = read_token_file(tmp_path / "t.bin")
+    ds = PackedTokens(mm, 8, eos_id=6)
+    ref = PackedTokens(tokens, 8, eos_id=6)
+    assert len(ds) == 6
+    for i in range(len(ds)):
+        assert all(torch.equal(ds[i][k], ref[i][k]) for k in ref[i])
+    with pytest.raises(ValueError, match="do not fit uint16"):
+        write_token_file(tmp_path / "u.bin", [70000])
+
+
+def test_hf_datasets_missing_names_the_extra():
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"plait-loop\[datasets\]"):
+            next(read_hf_texts("x"))
+    else:  # pragma: no cover - only without datasets
+        pytest.skip("datasets is installed")
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = ByteTokenizer()
+    ids = tok.encode("añb")
+    assert ids == list("añb".encode()) and tok.decode([*ids, tok.eos_id]) == "añb"
+
+
+def test_hf_tokenizer_from_local_dir(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, "hello": 1, "world": 2, "[UNK]": 3}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    hf = HFTokenizer(tmp_path)
+    assert hf.encode("hello world zzz") == [1, 2, 3]
+    assert (hf.eos_id, hf.pad_id, hf.vocab_size) == (0, 0, 4)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        HFTokenizer(tmp_path / "missing")

@@ -1,0 +1,226 @@
+"""The Trainer on CPU: falling loss (1 process and gloo DP=2), grad-accumulation equivalence,
+tracker files, events, NaN policy, exact in-process resume through app_state, profiler traces."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.dist_core.testing import run_distributed
+from plait.loop import (
+    AfterOptimizerStep,
+    CausalLMTask,
+    DatasetProvider,
+    Event,
+    ModuleProvider,
+    StepEnd,
+    StepSkipped,
+    Trainer,
+    load_config,
+    pack_documents,
+)
+from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
+
+
+def _config(tmp_path, *extra: str, steps: int = 12, dp: int = 1):
+    return load_config(
+        overrides=[
+            f"--run.run_dir={tmp_path}",
+            f"--run.steps={steps}",
+            f"--mesh.data_shard={dp}",
+            "--batching.global_batch_size=8",
+            "--batching.microbatch_size=2",
+            "--batching.seq_len=16",
+            "--optimizer.lr=0.02",
+            "--logging.progress_bar=false",
+            *extra,
+        ]
+    )
+
+
+def _dataset():
+    return pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1)
+
+
+def _trainer(cfg, task=None, **kw) -> Trainer:
+    return Trainer(cfg, ModuleProvider(TinyLM), DatasetProvider(_dataset()), task or CausalLMTask(), **kw)
+
+
+def _losses(trainer: Trainer) -> list[float]:
+    out: list[float] = []
+    trainer.subscribe(StepEnd, lambda e: out.append(e.metrics["loss"]))
+    return out
+
+
+def test_trains_on_one_process_and_writes_metrics(tmp_path):
+    torch.set_num_threads(1)
+    tr = _trainer(_config(tmp_path, "--logging.interval=4", steps=24))
+    losses = _losses(tr)
+    tr.fit()
+    tr.close()
+    assert tr.step == 24 and len(losses) == 24
+    assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8, 12, 16, 20, 24]
+    for r in records:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), key
+    # The logged loss is the token-weighted mean over the interval's steps.
+    assert records[-1]["loss"] == pytest.approx(sum(losses[-4:]) / 4, rel=0.05)
+    assert json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 24
+
+
+def _grads_after_forward_backward(tmp_path, microbatch_size: int) -> tuple[dict[str, torch.Tensor], Trainer, list]:
+    cfg = _config(tmp_path, f"--batching.microbatch_size={microbatch_size}")
+    tr = _trainer(cfg)
+    mbs = next(tr.data_loader)
+    tr.forward_backward(mbs)
+    return {n: p.grad.clone() for n, p in tr.model_parts[0].named_parameters()}, tr, mbs
+
+
+def test_grad_accumulation_equivalence(tmp_path):
+    g_accum, tr, mbs = _grads_after_forward_backward(tmp_path, 2)  # 4 microbatches x 2
+    assert len(mbs) == 4
+    g_one, _, mbs1 = _grads_after_forward_backward(tmp_path, 8)  # 1 microbatch x 8
+    assert len(mbs1) == 1
+    # Independent reference: plain PyTorch, float64, mean cross-entropy over the whole global batch.
+    ref = copy.deepcopy(tr.model_parts[0]).double()
+    ref.zero_grad(set_to_none=True)
+    batch = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
+    logits = ref(batch["input_ids"])["logits"]
+    F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(g_accum[name].double(), p.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g_one[name], g_accum[name], rtol=1e-4, atol=1e-6)
+
+
+def _dp_run(run_dir: str, steps: int) -> list[float]:
+    torch.set_num_threads(1)
+    cfg = load_config(
+        overrides=[
+            f"--run.run_dir={run_dir}",
+            f"--run.steps={steps}",
+            "--mesh.data_shard=2",
+            "--batching.global_batch_size=8",
+            "--batching.microbatch_size=2",
+            "--optimizer.lr=0.02",
+            "--logging.progress_bar=false",
+        ]
+    )
+    tr = _trainer(cfg)
+    losses = _losses(tr)
+    tr.fit()
+    tr.close()
+    return losses
+
+
+def test_data_parallel_2_matches_one_process(tmp_path):
+    steps = 8
+    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps)
+    assert dp_losses[0] == dp_losses[1]
+    single = _trainer(_config(tmp_path / "one", steps=steps))
+    ref = _losses(single)
+    single.fit()
+    single.close()
+    # Same global batches, same init: the token-weighted loss and updates agree up to summation order.
+    assert dp_losses[0] == pytest.approx(ref, rel=1e-4)
+    assert dp_losses[0][-1] < dp_losses[0][0]
+    assert (tmp_path / "dp" / "metrics.jsonl").exists()
+
+
+def test_events_and_post_optimizer_hook(tmp_path):
+    tr = _trainer(_config(tmp_path, steps=2))
+    names: list[str] = []
+    tr.subscribe(Event, lambda e: names.append(type(e).__name__))
+    snapshots = []
+    tr.subscribe(AfterOptimizerStep, lambda e: snapshots.append(e.trainer.model_parts[0].head.weight.detach().clone()))
+    tr.fit()
+    tr.close()
+    one_step = [
+        "StepStart",
+        "BeforeForwardBackward",
+        *["AfterBackward"] * 4,
+        "AfterForwardBackward",
+        "BeforeOptimizerStep",
+        "AfterOptimizerStep",
+    ]
+    assert names[0] == "TrainingStart" and names[-1] == "TrainingEnd"
+    assert names[1:10] == one_step and names[10] == "MetricsLogged" and names[11] == "StepEnd"
+    assert len(snapshots) == 2 and not torch.equal(snapshots[0], snapshots[1])
+
+
+class _NaNAt:
+    """A task whose loss is NaN at one step (counting loss calls)."""
+
+    def __init__(self, bad_step: int, microbatches: int = 4) -> None:
+        self.inner = CausalLMTask()
+        self.calls = 0
+        self.bad_step, self.mbs = bad_step, microbatches
+
+    def model_inputs(self, batch):
+        return self.inner.model_inputs(batch)
+
+    def num_loss_tokens(self, batch):
+        return self.inner.num_loss_tokens(batch)
+
+    def loss(self, outputs, batch):
+        lo = self.inner.loss(outputs, batch)
+        step = self.calls // self.mbs
+        self.calls += 1
+        if step == self.bad_step:
+            return type(lo)(lo.objective * math.nan, lo.loss_sum * math.nan, lo.num_tokens)
+        return lo
+
+
+def test_nonfinite_loss_raises_naming_step_and_rank(tmp_path):
+    tr = _trainer(_config(tmp_path, steps=3), task=_NaNAt(1))
+    with pytest.raises(FloatingPointError, match="at step 1 on rank 0"):
+        tr.fit()
+
+
+def test_nonfinite_loss_skip_policy(tmp_path):
+    tr = _trainer(_config(tmp_path, "--determinism.nonfinite_loss=skip", steps=3), task=_NaNAt(1))
+    skipped: list[int] = []
+    tr.subscribe(StepSkipped, lambda e: skipped.append(e.step))
+    before: list[torch.Tensor] = []
+    tr.subscribe(StepEnd, lambda e: before.append(tr.model_parts[0].head.weight.detach().clone()))
+    tr.fit()
+    assert skipped == [1] and tr.state.skipped_steps == 1 and tr.step == 3
+    assert torch.equal(before[0], before[1])  # the skipped step changed nothing
+    assert all(torch.isfinite(p).all() for p in tr.parameters())
+
+
+def test_app_state_resumes_exactly(tmp_path):
+    cfg = _config(tmp_path, steps=6)
+    full = _trainer(cfg)
+    ref = _losses(full)
+    full.fit()
+
+    first = _trainer(cfg)
+    first.fit(steps=3)
+    saved = {k: copy.deepcopy(v.state_dict()) for k, v in first.app_state().items()}
+    assert saved["trainer"]["step"] == 3 and saved["data"]["batches_consumed"] == 3
+
+    torch.manual_seed(1234)  # a different RNG/init to overwrite
+    resumed = _trainer(cfg)
+    for key, stateful in resumed.app_state().items():
+        stateful.load_state_dict(saved[key])
+    rest = _losses(resumed)
+    resumed.fit()
+    assert resumed.step == 6
+    assert rest == ref[3:]  # bit-exact on CPU
+
+
+def test_profiler_writes_a_trace(tmp_path):
+    cfg = _config(
+        tmp_path, "--profiling.enabled=true", "--profiling.wait=0", "--profiling.warmup=0", "--profiling.active=1", steps=2
+    )
+    tr = _trainer(cfg)
+    tr.fit()
+    traces = list((tmp_path / "profile").glob("rank0_step*.json"))
+    assert traces and json.loads(traces[0].read_text())["traceEvents"]

@@ -1,0 +1,129 @@
+"""Loss and gradients of parallel layouts (gloo, CPU) equal the single-process model's.
+
+Each rank builds the model on meta, applies the parallel plan, loads the same Hugging Face
+checkpoint straight into its shards (reading only its part), runs its data-parallel slice of the
+batch and returns the loss and the gathered full gradients. Gradient reduction is by *sum* (the
+loop's convention: objective = local token-sum loss / global token count).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from plait.models import (
+    ActivationCheckpointing,
+    ParallelConfig,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    load_hf_checkpoint,
+    parallelize,
+    save_hf_checkpoint,
+)
+
+dist_testing = pytest.importorskip("plait.dist_core.testing")
+run_distributed = dist_testing.run_distributed
+
+DENSE = ("pp", "dp_replicate", "dp_cp_shard", "cp_replicate", "tp")
+EXPERT = ("pp", "ep_replicate", "ep_shard")
+
+CFG = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=(1,),
+    router_aux_loss_coef=0.0,
+    initializer_range=0.2,
+)
+
+# layout -> (world, dense mesh shape, expert mesh shape, parallel config kwargs)
+LAYOUTS = {
+    "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
+    "hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 4, 1), {}),
+    "ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
+    "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
+    "tp2_fsdp2_ac": (
+        4,
+        (1, 1, 2, 1, 2),
+        (1, 4, 1),
+        {"activation_checkpointing": ActivationCheckpointing(mode="selective", every=2)},
+    ),
+}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (4, 8), generator=g)
+    labels = torch.randint(0, 128, (4, 8), generator=g)
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
+    world, dshape, eshape, pkw = LAYOUTS[layout]
+    assert dist.get_world_size() == world
+    dense = init_device_mesh("cpu", dshape, mesh_dim_names=DENSE)
+    expert = init_device_mesh("cpu", eshape, mesh_dim_names=EXPERT)
+    cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig(**pkw))
+    load_hf_checkpoint(model, ckpt)
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
+    ids, labels = _batch()
+    dp_size = dshape[1] * dshape[2]
+    dp_rank = dense["dp_replicate"].get_local_rank() * dshape[2] + dense["dp_cp_shard"].get_local_rank()
+    rows = slice(dp_rank * 4 // dp_size, (dp_rank + 1) * 4 // dp_size)
+    out = model(input_ids=ids[rows], labels=labels[rows])
+    global_tokens = int((labels != -100).sum())
+    (out["loss_sum"] / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    dp_group = dense["dp_replicate", "dp_cp_shard"]._flatten().get_group() if dp_size > 1 else None
+    if dp_group is not None:
+        dist.all_reduce(loss_sum, group=dp_group)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads if dist.get_rank() == 0 else None}
+
+
+def _reference(tied: bool, tmp_path) -> tuple[float, dict[str, torch.Tensor], str]:
+    cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    model.reset_parameters()
+    ckpt = save_hf_checkpoint(model, tmp_path / "seed")
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    out["loss"].backward()
+    return out["loss"].item(), {n: p.grad for n, p in model.named_parameters()}, str(ckpt)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_single_process(layout, tmp_path):
+    tied = layout == "tp2"
+    ref_loss, ref_grads, ckpt = _reference(tied, tmp_path)
+    world = LAYOUTS[layout][0]
+    results = run_distributed(_rank_main, world, layout, ckpt, tied, timeout=240.0)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    grads = results[0]["grads"]
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-4, msg=name)

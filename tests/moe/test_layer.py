@@ -1,0 +1,97 @@
+"""Local MoELayer edge cases against the float64 loop reference: dropping, empty experts, one hot expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plait.moe import MoELayer, RouterConfig, apply_capacity, expert_capacity
+
+from ._reference import kept_assignments, reference_moe
+
+H, FFN, E = 8, 6, 8
+
+
+def _check_against_reference(layer: MoELayer, x: torch.Tensor, **ref_kwargs: object) -> None:
+    params = {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
+    x64 = x.double().requires_grad_()
+    y_ref, aux_ref, counts_ref = reference_moe(x64, params, **ref_kwargs)  # type: ignore[arg-type]
+    g = torch.randn_like(y_ref)
+    ((y_ref * g).sum() + aux_ref).backward()
+
+    xx = x.clone().requires_grad_()
+    out = layer(xx)
+    ((out.hidden_states * g.float()).sum() + out.aux_loss).backward()
+    torch.testing.assert_close(out.hidden_states.double(), y_ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.aux_loss.double(), aux_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.tokens_per_expert, counts_ref)
+    torch.testing.assert_close(xx.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad.double(), params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_dropping(policy: str) -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(
+        H, FFN, E, RouterConfig(top_k=2, aux_loss_coef=0.1), capacity_factor=0.5, drop_policy=policy
+    )  # type: ignore[arg-type]
+    x = torch.randn(24, H)
+    # The limit binds: some assignments are dropped.
+    with torch.no_grad():
+        r = layer.router(x)
+    kept = kept_assignments(r.topk_idx, r.topk_weights, E, 0.5, policy)
+    assert not kept.all()
+    dropped_idx = apply_capacity(r.topk_idx, r.topk_weights, E, 0.5, policy)  # type: ignore[arg-type]
+    assert torch.equal(dropped_idx == E, ~kept)
+    assert expert_capacity(24, 2, E, 0.5) == 3
+    _check_against_reference(layer, x, top_k=2, aux_loss_coef=0.1, capacity_factor=0.5, drop_policy=policy)
+
+
+def test_empty_experts_get_zero_grad() -> None:
+    torch.manual_seed(1)
+    layer = MoELayer(H, FFN, E, RouterConfig(top_k=1, norm_topk_prob=True))
+    x = torch.randn(3, H)  # 3 tokens, top-1: at least 5 of 8 experts are empty
+    _check_against_reference(layer, x, top_k=1, norm_topk_prob=True)
+    used = layer(x).tokens_per_expert > 0
+    assert (~used).sum() >= 5
+    assert layer.experts.gate_up_proj.grad[~used].abs().sum() == 0
+
+
+def test_all_tokens_to_one_expert_with_shared_expert() -> None:
+    torch.manual_seed(2)
+    layer = MoELayer(
+        H, FFN, E, RouterConfig(top_k=2), shared_expert_intermediate_size=5, shared_expert_gate=True
+    )
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[3, 0] = 20.0
+    x = torch.randn(16, H)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    out = layer(x)
+    assert out.tokens_per_expert[3] == 16
+    _check_against_reference(layer, x, top_k=2)
+
+
+def test_capacity_one_hot_expert_keeps_capacity_rows() -> None:
+    torch.manual_seed(3)
+    layer = MoELayer(H, FFN, E, RouterConfig(top_k=1), capacity_factor=1.0, drop_policy="position")
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[2, 0] = 20.0
+    x = torch.randn(16, H)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    y = layer(x).hidden_states
+    # capacity = 16 * 1 / 8 = 2: only the first two tokens are computed; the rest get zero.
+    assert y[:2].abs().sum() > 0 and y[2:].abs().sum() == 0
+    _check_against_reference(layer, x, top_k=1, capacity_factor=1.0, drop_policy="position")
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoELayer(H, FFN, E, RouterConfig(top_k=2), capacity_factor=0.0)
+    with pytest.raises(ValueError, match="drop_policy"):
+        MoELayer(H, FFN, E, RouterConfig(top_k=2), drop_policy="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MoELayer(H, FFN, E, RouterConfig(top_k=2), shared_expert_gate=True)
+    with pytest.raises(ValueError, match="hidden_size"):
+        MoELayer(H, FFN, E, RouterConfig(top_k=2))(torch.randn(4, H + 1))

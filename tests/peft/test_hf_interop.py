@@ -1,0 +1,110 @@
+"""Interoperability with the real Hugging Face ``peft`` library on a tiny random Qwen3 (no download).
+
+plait's LoRA/DoRA is applied directly onto the transformers module, so the module names are the
+transformers ones; adapters go plait -> peft and peft -> plait, and logits must agree (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from plait.peft import DoRAConfig, LoRAConfig, LoRALinear, apply_peft  # noqa: E402
+from plait.peft.hf import export_hf_adapter, import_hf_adapter  # noqa: E402
+
+
+def tiny_qwen3(seed: int = 0) -> torch.nn.Module:
+    cfg = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2], [4, 4, 8, 0, 6, 1]])
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+ATTN = r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+MLP = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_plait_adapter_loads_in_peft(tmp_path: Path, dora: bool) -> None:
+    model = tiny_qwen3()
+    base_logits = logits(model)
+    cls = DoRAConfig if dora else LoRAConfig
+    # two ranks/alphas -> rank_pattern/alpha_pattern; rsLoRA
+    apply_peft(
+        model,
+        [
+            cls(r=4, alpha=8, target_modules=ATTN, init="random", use_rslora=True),
+            cls(r=2, alpha=3, target_modules=MLP, init="random", use_rslora=True),
+        ],
+    )
+    if dora:
+        with torch.no_grad():  # a trained magnitude differs from the initial row norms
+            for m in model.modules():
+                if hasattr(m, "lora_magnitude_vector"):
+                    m.lora_magnitude_vector.mul_(1.0 + 0.1 * torch.rand_like(m.lora_magnitude_vector))
+    ours = logits(model)
+    assert not torch.allclose(ours, base_logits, atol=1e-3)
+    config = export_hf_adapter(model, tmp_path, task_type="CAUSAL_LM")
+    on_disk = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert on_disk == config and on_disk["use_dora"] is dora and on_disk["use_rslora"] is True
+    # 8 attention modules (r=4) outnumber 6 MLP modules (r=2): r=4 is the default, MLP goes to the patterns
+    assert on_disk["r"] == 4 and set(on_disk["rank_pattern"].values()) == {2}, on_disk
+
+    theirs = peft.PeftModel.from_pretrained(tiny_qwen3(), str(tmp_path)).eval()
+    torch.testing.assert_close(logits(theirs), ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_peft_adapter_imports_into_plait(tmp_path: Path, dora: bool) -> None:
+    hf_cfg = peft.LoraConfig(
+        r=4,
+        lora_alpha=6,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"down_proj": 2},
+        alpha_pattern={"down_proj": 5},
+        init_lora_weights=False,  # non-zero B
+        use_dora=dora,
+    )
+    theirs = peft.get_peft_model(tiny_qwen3(), hf_cfg).eval()
+    expected = logits(theirs)
+    theirs.save_pretrained(str(tmp_path))
+
+    model = tiny_qwen3()
+    report = import_hf_adapter(model, tmp_path)
+    assert report is not None and len(report.adapted) == 6
+    assert all(isinstance(model.get_submodule(a.name), LoRALinear) for a in report.adapted)
+    down = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert (down.r, down.alpha) == (2, 5.0)
+    torch.testing.assert_close(logits(model), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_import_rejects_unsupported(tmp_path: Path) -> None:
+    theirs = peft.get_peft_model(
+        tiny_qwen3(), peft.LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True)
+    )
+    theirs.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="lora_bias"):
+        import_hf_adapter(tiny_qwen3(), tmp_path)
