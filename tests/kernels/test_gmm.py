@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.kernels import GradDirection, gmm, grad_direction
 
 
@@ -32,7 +31,11 @@ def check_gmm(dtype, counts, k, n, trans_w, backend, device="cpu"):
     y64 = _ref64(x64, w64, counts, trans_w)
     y64.backward(dy.double())
     scale = k**0.5
-    tol = {"atol": 1e-4 * scale, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2 * scale, "rtol": 2e-2}
+    tol = (
+        {"atol": 1e-4 * scale, "rtol": 1e-4}
+        if dtype == torch.float32
+        else {"atol": 2e-2 * scale, "rtol": 2e-2}
+    )
     torch.testing.assert_close(y.double(), y64, **tol)
     torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
     wtol = dict(tol, atol=tol["atol"] * max(max(counts), 1) ** 0.5)

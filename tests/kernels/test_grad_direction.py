@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from plait.kernels import GradDirection, current_grad_direction, gmm, grad_direction, linear_cross_entropy, rms_norm
+from plait.kernels import (
+    GradDirection,
+    current_grad_direction,
+    gmm,
+    grad_direction,
+    linear_cross_entropy,
+    rms_norm,
+)
 
 
 def test_context_nesting():
@@ -17,9 +23,8 @@ def test_context_nesting():
         assert current_grad_direction() == GradDirection.INPUTS
     assert current_grad_direction() == GradDirection.BOTH
     assert GradDirection.BOTH == GradDirection.INPUTS | GradDirection.WEIGHTS
-    with pytest.raises(TypeError):
-        with grad_direction("inputs"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(TypeError), grad_direction("inputs"):  # type: ignore[arg-type]
+        pass
 
 
 def _ops():

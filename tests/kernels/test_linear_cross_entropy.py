@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from plait.kernels import linear_cross_entropy
 from plait.kernels._dispatch import use_triton
+
 from tests.kernels.conftest import to64
 
 
@@ -39,7 +39,9 @@ def check_lce(dtype, n, h, v, kw, chunks=(5, 16), device="cpu"):
     t[1::4] = -100
     kw = dict(kw)
     ret_lse = kw.pop("return_lse", False)
-    out = linear_cross_entropy(x, w, t, return_lse=ret_lse, chunk_tokens=chunks[0], chunk_vocab=chunks[1], **kw)
+    out = linear_cross_entropy(
+        x, w, t, return_lse=ret_lse, chunk_tokens=chunks[0], chunk_vocab=chunks[1], **kw
+    )
     loss, lse = out if ret_lse else (out, None)
     assert loss.dtype == torch.float32
     torch.manual_seed(1)
@@ -107,7 +109,9 @@ def test_linear_ce_does_not_materialise_logits(monkeypatch):
 
 def test_linear_ce_bad_input():
     with pytest.raises(ValueError, match="reduction"):
-        linear_cross_entropy(torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), reduction="avg")
+        linear_cross_entropy(
+            torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), reduction="avg"
+        )
     with pytest.raises(ValueError, match="targets"):
         linear_cross_entropy(torch.randn(2, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
@@ -123,7 +127,9 @@ def test_linear_ce_cce_backend_missing_names_extra():
     except ImportError:
         pass
     with pytest.raises(ImportError, match=r"plait-kernels\[cce\]"):
-        linear_cross_entropy(torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), backend="cce")
+        linear_cross_entropy(
+            torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), backend="cce"
+        )
 
 
 # --- vocab-parallel -----------------------------------------------------------------------------
@@ -136,14 +142,18 @@ def _vocab_parallel_rank(x, w, t, sizes, kw):
     start = sum(sizes[:rank])
     w_local = w[start : start + sizes[rank]].clone().requires_grad_()
     xl = x.clone().requires_grad_()
-    out = linear_cross_entropy(xl, w_local, t, process_group=dist.group.WORLD, chunk_tokens=4, chunk_vocab=6, **kw)
+    out = linear_cross_entropy(
+        xl, w_local, t, process_group=dist.group.WORLD, chunk_tokens=4, chunk_vocab=6, **kw
+    )
     loss, lse = out if kw.get("return_lse") else (out, None)
     total = loss.sum() + (lse.sum() * 0.5 if lse is not None else 0)
     total.backward()
     return loss.detach(), xl.grad, w_local.grad
 
 
-@pytest.mark.parametrize("kw", [{}, {"reduction": "none", "z_loss": 1e-2, "softcap": 5.0, "return_lse": True}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"reduction": "none", "z_loss": 1e-2, "softcap": 5.0, "return_lse": True}]
+)
 def test_linear_ce_vocab_parallel_gloo(kw):
     testing = pytest.importorskip("plait.dist_core.testing")
     torch.manual_seed(0)

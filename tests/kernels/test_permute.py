@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.kernels import permute, topk_to_routing_map, unpermute
 from plait.kernels._dispatch import use_triton
 
@@ -81,12 +80,16 @@ def check_permute_roundtrip(dtype, t, h, e, k, align, empty_expert=None, device=
     y_dense = unpermute(xp.detach() * scale, row_map, t, probs.detach())
     torch.testing.assert_close(y_dense, y.detach())
     y_plain = unpermute(xp.detach(), row_map, t)
-    torch.testing.assert_close(y_plain.double(), x.detach().double() * rm.sum(1, keepdim=True).double(), **tol)
+    torch.testing.assert_close(
+        y_plain.double(), x.detach().double() * rm.sum(1, keepdim=True).double(), **tol
+    )
     return use_triton(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,h,e,k,align,empty", [(9, 12, 5, 2, 1, None), (6, 7, 4, 3, 4, 1), (1, 5, 3, 1, 8, None)])
+@pytest.mark.parametrize(
+    "t,h,e,k,align,empty", [(9, 12, 5, 2, 1, None), (6, 7, 4, 3, 4, 1), (1, 5, 3, 1, 8, None)]
+)
 def test_permute_unpermute(run, dtype, t, h, e, k, align, empty):
     assert run(check_permute_roundtrip, dtype, t, h, e, k, align, empty) == (run.path == "triton")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.kernels import rms_norm
 from plait.kernels._dispatch import use_triton
+
 from tests.kernels.conftest import TOL, to64
 
 
@@ -49,7 +49,8 @@ def check_rms_norm(dtype, shape, offset, with_res, with_w=True, device="cpu"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "shape,offset,with_res,with_w", [((1, 37), 0.0, False, True), ((3, 5, 24), 1.0, True, True), ((6, 19), 0.0, True, False)]
+    "shape,offset,with_res,with_w",
+    [((1, 37), 0.0, False, True), ((3, 5, 24), 1.0, True, True), ((6, 19), 0.0, True, False)],
 )
 def test_rms_norm_matches_float64(run, dtype, shape, offset, with_res, with_w):
     assert run(check_rms_norm, dtype, shape, offset, with_res, with_w) == (run.path == "triton")

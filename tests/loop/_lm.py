@@ -35,3 +35,44 @@ def pattern_tokens(n_docs: int = 64, seed: int = 0) -> list[list[int]]:
         length = int(torch.randint(6, 14, (1,), generator=g))
         docs.append([(start + i * stride) % (VOCAB - 1) for i in range(length)])
     return docs
+
+
+class TinyStage0(nn.Module):
+    """First pipeline stage of :class:`TinyLM` (same parameter names)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, input_ids: torch.Tensor, **_: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        return {"h": h + self.down(torch.relu(self.up(self.norm(h))))}
+
+
+class TinyStage1(nn.Module):
+    """Last pipeline stage of :class:`TinyLM`."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16) -> None:
+        super().__init__()
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, h: torch.Tensor, **_: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.head(h)}
+
+
+def tiny_stage(stage_index: int, num_stages: int) -> nn.Module:
+    """``TinyLM`` split in two stages (or whole for one)."""
+    if num_stages == 1:
+        return TinyLM()
+    return TinyStage0() if stage_index == 0 else TinyStage1()
+
+
+def load_reference_weights(modules) -> None:
+    """Copy the weights of a ``TinyLM`` seeded with 0 into the local stages (by parameter name)."""
+    torch.manual_seed(0)
+    ref = TinyLM().state_dict()
+    for m in modules:
+        m.load_state_dict({k: ref[k] for k in m.state_dict()})

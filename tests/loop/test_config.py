@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from plait.loop import ConfigError, TrainerConfig, config_json_schema, dump_config, load_config
 from plait.loop.config import SGDConfig, read_config_file
 
@@ -92,12 +91,21 @@ def test_bad_file_value_names_field(tmp_path):
 
 
 def test_grad_accum_validated_against_dp():
-    with pytest.raises(ConfigError, match=r"batching.global_batch_size=10 is not a multiple of batching.microbatch_size \(2\) x data-parallel size \(2\)"):
-        load_config(overrides=["--batching.global_batch_size=10", "--mesh.data_shard=2", "--batching.microbatch_size=2"])
+    with pytest.raises(
+        ConfigError,
+        match=r"batching.global_batch_size=10 is not a multiple of batching.microbatch_size \(2\) x data-parallel size \(2\)",
+    ):
+        load_config(
+            overrides=[
+                "--batching.global_batch_size=10",
+                "--mesh.data_shard=2",
+                "--batching.microbatch_size=2",
+            ]
+        )
 
 
 def test_bad_override_syntax_and_format(tmp_path):
-    with pytest.raises(ConfigError, match="expected --section.field=value"):
+    with pytest.raises(ConfigError, match=r"expected --section\.field=value"):
         load_config(overrides=["--optimizer.lr"])
     (tmp_path / "c.ini").write_text("x")
     with pytest.raises(ConfigError, match="unknown config format"):
@@ -113,5 +121,27 @@ def test_config_is_frozen_and_schema_exports(tmp_path):
         cfg.run.steps = 3  # type: ignore[misc]
     schema = config_json_schema(path=tmp_path / "schema.json")
     assert json.loads((tmp_path / "schema.json").read_text()) == schema
-    for section in ("run", "mesh", "batching", "pipeline", "optimizer", "lr_schedule", "grad_clip", "checkpoint"):
+    for section in (
+        "run",
+        "mesh",
+        "batching",
+        "pipeline",
+        "optimizer",
+        "lr_schedule",
+        "grad_clip",
+        "checkpoint",
+    ):
         assert section in schema["properties"]
+
+
+def test_pipeline_section_uses_the_schedule_union():
+    from plait.pipelining import ZBVConfig
+
+    cfg = load_config(
+        overrides=["--mesh.pipeline=2", "--pipeline.kind=zbv", "--batching.global_batch_size=8", "--batching.microbatch_size=2"]
+    )
+    assert isinstance(cfg.pipeline, ZBVConfig) and cfg.pipeline.num_microbatches == 4
+    with pytest.raises(ConfigError, match=r"pipeline.num_microbatches=3 must equal .* steps 4"):
+        load_config(overrides=["--pipeline.kind=1f1b", "--pipeline.num_microbatches=3", "--batching.global_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"pipeline"):
+        load_config(overrides=["--pipeline.kind=nope"])

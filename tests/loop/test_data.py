@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from plait.loop import (
     ByteTokenizer,
     DistributedDataLoader,
@@ -65,7 +64,10 @@ def test_length_bucketing_reduces_padding_and_keeps_every_sample():
     bucketed = GlobalBatchPlan(64, 8, seed=1, lengths=lengths, bucket_buffer_batches=8)
 
     def padding(plan: GlobalBatchPlan) -> int:
-        return sum(max(lengths[i] for i in b) * 8 - sum(lengths[i] for i in b) for b in map(plan.global_batch, range(8)))
+        return sum(
+            max(lengths[i] for i in b) * 8 - sum(lengths[i] for i in b)
+            for b in map(plan.global_batch, range(8))
+        )
 
     assert sorted(i for k in range(8) for i in bucketed.global_batch(k)) == list(range(64))
     assert padding(bucketed) < padding(plain) / 3
@@ -84,7 +86,9 @@ class _Ids(torch.utils.data.Dataset):
 
 def _loaders(n: int, gb: int, mb: int, dp: int, **kw) -> list[DistributedDataLoader]:
     return [
-        DistributedDataLoader(_Ids(n), global_batch_size=gb, microbatch_size=mb, dp_rank=r, dp_size=dp, seed=3, **kw)
+        DistributedDataLoader(
+            _Ids(n), global_batch_size=gb, microbatch_size=mb, dp_rank=r, dp_size=dp, seed=3, **kw
+        )
         for r in range(dp)
     ]
 
@@ -134,7 +138,9 @@ def test_resume_rejects_a_different_global_order():
 
 
 def test_readers_and_memmap(tmp_path):
-    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"text": "x"}) + "\n")
+    (tmp_path / "d.jsonl").write_text(
+        json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"text": "x"}) + "\n"
+    )
     assert list(read_jsonl_texts(tmp_path / "d.jsonl")) == ["héllo", "x"]
     (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'text'"):
@@ -178,5 +184,5 @@ def test_hf_tokenizer_from_local_dir(tmp_path):
     hf = HFTokenizer(tmp_path)
     assert hf.encode("hello world zzz") == [1, 2, 3]
     assert (hf.eos_id, hf.pad_id, hf.vocab_size) == (0, 0, 4)
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         HFTokenizer(tmp_path / "missing")

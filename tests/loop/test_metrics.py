@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from plait.dist_core.testing import run_distributed
 from plait.loop import Derived, Max, Mean, MetricCollection, Min, Sum
 

@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
 from plait.loop import LRScheduleConfig, LRSegment, PiecewiseLR, build_optimizer, param_groups, plot_schedule
-from plait.loop.config import AdamWConfig, SGDConfig
+from plait.loop.config import AdamWConfig, SGDConfig, StochasticAdamWConfig
+from torch import nn
 
 
 def _sched(*segments: LRSegment, steps: int = 100) -> tuple[PiecewiseLR, torch.optim.Optimizer]:
@@ -63,7 +62,7 @@ def test_state_dict_resumes_lr():
 def test_schedule_errors():
     with pytest.raises(ValueError, match="only one segment"):
         LRScheduleConfig(segments=(LRSegment(kind="constant"), LRSegment(kind="constant")))
-    with pytest.raises(ValueError, match="more than run.steps=10"):
+    with pytest.raises(ValueError, match=r"more than run\.steps=10"):
         LRScheduleConfig(segments=(LRSegment(kind="constant", duration=20),)).resolve(10)
     with pytest.raises(ValueError, match="exponential"):
         LRSegment(kind="exponential", start=0.0, end=1.0)
@@ -102,6 +101,20 @@ def test_build_optimizers():
     assert isinstance(adamw, torch.optim.AdamW) and not adamw.defaults["fused"]  # CPU: not fused
     sgd = build_optimizer(SGDConfig(lr=0.1, momentum=0.9), net)
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
+    from plait.kernels import StochasticAdamW
+
+    sr = build_optimizer(StochasticAdamWConfig(lr=1e-3, weight_decay=0.0), net)
+    assert isinstance(sr, StochasticAdamW) and len(sr.param_groups) == 2
+    # With fp32 parameters it is exact AdamW: compare one step against torch's.
+    ref_net = _Net()
+    ref_net.load_state_dict(net.state_dict())
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    for m, o in ((net, sr), (ref_net, ref)):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        o.step()
+    for a, b in zip(net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(a, b)
     for p in net.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter with requires_grad"):

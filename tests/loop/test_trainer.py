@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from plait.dist_core.testing import run_distributed
 from plait.loop import (
     AfterOptimizerStep,
@@ -24,6 +23,7 @@ from plait.loop import (
     load_config,
     pack_documents,
 )
+
 from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
 
 
@@ -75,7 +75,9 @@ def test_trains_on_one_process_and_writes_metrics(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 24
 
 
-def _grads_after_forward_backward(tmp_path, microbatch_size: int) -> tuple[dict[str, torch.Tensor], Trainer, list]:
+def _grads_after_forward_backward(
+    tmp_path, microbatch_size: int
+) -> tuple[dict[str, torch.Tensor], Trainer, list]:
     cfg = _config(tmp_path, f"--batching.microbatch_size={microbatch_size}")
     tr = _trainer(cfg)
     mbs = next(tr.data_loader)
@@ -138,7 +140,9 @@ def test_events_and_post_optimizer_hook(tmp_path):
     names: list[str] = []
     tr.subscribe(Event, lambda e: names.append(type(e).__name__))
     snapshots = []
-    tr.subscribe(AfterOptimizerStep, lambda e: snapshots.append(e.trainer.model_parts[0].head.weight.detach().clone()))
+    tr.subscribe(
+        AfterOptimizerStep, lambda e: snapshots.append(e.trainer.model_parts[0].head.weight.detach().clone())
+    )
     tr.fit()
     tr.close()
     one_step = [
@@ -218,9 +222,67 @@ def test_app_state_resumes_exactly(tmp_path):
 
 def test_profiler_writes_a_trace(tmp_path):
     cfg = _config(
-        tmp_path, "--profiling.enabled=true", "--profiling.wait=0", "--profiling.warmup=0", "--profiling.active=1", steps=2
+        tmp_path,
+        "--profiling.enabled=true",
+        "--profiling.wait=0",
+        "--profiling.warmup=0",
+        "--profiling.active=1",
+        steps=2,
     )
     tr = _trainer(cfg)
     tr.fit()
     traces = list((tmp_path / "profile").glob("rank0_step*.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
+
+
+class _MeshContext:
+    """The slice of ``plait.dist_core.DistributedContext`` the trainer reads: ``mesh_for("batch")``."""
+
+    def __init__(self, pp: int, dp: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cpu", (pp, dp, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+
+    def mesh_for(self, name: str):
+        assert name == "batch"
+        return self.mesh
+
+
+def _pp_run(run_dir: str, steps: int, schedule: str) -> list[float]:
+    from tests.loop._lm import load_reference_weights, tiny_stage
+
+    torch.set_num_threads(1)
+    cfg = load_config(
+        overrides=[
+            f"--run.run_dir={run_dir}",
+            f"--run.steps={steps}",
+            "--mesh.pipeline=2",
+            f"--pipeline.kind={schedule}",
+            "--batching.global_batch_size=8",
+            "--batching.microbatch_size=2",
+            "--optimizer.lr=0.02",
+            "--logging.progress_bar=false",
+        ]
+    )
+    provider = ModuleProvider(tiny_stage, stages=True, initial_weights=load_reference_weights)
+    tr = Trainer(cfg, provider, DatasetProvider(_dataset()), CausalLMTask(), ctx=_MeshContext(2, 1))
+    losses = _losses(tr)
+    tr.fit()
+    tr.close()
+    return losses
+
+
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_pipeline_parallel_2_matches_one_process(tmp_path, schedule):
+    from tests.loop._lm import load_reference_weights
+
+    steps = 4
+    pp_losses = run_distributed(_pp_run, 2, str(tmp_path / "pp"), steps, schedule)
+    assert pp_losses[0] == pp_losses[1]
+    cfg = _config(tmp_path / "one", steps=steps)
+    single = Trainer(
+        cfg, ModuleProvider(TinyLM, initial_weights=load_reference_weights), DatasetProvider(_dataset()), CausalLMTask()
+    )
+    ref = _losses(single)
+    single.fit()
+    assert pp_losses[0] == pytest.approx(ref, rel=1e-4)

@@ -85,6 +85,7 @@ def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     ids, labels = _batch()
     dp_size = dshape[1] * dshape[2]
     dp_rank = dense["dp_replicate"].get_local_rank() * dshape[2] + dense["dp_cp_shard"].get_local_rank()

@@ -56,7 +56,9 @@ def _ep_worker(
         grads[name] = grad.clone()
     result = {"y": out.hidden_states.detach(), "gx": x.grad, "aux": out.aux_loss.detach(), "grads": grads}
     if layer.router.expert_bias is not None:
-        result["bias_counts"] = layer.update_expert_bias(mesh)
+        # A 2-D data-parallel mesh is reduced over all of its dims; a 1-D one over its only dim.
+        dp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b")) if world == 4 else mesh
+        result["bias_counts"] = layer.update_expert_bias(dp)
         result["bias"] = layer.router.expert_bias.clone()
     return result
 
@@ -129,7 +131,7 @@ def test_ep4_matches_reference() -> None:
         4,
         seed=3,
         layer_kwargs={"capacity_factor": 1.0, "drop_policy": "position"},
-        router_kwargs={"top_k": 3, "aux_loss_coef": 0.1},
+        router_kwargs={"top_k": 3, "aux_loss_coef": 0.1, "bias_update_rate": 0.02},
     )
 
 

@@ -91,7 +91,7 @@ def test_seq_aux_loss_and_z_loss_hand_computed() -> None:
     )
     x = torch.randn(3, 5, H)
     out = layer(x)
-    logits = (x.reshape(-1, H) @ layer.router.weight.T).double()
+    logits = (x.reshape(-1, H) @ layer.router.weight.T).detach().double()
     scores = torch.sigmoid(logits)
     idx = torch.topk(scores, k, dim=-1).indices
     seq_losses = []

@@ -16,6 +16,7 @@ from plait.peft import (
     export_hf_adapter,
     grouped_mm,
     load_adapter,
+    load_base_checkpoint,
     merge_peft,
     save_adapter,
     trainable_parameters,
@@ -191,3 +192,41 @@ def test_fsdp2_hf_export_matches_single_process(tmp_path: Path) -> None:
     )
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
+
+
+def meta_injected_then_loaded(ckpt: str, shard: bool) -> dict[str, torch.Tensor]:
+    """Meta-device model -> apply_peft -> (fully_shard) -> load_base_checkpoint (re-inits adapters)."""
+    with torch.device("meta"):
+        model = nn.Sequential(Block(), Block())
+    apply_peft(
+        model, [c.model_copy(update={"init": "kaiming"}) if c.method != "full" else c for c in CONFIGS]
+    )
+    if shard:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    torch.manual_seed(5)
+    load_base_checkpoint(model, ckpt)
+    return full_state(model)
+
+
+def test_fsdp2_meta_init_and_base_checkpoint_equal_single_process(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    base = nn.Sequential(Block(), Block())
+    ckpt = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, ckpt)
+    expected = meta_injected_then_loaded(ckpt, shard=False)
+    assert torch.equal(expected["0.q_proj.base_layer.weight"], base[0].q_proj.weight)
+    assert torch.equal(expected["1.experts.gate_up_proj"], base[1].experts.gate_up_proj)
+    assert expected["0.q_proj.lora_A.weight"].abs().sum() > 0
+    torch.testing.assert_close(expected["1.o_proj.lora_magnitude_vector"], base[1].o_proj.weight.norm(dim=1))
+    for got in testing.run_distributed(meta_injected_then_loaded, 2, ckpt, True, timeout=120.0):
+        assert set(got) == set(expected)
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k], atol=1e-6, rtol=1e-6, msg=k)

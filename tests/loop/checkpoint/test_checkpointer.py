@@ -192,3 +192,20 @@ def test_sigterm_saves_final_checkpoint_and_resume_continues_the_curve(tmp_path)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
     assert [ln for ln in out.splitlines() if ln.startswith("step")] == reference[stopped:]
+
+
+def test_export_checkpoint_to_safetensors(tmp_path):
+    from plait.loop.checkpoint import export_checkpoint
+    from plait.model_state import Rename
+    from safetensors.torch import load_file
+
+    model, opt = _setup()
+    _train(model, opt, 2)
+    ck = Checkpointer(tmp_path / "ckpt", async_mode="off")
+    ck.save(2, _state(model, opt, 2))
+    fresh, _ = _setup(seed=5)
+    out = export_checkpoint(ck.latest(), fresh, tmp_path / "hf", Rename({"{i}.{p}": "net.{i}.{p}"}))
+    exported = load_file(out / "model.safetensors")
+    assert sorted(exported) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(exported[f"net.{key}"], value)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from plait.dist_core.testing import run_distributed
+from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState, RngState, ValueState
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-
-from plait.dist_core.testing import run_distributed
-from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState, RngState, ValueState
 
 GLOBAL_BATCH = 8
 

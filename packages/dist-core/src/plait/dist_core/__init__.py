@@ -1,3 +1,42 @@
-"""plait.dist_core: Device meshes, distributed context, seeding, collectives, pytree sharding, parallelize applicators, gradient clipping and a CPU distributed test harness."""
+"""plait.dist_core: device meshes, distributed context, seeding, collectives, pytree sharding,
+parallelize applicators, DTensor-aware gradient clipping. The test harness is
+:mod:`plait.dist_core.testing`."""
 
-__all__: list[str] = []
+from plait.dist_core.collectives import all_gather_object, all_gather_uneven, gather_uneven, reduce_scalar
+from plait.dist_core.context import DistributedContext
+from plait.dist_core.domains import DOMAIN_DIMS, Domain, domain_coordinates, domain_groups, domain_layout
+from plait.dist_core.grad_norm import clip_grad_norm_, global_grad_norm
+from plait.dist_core.mesh_params import DeviceMeshParameters
+from plait.dist_core.parallelize import data_parallel_mesh, fully_shard_module, replicate, set_gradient_sync
+from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
+from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
+
+__all__ = [
+    "DOMAIN_DIMS",
+    "DeviceMeshParameters",
+    "DistributedContext",
+    "Domain",
+    "Replicate",
+    "SeedKind",
+    "ShardSpec",
+    "Split",
+    "all_gather_object",
+    "all_gather_uneven",
+    "clip_grad_norm_",
+    "data_parallel_mesh",
+    "domain_coordinates",
+    "domain_groups",
+    "domain_layout",
+    "fully_shard_module",
+    "gather_uneven",
+    "global_grad_norm",
+    "reduce_scalar",
+    "replicate",
+    "seed_for",
+    "seed_from_coordinates",
+    "set_gradient_sync",
+    "set_seed",
+    "shard_tree",
+    "split_sizes",
+    "unshard_tree",
+]

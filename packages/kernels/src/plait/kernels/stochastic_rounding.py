@@ -148,7 +148,18 @@ class StochasticAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         rng = state_dict.pop("rng_state", None)
+        # torch.optim casts floating state to the parameter's dtype on load; moments keep their own
+        # dtype here (fp32 moments of bf16 weights must not be rounded to bf16), so restore them.
+        moments = {
+            pid: {k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}
+            for pid, st in state_dict.get("state", {}).items()
+        }
         super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            for k, v in moments.get(pid, {}).items():
+                self.state[p][k] = v.detach().to(device=p.device, copy=True)
         if rng is not None:
             self.generator.set_state(rng)
 

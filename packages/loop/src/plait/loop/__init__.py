@@ -3,7 +3,6 @@ profiling (and, in ``plait.loop.checkpoint``, checkpointing)."""
 
 from plait.loop.config import (
     ConfigError,
-    PipelineConfig,
     TrainerConfig,
     config_json_schema,
     dump_config,
@@ -98,7 +97,6 @@ __all__ = [
     "PackedTokens",
     "PadCollator",
     "PiecewiseLR",
-    "PipelineConfig",
     "StepEnd",
     "StepResult",
     "StepSkipped",

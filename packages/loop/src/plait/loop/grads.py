@@ -62,13 +62,13 @@ def all_reduce_plain_grads(params: Iterable[nn.Parameter], group: Any, bucket_si
 
 
 def _reduce_bucket(bucket: list[nn.Parameter], group: Any) -> None:
-    grads = [p.grad for p in bucket]
-    flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+    grads = [p.grad for p in bucket if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for g in grads:
-        n = g.numel()  # type: ignore[union-attr]
-        g.copy_(flat[offset : offset + n].view_as(g))  # type: ignore[union-attr]
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState
 from plait.loop.config import TrainerConfig
 from plait.loop.events import (
     AfterBackward,
@@ -40,7 +41,6 @@ from plait.loop.metrics import Max, Mean, MetricCollection
 from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
-from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState
 from plait.loop.topology import Topology
 from plait.loop.tracking import ThroughputMeter, Tracker, build_tracker, device_memory_stats, peak_flops_for
 from torch import nn
@@ -230,7 +230,7 @@ class Trainer:
             # Pure data parallelism needs no mesh: the default group is the dp group.
             return None, Topology.data_parallel()
         if ctx is None and world > 1:
-            from plait.dist_core import DistributedContext
+            from plait.dist_core import DistributedContext  # type: ignore[attr-defined]
 
             if not dist.is_initialized():
                 import datetime
@@ -248,18 +248,11 @@ class Trainer:
         pp = self.topology.pp_size
         if pp == 1:
             return [0], 1
-        from plait.pipelining import parse_schedule_config
+        from plait.pipelining import OneFOneBConfig
 
-        pc = self.config.pipeline
-        data = {
-            "kind": pc.schedule,
-            "num_microbatches": self.grad_accum_steps,
-            "loss_reduction": "sum",
-            **pc.options,
-        }
-        if pc.stages_per_rank > 1:
-            data.setdefault("stages_per_rank", pc.stages_per_rank)
-        self.pipeline_config = parse_schedule_config(data)
+        pc = self.config.pipeline or OneFOneBConfig(num_microbatches=self.grad_accum_steps)
+        # The loop divides each microbatch's summed loss by the global token count itself.
+        self.pipeline_config = pc.model_copy(update={"loss_reduction": "sum"})
         topo = self.pipeline_config.topology(pp)
         return sorted(topo.stages_of(self.topology.pp_rank)), int(topo.num_stages)
 
@@ -373,8 +366,9 @@ class Trainer:
                 last = i == len(mbs) - 1
                 if self._fsdp:
                     for part in self.model_parts:
-                        if hasattr(part, "set_requires_gradient_sync"):
-                            part.set_requires_gradient_sync(last)
+                        sync = getattr(part, "set_requires_gradient_sync", None)
+                        if sync is not None:
+                            sync(last)
                 outputs = self.model_parts[0](**self.task.model_inputs(mb))
                 lo = self.task.loss(outputs, mb)
                 (lo.objective / global_tokens).backward()
@@ -393,18 +387,21 @@ class Trainer:
         return loss_sum, loss_tokens, global_tokens
 
     def _pipeline_step(self, mbs: Sequence[Batch]) -> tuple[float, float]:
-        from plait.pipelining import PipelineState, Split
+        from plait.pipelining import PipelineState, Split, Stack
 
         batch = _concat_padded(mbs)
         inputs = self.task.model_inputs(batch)
         self._stage_kwargs_keys = [k for k in inputs if k in _STAGE_KWARGS]
         self._batch_keys = list(batch)
         first = {k: v for k, v in inputs.items() if k not in self._stage_kwargs_keys}
-        state = PipelineState(len(mbs), specs={k: Split(0) for k in batch})
+        specs: dict[str, Any] = {k: Split(0) for k in batch}
+        specs["loss"] = Stack()
+        state = PipelineState(len(mbs), specs=specs)
         state.reset()
         for k, v in batch.items():
             state.global_view[k] = v
         self._pp_loss = [0.0, 0.0]
+        assert self.executor is not None
         self.executor.step(first, state)
         return self._pp_loss[0], self._pp_loss[1]
 
@@ -556,7 +553,7 @@ class Trainer:
 
 def _has_dist_context() -> bool:
     try:
-        from plait.dist_core import DistributedContext  # noqa: F401
+        from plait.dist_core import DistributedContext  # type: ignore[attr-defined]  # noqa: F401
     except ImportError:
         return False
     return True

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .dtensor import local_region, local_shard
 from .errors import ModelStateError, SpecMismatchError, format_keys
-from .mappers import Identity, Mapper, Plan, Shard
+from .mappers import Identity, Mapper, MapperGroup, Plan, Shard
 from .reader import CheckpointReader
 from .specs import Region, TensorSpec, is_full
 from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
@@ -159,6 +160,7 @@ def load_module(
             module.to_empty(device=device)
             targets = module.state_dict(keep_vars=True)
         start = reader.bytes_read
+        stager = _Stager()
         with torch.no_grad():
             for group in plan.groups:
                 wanted = [k for k in group.outputs if k in targets]
@@ -166,11 +168,81 @@ def load_module(
                     continue
                 out_regions = {k: _target_region(targets[k]) for k in wanted}
                 in_regions, fn = group.sliced(out_regions)
+                if _direct(group, wanted, targets, out_regions, reader):
+                    # Pure renames: read straight into the parameter (CPU) or via pinned memory (GPU).
+                    for k in wanted:
+                        src = group.renames[k]  # type: ignore[index]
+                        stager.read_into(reader, src, in_regions[src], _local(targets[k]))
+                    continue
                 outs = fn({k: reader.read(k, in_regions[k]) for k in group.inputs})
                 for k in wanted:
                     _copy_into(k, targets[k], outs[k], out_regions[k])
                 del outs
+            stager.finish()
         return LoadResult(report.missing, report.unexpected, reader.bytes_read - start)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _direct(
+    group: MapperGroup,
+    wanted: list[str],
+    targets: Mapping[str, torch.Tensor],
+    regions: Mapping[str, Region | None],
+    reader: CheckpointReader,
+) -> bool:
+    """Whether every output of ``group`` can be read straight into its destination."""
+    if group.renames is None or len(wanted) != len(group.outputs):
+        return False
+    for k in wanted:
+        t = targets[k]
+        local = _local(t)
+        if local.dtype != reader.specs[group.renames[k]].dtype or not local.is_contiguous():
+            return False
+        if local.device.type not in ("cpu", "cuda"):
+            return False
+        if isinstance(t, DTensor) and regions[k] is None and tuple(local.shape) != tuple(t.shape):
+            return False  # a non-box shard (e.g. strided): computed from the full tensor instead
+    return True
+
+
+class _Stager:
+    """Reads into CPU destinations directly, and into CUDA ones through two pinned buffers.
+
+    While one buffer's host-to-device copy runs, the next tensor is read into the other buffer.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[Any] = [None, None]
+        self._next = 0
+
+    def read_into(self, reader: CheckpointReader, key: str, region: Region | None, dst: torch.Tensor) -> None:
+        if dst.device.type == "cpu":
+            reader.read(key, region, out=dst)
+            return
+        nbytes = dst.numel() * dst.element_size()
+        i = self._next
+        self._next = 1 - i
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        if len(self._bufs) < 2:
+            self._bufs = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        if self._bufs[i].numel() < nbytes:
+            self._bufs[i] = torch.empty(max(nbytes, 64 * 2**20), dtype=torch.uint8, pin_memory=True)
+        staged = self._bufs[i][:nbytes].view(dst.dtype).view(dst.shape)
+        reader.read(key, region, out=staged)
+        dst.copy_(staged, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[i] = event
+
+    def finish(self) -> None:
+        for e in self._events:
+            if e is not None:
+                e.synchronize()
 
 
 def iter_groups(

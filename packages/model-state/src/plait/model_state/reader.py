@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
+import struct
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .errors import CheckpointFormatError, format_keys
 from .specs import Region, TensorSpec, dtype_from_safetensors, region_shape
@@ -18,6 +21,8 @@ __all__ = ["INDEX_NAME", "SINGLE_NAME", "CheckpointReader"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+_MAX_HEADER = 100 * 2**20  # the safetensors limit
+_MIN_RUN_BYTES = 1 << 16  # box reads: below this per contiguous run, read whole rows and slice
 
 
 def _resolve(path: Path) -> tuple[list[Path], dict[str, str] | None, dict[str, Any]]:
@@ -51,14 +56,70 @@ def _resolve(path: Path) -> tuple[list[Path], dict[str, str] | None, dict[str, A
     return [path], None, {}
 
 
+@dataclass(frozen=True)
+class _Entry:
+    fd: int
+    offset: int  # absolute byte offset of the tensor's data in its file
+    spec: TensorSpec
+
+
+def _parse_header(f: Path, fd: int) -> tuple[dict[str, tuple[TensorSpec, int]], dict[str, str]]:
+    """Validate a safetensors header: tensor specs with absolute data offsets, and metadata."""
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise CheckpointFormatError(f"{f}: truncated safetensors file ({size} bytes, no header)")
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointFormatError(
+            f"{f}: corrupted safetensors header: header length {n} does not fit the file ({size} bytes)"
+        )
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+        if not isinstance(header, dict):
+            raise TypeError("header is not a JSON object")
+    except (ValueError, TypeError) as e:
+        raise CheckpointFormatError(f"{f}: corrupted safetensors header: {e}") from None
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    out: dict[str, tuple[TensorSpec, int]] = {}
+    end_max = 0
+    for key, info in header.items():
+        try:
+            spec = TensorSpec(tuple(int(s) for s in info["shape"]), dtype_from_safetensors(info["dtype"]))
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"{f}: corrupted safetensors header entry for {key!r}: {e}") from None
+        if end - begin != spec.nbytes or begin < 0:
+            raise CheckpointFormatError(
+                f"{f}: tensor {key!r} {spec} has data_offsets {[begin, end]} of the wrong length"
+            )
+        end_max = max(end_max, end)
+        out[key] = (spec, base + begin)
+    if base + end_max > size:
+        raise CheckpointFormatError(
+            f"{f}: truncated safetensors file: data ends at byte {base + end_max}, file has {size}"
+        )
+    return out, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    while len(buf):
+        n = os.preadv(fd, [buf], offset)
+        if n <= 0:
+            raise CheckpointFormatError(f"{path}: unexpected end of file at byte {offset}")
+        buf, offset = buf[n:], offset + n
+
+
 class CheckpointReader:
     """Streams tensors out of a safetensors checkpoint without loading it whole.
 
     ``path`` may be a directory (with ``model.safetensors.index.json``, ``model.safetensors`` or
-    ``*.safetensors`` files), an index file or one ``.safetensors`` file. Every file is opened once
-    (``safetensors.safe_open``; headers only) when the reader is created; :meth:`read` then copies
-    out just the requested tensor, or just a box of it (``get_slice``), so memory stays at what the
-    caller holds. Use as a context manager or call :meth:`close`.
+    ``*.safetensors`` files), an index file or one ``.safetensors`` file. Every file is opened once,
+    and its header is parsed and validated when the reader is created. :meth:`read` then reads just
+    the requested tensor, or just a box of it, with positioned reads straight into the destination
+    buffer: no memory map, so process memory is what the caller holds (reading through a memory
+    map keeps every page read resident until the file is closed). Use as a context manager or call
+    :meth:`close`.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
@@ -69,44 +130,42 @@ class CheckpointReader:
         self.path = Path(path)
         files, weight_map, self.index_metadata = _resolve(self.path)
         self.files = files
-        self._handles: dict[Path, Any] = {}
-        self._where: dict[str, Path] = {}
+        self._fds: dict[Path, int] = {}
+        self._entries: dict[str, _Entry] = {}
         self._specs: dict[str, TensorSpec] = {}
+        self._where: dict[str, Path] = {}
+        self._file_meta: dict[str, str] = {}
         self.bytes_read = 0
         try:
             for f in files:
                 self._open(f, weight_map)
+            if weight_map is not None:
+                absent = [k for k in weight_map if k not in self._entries]
+                if absent:
+                    raise CheckpointFormatError(
+                        f"{self.path}: keys in the index but not in their files: {format_keys(absent)}"
+                    )
         except BaseException:
             self.close()
             raise
-        if weight_map is not None:
-            absent = [k for k in weight_map if k not in self._specs]
-            if absent:
-                raise CheckpointFormatError(
-                    f"{self.path}: keys in the index but not in their files: {format_keys(absent)}"
-                )
 
     def _open(self, f: Path, weight_map: dict[str, str] | None) -> None:
-        size = f.stat().st_size
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own SafetensorError / OSError
-            raise CheckpointFormatError(f"{f}: unreadable safetensors file ({size} bytes): {e}") from None
-        self._handles[f] = handle
-        for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+        fd = os.open(f, os.O_RDONLY)
+        self._fds[f] = fd
+        entries, meta = _parse_header(f, fd)
+        self._file_meta.update(meta)
+        for key, (spec, offset) in entries.items():
             if weight_map is not None and weight_map.get(key) != f.name:
                 continue  # the index is authoritative, as in Hugging Face
             if key in self._where:
                 raise CheckpointFormatError(
                     f"{self.path}: key {key!r} is in both {self._where[key].name} and {f.name}"
                 )
-            sl = handle.get_slice(key)
-            try:
-                dtype = dtype_from_safetensors(sl.get_dtype())
-            except ValueError as e:
-                raise CheckpointFormatError(f"{f}: tensor {key!r}: {e}") from None
-            self._specs[key] = TensorSpec(tuple(int(s) for s in sl.get_shape()), dtype)
+            self._entries[key] = _Entry(fd, offset, spec)
+            self._specs[key] = spec
             self._where[key] = f
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     @property
     def specs(self) -> Mapping[str, TensorSpec]:
@@ -114,7 +173,7 @@ class CheckpointReader:
         return self._specs
 
     def keys(self) -> Iterator[str]:
-        return iter(self._specs)
+        return iter(self._entries)
 
     def file_of(self, key: str) -> Path:
         """The file holding ``key``."""
@@ -122,40 +181,81 @@ class CheckpointReader:
 
     def metadata(self) -> dict[str, str]:
         """The ``__metadata__`` of the files merged with the index's ``metadata``."""
-        out: dict[str, str] = {}
-        for h in self._handles.values():
-            out.update(h.metadata() or {})
-        out.update({k: str(v) for k, v in self.index_metadata.items()})
-        return out
+        return {**self._file_meta, **{k: str(v) for k, v in self.index_metadata.items()}}
 
-    def read(self, key: str, region: Region | None = None) -> torch.Tensor:
-        """Read tensor ``key`` (or only ``region`` of it, reading just those bytes)."""
+    def read(self, key: str, region: Region | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read tensor ``key``, or only ``region`` of it (reading just those bytes where possible).
+
+        Args:
+            key: the tensor.
+            region: a box, one ``(start, stop)`` per dim; ``None`` for the whole tensor.
+            out: optional contiguous CPU tensor of the right shape and dtype to read into
+                (e.g. a parameter or a pinned buffer); saves an allocation and a copy.
+        """
         try:
-            f = self._where[key]
+            entry = self._entries[key]
         except KeyError:
             raise KeyError(f"{self.path}: no tensor {key!r}") from None
-        spec = self._specs[key]
-        handle = self._handles[f]
-        try:
-            if region is None or not spec.shape:
-                t = handle.get_tensor(key)
-            else:
-                shape = region_shape(region)
-                if 0 in shape:
-                    return torch.empty(shape, dtype=spec.dtype)
-                t = handle.get_slice(key)[tuple(slice(a, b) for a, b in region)]
-        except Exception as e:
-            raise CheckpointFormatError(f"{f}: cannot read tensor {key!r} {spec}: {e}") from None
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+        spec = entry.spec
+        shape = spec.shape if region is None else region_shape(region)
+        if len(shape) != len(spec.shape) or any(
+            b > s or a < 0 for (a, b), s in zip(region or (), spec.shape)
+        ):
+            raise ValueError(f"region {region} does not fit tensor {key!r} {spec}")
+        if out is None:
+            out = torch.empty(shape, dtype=spec.dtype)
+        elif (
+            tuple(out.shape) != tuple(shape)
+            or out.dtype != spec.dtype
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"out for {key!r} must be a contiguous CPU {spec.dtype} tensor of shape {list(shape)}"
+            )
+        if out.numel() == 0:
+            return out
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        item = spec.dtype.itemsize
+        if region is None or shape == spec.shape:
+            _pread_into(entry.fd, buf, entry.offset, self._where[key])
+            self.bytes_read += len(buf)
+        else:
+            self.bytes_read += self._read_box(entry, region, out, buf, item)
+        return out
+
+    def _read_box(self, entry: _Entry, region: Region, out: torch.Tensor, buf: memoryview, item: int) -> int:
+        shape = entry.spec.shape
+        # The last dim that is cut: dims after it are whole, so each index of the dims before it
+        # is one contiguous run of bytes in the file.
+        k = max(i for i, (r, s) in enumerate(zip(region, shape)) if r != (0, s))
+        inner = math.prod(shape[k + 1 :])
+        run = (region[k][1] - region[k][0]) * inner * item
+        n_runs = math.prod(b - a for a, b in region[:k])
+        path = self.path
+        if run >= _MIN_RUN_BYTES or k == 0:
+            strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+            pos = 0
+            for idx in itertools.product(*(range(a, b) for a, b in region[:k])):
+                elem = sum(i * s for i, s in zip(idx, strides)) + region[k][0] * strides[k]
+                _pread_into(entry.fd, buf[pos : pos + run], entry.offset + elem * item, path)
+                pos += run
+            return n_runs * run
+        # Many small runs: read the rows of dim 0 that the box spans, then cut in memory.
+        a0, b0 = region[0]
+        rows = torch.empty((b0 - a0, *shape[1:]), dtype=entry.spec.dtype)
+        row_bytes = math.prod(shape[1:]) * item
+        _pread_into(
+            entry.fd, memoryview(rows.view(-1).view(torch.uint8).numpy()), entry.offset + a0 * row_bytes, path
+        )  # type: ignore[arg-type]
+        out.copy_(rows[(slice(None), *(slice(a, b) for a, b in region[1:]))])
+        return rows.numel() * item
 
     def close(self) -> None:
         """Close every file."""
-        for h in self._handles.values():
-            close = getattr(h, "__exit__", None)
-            if close is not None:
-                close(None, None, None)
-        self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -164,4 +264,6 @@ class CheckpointReader:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointReader({str(self.path)!r}, {len(self._specs)} tensors in {len(self.files)} files)"
+        return (
+            f"CheckpointReader({str(self.path)!r}, {len(self._entries)} tensors in {len(self.files)} files)"
+        )

@@ -9,10 +9,13 @@ no collisions, no atomics) in the other, and sum a token's k copies with a resha
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from plait.kernels import RowIdMap, unpermute
 
 
 def sort_by_expert(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -56,7 +59,20 @@ class _Dispatch(torch.autograd.Function):
         return _combine_impl(grad, perm, ctx.num_tokens, ctx.top_k), None, None
 
 
+def _kernel_combine(y: Tensor) -> bool:
+    """Use plait.kernels' Triton k-way gather-sum (CUDA, or the Triton interpreter in tests)."""
+    return y.dim() == 2 and (y.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 def _combine_impl(y: Tensor, perm: Tensor, num_tokens: int, top_k: int) -> Tensor:
+    if _kernel_combine(y):
+        # One pass: out[t] = sum_j y[dst[t, j]], no [T*k, H] intermediate. dst = -1 for dropped slots.
+        n = num_tokens * top_k
+        dst = torch.full((n,), -1, dtype=torch.int64, device=y.device)
+        dst.index_copy_(0, perm, torch.arange(perm.shape[0], device=y.device))
+        dst = dst.view(num_tokens, top_k)
+        row_map = RowIdMap(src=perm // top_k, dst=dst, experts=dst)  # `experts` is unused without probs
+        return unpermute(y, row_map, num_tokens)
     full = _scatter_rows(y, perm, num_tokens * top_k)
     if top_k == 1:
         return full

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["full_tensor", "is_dtensor", "local_chunk", "local_view", "simple_placements"]
+__all__ = ["assign_full", "full_tensor", "is_dtensor", "local_chunk", "local_view", "simple_placements"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -57,3 +57,15 @@ def local_chunk(full: torch.Tensor, like: DTensor, dim_map: Mapping[int, int] | 
         ]
     rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return rep.redistribute(mesh, placements).to_local()
+
+
+def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the whole tensor ``full`` into ``param`` (for a DTensor only this rank's shard, no communication)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(full.shape)} does not fit a parameter of shape {tuple(param.shape)}")
+    dst = local_view(param)
+    src = full.to(device=dst.device, dtype=dst.dtype)
+    if isinstance(param, DTensor):
+        src = local_chunk(src, param)
+    with torch.no_grad():
+        dst.copy_(src)

@@ -118,7 +118,7 @@ def expert_adapters(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertLo
 
 def _apply_low_rank(model: nn.Module, cfg: LoRAConfig | DoRAConfig) -> list[AdaptedModule]:
     cls = DoRALinear if isinstance(cfg, DoRAConfig) else LoRALinear
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "r": cfg.r,
         "alpha": cfg.alpha,
         "dropout": cfg.dropout,

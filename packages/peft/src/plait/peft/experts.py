@@ -22,7 +22,15 @@ import math
 from collections.abc import Callable
 
 import torch
-from plait.peft._dtensor import full_tensor, is_dtensor, local_chunk, local_view, simple_placements
+from plait.peft._dtensor import (
+    assign_full,
+    full_tensor,
+    is_dtensor,
+    local_chunk,
+    local_view,
+    simple_placements,
+)
+from plait.peft._init import init_factors, pissa_factors
 from plait.peft.config import LoRAInit
 from torch import nn
 
@@ -92,9 +100,8 @@ class ExpertLoRA(nn.Module):
         if r <= 0:
             raise ValueError(f"LoRA rank r must be positive, got {r}")
         e, out_f, in_f = w.shape
-        factory = {"device": w.device, "dtype": w.dtype}
-        self.lora_A = nn.Parameter(torch.empty(e, r, in_f, **factory))
-        self.lora_B = nn.Parameter(torch.empty(e, out_f, r, **factory))
+        self.lora_A = nn.Parameter(torch.empty(e, r, in_f, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.empty(e, out_f, r, device=w.device, dtype=w.dtype))
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.param_name = param_name
         self.num_experts, self.out_features, self.in_features = e, out_f, in_f
@@ -115,7 +122,7 @@ class ExpertLoRA(nn.Module):
     def reset_adapter_parameters(
         self, weight: torch.Tensor | None = None, generator: torch.Generator | None = None
     ) -> None:
-        """(Re)initialise per ``init`` (per expert, like :class:`plait.peft.LoRALinear`).
+        """(Re)initialise per ``init`` (per expert, like :class:`plait.peft.LoRALinear`; DTensor-aware).
 
         Args:
             weight: the base grouped weight; required by PiSSA, which also rewrites it.
@@ -124,28 +131,21 @@ class ExpertLoRA(nn.Module):
         a, b = self.lora_A, self.lora_B
         if self.init == "pissa":
             if weight is None:
-                raise ValueError("ExpertLoRA: PiSSA init needs the base weight")
-            w = weight
-            if is_dtensor(w):
-                raise NotImplementedError(
-                    "PiSSA init needs the whole expert weight: apply it before sharding"
-                )
-            u, s, vh = torch.linalg.svd(w.detach().float(), full_matrices=False)  # batched over experts
-            sr = (s[:, : self.r] / self.scaling).sqrt()
-            a.copy_(sr.unsqueeze(-1) * vh[:, : self.r])
-            b.copy_(u[:, :, : self.r] * sr.unsqueeze(1))
-            w.copy_((w.float() - self.scaling * torch.bmm(b.float(), a.float())).to(w.dtype))
-            return
-        if self.init == "gaussian":
-            a.normal_(0.0, 1.0 / self.r, generator=generator)
-        else:  # Kaiming-uniform(a=sqrt(5)) with fan_in = in_features of each expert
-            bound = 1.0 / math.sqrt(self.in_features)
-            a.uniform_(-bound, bound, generator=generator)
-        if self.init == "random":
-            bound = 1.0 / math.sqrt(self.r)
-            b.uniform_(-bound, bound, generator=generator)
+                raise ValueError(f"ExpertLoRA({self.param_name}): PiSSA init needs the base weight")
+            fa, fb, residual = pissa_factors(full_tensor(weight), self.r, self.scaling)
+            assign_full(weight, residual)
         else:
-            b.zero_()
+            fa, fb = init_factors(
+                self.init,
+                tuple(a.shape),
+                tuple(b.shape),
+                fan_in=self.in_features,
+                r=self.r,
+                device=local_view(a).device,
+                generator=generator,
+            )
+        assign_full(a, fa)
+        assign_full(b, fb)
 
     def forward(
         self,

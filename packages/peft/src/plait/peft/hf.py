@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from plait.peft.apply import PeftReport, apply_peft, expert_adapters, linear_adapters, trainable_parameters
 from plait.peft.config import DoRAConfig, LoRAConfig
+from plait.peft.experts import EXPERT_ADAPTERS_ATTR, ExpertLoRA
 from plait.peft.io import _is_writer, copy_into, gather_full
 from plait.peft.lora import DoRALinear
 from safetensors import safe_open
@@ -36,7 +37,6 @@ HF_PREFIX = "base_model.model."
 _UNSUPPORTED: dict[str, Any] = {
     "fan_in_fan_out": False,
     "lora_bias": False,
-    "target_parameters": None,
     "modules_to_save": None,
     "layers_to_transform": None,
     "layer_replication": None,
@@ -62,14 +62,18 @@ def export_hf_adapter(
     task_type: str | None = None,
     ignore_full_tune: bool = False,
 ) -> dict[str, Any]:
-    """Write ``model``'s LoRA/DoRA linear adapters as a Hugging Face PEFT adapter directory.
+    """Write ``model``'s adapters as a Hugging Face PEFT adapter directory.
 
-    A collective on DTensor models (call on every rank; rank 0 writes).
+    LoRA/DoRA linear adapters become ``target_modules`` entries; grouped-expert adapters become
+    ``target_parameters`` entries in PEFT's ``ParamWrapper`` layout (``lora_A [E*r, in]``,
+    ``lora_B [out, r*E]``; several parameters of one module nest as ``<module>.base_layer...``,
+    the first registered parameter innermost). A collective on DTensor models (rank 0 writes).
 
     Args:
         model: a model passed through :func:`plait.peft.apply_peft` (unmerged).
         directory: output directory (created).
-        name_map: plait module name -> transformers module name (identity if None).
+        name_map: plait module name -> transformers module name (identity if None); expert
+            parameters keep their attribute names.
         base_model_name_or_path: recorded in the config (``PeftModel`` does not need it).
         task_type: e.g. ``"CAUSAL_LM"``.
         ignore_full_tune: export even though other trainable parameters exist (they are left out);
@@ -78,16 +82,16 @@ def export_hf_adapter(
     Returns:
         The written ``adapter_config.json`` contents.
     """
-    if any(True for _ in expert_adapters(model)):
-        raise NotImplementedError(
-            "export_hf_adapter: grouped-expert adapters have no HF PEFT export yet; save them with save_adapter"
-        )
     adapters = list(linear_adapters(model))
-    if not adapters:
+    experts = list(expert_adapters(model))
+    if not adapters and not experts:
         raise ValueError("export_hf_adapter: the model has no LoRA/DoRA adapters")
     mapper = name_map or (lambda n: n)
     names = {name: mapper(name) for name, _ in adapters}
-    for name, mod in adapters:
+    every: list[tuple[str, Any]] = [(n, m) for n, m in adapters] + [
+        (f"{h}.{a.param_name}", a) for h, _, a in experts
+    ]
+    for name, mod in every:
         if mod.merged:
             raise ValueError(f"export_hf_adapter: {name} is merged; unmerge before exporting")
         if mod.init == "pissa":
@@ -98,6 +102,7 @@ def export_hf_adapter(
     adapter_params = {
         id(p) for _, m in adapters for n, p in m.named_parameters() if not n.startswith("base_layer.")
     }
+    adapter_params |= {id(p) for _, _, a in experts for p in a.parameters()}
     extra = [n for n, p in trainable_parameters(model).items() if id(p) not in adapter_params]
     if extra and not ignore_full_tune:
         raise ValueError(
@@ -105,16 +110,26 @@ def export_hf_adapter(
             f"{extra[:5]} (pass ignore_full_tune=True to leave them out)"
         )
     dora = {isinstance(m, DoRALinear) for _, m in adapters}
-    if len(dora) > 1:
+    if len(dora) > 1 or (experts and True in dora):
         raise ValueError(
             "export_hf_adapter: HF PEFT has one use_dora per adapter; the model mixes LoRA and DoRA"
         )
-    rslora = {m.use_rslora for _, m in adapters}
+    rslora = {m.use_rslora for _, m in every}
     if len(rslora) > 1:
         raise ValueError("export_hf_adapter: HF PEFT has one use_rslora per adapter; the model mixes both")
-    r_default = Counter(m.r for _, m in adapters).most_common(1)[0][0]
-    alpha_default = Counter(m.alpha for _, m in adapters).most_common(1)[0][0]
-    dropout = max(m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0 for _, m in adapters)
+    r_default = Counter(m.r for _, m in every).most_common(1)[0][0]
+    alpha_default = Counter(m.alpha for _, m in every).most_common(1)[0][0]
+    dropout = max(m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0 for _, m in every)
+    for name, ad in every[len(adapters) :]:
+        if (ad.r, ad.alpha) != (r_default, alpha_default):
+            raise NotImplementedError(
+                f"export_hf_adapter: expert adapter {name} has r={ad.r}, alpha={ad.alpha}; HF export of expert "
+                f"adapters needs the adapter-wide r={r_default}, alpha={alpha_default}"
+            )
+    if experts and dropout > 0:
+        raise ValueError(
+            "export_hf_adapter: HF PEFT's target_parameters (expert LoRA) does not allow lora_dropout > 0"
+        )
 
     tensors: dict[str, torch.Tensor] = {}
     for name, mod in adapters:
@@ -123,6 +138,21 @@ def export_hf_adapter(
         tensors[f"{key}.lora_B.weight"] = gather_full(mod.lora_B.weight)
         if isinstance(mod, DoRALinear):
             tensors[f"{key}.lora_magnitude_vector"] = gather_full(mod.lora_magnitude_vector)
+    target_parameters: list[str] = []
+    hosts = {h: host for h, host, _ in experts}
+    for host_name, host in hosts.items():
+        targeted = _targeted_in_order(host)
+        hf_host = mapper(host_name)
+        for i, pname in enumerate(targeted):
+            ad = host.get_submodule(f"{EXPERT_ADAPTERS_ATTR}.{pname}")
+            assert isinstance(ad, ExpertLoRA)
+            key = HF_PREFIX + hf_host + ".base_layer" * (len(targeted) - 1 - i)
+            a, b = gather_full(ad.lora_A), gather_full(ad.lora_B)  # [E, r, in], [E, out, r]
+            tensors[f"{key}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()  # [E*r, in]
+            tensors[f"{key}.lora_B.weight"] = (
+                b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+            )  # [out, r*E]
+            target_parameters.append(f"{hf_host}.{pname}")
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": task_type,
@@ -130,13 +160,14 @@ def export_hf_adapter(
         "r": r_default,
         "lora_alpha": _num(alpha_default),
         "lora_dropout": dropout,
-        "target_modules": sorted(names.values()),
+        "target_modules": sorted(names.values()) if names else None,
+        "target_parameters": target_parameters or None,
         "rank_pattern": {re.escape(names[n]): m.r for n, m in adapters if m.r != r_default},
         "alpha_pattern": {
             re.escape(names[n]): _num(m.alpha) for n, m in adapters if m.alpha != alpha_default
         },
         "use_rslora": rslora.pop(),
-        "use_dora": dora.pop(),
+        "use_dora": bool(dora and dora.pop()),
         "init_lora_weights": True,  # trained weights are loaded over it; never re-run PiSSA on load
         "bias": "none",
         "fan_in_fan_out": False,
@@ -146,7 +177,6 @@ def export_hf_adapter(
         "layers_pattern": None,
         "revision": None,
         "exclude_modules": None,
-        "target_parameters": None,
         "lora_bias": False,
     }
     if _is_writer():
@@ -155,6 +185,13 @@ def export_hf_adapter(
         save_file(tensors, str(out / HF_ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (out / HF_ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return config
+
+
+def _targeted_in_order(host: nn.Module) -> list[str]:
+    """The host's adapted parameters in registration order (PEFT nests them in that order)."""
+    adapters = host._modules.get(EXPERT_ADAPTERS_ATTR)
+    assert isinstance(adapters, nn.ModuleDict)
+    return [p for p in host._parameters if p in adapters]
 
 
 def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
@@ -173,6 +210,9 @@ def import_hf_adapter(
     apply: bool = True,
 ) -> PeftReport | None:
     """Load a Hugging Face PEFT LoRA/DoRA adapter directory into ``model``.
+
+    ``target_modules`` adapters become :class:`plait.peft.LoRALinear`/``DoRALinear``; ``target_parameters``
+    (PEFT's expert LoRA on 3-D ``[E, out, in]`` parameters) become :class:`plait.peft.ExpertLoRA`.
 
     Args:
         model: the base model (``apply=True``: adapters are injected from ``adapter_config.json``,
@@ -205,23 +245,49 @@ def import_hf_adapter(
             f"import_hf_adapter: adapter_config.json field bias={cfg['bias']!r} is not supported"
         )
     mapper = name_map or (lambda n: n)
+    target_params: list[str] = list(cfg.get("target_parameters") or [])
+
+    def targeted_on(hf_host: str) -> list[str]:
+        # PEFT's matching: "<module>.<param>" equals a target or ends with "." + target
+        try:
+            host = model.get_submodule(mapper(hf_host))
+        except AttributeError:
+            return []
+        return [
+            p
+            for p, v in host._parameters.items()
+            if v is not None
+            and any(f"{hf_host}.{p}" == t or f"{hf_host}.{p}".endswith("." + t) for t in target_params)
+        ]
 
     with safe_open(str(weights_path), framework="pt") as f:
         raw = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
     tensors: dict[str, torch.Tensor] = {}
-    hf_modules: dict[str, str] = {}  # hf name -> plait name
+    hf_modules: dict[str, str] = {}  # hf name -> plait name (linear adapters)
+    expert_tensors: dict[str, dict[str, torch.Tensor]] = {}  # plait "<host>.<param>" -> {suffix: tensor}
     for key, value in raw.items():
         if not key.startswith(HF_PREFIX):
             raise KeyError(f"import_hf_adapter: key {key!r} does not start with {HF_PREFIX!r}")
         body = key[len(HF_PREFIX) :]
-        for suffix in _SUFFIXES:
-            if body.endswith("." + suffix):
-                hf_name = body[: -len(suffix) - 1]
-                hf_modules[hf_name] = mapper(hf_name)
-                tensors[f"{hf_modules[hf_name]}.{suffix}"] = value
-                break
-        else:
+        suffix = next((sfx for sfx in _SUFFIXES if body.endswith("." + sfx)), None)
+        if suffix is None:
             raise KeyError(f"import_hf_adapter: unsupported key {key!r}")
+        hf_name, depth = body[: -len(suffix) - 1], 0
+        while hf_name.endswith(".base_layer"):  # nested ParamWrappers: one level per targeted parameter
+            hf_name, depth = hf_name[: -len(".base_layer")], depth + 1
+        targeted = targeted_on(hf_name) if target_params else []
+        if targeted:
+            if depth >= len(targeted) or suffix == "lora_magnitude_vector":
+                raise KeyError(
+                    f"import_hf_adapter: cannot place key {key!r} (targeted parameters {targeted})"
+                )
+            pname = targeted[len(targeted) - 1 - depth]  # the first registered parameter is innermost
+            expert_tensors.setdefault(f"{mapper(hf_name)}.{pname}", {})[suffix] = value
+        elif depth:
+            raise KeyError(f"import_hf_adapter: key {key!r} is nested but matches no target_parameters entry")
+        else:
+            hf_modules[hf_name] = mapper(hf_name)
+            tensors[f"{hf_modules[hf_name]}.{suffix}"] = value
 
     report = None
     if apply:
@@ -231,18 +297,19 @@ def import_hf_adapter(
             r = int(_pattern_value(cfg.get("rank_pattern") or {}, hf_name, r0))
             alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, hf_name, a0))
             groups.setdefault((r, alpha), []).append(name)
-        cls = DoRAConfig if cfg.get("use_dora") else LoRAConfig
-        configs = [
-            cls(
-                r=r,
-                alpha=alpha,
-                dropout=float(cfg.get("lora_dropout") or 0.0),
-                use_rslora=bool(cfg.get("use_rslora")),
-                init="kaiming",
-                target_modules="|".join(re.escape(n) for n in sorted(names)),
-            )
+        common = {
+            "dropout": float(cfg.get("lora_dropout") or 0.0),
+            "use_rslora": bool(cfg.get("use_rslora")),
+            "init": "kaiming",
+        }
+        cls: type[LoRAConfig] | type[DoRAConfig] = DoRAConfig if cfg.get("use_dora") else LoRAConfig
+        configs: list[LoRAConfig | DoRAConfig] = [
+            cls(r=r, alpha=alpha, target_modules="|".join(re.escape(n) for n in sorted(names)), **common)  # type: ignore[arg-type]
             for (r, alpha), names in sorted(groups.items())
         ]
+        if expert_tensors:
+            pattern = "|".join(re.escape(n) for n in sorted(expert_tensors))
+            configs.append(LoRAConfig(r=r0, alpha=a0, target_parameters=pattern, **common))  # type: ignore[arg-type]
         report = apply_peft(model, configs)
     params = dict(model.named_parameters())
     wanted = set(hf_modules.values())
@@ -260,4 +327,18 @@ def import_hf_adapter(
         if name not in params:
             raise KeyError(f"import_hf_adapter: the model has no parameter {name!r}")
         copy_into(params[name], value, name=name)
+    for full, parts in expert_tensors.items():
+        host_name, _, pname = full.rpartition(".")
+        host = model.get_submodule(host_name) if host_name else model
+        adapter = host._modules.get(EXPERT_ADAPTERS_ATTR)
+        if not isinstance(adapter, nn.ModuleDict) or pname not in adapter:
+            raise KeyError(f"import_hf_adapter: {full!r} has no expert adapter (apply=False needs one)")
+        ad = adapter[pname]
+        assert isinstance(ad, ExpertLoRA)
+        if set(parts) != {"lora_A.weight", "lora_B.weight"}:
+            raise KeyError(f"import_hf_adapter: {full!r}: expected lora_A and lora_B, got {sorted(parts)}")
+        e = ad.num_experts
+        a_hf, b_hf = parts["lora_A.weight"], parts["lora_B.weight"]  # [E*r, in], [out, r*E]
+        copy_into(ad.lora_A, a_hf.reshape(e, -1, a_hf.shape[-1]), name=f"{full} lora_A")
+        copy_into(ad.lora_B, b_hf.reshape(b_hf.shape[0], -1, e).permute(2, 0, 1), name=f"{full} lora_B")
     return report

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from plait.peft._dtensor import full_tensor, is_dtensor, local_chunk, local_view
+from plait.peft._dtensor import assign_full, full_tensor
 from plait.peft.apply import trainable_parameters
 from plait.peft.config import PeftConfig, PeftStackConfig
 from pydantic import TypeAdapter
@@ -103,9 +103,4 @@ def copy_into(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     """Copy the whole tensor ``full`` into ``param`` (only this rank's shard for DTensors)."""
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(f"{name}: shape {tuple(full.shape)} in the file, {tuple(param.shape)} in the model")
-    dst = local_view(param)
-    src = full.to(device=dst.device, dtype=dst.dtype)
-    if is_dtensor(param):
-        src = local_chunk(src, param)  # type: ignore[arg-type]
-    with torch.no_grad():
-        dst.copy_(src)
+    assign_full(param, full)

@@ -15,7 +15,15 @@ import math
 
 import torch
 import torch.nn.functional as F
-from plait.peft._dtensor import full_tensor, is_dtensor, local_chunk, local_view, simple_placements
+from plait.peft._dtensor import (
+    assign_full,
+    full_tensor,
+    is_dtensor,
+    local_chunk,
+    local_view,
+    simple_placements,
+)
+from plait.peft._init import init_factors, pissa_factors
 from plait.peft.config import LoRAInit
 from torch import nn
 
@@ -93,38 +101,29 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def reset_adapter_parameters(self, generator: torch.Generator | None = None) -> None:
-        """(Re)initialise A and B per ``init`` (PiSSA also rewrites the base weight)."""
+        """(Re)initialise A and B per ``init`` (PiSSA also rewrites the base weight).
+
+        Works on DTensor (sharded) parameters: whole tensors are drawn/computed on every rank and
+        each keeps its shard, so the result equals a single-process init with the same seed
+        (PiSSA all-gathers the base weight of this one layer).
+        """
         a, b = self.lora_A.weight, self.lora_B.weight
         if self.init == "pissa":
-            self._pissa_init()
-            return
-        if self.init == "gaussian":
-            a.normal_(0.0, 1.0 / self.r, generator=generator)
-        else:  # kaiming / random: nn.Linear's default, Kaiming-uniform with a=sqrt(5)
-            bound = 1.0 / math.sqrt(a.shape[1])
-            a.uniform_(-bound, bound, generator=generator)
-        if self.init == "random":
-            bound = 1.0 / math.sqrt(b.shape[1])
-            b.uniform_(-bound, bound, generator=generator)
+            w = self.base_layer.weight
+            fa, fb, residual = pissa_factors(full_tensor(w), self.r, self.scaling)
+            assign_full(w, residual)
         else:
-            b.zero_()
-
-    def _pissa_init(self) -> None:
-        w = self.base_layer.weight
-        if is_dtensor(w):
-            raise NotImplementedError(
-                "PiSSA init needs the whole base weight: apply it before sharding the model"
+            fa, fb = init_factors(
+                self.init,
+                tuple(a.shape),
+                tuple(b.shape),
+                fan_in=self.in_features,
+                r=self.r,
+                device=local_view(a).device,
+                generator=generator,
             )
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"PiSSA init needs a float32/float16/bfloat16 base weight, got {w.dtype}")
-        u, s, vh = torch.linalg.svd(w.detach().float(), full_matrices=False)
-        sr = s[: self.r] / self.scaling
-        a = torch.diag(sr.sqrt()) @ vh[: self.r]
-        b = u[:, : self.r] @ torch.diag(sr.sqrt())
-        self.lora_A.weight.copy_(a)
-        self.lora_B.weight.copy_(b)
-        # residual W - s B A keeps the forward unchanged at init
-        w.copy_((w.float() - self.scaling * (b @ a)).to(w.dtype))
+        assign_full(a, fa)
+        assign_full(b, fb)
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
         return self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))) * self.scaling
@@ -213,15 +212,14 @@ class DoRALinear(LoRALinear):
 
     @torch.no_grad()
     def reset_adapter_parameters(self, generator: torch.Generator | None = None) -> None:
+        """(Re)initialise A, B and the magnitude ``||W + s B A||_row`` (DTensor-aware, see LoRALinear)."""
         super().reset_adapter_parameters(generator)
-        w = self.base_layer.weight
-        if is_dtensor(w):
-            raise NotImplementedError(
-                "DoRA init needs the whole base weight: apply it before sharding the model"
-            )
-        ba = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        norm = torch.linalg.vector_norm(w.float() + self.scaling * ba, dim=1)
-        self.lora_magnitude_vector.copy_(norm.to(self.lora_magnitude_vector.dtype))
+        w = full_tensor(self.base_layer.weight.detach()).float()
+        ba = (
+            full_tensor(self.lora_B.weight.detach()).float()
+            @ full_tensor(self.lora_A.weight.detach()).float()
+        )
+        assign_full(self.lora_magnitude_vector, torch.linalg.vector_norm(w + self.scaling * ba, dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)

@@ -327,7 +327,7 @@ class PipelineExecutor:
 
     def _backward(self, a: Action) -> None:
         s, k, r = a.stage, a.microbatch, self.runner
-        if s < self.topology.num_stages - 1:
+        if s < self.topology.num_stages - 1 and a.kind is not ActionKind.BACKWARD_WEIGHT:
             if self.topology.is_local_edge(s):
                 r.output_grads[(s, k)] = r.input_grads.pop((s + 1, k))
             else:

@@ -16,11 +16,20 @@ def _sr_bf16(x, r):
 
 
 @triton.jit
+def _rand_block(seed, pid, BLOCK: tl.constexpr):
+    # One Philox call yields four 32-bit words: spread them over four elements, so the random
+    # arithmetic stays under the memory time (7 rounds: Philox4x32-7 is Crush-resistant).
+    q = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, q, n_rounds=7)
+    return tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
+
+
+@triton.jit
 def _sr_kernel(x_ptr, y_ptr, n, seed, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    r = tl.randint(seed, offs)
+    r = _rand_block(seed, tl.program_id(0), BLOCK)
     tl.store(y_ptr + offs, _sr_bf16(x, r), mask=mask)
 
 
@@ -40,14 +49,16 @@ def _adamw_kernel(
     p = p * (1.0 - lr * wd)
     p = p - lr * (m / bc1) / (tl.sqrt(v / bc2) + eps)
     if P_BF16 or M_BF16:
-        r0, r1, r2, _r3 = tl.randint4x(seed, offs)
+        r = _rand_block(seed, tl.program_id(0), BLOCK)  # low half -> p, high half -> m
+    if M_BF16:
+        r_v = _rand_block(seed ^ 0x5BD1E995, tl.program_id(0), BLOCK)
     if P_BF16:
-        tl.store(p_ptr + offs, _sr_bf16(p, r0), mask=mask)
+        tl.store(p_ptr + offs, _sr_bf16(p, r), mask=mask)
     else:
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     if M_BF16:
-        tl.store(m_ptr + offs, _sr_bf16(m, r1), mask=mask)
-        tl.store(v_ptr + offs, _sr_bf16(v, r2), mask=mask)
+        tl.store(m_ptr + offs, _sr_bf16(m, r >> 16), mask=mask)
+        tl.store(v_ptr + offs, _sr_bf16(v, r_v), mask=mask)
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)

@@ -1,6 +1,7 @@
 """Async, atomic, resumable checkpoints of the whole training state (DCP underneath)."""
 
 from plait.loop.checkpoint.checkpointer import AsyncMode, Checkpointer, CheckpointMismatchError
+from plait.loop.checkpoint.export import export_checkpoint
 from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState, ValueState
 
@@ -13,4 +14,5 @@ __all__ = [
     "PreemptionHandler",
     "RngState",
     "ValueState",
+    "export_checkpoint",
 ]

@@ -28,7 +28,7 @@ from plait.loop.config.sections import (
     TimeoutConfig,
     TrackerConfig,
 )
-from plait.loop.config.trainer_config import PipelineConfig, TrainerConfig, dp_size_of
+from plait.loop.config.trainer_config import TrainerConfig, dp_size_of
 
 __all__ = [
     "AdamWConfig",
@@ -42,7 +42,6 @@ __all__ = [
     "GradientConfig",
     "LoggingConfig",
     "OptimizerConfig",
-    "PipelineConfig",
     "ProfilingConfig",
     "RunConfig",
     "SGDConfig",

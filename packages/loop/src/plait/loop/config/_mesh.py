@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 try:
-    from plait.dist_core import DeviceMeshParameters
+    from plait.dist_core import DeviceMeshParameters  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - TEMPORARY until plait.dist_core publishes it
     from pydantic import BaseModel, ConfigDict, Field
 

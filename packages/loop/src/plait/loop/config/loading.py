@@ -200,7 +200,8 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 def split_cli_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Split ``argv`` into dotted overrides (``--a.b=v``) and the remaining arguments."""
-    overrides, rest = [], []
+    overrides: list[str] = []
+    rest: list[str] = []
     for arg in argv:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
         (overrides if "." in key and "=" in arg else rest).append(arg)

@@ -34,7 +34,7 @@ class RunConfig(_Section):
 
     name: str = "run"
     run_dir: str = "runs/run"
-    steps: int = Field(100, ge=1, description="Number of optimizer steps of the whole run.")
+    steps: int = Field(default=100, ge=1, description="Number of optimizer steps of the whole run.")
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -46,9 +46,9 @@ class BatchingConfig(_Section):
     :meth:`grad_accum_steps`; :class:`~plait.loop.config.TrainerConfig` validates the division.
     """
 
-    global_batch_size: int = Field(8, ge=1)
-    microbatch_size: int = Field(1, ge=1)
-    seq_len: int = Field(128, ge=1)
+    global_batch_size: int = Field(default=8, ge=1)
+    microbatch_size: int = Field(default=1, ge=1)
+    seq_len: int = Field(default=128, ge=1)
 
     def grad_accum_steps(self, dp_size: int) -> int:
         """Microbatches per rank and step for a data-parallel size ``dp_size``.
@@ -70,10 +70,10 @@ class AdamWConfig(_Section):
     """``torch.optim.AdamW``; ``fused=None`` picks the fused kernel where the device supports it."""
 
     name: Literal["adamw"] = "adamw"
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
     fused: bool | None = None
     no_decay_norms_biases_embeddings: bool = True
 
@@ -82,10 +82,13 @@ class StochasticAdamWConfig(_Section):
     """plait.kernels' ``StochasticAdamW`` (stochastic rounding into bf16 parameters)."""
 
     name: Literal["stochastic_adamw"] = "stochastic_adamw"
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The same seed on every data-parallel replica keeps replicated bf16 parameters bit-identical.
+    seed: int = 0
     no_decay_norms_biases_embeddings: bool = True
 
 
@@ -93,10 +96,10 @@ class SGDConfig(_Section):
     """``torch.optim.SGD``."""
 
     name: Literal["sgd"] = "sgd"
-    lr: float = Field(1e-2, gt=0)
-    momentum: float = Field(0.0, ge=0)
+    lr: float = Field(default=1e-2, gt=0)
+    momentum: float = Field(default=0.0, ge=0)
     nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
     no_decay_norms_biases_embeddings: bool = True
 
 
@@ -118,7 +121,7 @@ OptimizerConfig = Annotated[
 class GradClipConfig(_Section):
     """Global gradient-norm clipping (DTensor-aware); ``max_norm=None`` only measures the norm."""
 
-    max_norm: float | None = Field(1.0, gt=0)
+    max_norm: float | None = Field(default=1.0, gt=0)
     norm_type: float = 2.0
 
 
@@ -126,17 +129,17 @@ class GradientConfig(_Section):
     """Gradient reduction settings passed to the model's ``parallelize`` (FSDP2 reduce dtype, buckets)."""
 
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    bucket_size_mb: float = Field(25.0, gt=0)
+    bucket_size_mb: float = Field(default=25.0, gt=0)
 
 
 class CheckpointConfig(_Section):
     """Checkpointing (filled by plait.loop.checkpoint): when to save and how many to keep."""
 
     enabled: bool = False
-    interval: int | None = Field(None, ge=1, description="Save every N steps (and at the last step).")
-    keep_last: int | None = Field(None, ge=1)
+    interval: int | None = Field(default=None, ge=1, description="Save every N steps (and at the last step).")
+    keep_last: int | None = Field(default=None, ge=1)
     async_mode: bool = True
-    dir: str | None = Field(None, description="Defaults to <run_dir>/checkpoints.")
+    dir: str | None = Field(default=None, description="Defaults to <run_dir>/checkpoints.")
 
 
 class TrackerConfig(_Section):
@@ -150,12 +153,12 @@ class TrackerConfig(_Section):
 class LoggingConfig(_Section):
     """How often metrics are logged, and where."""
 
-    interval: int = Field(1, ge=1)
+    interval: int = Field(default=1, ge=1)
     trackers: tuple[TrackerConfig, ...] = (TrackerConfig(kind="jsonl"), TrackerConfig(kind="console"))
     progress_bar: bool = True
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     peak_flops: float | None = Field(
-        None, gt=0, description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only)."
+        default=None, gt=0, description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only)."
     )
 
 
@@ -163,10 +166,10 @@ class ProfilingConfig(_Section):
     """torch.profiler window(s): skip ``wait`` steps, warm up, record ``active`` steps, ``repeat`` times."""
 
     enabled: bool = False
-    wait: int = Field(1, ge=0)
-    warmup: int = Field(1, ge=0)
-    active: int = Field(2, ge=1)
-    repeat: int = Field(1, ge=0)
+    wait: int = Field(default=1, ge=0)
+    warmup: int = Field(default=1, ge=0)
+    active: int = Field(default=2, ge=1)
+    repeat: int = Field(default=1, ge=0)
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
@@ -175,15 +178,15 @@ class ProfilingConfig(_Section):
 class TimeoutConfig(_Section):
     """Collective timeouts: a long one for start-up (compilation, weight loading), a short one per step."""
 
-    init_s: float = Field(600.0, gt=0)
-    step_s: float = Field(120.0, gt=0)
+    init_s: float = Field(default=600.0, gt=0)
+    step_s: float = Field(default=120.0, gt=0)
 
 
 class GCConfig(_Section):
     """Automatic garbage collection off; a full collection every ``interval`` steps on every rank."""
 
     disable_automatic: bool = True
-    interval: int | None = Field(50, ge=1)
+    interval: int | None = Field(default=50, ge=1)
     generation: Literal[0, 1, 2] = 1
 
 
@@ -193,5 +196,5 @@ class DeterminismConfig(_Section):
     deterministic_algorithms: bool = False
     nonfinite_loss: Literal["raise", "skip"] = "raise"
     max_skipped_steps: int | None = Field(
-        None, ge=0, description="Raise once more steps than this were skipped."
+        default=None, ge=0, description="Raise once more steps than this were skipped."
     )

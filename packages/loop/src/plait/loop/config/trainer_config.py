@@ -20,26 +20,10 @@ from plait.loop.config.sections import (
     TimeoutConfig,
 )
 from plait.loop.optim.schedules import LRScheduleConfig
+from plait.pipelining import PipelineScheduleConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["PipelineConfig", "TrainerConfig", "dp_size_of"]
-
-
-class PipelineConfig(BaseModel):
-    """Pipeline schedule used when ``mesh.pipeline > 1`` (ignored for pp=1).
-
-    Attributes:
-        schedule: a schedule name understood by plait.pipelining (e.g. ``"1f1b"``, ``"gpipe"``,
-            ``"interleaved_1f1b"``, ``"zbv"``, ``"dualpipev"``).
-        stages_per_rank: virtual stages per pipeline rank (2 for V-shaped schedules).
-        options: extra keyword arguments of the schedule builder.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schedule: str = "1f1b"
-    stages_per_rank: int = Field(1, ge=1)
-    options: dict[str, Any] = Field(default_factory=dict)
+__all__ = ["TrainerConfig", "dp_size_of"]
 
 
 def dp_size_of(mesh: DeviceMeshParameters) -> int:
@@ -58,8 +42,12 @@ class TrainerConfig(BaseModel):
     run: RunConfig = RunConfig()
     mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)
     batching: BatchingConfig = BatchingConfig()
-    pipeline: PipelineConfig = PipelineConfig()
-    optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
+    # plait.pipelining's schedule config union (``kind`` = 1f1b, interleaved_1f1b, zbv, dualpipev, ...),
+    # used when mesh.pipeline > 1 (None: 1F1B). ``num_microbatches`` defaults to the derived
+    # gradient-accumulation steps; the loop always runs it with loss_reduction="sum" and normalises
+    # by the global token count itself.
+    pipeline: PipelineScheduleConfig | None = None
+    optimizer: OptimizerConfig = AdamWConfig()
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     grad_clip: GradClipConfig = GradClipConfig()
     gradients: GradientConfig = GradientConfig()
@@ -72,9 +60,28 @@ class TrainerConfig(BaseModel):
     # Free-form, user-owned sections (model hyper-parameters, data paths): validated by the user's providers.
     extras: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_microbatches(cls, data: Any) -> Any:
+        pipe = data.get("pipeline") if isinstance(data, dict) else None
+        if isinstance(pipe, dict) and "num_microbatches" not in pipe:
+            try:
+                batching = BatchingConfig.model_validate(data.get("batching", {}))
+                mesh = DeviceMeshParameters.model_validate(data.get("mesh", {}))
+                n = batching.grad_accum_steps(dp_size_of(mesh))
+            except (ValueError, TypeError):
+                return data  # field validation reports the real error
+            data = {**data, "pipeline": {**pipe, "num_microbatches": n}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:
-        self.batching.grad_accum_steps(dp_size_of(self.mesh))
+        accum = self.batching.grad_accum_steps(dp_size_of(self.mesh))
+        if self.pipeline is not None and self.pipeline.num_microbatches != accum:
+            raise ValueError(
+                f"pipeline.num_microbatches={self.pipeline.num_microbatches} must equal the gradient-accumulation "
+                f"steps {accum} = batching.global_batch_size / (batching.microbatch_size x dp size)"
+            )
         self.lr_schedule.resolve(self.run.steps)
         return self
 

@@ -97,7 +97,13 @@ def build_optimizer(
         from plait.kernels import StochasticAdamW
 
         return StochasticAdamW(  # type: ignore[no-any-return]
-            groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            groups,
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            moment_dtype=getattr(torch, config.moment_dtype),
+            seed=config.seed,
         )
     if isinstance(config, SGDConfig):
         return torch.optim.SGD(

@@ -36,9 +36,9 @@ class LRSegment(BaseModel):
 
     kind: _Kind
     duration: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
-    start: float | None = Field(None, ge=0)
-    end: float = Field(1.0, ge=0)
-    power: float = Field(1.0, gt=0)
+    start: float | None = Field(default=None, ge=0)
+    end: float = Field(default=1.0, ge=0)
+    power: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> LRSegment:

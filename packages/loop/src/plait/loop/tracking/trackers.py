@@ -138,7 +138,7 @@ class AimTracker:
         repo = Path(run_dir) / "aim"
         repo.mkdir(parents=True, exist_ok=True)
         self._run = aim.Run(run_hash=run_id, repo=str(repo), experiment=experiment)
-        self.run_id = str(self._run.hash)
+        self.run_id: str | None = str(self._run.hash)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         self._run["config"] = json.loads(json.dumps(config, default=str))
@@ -169,7 +169,7 @@ class WandbTracker:
             id=run_id,
             resume="allow" if run_id else None,
         )
-        self.run_id = str(self._run.id)
+        self.run_id: str | None = str(self._run.id)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         self._run.config.update(json.loads(json.dumps(config, default=str)), allow_val_change=True)

@@ -86,7 +86,8 @@ class Reshape(_PerTensor):
 
     def _group(self, key: str, spec: TensorSpec) -> MapperGroup | None:
         if self.from_shape is not None and not (
-            len(spec.shape) == len(self.from_shape) and all(f in (-1, s) for f, s in zip(self.from_shape, spec.shape))
+            len(spec.shape) == len(self.from_shape)
+            and all(f in (-1, s) for f, s in zip(self.from_shape, spec.shape))
         ):
             return None
         try:

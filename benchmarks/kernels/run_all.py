@@ -1,0 +1,423 @@
+"""Benchmark every plait kernel against torch eager, torch.compile and Liger / cut-cross-entropy.
+
+One command on a GPU machine:
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 benchmarks/kernels/run_all.py [--quick] [--md out.md]
+
+Prints one table: per kernel and shape, each implementation's time, its GB/s (memory-bound ops,
+counting the minimum bytes: each input read once, each output written once) or TFLOP/s (GEMMs),
+the fraction of the copy bandwidth / bf16 matmul rate measured in the same run, and for linear-CE
+the peak extra memory. Liger-Kernel and cut-cross-entropy are used when importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from plait.kernels import (
+    StochasticAdamW,
+    gmm,
+    linear_cross_entropy,
+    permute,
+    rms_norm,
+    swiglu,
+    topk_to_routing_map,
+)
+
+ROWS: list[dict[str, Any]] = []
+DEV = "cuda"
+
+
+def bench(fn: Callable[[], Any], rep: int = 100) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))  # ms
+
+
+def add(
+    kernel: str,
+    shape: str,
+    impl: str,
+    ms: float | None,
+    *,
+    nbytes: float = 0,
+    flops: float = 0,
+    mem: float | None = None,
+    note: str = "",
+) -> None:
+    ROWS.append(
+        {
+            "kernel": kernel,
+            "shape": shape,
+            "impl": impl,
+            "ms": ms,
+            "bytes": nbytes,
+            "flops": flops,
+            "mem": mem,
+            "note": note,
+        }
+    )
+
+
+def attempt(kernel: str, shape: str, impl: str, make: Callable[[], Callable[[], Any]], **kw: Any) -> None:
+    try:
+        fn = make()
+        ms = bench(fn)
+        add(kernel, shape, impl, ms, **kw)
+    except Exception as e:  # a baseline that cannot run is reported, not fatal
+        add(kernel, shape, impl, None, note=f"{type(e).__name__}: {str(e)[:80]}")
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def ceilings() -> tuple[float, float]:
+    n = 1 << 29  # 1 GiB of bf16
+    a = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    copy_gbs = 2 * a.numel() * 2 / ms / 1e6
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
+    ms = bench(lambda: x @ y)
+    mm_tfs = 2 * 8192**3 / ms / 1e9
+    return copy_gbs, mm_tfs
+
+
+def _liger(name: str) -> Any:
+    import importlib
+
+    mod, attr = name.rsplit(".", 1)
+    return getattr(importlib.import_module(mod), attr)
+
+
+def _bwd(y: torch.Tensor, inputs: tuple[torch.Tensor, ...], dy: torch.Tensor) -> Callable[[], Any]:
+    return lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def bench_swiglu(quick: bool) -> None:
+    r, c = (4096, 8192) if quick else (16384, 8192)
+    shape = f"{r}x{c}"
+    g = torch.randn(r, c, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    u = torch.randn(r, c, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    dy = torch.randn(r, c, dtype=torch.bfloat16, device=DEV)
+    n = r * c * 2
+    eager = lambda a, b: F.silu(a) * b  # noqa: E731
+    comp = torch.compile(eager)
+    impls: dict[str, Callable[..., torch.Tensor]] = {"plait": swiglu, "eager": eager, "compile": comp}
+    with contextlib.suppress(Exception):
+        liger = _liger("liger_kernel.ops.swiglu.LigerSiLUMulFunction")
+        impls["liger"] = liger.apply
+    for name, f in impls.items():
+        attempt("swiglu fwd", shape, name, lambda f=f: lambda: f(g, u), nbytes=3 * n)
+        attempt("swiglu bwd", shape, name, lambda f=f: _bwd(f(g, u), (g, u), dy), nbytes=5 * n)
+    # fused MoE probability: plait fuses the row weight; eager/compile pay for it
+    w = torch.rand(r, device=DEV, requires_grad=True)
+    eager_w = lambda a, b, p: F.silu(a) * b * p[:, None].to(a.dtype)  # noqa: E731
+    comp_w = torch.compile(eager_w)
+    for name, f in {"plait": swiglu, "eager": eager_w, "compile": comp_w}.items():
+        attempt(
+            "swiglu*prob fwd+bwd",
+            shape,
+            name,
+            lambda f=f: lambda: torch.autograd.grad(f(g, u, w), (g, u, w), dy),
+            nbytes=8 * n,
+        )
+
+
+def bench_rms_norm(quick: bool) -> None:
+    r, c = (8192, 4096) if quick else (32768, 4096)
+    shape = f"{r}x{c}"
+    x = torch.randn(r, c, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    w = torch.randn(c, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    res = torch.randn(r, c, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    dy = torch.randn(r, c, dtype=torch.bfloat16, device=DEV)
+    n = r * c * 2
+    eager = lambda a, b: F.rms_norm(a, (c,), b, 1e-6)  # noqa: E731
+    comp = torch.compile(eager)
+    impls: dict[str, Callable[..., torch.Tensor]] = {
+        "plait": lambda a, b: rms_norm(a, b, 1e-6),
+        "eager": eager,
+        "compile": comp,
+    }
+    with contextlib.suppress(Exception):
+        lrms = _liger("liger_kernel.ops.rms_norm.LigerRMSNormFunction")
+        impls["liger"] = lambda a, b: lrms.apply(a, b, 1e-6, 0.0, "llama", False)
+    for name, f in impls.items():
+        attempt("rms_norm fwd", shape, name, lambda f=f: lambda: f(x, w), nbytes=2 * n)
+        attempt("rms_norm bwd", shape, name, lambda f=f: _bwd(f(x, w), (x, w), dy), nbytes=3 * n)
+
+    # fused residual add: h = x + res; y = norm(h) -> (y, h); fwd+bwd end to end
+    def eager_res(a, b, rr):
+        h = a + rr
+        return F.rms_norm(h, (c,), b, 1e-6), h
+
+    comp_res = torch.compile(eager_res)
+    impls_r = {
+        "plait": lambda a, b, rr: rms_norm(a, b, 1e-6, residual=rr),
+        "eager": eager_res,
+        "compile": comp_res,
+    }
+    for name, f in impls_r.items():
+
+        def mk(f=f):
+            def run():
+                y, h = f(x, w, res)
+                torch.autograd.grad((y, h), (x, w, res), (dy, dy))
+
+            return run
+
+        # minimum bytes: fwd read x,res write y,h; bwd read dy,dh,h write dx (= dres)
+        attempt("rms_norm+residual fwd+bwd", shape, name, mk, nbytes=8 * n)
+
+
+def bench_adamw(quick: bool) -> None:
+    n = (1 << 26) if quick else (1 << 28)
+    shape = f"{n >> 20}M params"
+    for label, pdtype, mdtype, per_elem in (
+        ("fp32 states", torch.bfloat16, torch.float32, 22),
+        ("bf16 states", torch.bfloat16, torch.bfloat16, 14),
+    ):
+        p = torch.nn.Parameter(torch.randn(n, dtype=pdtype, device=DEV) * 0.02)
+        p.grad = torch.randn(n, dtype=pdtype, device=DEV) * 1e-3
+        opt = StochasticAdamW([p], lr=1e-4, moment_dtype=mdtype, seed=0)
+        attempt(f"adamw step ({label})", shape, "plait SR", lambda opt=opt: opt.step, nbytes=per_elem * n)
+        del opt, p
+        gc.collect()
+        torch.cuda.empty_cache()
+        # torch fused AdamW on the same dtypes (round-to-nearest, states in the param dtype)
+        tdt = torch.float32 if mdtype == torch.float32 else torch.bfloat16
+        q = torch.nn.Parameter(torch.randn(n, dtype=tdt, device=DEV) * 0.02)
+        q.grad = torch.randn(n, dtype=tdt, device=DEV) * 1e-3
+        o2 = torch.optim.AdamW([q], lr=1e-4, fused=True)
+        tb = 28 if tdt == torch.float32 else 14
+        attempt(
+            f"adamw step ({label})",
+            shape,
+            f"torch fused ({'fp32' if tdt == torch.float32 else 'bf16'} all)",
+            lambda o2=o2: o2.step,
+            nbytes=tb * n,
+        )
+        del o2, q
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_permute(quick: bool) -> None:
+    t, h, e, k = (4096 if quick else 16384), 2048, 128, 8
+    shape = f"T={t} H={h} E={e} k={k}"
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    logits = torch.randn(t, e, device=DEV)
+    probs, idx = logits.softmax(-1).topk(k, -1)
+    rm, dense = topk_to_routing_map(idx, probs, e)
+    m = t * k
+    xp, pp, rmap, _ = permute(x, rm, dense)
+    rows = rmap.src
+    # plait: gather kernel (indices built once, reused as an MoE layer would reuse them)
+    from plait.kernels._triton.permute import combine_rows, gather_rows
+
+    attempt(
+        "permute (row gather)",
+        shape,
+        "plait",
+        lambda: lambda: gather_rows(x, rows, None),
+        nbytes=2 * m * h * 2,
+    )
+    attempt(
+        "permute (row gather)",
+        shape,
+        "eager index_select",
+        lambda: lambda: x.index_select(0, rows),
+        nbytes=2 * m * h * 2,
+    )
+    attempt(
+        "permute (full op, incl. index build)",
+        shape,
+        "plait",
+        lambda: lambda: permute(x, rm, dense),
+        nbytes=2 * m * h * 2,
+    )
+    y = xp.detach()
+    w_ts = torch.where(rmap.dst >= 0, dense.gather(1, rmap.experts.clamp(min=0)), 0.0)
+    attempt(
+        "unpermute (weighted combine)",
+        shape,
+        "plait",
+        lambda: lambda: combine_rows(y, rmap.dst, w_ts),
+        nbytes=(m + t) * h * 2,
+    )
+
+    def eager_unperm():
+        out = torch.zeros(t, h, dtype=torch.float32, device=DEV)
+        out.index_add_(0, rows, y.float() * pp.detach()[:, None])
+        return out.to(torch.bfloat16)
+
+    attempt(
+        "unpermute (weighted combine)", shape, "eager index_add", lambda: eager_unperm, nbytes=(m + t) * h * 2
+    )
+
+
+def bench_lce(quick: bool) -> None:
+    n, h, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
+    shape = f"N={n} H={h} V={v}"
+    x = (torch.randn(n, h, device=DEV) * 0.5).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device=DEV) * 0.02).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV)
+    flops = 3 * 2 * n * h * v
+
+    def eager():
+        return F.cross_entropy((x @ w.T).float(), t)
+
+    impls: dict[str, Callable[[], torch.Tensor]] = {
+        "plait": lambda: linear_cross_entropy(x, w, t),
+        "eager": eager,
+    }
+    try:
+        flce = _liger("liger_kernel.ops.fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction")
+        impls["liger FLCE"] = lambda: flce.apply(x, w, t)
+    except Exception:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        impls["cce"] = lambda: cce(x, w, t)
+    except Exception:
+        pass
+    ref = None
+    for name, f in impls.items():
+        try:
+            x.grad = w.grad = None
+            loss = f()
+            loss.backward()
+            val = float(loss)
+            if ref is None:
+                ref = val
+            note = f"loss {val:.4f} (plait {ref:.4f})"
+            x.grad = w.grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            f().backward()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            x.grad = w.grad = None
+
+            def run(f=f):
+                x.grad = w.grad = None
+                f().backward()
+
+            add("linear-CE fwd+bwd", shape, name, bench(run, rep=300), flops=flops, mem=peak, note=note)
+        except Exception as e:
+            add("linear-CE fwd+bwd", shape, name, None, note=f"{type(e).__name__}: {str(e)[:80]}")
+        x.grad = w.grad = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_gmm(quick: bool) -> None:
+    e, k, tokens = 128, 2048, (16384 if quick else 65536)
+    for n in (768, 1536):
+        shape = f"E={e} M={tokens} K={k} N={n}"
+        counts = torch.distributions.Multinomial(tokens, torch.ones(e)).sample().long().to(DEV)
+        x = torch.randn(tokens, k, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+        wt = (torch.randn(e, n, k, dtype=torch.bfloat16, device=DEV) * 0.02).requires_grad_()  # [E, N, K]
+        dy = torch.randn(tokens, n, dtype=torch.bfloat16, device=DEV)
+        fl = 2 * tokens * k * n
+        for be in ("auto", "loop"):
+            attempt(
+                "gmm fwd",
+                shape,
+                f"plait {be}",
+                lambda be=be: lambda: gmm(x, wt, counts, trans_w=True, backend=be),  # noqa: B023
+                flops=fl,
+            )
+            attempt(
+                "gmm bwd",
+                shape,
+                f"plait {be}",
+                lambda be=be, x=x, wt=wt, c=counts, dy=dy: _bwd(
+                    gmm(x, wt, c, trans_w=True, backend=be), (x, wt), dy
+                ),
+                flops=2 * fl,
+            )
+        a = torch.randn(tokens, k, dtype=torch.bfloat16, device=DEV)
+        b = torch.randn(k, n * 1, dtype=torch.bfloat16, device=DEV)
+        attempt("gmm fwd", shape, "dense mm same FLOPs", lambda a=a, b=b: lambda: a @ b, flops=fl)
+
+
+def table(copy_gbs: float, mm_tfs: float) -> str:
+    lines = [
+        "| kernel | shape | impl | ms | GB/s or TFLOP/s | % of ceiling | peak extra GiB | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in ROWS:
+        if r["ms"] is None:
+            lines.append(f"| {r['kernel']} | {r['shape']} | {r['impl']} | - | - | - | - | {r['note']} |")
+            continue
+        if r["flops"]:
+            rate = r["flops"] / r["ms"] / 1e9
+            rate_s, frac = f"{rate:.0f} TFLOP/s", rate / mm_tfs
+        else:
+            rate = r["bytes"] / r["ms"] / 1e6
+            rate_s, frac = f"{rate:.0f} GB/s", rate / copy_gbs
+        mem = f"{r['mem']:.2f}" if r["mem"] is not None else ""
+        lines.append(
+            f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | {rate_s} | {100 * frac:.0f}% | {mem} | {r['note']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller shapes")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--only", default="", help="comma list: swiglu,rms_norm,adamw,permute,lce,gmm")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_gbs, mm_tfs = ceilings()
+    sel = set(filter(None, args.only.split(","))) or {"swiglu", "rms_norm", "adamw", "permute", "lce", "gmm"}
+    for name, fn in (
+        ("gmm", bench_gmm),
+        ("lce", bench_lce),
+        ("swiglu", bench_swiglu),
+        ("rms_norm", bench_rms_norm),
+        ("adamw", bench_adamw),
+        ("permute", bench_permute),
+    ):
+        if name in sel:
+            try:
+                fn(args.quick)
+            except Exception as e:
+                add(name, "-", "-", None, note=f"benchmark failed: {type(e).__name__}: {str(e)[:100]}")
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"[done {name}]", file=sys.stderr, flush=True)
+    header = (
+        f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n"
+        f"measured ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul 8192^3 {mm_tfs:.0f} TFLOP/s\n"
+    )
+    out = header + "\n" + table(copy_gbs, mm_tfs)
+    print(out)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(out + "\n")
+    _ = math
+
+
+if __name__ == "__main__":
+    main()

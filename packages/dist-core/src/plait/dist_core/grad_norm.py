@@ -1,0 +1,137 @@
+"""Global gradient norm and clipping over parameters that live on different meshes.
+
+Each gradient is a plain tensor or a DTensor on any mesh (FSDP ``Shard``, ``Replicate``,
+expert-sharded, HSDP ...). The norm counts every element exactly once:
+
+1. per gradient, the local shard's ``sum |g|^p`` (``max |g|`` for the inf-norm), in float32;
+2. grouped by (mesh, the mesh dims where the gradient is ``Shard``), summed (max-ed) over the
+   ranks of those dims only: dims where it is ``Replicate`` hold copies and are not summed;
+   plain tensors are taken as they are (copies on ranks that hold them);
+3. summed over pipeline stages through ``pipeline_group`` (each stage holds different parameters).
+
+Every rank of a group must pass the same parameters in the same order (true for ranks of one
+pipeline stage running the same model), since step 2 issues collectives per group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+_TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
+
+
+def _grads(params: _TensorOrTensors) -> list[torch.Tensor]:
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
+    return (
+        mesh.device_type,
+        tuple(mesh.mesh_dim_names or ()),
+        tuple(mesh.mesh.flatten().tolist()),
+        mesh.mesh.shape,
+    )
+
+
+def _local_power(local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if local.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=local.device)
+    x = local.detach().float()
+    if math.isinf(norm_type):
+        return x.abs().amax()
+    return torch.linalg.vector_norm(x, norm_type) ** norm_type
+
+
+def global_grad_norm(
+    params: _TensorOrTensors, norm_type: float = 2.0, *, pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The norm of all gradients of ``params`` as if they were one unsharded vector.
+
+    Args:
+        params: parameters (plain tensors or DTensors); those without ``.grad`` are skipped.
+        norm_type: p of the p-norm (``float("inf")`` for the max-norm).
+        pipeline_group: the group of this rank's pipeline peers (e.g.
+            ``ctx.mesh_for("batch").get_group("pp")``), or None without pipelining.
+
+    Returns:
+        A float32 0-d tensor, equal on all ranks, on the gradients' device.
+    """
+    inf = math.isinf(norm_type)
+    if not inf and norm_type <= 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    combine = torch.maximum if inf else torch.add
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+
+    grads = _grads(params)
+    device = grads[0].device if grads else torch.device("cpu")
+    plain = torch.zeros((), dtype=torch.float32, device=device)
+    by_group: dict[tuple[object, ...], tuple[DeviceMesh, list[int], torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            placements = g.placements
+            if any(not isinstance(pl, Shard | Replicate) for pl in placements):
+                raise ValueError(
+                    f"gradient with placements {placements}: reduce partial gradients before the norm"
+                )
+            shard_dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+            local = _local_power(g.to_local(), norm_type)
+            key = (_mesh_key(g.device_mesh), tuple(shard_dims))
+            if key in by_group:
+                mesh, dims, acc = by_group[key]
+                by_group[key] = (mesh, dims, combine(acc, local.to(acc.device)))
+            else:
+                by_group[key] = (g.device_mesh, shard_dims, local)
+        else:
+            plain = combine(plain, _local_power(g, norm_type).to(device))
+
+    total = plain
+    for mesh, dims, acc in by_group.values():
+        for dim in dims:
+            dist.all_reduce(acc, op=op, group=mesh.get_group(dim))
+        total = combine(total, acc.to(device))
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        dist.all_reduce(total, op=op, group=pipeline_group)
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    params: _TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    pipeline_group: dist.ProcessGroup | None = None,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale all gradients in place so that their global norm is at most ``max_norm``.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_`` (factor ``max_norm / (norm + 1e-6)``
+    clamped to 1), with the norm from :func:`global_grad_norm`.
+
+    Returns:
+        The global norm before clipping (float32 0-d tensor).
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
+    """
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    total = global_grad_norm(params, norm_type, pipeline_group=pipeline_group)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite: {total.item()}"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in _grads(params):
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total

@@ -1,0 +1,288 @@
+"""Generic parallelize applicators: DTensor replication with bucketed all-reduce, FSDP2 and HSDP.
+
+Both take the gradient reduction explicitly: ``reduce="mean"`` divides the summed gradients by
+the number of data-parallel ranks (the usual choice when every rank's loss is a mean over its own
+batch), ``reduce="sum"`` leaves the sum (when losses are already normalised by the global count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._pytree import tree_map
+
+Reduce = Literal["mean", "sum"]
+
+
+def _check_reduce(reduce: str) -> None:
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# replicate
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    ready: int = 0
+    work: Any = None
+    flat: torch.Tensor | None = None
+
+
+@dataclass
+class _ReplicateState:
+    mesh: DeviceMesh
+    reduce: Reduce
+    buckets: list[_Bucket] = field(default_factory=list)
+    bucket_of: dict[int, _Bucket] = field(default_factory=dict)
+    sync: bool = True
+    callback_queued: bool = False
+
+
+def _replicated(mesh: DeviceMesh) -> list[Replicate]:
+    return [Replicate()] * mesh.ndim
+
+
+def _to_dtensor(mesh: DeviceMesh) -> Callable[[Any], Any]:
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, mesh, _replicated(mesh), run_check=False)
+        return x
+
+    return convert
+
+
+def _to_local(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _broadcast_from_first(t: torch.Tensor, mesh: DeviceMesh) -> None:
+    # Along every mesh dim from coordinate 0: all replicas start from mesh rank 0's values.
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+
+
+def _launch(bucket: _Bucket, state: _ReplicateState) -> None:
+    grads = []
+    for p in bucket.params:
+        g = p.grad
+        local = g.to_local() if isinstance(g, DTensor) else g
+        grads.append(torch.zeros_like(_to_local(p.data)) if local is None else local)
+    bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+    # Overlap: the first mesh dim reduces asynchronously while backward continues.
+    bucket.work = dist.all_reduce(bucket.flat, group=state.mesh.get_group(0), async_op=True)
+
+
+def _finish(state: _ReplicateState) -> None:
+    state.callback_queued = False
+    size = state.mesh.size()
+    for bucket in state.buckets:
+        if bucket.work is None:
+            # Some parameters got no gradient in this backward: reduce zeros for them so every
+            # rank issues the same collectives.
+            _launch(bucket, state)
+        assert bucket.flat is not None
+        bucket.work.wait()
+        for dim in range(1, state.mesh.ndim):
+            dist.all_reduce(bucket.flat, group=state.mesh.get_group(dim))
+        if state.reduce == "mean":
+            bucket.flat.div_(size)
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            reduced = bucket.flat[offset : offset + n].view(_to_local(p.data).shape)
+            offset += n
+            if p.grad is None:
+                p.grad = DTensor.from_local(
+                    reduced.clone(), state.mesh, _replicated(state.mesh), run_check=False
+                )
+            else:
+                _to_local(p.grad).copy_(reduced)
+        bucket.ready, bucket.work, bucket.flat = 0, None, None
+
+
+def _make_hook(state: _ReplicateState) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        if not state.sync:
+            return
+        if not state.callback_queued:
+            state.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(state))
+        bucket = state.bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            _launch(bucket, state)
+
+    return hook
+
+
+def replicate(
+    module: nn.Module, mesh: DeviceMesh, *, reduce: Reduce = "mean", bucket_cap_mb: float = 25.0
+) -> nn.Module:
+    """Data-parallel replication with DTensor parameters (like DDP, PyTorch-native placements).
+
+    - Every parameter becomes a ``DTensor`` with ``Replicate()`` on every dim of ``mesh``,
+      initialised from mesh rank 0's values (broadcast), so all replicas start equal.
+    - Tensor inputs of ``module`` become replicated DTensors and DTensor outputs become local
+      tensors again, so callers pass and get plain tensors.
+    - Gradients are all-reduced in buckets of about ``bucket_cap_mb`` MiB (in reverse
+      registration order, roughly the order backward produces them); a bucket's all-reduce starts
+      as soon as its last gradient is accumulated and all are awaited at the end of backward.
+      Parameters that got no gradient are reduced as zeros (every rank issues the same collectives).
+    - ``reduce="mean"`` divides by the number of ranks of ``mesh``; ``"sum"`` does not.
+
+    Use :func:`set_gradient_sync` to skip the all-reduce on gradient-accumulation micro-steps.
+
+    Args:
+        module: the module to replicate in place.
+        mesh: the data-parallel mesh (any number of dims; all are replicated over).
+        reduce: ``"mean"`` or ``"sum"``.
+        bucket_cap_mb: bucket size in MiB.
+
+    Returns:
+        ``module`` (modified in place).
+    """
+    _check_reduce(reduce)
+    state = _ReplicateState(mesh, reduce)
+    seen: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if id(p) in seen:  # tied weights stay tied
+                setattr(sub, name, seen[id(p)])
+                continue
+            data = p.detach().clone()
+            _broadcast_from_first(data, mesh)
+            new = nn.Parameter(
+                DTensor.from_local(data, mesh, _replicated(mesh), run_check=False),
+                requires_grad=p.requires_grad,
+            )
+            seen[id(p)] = new
+            setattr(sub, name, new)
+    cap = bucket_cap_mb * 2**20
+    trainable = [p for p in reversed(list(seen.values())) if p.requires_grad]
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in trainable:
+        if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+            state.buckets.append(_Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    if current:
+        state.buckets.append(_Bucket(current))
+    hook = _make_hook(state)
+    for bucket in state.buckets:
+        for p in bucket.params:
+            state.bucket_of[id(p)] = bucket
+            p.register_post_accumulate_grad_hook(hook)
+
+    convert = _to_dtensor(mesh)
+    module.register_forward_pre_hook(
+        lambda _m, args, kwargs: tree_map(convert, (args, kwargs)), with_kwargs=True
+    )
+    module.register_forward_hook(lambda _m, _args, out: tree_map(_to_local, out))
+    module._plait_replicate = state  # type: ignore[assignment]
+    return module
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turn the gradient all-reduce of a :func:`replicate`-d or FSDP2 module on or off.
+
+    Off for all but the last micro-batch of a gradient-accumulation step: gradients accumulate
+    locally and the last backward reduces the accumulated sum.
+    """
+    state = getattr(module, "_plait_replicate", None)
+    if isinstance(state, _ReplicateState):
+        state.sync = enabled
+    elif isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+    else:
+        raise TypeError(
+            f"{type(module).__name__} was not parallelized with replicate() or fully_shard_module()"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# FSDP2 / HSDP
+# --------------------------------------------------------------------------------------------------
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over, taken from the dense domain (or returned as given).
+
+    For a dense-domain mesh: ``mesh["dp_replicate", "dp_cp_shard"]`` (HSDP: replicate over
+    ``dp_replicate``, shard over ``dp_cp_shard``) when ``dp_replicate > 1``, else
+    ``mesh["dp_cp_shard"]`` (FSDP). A 1-D or 2-D mesh without those names is used as given
+    (2-D means HSDP with dim 0 replicate, dim 1 shard).
+
+    Raises:
+        ValueError: ``cp_replicate > 1`` (its gradients would need a third reduction FSDP2 does
+            not do), or a mesh with more than 2 dims that is not a dense-domain mesh.
+    """
+    names = mesh.mesh_dim_names or ()
+    if "dp_cp_shard" in names:
+        if "cp_replicate" in names and mesh["cp_replicate"].size() > 1:
+            raise ValueError("fully_shard_module does not support context_replicate > 1; use context_shard")
+        if "dp_replicate" in names and mesh["dp_replicate"].size() > 1:
+            return mesh["dp_replicate", "dp_cp_shard"]
+        return mesh["dp_cp_shard"]
+    if mesh.ndim > 2:
+        raise ValueError(
+            f"fully_shard_module needs the dense-domain mesh or a 1-D/2-D data-parallel mesh, got dims {names}"
+        )
+    return mesh
+
+
+def _set_divide_factor(module: FSDPModule, factor: float) -> None:
+    # torch >= 2.8 names it set_gradient_divide_factor; older releases set_reduce_scatter_divide_factor.
+    setter = getattr(module, "set_gradient_divide_factor", None) or getattr(
+        module, "set_reduce_scatter_divide_factor", None
+    )
+    if setter is None:
+        raise NotImplementedError(f"torch {torch.__version__}: FSDP2 has no gradient divide factor setter")
+    setter(factor)
+
+
+def fully_shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reduce: Reduce = "mean",
+) -> FSDPModule:
+    """Apply FSDP2 ``fully_shard`` (or HSDP) to ``module`` over the dense domain's data ranks.
+
+    Call it bottom-up (blocks first, then the root), like ``fully_shard``; each call covers the
+    parameters of ``module`` not already sharded by an inner call.
+
+    Args:
+        module: the module to shard in place.
+        mesh: the dense-domain mesh (``ctx.mesh_for("dense")``) or a data-parallel mesh; see
+            :func:`data_parallel_mesh`.
+        reshard_after_forward: as in ``fully_shard``.
+        mp_policy: mixed precision (default: parameters' dtype throughout).
+        reduce: ``"mean"`` divides gradients by the number of data-parallel ranks (replicas x
+            shards, FSDP2's default); ``"sum"`` sets the divide factor to 1.
+
+    Returns:
+        The module (now an ``FSDPModule``).
+    """
+    _check_reduce(reduce)
+    dp_mesh = data_parallel_mesh(mesh)
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    sharded = fully_shard(module, **kwargs)
+    assert isinstance(sharded, FSDPModule)
+    if reduce == "sum":
+        _set_divide_factor(sharded, 1.0)
+    return sharded

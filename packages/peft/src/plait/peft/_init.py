@@ -1,0 +1,59 @@
+"""Adapter initialisations, computed as whole (unsharded) tensors so that a sharded model draws
+exactly the numbers a single process draws with the same seed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from plait.peft.config import LoRAInit
+
+__all__ = ["init_factors", "pissa_factors"]
+
+
+def init_factors(
+    init: LoRAInit,
+    a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...],
+    *,
+    fan_in: int,
+    r: int,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(A, B)`` for the random initialisations (PiSSA: :func:`pissa_factors`).
+
+    ``kaiming``/``random``: A ~ U(+-1/sqrt(fan_in)) (Kaiming-uniform with a=sqrt(5), nn.Linear's
+    default); ``gaussian``: A ~ N(0, 1/r). B = 0, except ``random``: B ~ U(+-1/sqrt(r)).
+    """
+    if init == "pissa":
+        raise ValueError("init_factors: PiSSA is computed from the base weight (pissa_factors)")
+    a = torch.empty(a_shape, device=device)
+    if init == "gaussian":
+        a.normal_(0.0, 1.0 / r, generator=generator)
+    else:
+        bound = 1.0 / math.sqrt(fan_in)
+        a.uniform_(-bound, bound, generator=generator)
+    b = torch.zeros(b_shape, device=device)
+    if init == "random":
+        bound = 1.0 / math.sqrt(r)
+        b.uniform_(-bound, bound, generator=generator)
+    return a, b
+
+
+def pissa_factors(
+    weight: torch.Tensor, r: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PiSSA: ``(A, B, residual)`` from the top-r SVD of ``weight`` (``[out, in]`` or batched ``[E, out, in]``).
+
+    ``A = sqrt(S_r / s) V_r^T``, ``B = U_r sqrt(S_r / s)``, ``residual = W - s B A`` (all float32),
+    so the forward is unchanged at init.
+    """
+    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"PiSSA init needs a float32/float16/bfloat16 base weight, got {weight.dtype}")
+    w = weight.detach().float()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    sr = (s[..., :r] / scaling).sqrt()
+    a = sr.unsqueeze(-1) * vh[..., :r, :]
+    b = u[..., :, :r] * sr.unsqueeze(-2)
+    return a, b, w - scaling * (b @ a)

@@ -1,0 +1,136 @@
+"""Peak host memory while streaming, and crash safety of the writer, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+N_LAYERS, N_EXPERTS, ROWS, COLS = 12, 8, 256, 512  # 12 x 8 x 512 KiB = 48 MiB of experts
+EXPERT_BYTES = ROWS * COLS * 4
+GROUP_BYTES = N_EXPERTS * EXPERT_BYTES  # the largest group: one stacked layer (4 MiB)
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from torch import nn
+    from plait.model_state import Stack, load_module, save_module
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    torch.set_num_threads(1)
+    src, out, n_layers, n_experts, rows, cols = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+    model = nn.Module()
+    for i in range(n_layers):
+        model.register_parameter(f"w{i}", nn.Parameter(torch.zeros(n_experts, rows, cols)))
+    mapper = Stack("layers.{i}.experts.{e}", "w{i}", over="e")
+    reset_peak(); base = status("VmRSS")
+    load_module(model, src, mapper)
+    load_peak = status("VmHWM") - base
+    reset_peak(); base = status("VmRSS")
+    save_module(model, out, mapper.inverse(), max_shard_size=20 * 2**20, fsync=False)
+    save_peak = status("VmHWM") - base
+    print(json.dumps({"load": load_peak, "save": save_peak, "check": float(model.w3[5, 7, 11])}))
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
+def test_streaming_peak_memory_is_about_one_group(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    src = tmp_path / "src.safetensors"
+    state = {f"layers.{i}.experts.{e}": torch.randn(ROWS, COLS, generator=g) for i in range(N_LAYERS) for e in range(N_EXPERTS)}
+    save_file(state, str(src))
+    total = len(state) * EXPERT_BYTES
+    args = [str(src), str(tmp_path / "out"), str(N_LAYERS), str(N_EXPERTS), str(ROWS), str(COLS)]
+    proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["check"] == float(state["layers.3.experts.5"][7, 11])
+    bound = 2 * GROUP_BYTES + 8 * 2**20
+    assert got["load"] <= bound, f"load peak {got['load'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
+    assert got["save"] <= bound, f"save peak {got['save'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted((tmp_path / "out").glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    assert sorted(saved) == sorted(state)
+    assert all(torch.equal(saved[k], state[k]) for k in state)
+
+
+_CRASH_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from plait.model_state import CheckpointWriter, TensorSpec
+    out = sys.argv[1]
+    specs = {f"t{i}": TensorSpec((1024,), torch.float32) for i in range(8)}
+    w = CheckpointWriter(out, specs, max_shard_size=8192, fsync=False)
+    for i in range(8):
+        w.write(f"t{i}", torch.full((1024,), 2.0))
+        if i == 4:
+            print("HALF", flush=True)
+            time.sleep(60)
+    w.commit()
+    """
+)
+
+
+def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    old = {f"t{i}": torch.full((1024,), 1.0) for i in range(8)}
+    save_file(old, str(ck / "model.safetensors"))
+    before = sorted(p.name for p in ck.iterdir())
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH_SCRIPT, str(ck)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        line = ""
+        while "HALF" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "HALF" in line, "writer did not reach the middle of the write"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # The previous checkpoint is untouched; the new one is only a hidden temporary directory.
+    assert sorted(p.name for p in ck.iterdir()) == before
+    loaded = load_file(str(ck / "model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in old.items())
+    hidden = [p for p in tmp_path.iterdir() if p.name != "ck"]
+    assert hidden and all(p.name.startswith(".ck.tmp-") for p in hidden)
+    assert any(p.suffix == ".safetensors" for p in hidden[0].iterdir())  # it did write part files
+
+
+def test_cli_inspect_and_diff(tmp_path: Path) -> None:
+    a = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.zeros(2, dtype=torch.int64)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    b = {"x": a["x"] + 0.5, "z": torch.ones(1)}
+    save_file(b, str(tmp_path / "b.safetensors"))
+    run = [sys.executable, "-m", "plait.model_state"]
+    out = subprocess.run([*run, "inspect", str(tmp_path / "a.safetensors")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "[2, 3]" in out.stdout and "2 tensors" in out.stdout and "float32" in out.stdout
+    out = subprocess.run([*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "only in A: y" in out.stdout and "only in B: z" in out.stdout and "max abs diff 0.5" in out.stdout
+    out = subprocess.run([*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "SAME" in out.stdout
