@@ -26,8 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 from plait.kernels import (
+    GradDirection,
     StochasticAdamW,
     gmm,
+    grad_direction,
     linear_cross_entropy,
     permute,
     rms_norm,
@@ -286,7 +288,7 @@ def bench_lce(quick: bool) -> None:
     }
     try:
         flce = _liger("liger_kernel.ops.fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction")
-        impls["liger FLCE"] = lambda: flce.apply(x, w, t)
+        impls["liger FLCE"] = lambda: flce.apply(x, w, t)[0]
     except Exception:
         pass
     try:
@@ -354,6 +356,23 @@ def bench_gmm(quick: bool) -> None:
                 ),
                 flops=2 * fl,
             )
+        # The split-backward passes on their own (what a zero-bubble schedule runs).
+        for label, direction in (
+            ("inputs only", GradDirection.INPUTS),
+            ("weights only", GradDirection.WEIGHTS),
+        ):
+
+            def split(direction=direction, x=x, wt=wt, c=counts, dy=dy):
+                y = gmm(x, wt, c, trans_w=True)
+
+                def run():
+                    with grad_direction(direction):
+                        torch.autograd.backward(y, dy, retain_graph=True, inputs=[x, wt])
+                    x.grad = wt.grad = None
+
+                return run
+
+            attempt(f"gmm bwd ({label})", shape, "plait auto", split, flops=fl)
         a = torch.randn(tokens, k, dtype=torch.bfloat16, device=DEV)
         b = torch.randn(k, n * 1, dtype=torch.bfloat16, device=DEV)
         attempt("gmm fwd", shape, "dense mm same FLOPs", lambda a=a, b=b: lambda: a @ b, flops=fl)

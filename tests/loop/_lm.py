@@ -72,7 +72,15 @@ def tiny_stage(stage_index: int, num_stages: int) -> nn.Module:
 
 def load_reference_weights(modules) -> None:
     """Copy the weights of a ``TinyLM`` seeded with 0 into the local stages (by parameter name)."""
-    torch.manual_seed(0)
-    ref = TinyLM().state_dict()
-    for m in modules:
-        m.load_state_dict({k: ref[k] for k in m.state_dict()})
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ref = TinyLM().state_dict()
+    with torch.no_grad():
+        for m in modules:
+            for name, p in m.named_parameters():
+                if isinstance(p, DTensor):  # FSDP-sharded: copy this rank's shard
+                    p.copy_(distribute_tensor(ref[name], p.device_mesh, p.placements))
+                else:
+                    p.copy_(ref[name])

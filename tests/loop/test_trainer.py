@@ -101,7 +101,15 @@ def test_grad_accumulation_equivalence(tmp_path):
         torch.testing.assert_close(g_one[name], g_accum[name], rtol=1e-4, atol=1e-6)
 
 
-def _dp_run(run_dir: str, steps: int) -> list[float]:
+def _fsdp(module, ctx, config):
+    from plait.dist_core import fully_shard_module
+
+    return fully_shard_module(module, ctx.mesh_for("dense"))  # reduce="mean": the loop makes it a sum
+
+
+def _dp_run(run_dir: str, steps: int, fsdp: bool = False) -> list[float]:
+    from tests.loop._lm import load_reference_weights
+
     torch.set_num_threads(1)
     cfg = load_config(
         overrides=[
@@ -114,18 +122,27 @@ def _dp_run(run_dir: str, steps: int) -> list[float]:
             "--logging.progress_bar=false",
         ]
     )
-    tr = _trainer(cfg)
+    provider = ModuleProvider(TinyLM, parallelize_fn=_fsdp if fsdp else None, initial_weights=load_reference_weights)
+    tr = Trainer(cfg, provider, DatasetProvider(_dataset()), CausalLMTask())
     losses = _losses(tr)
     tr.fit()
     tr.close()
     return losses
 
 
-def test_data_parallel_2_matches_one_process(tmp_path):
-    steps = 8
-    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_data_parallel_2_matches_one_process(tmp_path, fsdp):
+    from tests.loop._lm import load_reference_weights
+
+    steps = 6
+    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps, fsdp)
     assert dp_losses[0] == dp_losses[1]
-    single = _trainer(_config(tmp_path / "one", steps=steps))
+    single = Trainer(
+        _config(tmp_path / "one", steps=steps),
+        ModuleProvider(TinyLM, initial_weights=load_reference_weights),
+        DatasetProvider(_dataset()),
+        CausalLMTask(),
+    )
     ref = _losses(single)
     single.fit()
     single.close()

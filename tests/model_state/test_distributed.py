@@ -8,12 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from plait.dist_core.testing import run_distributed
 from plait.model_state import (
     INDEX_NAME,
@@ -25,6 +19,11 @@ from plait.model_state import (
     read_state,
     save_module,
 )
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 class Model(nn.Module):
@@ -36,14 +35,21 @@ class Model(nn.Module):
         self.head = nn.Linear(6, 13, bias=False)
 
 
-MAPPER = Rename({"model.embed.weight": "embed.weight", "model.layers.{i}.{p}": "layers.{i}.{p}", "lm_head.weight": "head.weight"}) >> Stack(
-    "model.experts.{e}.w", "experts", over="e"
-)
+MAPPER = Rename(
+    {
+        "model.embed.weight": "embed.weight",
+        "model.layers.{i}.{p}": "layers.{i}.{p}",
+        "lm_head.weight": "head.weight",
+    }
+) >> Stack("model.experts.{e}.w", "experts", over="e")
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    s = {"model.embed.weight": torch.randn(13, 6, generator=g), "lm_head.weight": torch.randn(13, 6, generator=g)}
+    s = {
+        "model.embed.weight": torch.randn(13, 6, generator=g),
+        "lm_head.weight": torch.randn(13, 6, generator=g),
+    }
     for i in range(2):
         s[f"model.layers.{i}.weight"] = torch.randn(6, 6, generator=g)
         s[f"model.layers.{i}.bias"] = torch.randn(6, generator=g)
@@ -104,7 +110,9 @@ def test_fsdp2_load_equals_full_load(tmp_path: Path, world: int, meta: bool) -> 
 
 def _distribute_load(path: str) -> tuple[dict[str, torch.Tensor], int]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    mapper = MAPPER >> Distribute(mesh, {"head.weight": [Replicate(), Shard(0)], "experts": [Shard(0), Shard(2)]})
+    mapper = MAPPER >> Distribute(
+        mesh, {"head.weight": [Replicate(), Shard(0)], "experts": [Shard(0), Shard(2)]}
+    )
     out: dict[str, torch.Tensor] = {}
     from plait.model_state import CheckpointReader
 
@@ -184,3 +192,26 @@ def test_distributed_conversion(tmp_path: Path) -> None:
     got = read_state(tmp_path / "conv")
     assert sorted(got) == sorted(ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def _fsdp_tp_load(path: str) -> dict[str, torch.Tensor]:
+    """2-D mesh: tensor parallel inside, FSDP2 across (strided shards: not a box, read whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        m = Model()
+    parallelize_module(m.layers[0], mesh["tp"], ColwiseParallel())
+    parallelize_module(m.layers[1], mesh["tp"], RowwiseParallel())
+    fully_shard(m, mesh=mesh["dp"])
+    load_module(m, path, MAPPER)
+    return {k: v.full_tensor().clone() if isinstance(v, DTensor) else v.clone() for k, v in m.state_dict().items()}
+
+
+def test_fsdp_over_tp_load_equals_full_load(tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "ck")
+    ref = _full_reference(str(tmp_path / "ck"))
+    for full in run_distributed(_fsdp_tp_load, 4, str(tmp_path / "ck")):
+        assert sorted(full) == sorted(ref)
+        for k in ref:
+            assert torch.equal(full[k], ref[k]), k

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.model_state import (
     AddPrefix,
     Cast,
@@ -50,7 +49,9 @@ def _round_trip(mapper, state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def moe_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     s = {f"model.layers.{i}.mlp.experts.{e}.up.weight": _rand(3, 4) for i in range(2) for e in range(3)}
-    s.update({f"model.layers.{i}.attn.{p}.weight": _rand(2 if p == "q" else 1, 4) for i in range(2) for p in "qkv"})
+    s.update(
+        {f"model.layers.{i}.attn.{p}.weight": _rand(2 if p == "q" else 1, 4) for i in range(2) for p in "qkv"}
+    )
     s["model.norm.weight"] = _rand(4)
     s["lm_head.weight"] = _rand(5, 4)
     return s
@@ -108,7 +109,10 @@ def test_stack_unstack(moe_state) -> None:
     assert torch.equal(out["model.layers.1.mlp.up"], ref)
     m2 = Stack("model.layers.{i}.mlp.experts.{e}.up.weight", "model.layers.{i}.mlp.up", over="e", dim=-1)
     out2 = _round_trip(m2, moe_state)
-    assert torch.equal(out2["model.layers.1.mlp.up"], torch.stack([moe_state[f"model.layers.1.mlp.experts.{e}.up.weight"] for e in range(3)], -1))
+    assert torch.equal(
+        out2["model.layers.1.mlp.up"],
+        torch.stack([moe_state[f"model.layers.1.mlp.experts.{e}.up.weight"] for e in range(3)], -1),
+    )
     un = Unstack("w", "w.{e}", over="e", dim=1).map_state({"w": torch.arange(6).reshape(2, 3)})
     assert torch.equal(un["w.2"], torch.tensor([2, 5]))
 
@@ -125,7 +129,11 @@ def test_stack_errors_list_keys() -> None:
 
 def test_chunk_concatenate(moe_state) -> None:
     m = Concatenate(
-        ["model.layers.{i}.attn.q.weight", "model.layers.{i}.attn.k.weight", "model.layers.{i}.attn.v.weight"],
+        [
+            "model.layers.{i}.attn.q.weight",
+            "model.layers.{i}.attn.k.weight",
+            "model.layers.{i}.attn.v.weight",
+        ],
         "model.layers.{i}.attn.qkv",
         sizes=[2, 1, 1],
     )
@@ -148,7 +156,9 @@ def test_transpose_reshape_cast() -> None:
     assert torch.equal(out["a"], s["a"].T) and out["a"].is_contiguous()
     out = _round_trip(Reshape("b", (2, -1), from_shape=(6,)), s)
     assert out["b"].shape == (2, 3) and torch.equal(out["b"].flatten(), s["b"])
-    s = {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in s.items()}  # exact in bf16
+    s = {
+        k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in s.items()
+    }  # exact in bf16
     out = _round_trip(Cast(torch.bfloat16, from_dtype=torch.float32), s)
     assert out["a"].dtype == torch.bfloat16 and out["i"].dtype == torch.int64
     assert torch.equal(out["a"], s["a"].to(torch.bfloat16))
@@ -170,7 +180,9 @@ def test_sequential_fuses_groups(moe_state) -> None:
     assert len(stacked) == 1 and len(stacked[0].inputs) == 3  # one fused group per stacked tensor
     assert plan.outputs["layers.0.experts.up"] == TensorSpec((3, 4, 3), torch.float32)
     out = _round_trip(m, {k: v for k, v in moe_state.items() if k.startswith("model.")})
-    ref = torch.stack([moe_state[f"model.layers.0.mlp.experts.{e}.up.weight"] for e in range(3)]).transpose(1, 2)
+    ref = torch.stack([moe_state[f"model.layers.0.mlp.experts.{e}.up.weight"] for e in range(3)]).transpose(
+        1, 2
+    )
     assert torch.equal(out["layers.0.experts.up"], ref)
     assert isinstance(m, Sequential) and len(m.mappers) == 4
 
@@ -214,7 +226,11 @@ def test_shard_partitions_groups(moe_state) -> None:
 
 
 def test_slicers_produce_exact_regions(moe_state) -> None:
-    m = Select("model.") >> Stack("layers.{i}.mlp.experts.{e}.up.weight", "layers.{i}.up", over="e") >> Transpose("layers.{i}.up", 1, 2)
+    m = (
+        Select("model.")
+        >> Stack("layers.{i}.mlp.experts.{e}.up.weight", "layers.{i}.up", over="e")
+        >> Transpose("layers.{i}.up", 1, 2)
+    )
     specs = {k: TensorSpec.of(v) for k, v in moe_state.items()}
     g = m.plan(specs).producer("layers.1.up")
     region = ((1, 3), (1, 3), (0, 2))  # experts 1-2 of the transposed [3, 4, 3]

@@ -56,17 +56,27 @@ _MEMORY_SCRIPT = textwrap.dedent(
 def test_streaming_peak_memory_is_about_one_group(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     src = tmp_path / "src.safetensors"
-    state = {f"layers.{i}.experts.{e}": torch.randn(ROWS, COLS, generator=g) for i in range(N_LAYERS) for e in range(N_EXPERTS)}
+    state = {
+        f"layers.{i}.experts.{e}": torch.randn(ROWS, COLS, generator=g)
+        for i in range(N_LAYERS)
+        for e in range(N_EXPERTS)
+    }
     save_file(state, str(src))
     total = len(state) * EXPERT_BYTES
     args = [str(src), str(tmp_path / "out"), str(N_LAYERS), str(N_EXPERTS), str(ROWS), str(COLS)]
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["check"] == float(state["layers.3.experts.5"][7, 11])
     bound = 2 * GROUP_BYTES + 8 * 2**20
-    assert got["load"] <= bound, f"load peak {got['load'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
-    assert got["save"] <= bound, f"save peak {got['save'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
+    assert got["load"] <= bound, (
+        f"load peak {got['load'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
+    )
+    assert got["save"] <= bound, (
+        f"save peak {got['save'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
+    )
     saved: dict[str, torch.Tensor] = {}
     for f in sorted((tmp_path / "out").glob("*.safetensors")):
         saved.update(load_file(str(f)))
@@ -126,11 +136,23 @@ def test_cli_inspect_and_diff(tmp_path: Path) -> None:
     b = {"x": a["x"] + 0.5, "z": torch.ones(1)}
     save_file(b, str(tmp_path / "b.safetensors"))
     run = [sys.executable, "-m", "plait.model_state"]
-    out = subprocess.run([*run, "inspect", str(tmp_path / "a.safetensors")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*run, "inspect", str(tmp_path / "a.safetensors")], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "[2, 3]" in out.stdout and "2 tensors" in out.stdout and "float32" in out.stdout
-    out = subprocess.run([*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "only in A: y" in out.stdout and "only in B: z" in out.stdout and "max abs diff 0.5" in out.stdout
-    out = subprocess.run([*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "SAME" in out.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
@@ -37,19 +38,23 @@ def _make_layer(
 
 
 def _ep_worker(
-    seed: int, layer_kwargs: dict[str, Any], router_kwargs: dict[str, Any], one_hot_expert: int | None
+    seed: int,
+    layer_kwargs: dict[str, Any],
+    router_kwargs: dict[str, Any],
+    one_hot_expert: int | None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
     expert_parallel(layer, mesh)
     assert isinstance(layer.dispatcher, AllToAllDispatcher)
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
-    x = x_all[rank].clone().requires_grad_()
+    x = x_all[rank].to(device).requires_grad_()
     out = layer(x)
-    ((out.hidden_states * g_all[rank]).sum() + out.aux_loss).backward()
+    ((out.hidden_states * g_all[rank].to(device)).sum() + out.aux_loss).backward()
     grads = {}
     for name, p in layer.named_parameters():
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -57,7 +62,7 @@ def _ep_worker(
     result = {"y": out.hidden_states.detach(), "gx": x.grad, "aux": out.aux_loss.detach(), "grads": grads}
     if layer.router.expert_bias is not None:
         # A 2-D data-parallel mesh is reduced over all of its dims; a 1-D one over its only dim.
-        dp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b")) if world == 4 else mesh
+        dp = init_device_mesh(device, (2, world // 2), mesh_dim_names=("a", "b")) if world == 4 else mesh
         result["bias_counts"] = layer.update_expert_bias(dp)
         result["bias"] = layer.router.expert_bias.clone()
     return result
@@ -69,8 +74,12 @@ def _check(
     layer_kwargs: dict[str, Any],
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None = None,
+    device: str = "cpu",
 ) -> None:
-    results = run_distributed(_ep_worker, world, seed, layer_kwargs, router_kwargs, one_hot_expert)
+    backend = "nccl" if device == "cuda" else "gloo"
+    results = run_distributed(
+        _ep_worker, world, seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend=backend
+    )
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
     params = {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
     x_all, g_all = _inputs(world, seed, one_hot_expert)
@@ -132,6 +141,17 @@ def test_ep4_matches_reference() -> None:
         seed=3,
         layer_kwargs={"capacity_factor": 1.0, "drop_policy": "position"},
         router_kwargs={"top_k": 3, "aux_loss_coef": 0.1, "bias_update_rate": 0.02},
+    )
+
+
+@pytest.mark.multigpu
+def test_ep2_nccl_matches_reference() -> None:
+    _check(
+        2,
+        seed=4,
+        layer_kwargs={"capacity_factor": 1.25},
+        router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05, "bias_update_rate": 0.01},
+        device="cuda",
     )
 
 

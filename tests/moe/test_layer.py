@@ -114,3 +114,16 @@ def test_cuda_matches_cpu() -> None:
     ref = run("cpu")
     for a, b in zip(run("cuda"), ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_meta_init_then_reset_parameters() -> None:
+    with torch.device("meta"):
+        layer = MoELayer(
+            H, FFN, E, RouterConfig(top_k=2, bias_update_rate=0.1), shared_expert_intermediate_size=4
+        )
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert layer.router.expert_bias.abs().sum() == 0 and layer.tokens_per_expert_stats().sum() == 0
+    out = layer(torch.randn(5, H))
+    assert torch.isfinite(out.hidden_states).all()
+    assert layer.tokens_per_expert_stats().sum() == 10

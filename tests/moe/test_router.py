@@ -6,7 +6,14 @@ import math
 
 import pytest
 import torch
-from plait.moe import MoELayer, RouterConfig, TopKRouter, expert_load_stats, register_expert_bias_hook
+from plait.moe import (
+    MoELayer,
+    RouterConfig,
+    TopKRouter,
+    attach_aux_loss,
+    expert_load_stats,
+    register_expert_bias_hook,
+)
 from pydantic import ValidationError
 from torch.utils.checkpoint import checkpoint
 
@@ -193,3 +200,17 @@ def test_config_errors_name_the_field() -> None:
         RouterConfig(top_k=2, score_func="relu")  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         RouterConfig(top_k=0)
+
+
+def test_attach_aux_loss_equals_adding_it() -> None:
+    torch.manual_seed(6)
+    layer = MoELayer(H, 4, E, RouterConfig(top_k=2, aux_loss_coef=0.3, z_loss_coef=0.1))
+    x = torch.randn(2, 6, H)
+    out = layer(x)
+    (out.hidden_states.square().sum() + 0.5 * out.aux_loss).backward()
+    ref = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    out = layer(x)
+    attach_aux_loss(out.hidden_states, out.aux_loss, scale=0.5).square().sum().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], msg=n)

@@ -20,6 +20,8 @@ from torch import nn
 class GroupedExperts(nn.Module):
     """Stand-in for plait.moe's experts: [E, out, in] weights, expert-contiguous rows, the adapter hook."""
 
+    calls_expert_adapters = True
+
     def __init__(self, e: int = 3, h: int = 8, i: int = 6) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) / h**0.5)
@@ -119,6 +121,14 @@ def test_expert_lora_grads_and_merge() -> None:
 
 
 def test_expert_lora_errors() -> None:
+    class Silent(nn.Module):  # a module whose forward would ignore adapters
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2, 3, 4))
+
+    with pytest.raises(ValueError, match="calls_expert_adapters"):
+        apply_peft(Silent(), LoRAConfig(target_parameters="w"))
+    assert apply_peft(Silent(), LoRAConfig(target_parameters="w"), require_expert_hook=False).adapted
     model = Model()
     with pytest.raises(ValueError, match="3-D"):
         apply_peft(model, LoRAConfig(target_parameters=r"proj\.weight"))

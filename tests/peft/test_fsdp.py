@@ -28,6 +28,8 @@ testing = pytest.importorskip("plait.dist_core.testing")
 
 
 class Experts(nn.Module):
+    calls_expert_adapters = True
+
     def __init__(self) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(4, 6, 7) / 3)  # [E, out, in]; E=4 shards evenly

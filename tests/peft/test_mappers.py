@@ -24,6 +24,7 @@ class Net(nn.Module):
         self.q_proj = nn.Linear(6, 6)
         self.down = nn.Linear(6, 4, bias=False)
         self.experts = nn.Module()
+        self.experts.calls_expert_adapters = True  # merge-only here; declares the hook convention
         self.experts.w = nn.Parameter(torch.randn(2, 4, 6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

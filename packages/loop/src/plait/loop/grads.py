@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,21 +14,36 @@ from torch.distributed.tensor import DTensor
 __all__ = ["all_reduce_plain_grads", "clip_grad_norm", "prepare_fsdp_for_sum"]
 
 
-def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> int:
-    """Make FSDP2 reduce gradients by *sum* (divide factor 1); returns the number of FSDP modules.
+def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Make FSDP2 reduce gradients by *sum* (divide factor 1); return the modules whose gradient
+    sync can be switched off (FSDP2 modules and plait.dist_core ``replicate``-d modules).
 
     The loop normalises the loss by the global token count itself, so the data-parallel reduction
     must add, not average, the ranks' gradients.
+
+    Raises:
+        ValueError: for a module replicated with ``reduce="mean"`` (it cannot be switched here).
     """
     from torch.distributed.fsdp import FSDPModule
 
-    n = 0
+    found: list[nn.Module] = []
     for root in modules:
         for m in root.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
-                n += 1
-    return n
+                # A plain SUM (not PREMUL_SUM(1.0), which gloo lacks); exact on every backend.
+                force_sum = getattr(m, "set_force_sum_reduction_for_comms", None)
+                if force_sum is not None:
+                    force_sum(True)
+                found.append(m)
+            elif (state := getattr(m, "_plait_replicate", None)) is not None:
+                if getattr(state, "reduce", "sum") != "sum":
+                    raise ValueError(
+                        f"{type(m).__name__} was replicated with reduce={state.reduce!r}; plait.loop normalises "
+                        "by the global token count itself: use plait.dist_core.replicate(..., reduce='sum')"
+                    )
+                found.append(m)
+    return found
 
 
 def all_reduce_plain_grads(params: Iterable[nn.Parameter], group: Any, bucket_size_mb: float = 25.0) -> None:
@@ -72,47 +86,21 @@ def _reduce_bucket(bucket: list[nn.Parameter], group: Any) -> None:
         offset += n
 
 
-def _group_key(t: torch.Tensor) -> Any:
-    if isinstance(t, DTensor):
-        return (id(t.device_mesh), tuple(t.placements), t.device.type)
-    return (None, (), t.device.type)
-
-
 @torch.no_grad()
 def clip_grad_norm(
     params: Iterable[nn.Parameter], max_norm: float | None, norm_type: float = 2.0, pp_group: Any = None
 ) -> torch.Tensor:
     """Global gradient norm over DTensor and plain gradients (and pipeline stages), then clip.
 
-    Gradients are grouped by mesh and placements (DTensors on different meshes, e.g. dense vs.
-    expert parameters, cannot be stacked), each group's norm is made global with ``full_tensor()``,
-    and the pipeline stages' norms are combined over ``pp_group``.
+    Delegates to plait.dist_core (gradients grouped by mesh, each group's norm made global, the
+    pipeline stages' norms combined over ``pp_group``); ``max_norm=None`` only measures.
 
     Returns:
-        The total norm before clipping (a 0-d float32 tensor on the gradients' device).
+        The total norm before clipping (a 0-d float32 tensor, equal on all ranks).
     """
-    params = [p for p in params if p.grad is not None]
-    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        groups[_group_key(p.grad)].append(p.grad)  # type: ignore[arg-type]
-    device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
-    # A rank without gradients (an empty stage) still joins the pipeline reduction below.
-    norms = [torch.zeros((), device=device)]
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        norms.append(n.float().to(device))
-    stacked = torch.stack(norms)
-    if math.isinf(norm_type):
-        total = stacked.max()
-        if pp_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
-    else:
-        total_p = (stacked**norm_type).sum()
-        if pp_group is not None:
-            dist.all_reduce(total_p, op=dist.ReduceOp.SUM, group=pp_group)
-        total = total_p ** (1.0 / norm_type)
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+    from plait.dist_core import clip_grad_norm_, global_grad_norm
+
+    params = list(params)
+    if max_norm is None:
+        return global_grad_norm(params, norm_type, pipeline_group=pp_group)
+    return clip_grad_norm_(params, max_norm, norm_type, pipeline_group=pp_group)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState
+from plait.dist_core import set_gradient_sync
 from plait.loop.config import TrainerConfig
 from plait.loop.events import (
     AfterBackward,
@@ -168,8 +169,8 @@ class Trainer:
         model.load_initial_weights(self.model_parts)
         for part in self.model_parts:
             part.train()
-        self._fsdp = prepare_fsdp_for_sum(self.model_parts) > 0
-        if topo.cp_size > 1 and topo.dp_size > 1 and self._has_plain_params() and not self._fsdp:
+        self._sync_modules = prepare_fsdp_for_sum(self.model_parts)
+        if topo.cp_size > 1 and self._has_plain_params():
             raise NotImplementedError(
                 "context parallelism needs the model's parameters managed by FSDP2/DTensor"
             )
@@ -224,25 +225,15 @@ class Trainer:
             "context_replicate",
             "tensor",
         ):
-            world *= int(getattr(mesh, name, 1))
-        pure_dp = world == self.config.dp_size
-        if ctx is None and world > 1 and pure_dp and dist.is_initialized() and not _has_dist_context():
-            # Pure data parallelism needs no mesh: the default group is the dp group.
-            return None, Topology.data_parallel()
-        if ctx is None and world > 1:
-            from plait.dist_core import DistributedContext  # type: ignore[attr-defined]
+            world *= int(getattr(mesh, name))
+        if ctx is None and world == 1 and not dist.is_initialized():
+            return None, Topology()  # one process, no process group
+        if ctx is None:
+            from plait.dist_core import DistributedContext
 
-            if not dist.is_initialized():
-                import datetime
-
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-                dist.init_process_group(
-                    backend, timeout=datetime.timedelta(seconds=self.config.timeouts.init_s)
-                )
-            ctx = DistributedContext.from_env(mesh, device=self.device.type)
-        if ctx is not None:
-            return ctx, Topology.from_context(ctx)
-        return None, Topology.data_parallel()
+            # Start-up collectives (weight loading, compilation) run under the long init timeout.
+            ctx = DistributedContext.from_env(mesh, device=self.device, timeout=self.config.timeouts.init_s)
+        return ctx, Topology.from_context(ctx)
 
     def _stage_layout(self) -> tuple[list[int], int]:
         pp = self.topology.pp_size
@@ -284,6 +275,12 @@ class Trainer:
             loss_fn=loss_fn,
             forward_kwargs_fn=forward_kwargs_fn,
         )
+
+    def _set_timeout(self, seconds: float) -> None:
+        if self.ctx is not None and hasattr(self.ctx, "set_timeout"):
+            self.ctx.set_timeout(seconds)
+        else:
+            set_collective_timeout(seconds, self.topology.groups)
 
     def _has_plain_params(self) -> bool:
         from torch.distributed.tensor import DTensor
@@ -364,11 +361,9 @@ class Trainer:
         if self.executor is None:
             for i, mb in enumerate(mbs):
                 last = i == len(mbs) - 1
-                if self._fsdp:
-                    for part in self.model_parts:
-                        sync = getattr(part, "set_requires_gradient_sync", None)
-                        if sync is not None:
-                            sync(last)
+                # Reduce-scatter / all-reduce only after the last microbatch's backward.
+                for m in self._sync_modules:
+                    set_gradient_sync(m, last)
                 outputs = self.model_parts[0](**self.task.model_inputs(mb))
                 lo = self.task.loss(outputs, mb)
                 (lo.objective / global_tokens).backward()
@@ -510,7 +505,7 @@ class Trainer:
             self._bar = tqdm(total=total, initial=self.step, dynamic_ncols=True, desc=self.config.run.name)
         self.gc.start()
         self.profiler.start()
-        set_collective_timeout(self.config.timeouts.init_s, self.topology.groups)
+        self._set_timeout(self.config.timeouts.init_s)
         self.events.publish(TrainingStart(self, self.step))
         first = True
         try:
@@ -522,7 +517,7 @@ class Trainer:
                 self.gc.step(self.step)
                 self.profiler.step()
                 if first:
-                    set_collective_timeout(self.config.timeouts.step_s, self.topology.groups)
+                    self._set_timeout(self.config.timeouts.step_s)
                     first = False
                 if self.step % self.config.logging.interval == 0 or self.step == total:
                     self._log()
@@ -549,14 +544,6 @@ class Trainer:
         for t in self.trackers:
             t.close()
         self.trackers = []
-
-
-def _has_dist_context() -> bool:
-    try:
-        from plait.dist_core import DistributedContext  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _concat_padded(mbs: Sequence[Batch]) -> Batch:

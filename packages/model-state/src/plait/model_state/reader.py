@@ -8,6 +8,7 @@ import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = ["INDEX_NAME", "SINGLE_NAME", "CheckpointReader"]
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _MAX_HEADER = 100 * 2**20  # the safetensors limit
+_CHUNK = 8 * 2**20  # parallel read granularity
 _MIN_RUN_BYTES = 1 << 16  # box reads: below this per contiguous run, read whole rows and slice
 
 
@@ -102,6 +104,26 @@ def _parse_header(f: Path, fd: int) -> tuple[dict[str, tuple[TensorSpec, int]], 
     return out, {str(k): str(v) for k, v in metadata.items()}
 
 
+def bytes_view(t: torch.Tensor) -> memoryview:
+    """Writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _pread_parallel(
+    pool: ThreadPoolExecutor | None, fd: int, buf: memoryview, offset: int, path: Path
+) -> None:
+    """Large reads in chunks on several threads (preadv releases the GIL; the copies run in parallel)."""
+    n = len(buf)
+    if pool is None or n < 2 * _CHUNK:
+        _pread_into(fd, buf, offset, path)
+        return
+    futures = [
+        pool.submit(_pread_into, fd, buf[a : a + _CHUNK], offset + a, path) for a in range(0, n, _CHUNK)
+    ]
+    for f in futures:
+        f.result()
+
+
 def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
     while len(buf):
         n = os.preadv(fd, [buf], offset)
@@ -119,15 +141,20 @@ class CheckpointReader:
     the requested tensor, or just a box of it, with positioned reads straight into the destination
     buffer: no memory map, so process memory is what the caller holds (reading through a memory
     map keeps every page read resident until the file is closed). Use as a context manager or call
-    :meth:`close`.
+    :meth:`close`. ``threads`` (default: up to 8 cores) read large tensors in parallel chunks.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
         CheckpointFormatError: corrupted header, truncated file, broken index (the file is named).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
         self.path = Path(path)
+        if threads is None:
+            threads = min(
+                8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            )
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plait-read") if threads > 1 else None
         files, weight_map, self.index_metadata = _resolve(self.path)
         self.files = files
         self._fds: dict[Path, int] = {}
@@ -215,10 +242,10 @@ class CheckpointReader:
             )
         if out.numel() == 0:
             return out
-        buf = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        buf = bytes_view(out)
         item = spec.dtype.itemsize
         if region is None or shape == spec.shape:
-            _pread_into(entry.fd, buf, entry.offset, self._where[key])
+            _pread_parallel(self._pool, entry.fd, buf, entry.offset, self._where[key])
             self.bytes_read += len(buf)
         else:
             self.bytes_read += self._read_box(entry, region, out, buf, item)
@@ -245,14 +272,15 @@ class CheckpointReader:
         a0, b0 = region[0]
         rows = torch.empty((b0 - a0, *shape[1:]), dtype=entry.spec.dtype)
         row_bytes = math.prod(shape[1:]) * item
-        _pread_into(
-            entry.fd, memoryview(rows.view(-1).view(torch.uint8).numpy()), entry.offset + a0 * row_bytes, path
-        )  # type: ignore[arg-type]
+        _pread_into(entry.fd, bytes_view(rows), entry.offset + a0 * row_bytes, path)
         out.copy_(rows[(slice(None), *(slice(a, b) for a, b in region[1:]))])
         return rows.numel() * item
 
     def close(self) -> None:
         """Close every file."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import KeyMismatchError, ModelStateError, SpecMismatchError, format_keys
-from .reader import INDEX_NAME, SINGLE_NAME
+from .reader import INDEX_NAME, SINGLE_NAME, bytes_view
 from .specs import TensorSpec, dtype_to_safetensors
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "CheckpointWriter", "parse_size"]
@@ -197,8 +197,7 @@ class CheckpointWriter:
         if f.fd is None:
             f.fd = os.open(self.tmp_dir / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.write(f.fd, f.header)
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        view = memoryview(data.numpy())  # type: ignore[arg-type]
+        view = bytes_view(tensor.detach().to("cpu").contiguous())
         pos = len(f.header) + off
         while len(view):  # pwrite may write less than asked for large buffers
             n = os.pwrite(f.fd, view, pos)

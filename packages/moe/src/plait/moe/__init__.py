@@ -1,5 +1,6 @@
 """plait.moe: Mixture-of-Experts: routers with load balancing, grouped experts, expert-parallel token dispatch."""
 
+from plait.moe.aux_grad import attach_aux_loss
 from plait.moe.balancing import expert_load_stats, register_expert_bias_hook, update_expert_biases
 from plait.moe.capacity import apply_capacity, expert_capacity
 from plait.moe.config import RouterConfig
@@ -30,6 +31,7 @@ __all__ = [
     "TopKRouter",
     "all_to_all",
     "apply_capacity",
+    "attach_aux_loss",
     "expert_capacity",
     "expert_load_stats",
     "expert_parallel",

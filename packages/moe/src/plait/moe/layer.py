@@ -114,6 +114,16 @@ class MoELayer(nn.Module):
             out = out + shared
         return MoEOutput(out.view(shape), routed.aux_loss, routed.tokens_per_expert, routed.losses)
 
+    def reset_parameters(self) -> None:
+        """Re-initialise every weight, zero the expert bias and load counters (e.g. after ``to_empty``)."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        for module in (self.shared_expert, self.shared_expert_gate):
+            if module is not None:
+                for sub in module.modules():
+                    if isinstance(sub, nn.Linear):
+                        sub.reset_parameters()
+
     def tokens_per_expert_stats(self, reset: bool = True) -> Tensor:
         """Assignments per expert over training forwards since the last read (device tensor, no sync)."""
         return self.router.tokens_per_expert_stats(reset)

@@ -13,9 +13,8 @@ import os
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from plait.kernels import RowIdMap, unpermute
+from torch import Tensor
 
 
 def sort_by_expert(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:

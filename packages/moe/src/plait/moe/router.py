@@ -81,12 +81,14 @@ class TopKRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init for the router weight; zero expert bias."""
+        """nn.Linear's default init for the router weight; zero expert bias and load counters."""
         bound = 1.0 / math.sqrt(self.hidden_size)
         with torch.no_grad():
             self.weight.uniform_(-bound, bound)
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
+            self._bias_counts.zero_()
+            self._stat_counts.zero_()
 
     def _select(self, scores: Tensor) -> Tensor:
         """Top-k expert indices from the (biased, group-limited) selection scores."""

@@ -29,7 +29,7 @@ from plait.peft.config import (
     Targets,
     matches,
 )
-from plait.peft.experts import EXPERT_ADAPTERS_ATTR, ExpertLoRA, GroupedMM, grouped_mm
+from plait.peft.experts import EXPERT_ADAPTERS_ATTR, EXPERT_HOOK_ATTR, ExpertLoRA, GroupedMM, grouped_mm
 from plait.peft.hf import export_hf_adapter, import_hf_adapter
 from plait.peft.io import load_adapter, read_adapter_config, save_adapter
 from plait.peft.lora import DoRALinear, LoRALinear
@@ -37,6 +37,7 @@ from plait.peft.mappers import BaseKeyRename, adapter_keys, base_to_injected, lo
 
 __all__ = [
     "EXPERT_ADAPTERS_ATTR",
+    "EXPERT_HOOK_ATTR",
     "AdaptedModule",
     "BaseKeyRename",
     "DoRAConfig",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.peft.config import DoRAConfig, FullTuneConfig, LoRAConfig, PeftStackConfig, matches
-from plait.peft.experts import EXPERT_ADAPTERS_ATTR, ExpertLoRA
+from plait.peft.experts import EXPERT_ADAPTERS_ATTR, EXPERT_HOOK_ATTR, ExpertLoRA
 from plait.peft.lora import DoRALinear, LoRALinear
 from torch import nn
 
@@ -189,7 +189,22 @@ register_peft_method("dora", _apply_low_rank)
 register_peft_method("full", _apply_full)
 
 
-def apply_peft(model: nn.Module, config: Any) -> PeftReport:
+def _check_expert_hosts(model: nn.Module, cfg: LoRAConfig) -> None:
+    for host_name, host, _, _ in _walk(model):
+        for pname, param in host._parameters.items():
+            full = f"{host_name}.{pname}" if host_name else pname
+            if param is None or not matches(cfg.target_parameters, canonical_name(full)):
+                continue
+            if not getattr(host, EXPERT_HOOK_ATTR, False):
+                raise ValueError(
+                    f"lora: target_parameters matched {full!r}, but {type(host).__name__} does not set "
+                    f"`{EXPERT_HOOK_ATTR} = True`, i.e. its forward may not call the expert adapters "
+                    "(training would silently ignore them; see plait.peft's README). Pass "
+                    "require_expert_hook=False to inject anyway (e.g. to merge into the weights)."
+                )
+
+
+def apply_peft(model: nn.Module, config: Any, *, require_expert_hook: bool = True) -> PeftReport:
     """Freeze ``model`` and inject/unfreeze what ``config`` asks for, in place.
 
     Apply before sharding (``fully_shard``/TP/EP) and after loading or materialising the base
@@ -200,6 +215,9 @@ def apply_peft(model: nn.Module, config: Any) -> PeftReport:
         model: any ``nn.Module``.
         config: a :data:`plait.peft.PeftConfig`, a :class:`plait.peft.PeftStackConfig`, a list of
             configs, or a user config registered with :func:`register_peft_method`.
+        require_expert_hook: grouped-expert targets must live on modules whose class sets
+            ``calls_expert_adapters = True`` (:data:`plait.peft.EXPERT_HOOK_ATTR`), declaring that
+            their forward calls the adapters. Off: inject anyway (merge-only use, foreign modules).
 
     Returns:
         A :class:`PeftReport`.
@@ -210,6 +228,10 @@ def apply_peft(model: nn.Module, config: Any) -> PeftReport:
         configs = config
     else:
         configs = [config]
+    if require_expert_hook:
+        for cfg in configs:
+            if isinstance(cfg, LoRAConfig) and cfg.target_parameters is not None:
+                _check_expert_hosts(model, cfg)
     for p in model.parameters():
         p.requires_grad_(False)
     adapted: list[AdaptedModule] = []

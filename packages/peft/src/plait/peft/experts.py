@@ -5,8 +5,11 @@ Convention with the module that owns the expert weights (e.g. ``plait.moe``'s ex
 ``nn.ModuleDict`` named ``lora`` (:data:`EXPERT_ADAPTERS_ATTR`) to that module, keyed by parameter
 name. The expert module, right after each grouped GEMM, passes the GEMM output through the
 adapter, which adds ``scaling * B_e A_e x`` with two more rank-r grouped GEMMs on the same
-expert-contiguous rows (so it composes with any grouped-GEMM backend)::
+expert-contiguous rows (so it composes with any grouped-GEMM backend). The module declares this
+with the class attribute ``calls_expert_adapters = True`` (:data:`EXPERT_HOOK_ATTR`);
+:func:`plait.peft.apply_peft` refuses expert targets on modules without it::
 
+    calls_expert_adapters = True  # class attribute
     h = gmm(x, self.gate_up_proj, tokens_per_expert, trans_w=True)
     adapters = getattr(self, "lora", None)
     if adapters is not None and "gate_up_proj" in adapters:
@@ -34,10 +37,13 @@ from plait.peft._init import init_factors, pissa_factors
 from plait.peft.config import LoRAInit
 from torch import nn
 
-__all__ = ["EXPERT_ADAPTERS_ATTR", "ExpertLoRA", "GroupedMM", "grouped_mm"]
+__all__ = ["EXPERT_ADAPTERS_ATTR", "EXPERT_HOOK_ATTR", "ExpertLoRA", "GroupedMM", "grouped_mm"]
 
 EXPERT_ADAPTERS_ATTR = "lora"
 """Attribute (an ``nn.ModuleDict`` keyed by parameter name) that holds a module's expert adapters."""
+
+EXPERT_HOOK_ATTR = "calls_expert_adapters"
+"""Class attribute (``True``) by which an expert module declares that its forward calls the adapters."""
 
 GroupedMM = Callable[..., torch.Tensor]
 """``gmm(x [M, K], w [E, N, K], tokens_per_expert [E], trans_w=True) -> [M, N]`` (plait.kernels.gmm's signature)."""

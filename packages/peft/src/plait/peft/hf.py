@@ -208,6 +208,7 @@ def import_hf_adapter(
     *,
     name_map: Callable[[str], str] | None = None,
     apply: bool = True,
+    require_expert_hook: bool = True,
 ) -> PeftReport | None:
     """Load a Hugging Face PEFT LoRA/DoRA adapter directory into ``model``.
 
@@ -220,6 +221,8 @@ def import_hf_adapter(
         directory: contains ``adapter_config.json`` and ``adapter_model.safetensors``.
         name_map: transformers module name -> plait module name (identity if None).
         apply: inject adapters first.
+        require_expert_hook: see :func:`plait.peft.apply_peft` (False to import expert adapters
+            into modules that do not call them, e.g. transformers' experts, for merging).
 
     Returns:
         The :class:`plait.peft.PeftReport` of the injection (None with ``apply=False``).
@@ -310,7 +313,7 @@ def import_hf_adapter(
         if expert_tensors:
             pattern = "|".join(re.escape(n) for n in sorted(expert_tensors))
             configs.append(LoRAConfig(r=r0, alpha=a0, target_parameters=pattern, **common))  # type: ignore[arg-type]
-        report = apply_peft(model, configs)
+        report = apply_peft(model, configs, require_expert_hook=require_expert_hook)
     params = dict(model.named_parameters())
     wanted = set(hf_modules.values())
     expected = {

@@ -243,43 +243,51 @@ class PipelineExecutor:
 
     # --- communication ---
     def _issue(self, group: list[Action]) -> None:
-        r = self.runner
-        meta_ops: list[dist.P2POp] = []
-        meta_in: list[tuple[int, torch.Tensor]] = []
+        """Post one communication group. The first activation message of a stage edge in a step is preceded
+        by a small metadata message (keys, dtypes, shapes) in the same channel position, so both ends keep
+        the program's per-pair order; the receiver waits for it before allocating the data buffers."""
+        ops: list[dist.P2POp] = []
+        in_batch: list[Action] = []
+
+        def flush() -> list[Any]:
+            if not ops:
+                return []
+            works = dist.batch_isend_irecv(ops)
+            self._pending.extend(works)
+            for x in in_batch:
+                if x.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                    self._recv_works[x] = works
+            ops.clear()
+            in_batch.clear()
+            return works
+
         for a in group:
+            if a in self._early_sent:
+                continue
             if a.kind is ActionKind.SEND_F and a.stage not in self._meta_sent:
-                out = r.outputs[(a.stage, a.microbatch)]
+                out = self.runner.outputs[(a.stage, a.microbatch)]
                 meta = [[k, str(v.dtype), list(v.shape), bool(v.requires_grad)] for k, v in sorted(out.items())]
                 raw = json.dumps(meta).encode()
                 if len(raw) > _META_BYTES:
                     raise ValueError(f"stage {a.stage} outputs too many tensors to describe in {_META_BYTES} bytes")
-                buf = torch.zeros(_META_BYTES, dtype=torch.uint8, device=self.device)
-                buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-                meta_ops.append(dist.P2POp(dist.isend, buf, self._peer(a.stage + 1), self.group))
+                buf = torch.zeros(_META_BYTES, dtype=torch.uint8)
+                buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                buf = buf.to(self.device)
+                ops.append(dist.P2POp(dist.isend, buf, self._peer(a.stage + 1), self.group))
                 self._meta_sent.add(a.stage)
                 self._keep.append(buf)
             elif a.kind is ActionKind.RECV_F and a.stage not in self._meta:
                 buf = torch.zeros(_META_BYTES, dtype=torch.uint8, device=self.device)
-                meta_ops.append(dist.P2POp(dist.irecv, buf, self._peer(a.stage - 1), self.group))
-                meta_in.append((a.stage, buf))
-                self._meta[a.stage] = []
-        if meta_ops:
-            for w in dist.batch_isend_irecv(meta_ops):
-                w.wait()
-            for stage, buf in meta_in:
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(a.stage - 1), self.group))
+                for w in flush():
+                    if id(w) not in self._waited:
+                        w.wait()
+                        self._waited.add(id(w))
                 raw = bytes(buf.cpu().tolist()).rstrip(b"\0")
-                self._meta[stage] = [(k, _DTYPES[d], tuple(s), rg) for k, d, s, rg in json.loads(raw)]
-        ops: list[dist.P2POp] = []
-        for a in group:
-            if a in self._early_sent:
-                continue
+                self._meta[a.stage] = [(k, _DTYPES[d], tuple(sh), rg) for k, d, sh, rg in json.loads(raw)]
             ops += self._data_ops(a)
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            self._pending.extend(works)
-            for a in group:
-                if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                    self._recv_works[a] = works  # waiting on the whole batch is enough and cheap
+            in_batch.append(a)
+        flush()
 
     def _data_ops(self, a: Action) -> list[dist.P2POp]:
         r, s, k = self.runner, a.stage, a.microbatch

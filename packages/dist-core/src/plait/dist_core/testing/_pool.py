@@ -73,7 +73,9 @@ def _context() -> BaseContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         # Only effective before the forkserver starts; harmless (just slower) if it already runs.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", _worker.__name__])
+        # pytest too when the caller runs under it: test modules import it in every rank.
+        preload = ["torch", "torch.distributed", _worker.__name__]
+        ctx.set_forkserver_preload(preload + (["pytest"] if "pytest" in sys.modules else []))
         return ctx
     return multiprocessing.get_context("spawn")
 

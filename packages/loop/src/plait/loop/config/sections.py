@@ -158,7 +158,9 @@ class LoggingConfig(_Section):
     progress_bar: bool = True
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     peak_flops: float | None = Field(
-        default=None, gt=0, description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only)."
+        default=None,
+        gt=0,
+        description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only).",
     )
 
 

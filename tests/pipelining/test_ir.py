@@ -1,0 +1,166 @@
+"""Action IR, topologies, builders, lowering and the validator (pure Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.pipelining import (
+    Action,
+    ActionKind,
+    OverlapAction,
+    Program,
+    ProgramError,
+    build_1f1b,
+    build_dualpipev,
+    build_gpipe,
+    build_inference,
+    build_interleaved_1f1b,
+    build_looped_bfs,
+    build_program,
+    build_zb1p,
+    build_zbv,
+    loop_topology,
+    lower,
+    parse_action,
+    parse_program,
+    validate,
+    vshape_topology,
+)
+
+
+def test_action_strings_round_trip() -> None:
+    for text in ["0F3", "1I2", "1W2", "12B0", "2SEND_F0", "3RECV_F1", "0SEND_B7", "1RECV_B2", "0F3|5B1", "1F0|2I3"]:
+        a = parse_action(text)
+        assert str(a) == text
+    assert parse_action("0F3") == Action(0, ActionKind.FORWARD, 3)
+    assert parse_action("0F3|5B1") == OverlapAction(Action(0, ActionKind.FORWARD, 3), Action(5, ActionKind.BACKWARD, 1))
+    with pytest.raises(ValueError, match="Cannot parse action"):
+        parse_action("0X3")
+    with pytest.raises(ValueError, match="must be a forward"):
+        parse_action("0B3|1B2")
+
+
+def test_topologies() -> None:
+    loop = loop_topology(4, 2)
+    assert loop.stages_of(1) == (1, 5) and loop.rank_of(6) == 2 and loop.num_stages == 8
+    v = vshape_topology(4)
+    assert v.stages_of(0) == (0, 7) and v.stages_of(3) == (3, 4)
+    assert v.is_local_edge(3) and not v.is_local_edge(2)
+
+
+def _all_programs(pp: int, m: int) -> list[Program]:
+    progs = [build_gpipe(pp, m), build_1f1b(pp, m), build_looped_bfs(pp, m, 2), build_inference(pp, m, 2)]
+    if m % pp == 0:
+        progs += [build_interleaved_1f1b(pp, m, 2), build_interleaved_1f1b(pp, m, 3)]
+        progs += [build_zb1p(pp, m, 1), build_zb1p(pp, m, 2)]
+    if m >= pp:
+        progs.append(build_zbv(pp, m))
+    if m >= 2 * pp:
+        progs.append(build_dualpipev(pp, m))
+    return progs
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8])
+def test_every_builder_lowers_to_a_valid_deadlock_free_program(pp: int, m: int) -> None:
+    for prog in _all_programs(pp, m):
+        low = lower(prog)
+        validate(low)
+        assert parse_program(low.format()) == low  # text dump round-trips
+
+
+def test_builders_reject_unsupported_sizes() -> None:
+    with pytest.raises(ValueError, match="multiple of the pipeline size"):
+        build_interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="stages_per_rank must be >= 2"):
+        build_interleaved_1f1b(2, 4, 1)
+    with pytest.raises(ValueError, match=r"must be >= 2 \* pipeline size"):
+        build_dualpipev(4, 6)
+    with pytest.raises(ValueError, match="must be >= the pipeline size"):
+        build_zbv(4, 3)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        build_program({"kind": "gpipe", "num_microbatches": 0}, 2)
+
+
+def _broken(text: str) -> Program:
+    return parse_program(text)
+
+
+HEAD = "# program t microbatches=2 stage_to_rank=0,1 style=loop lowered=1 backward=1"
+
+
+def test_validator_accepts_hand_written_gpipe() -> None:
+    good = HEAD + """
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    validate(_broken(good))
+
+
+def test_validator_rejects_missing_receive() -> None:
+    bad = HEAD + """
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match=r"1F1 runs before 1RECV_F1") as e:
+        validate(_broken(bad))
+    assert ">>> [  2] 1F1" in str(e.value)  # the rank's program with the bad action marked
+
+
+def test_validator_rejects_swapped_order() -> None:
+    bad = HEAD + """
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F1 1F1 1RECV_F0 1F0 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match="order mismatch") as e:
+        validate(_broken(bad))
+    assert ">>> [  0] 1RECV_F1" in str(e.value)
+
+
+def test_validator_rejects_duplicated_microbatch() -> None:
+    bad = HEAD + """
+rank 0: 0F0 0SEND_F0 0F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match="0F0 appears twice"):
+        validate(_broken(bad))
+
+
+def test_validator_rejects_backward_before_forward_and_missing_weight() -> None:
+    bad = HEAD + """
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1B0 1F0 1RECV_F1 1F1 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match="1B0 runs before 1F0"):
+        validate(_broken(bad))
+    missing_w = HEAD + """
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0I0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match="backward W of stage 0 microbatch 0 is missing"):
+        validate(_broken(missing_w))
+
+
+def test_validator_rejects_wrong_rank_and_detects_deadlock() -> None:
+    wrong = HEAD + """
+rank 0: 0F0 1F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match="belongs to rank 1, not rank 0"):
+        validate(_broken(wrong))
+    # Both ranks wait for each other's gradient/activation: rank 0 receives B0 before sending F1,
+    # rank 1 needs F1 before it sends B0.
+    dead = HEAD + """
+rank 0: 0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1
+rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
+"""
+    with pytest.raises(ProgramError, match="deadlock"):
+        validate(_broken(dead))
+
+
+def test_lowering_is_stream_safe_for_looped_bfs() -> None:
+    # Naive "send after, receive before" lowering deadlocks here when each rank runs its communication in
+    # order on one stream (NCCL): rank 1's activation send to stage 2 would wait behind rank 0's queue.
+    prog = lower(build_looped_bfs(2, 4, 2))
+    validate(prog)
+    assert prog.lowered and all(any(a.is_comm for a in acts) for acts in prog.actions)

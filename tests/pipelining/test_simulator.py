@@ -1,0 +1,65 @@
+"""Simulator: analytic bubbles, memory, timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.pipelining import (
+    ActionCosts,
+    build_1f1b,
+    build_dualpipev,
+    build_gpipe,
+    build_interleaved_1f1b,
+    build_zb1p,
+    build_zbv,
+    lower,
+    simulate,
+)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 7)])
+def test_gpipe_and_1f1b_bubble_is_analytic(pp: int, m: int) -> None:
+    costs = ActionCosts(forward=1.0, backward=2.0)
+    for prog in (build_gpipe(pp, m), build_1f1b(pp, m)):
+        sim = simulate(lower(prog), costs)
+        assert sim.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+        assert sim.step_time == pytest.approx((m + pp - 1) * 3.0)
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (2, 6, 4)])
+def test_interleaved_bubble_is_analytic(pp: int, m: int, v: int) -> None:
+    sim = simulate(lower(build_interleaved_1f1b(pp, m, v)), ActionCosts(forward=1.0, backward=1.0))
+    assert sim.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
+def test_peak_activations_1f1b_vs_gpipe() -> None:
+    pp, m = 4, 8
+    assert simulate(build_1f1b(pp, m)).peak_activations == (4.0, 3.0, 2.0, 1.0)
+    assert simulate(build_gpipe(pp, m)).peak_activations == (8.0,) * 4
+    half = ActionCosts(activation_memory=0.5)
+    assert simulate(build_1f1b(pp, m), half).peak_activations == (2.0, 1.5, 1.0, 0.5)
+
+
+def test_zero_bubble_schedules_beat_1f1b_with_split_backward() -> None:
+    costs = ActionCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
+    pp, m = 4, 8
+    base = simulate(lower(build_1f1b(pp, m)), costs).bubble_fraction
+    for prog in (build_zb1p(pp, m, 1), build_zb1p(pp, m, 2), build_zbv(pp, m), build_dualpipev(pp, m)):
+        assert simulate(lower(prog), costs).bubble_fraction < base
+
+
+def test_comm_latency_adds_to_critical_path() -> None:
+    pp, m = 2, 2
+    t0 = simulate(build_gpipe(pp, m), ActionCosts(comm=0.0)).step_time
+    t1 = simulate(build_gpipe(pp, m), ActionCosts(comm=0.5)).step_time
+    assert t1 == pytest.approx(t0 + 2 * 0.5)  # one forward hop and one backward hop on the critical path
+
+
+def test_ascii_and_png_html(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sim = simulate(lower(build_1f1b(2, 2)))
+    text = sim.render_ascii()
+    assert "rank  0" in text and "[0F0" in text and "[1B1" in text
+    png = sim.save(tmp_path / "t.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    html = sim.save(tmp_path / "t.html").read_text()
+    assert html.startswith("<!doctype html>") and "<svg" in html

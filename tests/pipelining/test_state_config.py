@@ -1,0 +1,90 @@
+"""Pipeline state views, configs and the schedule registry."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from plait.pipelining import (
+    BaseScheduleConfig,
+    GPipeConfig,
+    PipelineState,
+    Program,
+    Replicate,
+    Split,
+    Stack,
+    ZBVConfig,
+    build_gpipe,
+    build_program,
+    parse_schedule_config,
+    register_schedule,
+    registered_schedules,
+)
+
+
+def test_state_views_round_trip() -> None:
+    st = PipelineState(3, specs={"x": Split(0), "y": Split(1), "loss": Stack(), "n": Replicate()})
+    x, y = torch.arange(6).view(6, 1), torch.arange(12).view(2, 6)
+    st.global_view["x"] = x
+    st.global_view["y"] = y
+    st.global_view["n"] = torch.tensor(42)
+    assert torch.equal(st.microbatch(1)["x"], x[2:4])
+    assert torch.equal(st.microbatch(2)["y"], y[:, 4:6])
+    assert st.microbatch(0)["n"].item() == 42
+    assert torch.equal(st.global_view["x"], x) and torch.equal(st.global_view["y"], y)
+    for i in range(3):
+        st.microbatch(i)["loss"] = torch.tensor(float(i))
+        st.microbatch(i)["z"] = torch.full((2,), i)  # default spec Split(0)
+    assert torch.equal(st.global_view["loss"], torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(st.global_view["z"], torch.tensor([0, 0, 1, 1, 2, 2]))
+    st.global_view["loss"] = torch.tensor([5.0, 6.0, 7.0])  # Stack write unbinds
+    assert st.microbatch(2)["loss"].item() == 7.0
+    assert set(st.microbatch(0)) == {"x", "y", "n", "loss", "z"}
+    st.reset()
+    assert len(st.global_view) == 0
+
+
+def test_state_errors_name_the_key() -> None:
+    st = PipelineState(2, specs={"loss": Stack(), "n": Replicate()})
+    st.microbatch(0)["loss"] = torch.tensor(1.0)
+    with pytest.raises(KeyError, match=r"'loss' was not written for microbatches \[1\]"):
+        st.global_view["loss"]
+    with pytest.raises(KeyError, match="'n' is Replicate"):
+        st.microbatch(0)["n"] = 1
+    with pytest.raises(ValueError, match="'x': cannot split"):
+        st.global_view["x"] = torch.zeros(1)
+
+
+def test_configs_parse_and_validate() -> None:
+    cfg = parse_schedule_config({"kind": "interleaved_1f1b", "num_microbatches": 4, "stages_per_rank": 2})
+    assert cfg.topology(2).stages_of(1) == (1, 3)
+    assert isinstance(parse_schedule_config({"kind": "zbv", "num_microbatches": 4}), ZBVConfig)
+    assert ZBVConfig(num_microbatches=4).topology(2).stages_of(0) == (0, 3)
+    with pytest.raises(pydantic.ValidationError):
+        parse_schedule_config({"kind": "interleaved_1f1b", "num_microbatches": 4, "stages_per_rank": 1})
+    with pytest.raises(pydantic.ValidationError):
+        GPipeConfig(num_microbatches=2, stages_per_rank=2)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="unknown pipeline schedule kind 'nope'"):
+        parse_schedule_config({"kind": "nope", "num_microbatches": 1})
+    with pytest.raises(pydantic.ValidationError):
+        GPipeConfig(num_microbatches=2).model_copy(update={}).__class__.model_validate({"num_microbatches": 0})
+
+
+class ReverseGPipeConfig(BaseScheduleConfig):
+    kind: str = "test_reverse_gpipe"
+
+
+def _reverse_gpipe(cfg: ReverseGPipeConfig, pp: int) -> Program:
+    prog = build_gpipe(pp, cfg.num_microbatches)
+    acts = [list(a[: len(a) // 2]) + list(reversed(a[len(a) // 2 :])) for a in prog.actions]
+    return Program.from_lists(prog.topology, prog.num_microbatches, acts, name="reverse_gpipe")
+
+
+def test_user_schedule_registry() -> None:
+    if "test_reverse_gpipe" not in registered_schedules():
+        register_schedule("test_reverse_gpipe", ReverseGPipeConfig, _reverse_gpipe)
+    prog = build_program({"kind": "test_reverse_gpipe", "num_microbatches": 3}, 2)
+    assert [str(a) for a in prog.actions[0]][-1] == "0B0"
+    with pytest.raises(ValueError, match="already registered"):
+        register_schedule("gpipe", GPipeConfig, lambda c, pp: build_gpipe(pp, 1))
