@@ -168,7 +168,7 @@ def test_linear_ce_vocab_parallel_gloo(kw):
     loss64, lse64 = _ref(x64, w64, t, **rkw)
     total64 = loss64.sum() + (lse64.sum() * 0.5 if kw.get("return_lse") else 0)
     total64.backward()
-    for loss, gx, gw_local in results:
+    for loss, gx, _ in results:
         torch.testing.assert_close(loss.double(), loss64.detach(), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(gx.double(), x64.grad, atol=1e-5, rtol=1e-4)
     gw = torch.cat([r[2] for r in results])

@@ -88,7 +88,7 @@ def check_tracks_fp32_master(moment_dtype, steps, device="cpu"):
 
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
 def test_stochastic_adamw_tracks_fp32_master_where_bf16_adamw_drifts(moment_dtype):
-    err_plain, err_sr, _ = check_tracks_fp32_master(moment_dtype, 150)
+    err_plain, err_sr, _ = check_tracks_fp32_master(moment_dtype, 100)
     # lr * update is below bf16 resolution for most weights: round-to-nearest loses most of the
     # trajectory, stochastic rounding keeps it in expectation.
     assert err_plain > 0.5, err_plain
@@ -96,7 +96,7 @@ def test_stochastic_adamw_tracks_fp32_master_where_bf16_adamw_drifts(moment_dtyp
 
 
 def test_stochastic_adamw_triton_interpreted(interpreter_pool):
-    err_plain, err_sr, used = interpreter_pool.apply(check_tracks_fp32_master, (torch.bfloat16, 40))
+    err_plain, err_sr, used = interpreter_pool.apply(check_tracks_fp32_master, (torch.bfloat16, 30))
     assert used
     assert err_sr < 0.5 * err_plain, (err_sr, err_plain)
 
@@ -134,6 +134,20 @@ def test_state_dict_round_trip_continues_identically():
     _run_steps(opt2, params2, grads[3:])
     for a, b in zip(params2, expect):
         assert torch.equal(a, b)
+
+
+def test_load_keeps_fp32_moments_of_bf16_params():
+    # torch.optim casts loaded state to the param dtype; fp32 moments must survive unrounded.
+    p = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    opt = StochasticAdamW([p], lr=1e-3, seed=0)
+    p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = StochasticAdamW([torch.nn.Parameter(p.detach().clone())], lr=1e-3, seed=1)
+    opt2.load_state_dict(sd)
+    st = next(iter(opt2.state.values()))
+    assert st["exp_avg"].dtype == torch.float32
+    assert torch.equal(st["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])
 
 
 def test_replicas_identical_with_same_seed_and_differ_otherwise():

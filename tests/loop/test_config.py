@@ -138,10 +138,21 @@ def test_pipeline_section_uses_the_schedule_union():
     from plait.pipelining import ZBVConfig
 
     cfg = load_config(
-        overrides=["--mesh.pipeline=2", "--pipeline.kind=zbv", "--batching.global_batch_size=8", "--batching.microbatch_size=2"]
+        overrides=[
+            "--mesh.pipeline=2",
+            "--pipeline.kind=zbv",
+            "--batching.global_batch_size=8",
+            "--batching.microbatch_size=2",
+        ]
     )
     assert isinstance(cfg.pipeline, ZBVConfig) and cfg.pipeline.num_microbatches == 4
     with pytest.raises(ConfigError, match=r"pipeline.num_microbatches=3 must equal .* steps 4"):
-        load_config(overrides=["--pipeline.kind=1f1b", "--pipeline.num_microbatches=3", "--batching.global_batch_size=4"])
+        load_config(
+            overrides=[
+                "--pipeline.kind=1f1b",
+                "--pipeline.num_microbatches=3",
+                "--batching.global_batch_size=4",
+            ]
+        )
     with pytest.raises(ConfigError, match=r"pipeline"):
         load_config(overrides=["--pipeline.kind=nope"])

@@ -7,7 +7,6 @@ import json
 import logging
 
 import pytest
-
 from plait.loop import ConsoleTracker, JSONLTracker, build_tracker
 from plait.loop.config import GCConfig
 from plait.loop.ops import GCController, mesh_prefix, setup_logging

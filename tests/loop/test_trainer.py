@@ -122,7 +122,9 @@ def _dp_run(run_dir: str, steps: int, fsdp: bool = False) -> list[float]:
             "--logging.progress_bar=false",
         ]
     )
-    provider = ModuleProvider(TinyLM, parallelize_fn=_fsdp if fsdp else None, initial_weights=load_reference_weights)
+    provider = ModuleProvider(
+        TinyLM, parallelize_fn=_fsdp if fsdp else None, initial_weights=load_reference_weights
+    )
     tr = Trainer(cfg, provider, DatasetProvider(_dataset()), CausalLMTask())
     losses = _losses(tr)
     tr.fit()
@@ -298,7 +300,10 @@ def test_pipeline_parallel_2_matches_one_process(tmp_path, schedule):
     assert pp_losses[0] == pp_losses[1]
     cfg = _config(tmp_path / "one", steps=steps)
     single = Trainer(
-        cfg, ModuleProvider(TinyLM, initial_weights=load_reference_weights), DatasetProvider(_dataset()), CausalLMTask()
+        cfg,
+        ModuleProvider(TinyLM, initial_weights=load_reference_weights),
+        DatasetProvider(_dataset()),
+        CausalLMTask(),
     )
     ref = _losses(single)
     single.fit()

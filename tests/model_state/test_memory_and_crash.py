@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plait.model_state.cli import main
 from safetensors.torch import load_file, save_file
 
 N_LAYERS, N_EXPERTS, ROWS, COLS = 12, 8, 256, 512  # 12 x 8 x 512 KiB = 48 MiB of experts
@@ -130,29 +132,30 @@ def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> No
     assert any(p.suffix == ".safetensors" for p in hidden[0].iterdir())  # it did write part files
 
 
-def test_cli_inspect_and_diff(tmp_path: Path) -> None:
+def test_cli_inspect_and_diff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.zeros(2, dtype=torch.int64)}
     save_file(a, str(tmp_path / "a.safetensors"))
     b = {"x": a["x"] + 0.5, "z": torch.ones(1)}
     save_file(b, str(tmp_path / "b.safetensors"))
-    run = [sys.executable, "-m", "plait.model_state"]
-    out = subprocess.run(
-        [*run, "inspect", str(tmp_path / "a.safetensors")], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert "[2, 3]" in out.stdout and "2 tensors" in out.stdout and "float32" in out.stdout
-    out = subprocess.run(
-        [*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 1
-    assert "only in A: y" in out.stdout and "only in B: z" in out.stdout and "max abs diff 0.5" in out.stdout
-    out = subprocess.run(
-        [*run, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0 and "SAME" in out.stdout
+    # Through the real `python -m plait.model_state` entry point, in-process.
+    monkeypatch.setattr(sys, "argv", ["plait.model_state", "inspect", str(tmp_path / "a.safetensors")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("plait.model_state", run_name="__main__")
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "[2, 3]" in out and "2 tensors" in out and "float32" in out and "a.safetensors" in out
+
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]) == 1
+    out = capsys.readouterr().out
+    assert "only in A: y" in out and "only in B: z" in out and "max abs diff 0.5" in out
+    assert (
+        main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--atol", "1"]) == 1
+    )  # keys differ
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors")]) == 0
+    assert "SAME" in capsys.readouterr().out
+    c = {"x": a["x"].double(), "y": a["y"]}
+    save_file(c, str(tmp_path / "c.safetensors"))
+    assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "c.safetensors")]) == 1
+    assert "spec differs: x" in capsys.readouterr().out

@@ -6,8 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
 from plait.models import (
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -22,6 +20,7 @@ from plait.models import (
     rope_inv_freq,
 )
 from plait.models.blocks.attention import attention
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 ROPES = [
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
@@ -42,11 +41,17 @@ ROPES = [
 ]
 
 
-@pytest.mark.parametrize("params", ROPES, ids=lambda p: f"{p['rope_type']}-{p.get('partial_rotary_factor', 1)}")
+@pytest.mark.parametrize(
+    "params", ROPES, ids=lambda p: f"{p['rope_type']}-{p.get('partial_rotary_factor', 1)}"
+)
 @pytest.mark.parametrize("seq_len", [None, 300])
 def test_rope_inv_freq_matches_transformers(params, seq_len):
     hf_cfg = transformers.Qwen3Config(
-        hidden_size=64, num_attention_heads=4, head_dim=32, max_position_embeddings=128, rope_parameters=dict(params)
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=32,
+        max_position_embeddings=128,
+        rope_parameters=dict(params),
     )
     ref, ref_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu", seq_len=seq_len)
     ours, scale = rope_inv_freq(RopeParameters(**params), 32, 128, seq_len=seq_len)
@@ -120,7 +125,9 @@ def test_packed_sequences_equal_separate_forwards():
 def test_pooling():
     h = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    torch.testing.assert_close(pool_hidden_states(h, "last", attention_mask=mask), torch.stack([h[0, 1], h[1, 2]]))
+    torch.testing.assert_close(
+        pool_hidden_states(h, "last", attention_mask=mask), torch.stack([h[0, 1], h[1, 2]])
+    )
     torch.testing.assert_close(
         pool_hidden_states(h, "mean", attention_mask=mask), torch.stack([h[0, :2].mean(0), h[1].mean(0)])
     )
@@ -130,7 +137,9 @@ def test_pooling():
 
 
 def test_loss_without_logits_equals_cross_entropy():
-    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    cfg = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.reset_parameters()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-
 from plait.models import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -14,6 +12,7 @@ from plait.models import (
     load_hf_config,
     save_hf_checkpoint,
 )
+from safetensors import safe_open
 
 from ._hf_utils import make_hf
 
@@ -34,7 +33,10 @@ CASES = {
     ),
     "moe_norm_topk": ("moe", {"norm_topk_prob": True}),
     "moe_no_norm_mixed": ("moe", {"norm_topk_prob": False, "mlp_only_layers": [1]}),
-    "moe_sparse_step_tied": ("moe", {"decoder_sparse_step": 2, "tie_word_embeddings": True, "norm_topk_prob": True}),
+    "moe_sparse_step_tied": (
+        "moe",
+        {"decoder_sparse_step": 2, "tie_word_embeddings": True, "norm_topk_prob": True},
+    ),
 }
 
 
@@ -76,9 +78,12 @@ def test_parity_and_round_trip(case, tmp_path):
     reloaded = type(hf).from_pretrained(exported).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, ref, atol=0, rtol=0)
-    with safe_open(str(path / "model.safetensors"), "pt") as a, safe_open(str(exported / "model.safetensors"), "pt") as b:
+    with (
+        safe_open(str(path / "model.safetensors"), "pt") as a,
+        safe_open(str(exported / "model.safetensors"), "pt") as b,
+    ):
         assert set(a.keys()) == set(b.keys())
-        for k in a.keys():
+        for k in a.keys():  # noqa: SIM118 (safe_open has no __iter__)
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
 
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-
 from plait.models import (
     ActivationCheckpointing,
     ParallelConfig,
@@ -23,6 +20,8 @@ from plait.models import (
     parallelize,
     save_hf_checkpoint,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 dist_testing = pytest.importorskip("plait.dist_core.testing")
 run_distributed = dist_testing.run_distributed
@@ -52,6 +51,7 @@ LAYOUTS = {
     "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
     "hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 4, 1), {}),
     "ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
+    "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
         4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plait.moe import MoELayer, RouterConfig, switch_aux_loss
+from plait.moe import MoELayer, RouterConfig, TopKRouter, switch_aux_loss
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
@@ -131,3 +131,48 @@ def test_bf16_close_to_hf() -> None:
     y = ours(x.bfloat16()).hidden_states
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, hf(x.bfloat16()), rtol=2e-2, atol=2e-2)
+
+
+def test_group_limited_sigmoid_router_matches_deepseek_v3() -> None:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    n_exp, k = 16, 4
+    cfg = DeepseekV3Config(
+        hidden_size=H,
+        n_routed_experts=n_exp,
+        num_experts_per_tok=k,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    hf = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(hf.weight.shape, generator=g))
+        hf.e_score_correction_bias.copy_(torch.randn(n_exp, generator=g) * 0.2)
+    ours = TopKRouter(
+        H,
+        n_exp,
+        RouterConfig(
+            score_func="sigmoid",
+            top_k=k,
+            norm_topk_prob=True,
+            scaling_factor=2.5,
+            n_groups=4,
+            topk_groups=2,
+            group_score="top2_sum",
+            bias_update_rate=1e-3,
+        ),
+    )
+    ours.load_state_dict({"weight": hf.weight, "expert_bias": hf.e_score_correction_bias})
+    x = torch.randn(32, H, generator=g)
+    _, w_hf, idx_hf = hf(x)
+    out = ours(x)
+    # HF returns the top-k unsorted: compare as sets, weights matched by expert.
+    order_hf, order_ours = idx_hf.argsort(dim=-1), out.topk_idx.argsort(dim=-1)
+    assert torch.equal(idx_hf.gather(1, order_hf), out.topk_idx.gather(1, order_ours))
+    torch.testing.assert_close(
+        out.topk_weights.gather(1, order_ours), w_hf.gather(1, order_hf), rtol=1e-5, atol=1e-6
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from plait.dist_core.testing import run_distributed
 from plait.pipelining import (
     InferenceConfig,
@@ -16,6 +15,7 @@ from plait.pipelining import (
     build_pipeline,
     parse_schedule_config,
 )
+
 from tests.pipelining import _model as M
 
 ATOL = 1e-6
@@ -55,35 +55,31 @@ def _run_cases(cases: list[dict], batch: int) -> list[tuple[str, float, float]]:
 def _check(results: list[list[tuple[str, float, float]]]) -> None:
     for rank, per_rank in enumerate(results):
         for case, loss_err, grad_err in per_rank:
-            assert loss_err <= ATOL and grad_err <= ATOL, f"rank {rank} {case}: loss err {loss_err}, grad err {grad_err}"
+            assert loss_err <= ATOL and grad_err <= ATOL, (
+                f"rank {rank} {case}: loss err {loss_err}, grad err {grad_err}"
+            )
 
 
+# Cases torch has no match for, or other microbatch counts / stages per rank than test_torch_reference.py
+# (which checks one configuration of every schedule against both torch and the single-process reference).
 PP2_CASES = [
     {"kind": "gpipe", "num_microbatches": 1},
-    {"kind": "gpipe", "num_microbatches": 4},
-    {"kind": "1f1b", "num_microbatches": 2},
     {"kind": "1f1b", "num_microbatches": 8},
-    {"kind": "looped_bfs", "num_microbatches": 2, "stages_per_rank": 2},
-    {"kind": "interleaved_1f1b", "num_microbatches": 4, "stages_per_rank": 2},
     {"kind": "interleaved_1f1b", "num_microbatches": 2, "stages_per_rank": 3},
     {"kind": "zb1p", "num_microbatches": 2, "stages_per_rank": 1},
-    {"kind": "zb1p", "num_microbatches": 4, "stages_per_rank": 2},
-    {"kind": "zbv", "num_microbatches": 2},
     {"kind": "zbv", "num_microbatches": 8},
-    {"kind": "dualpipev", "num_microbatches": 4},
     {"kind": "dualpipev", "num_microbatches": 8},
 ]
 
 PP4_CASES = [
     {"kind": "1f1b", "num_microbatches": 4},
-    {"kind": "interleaved_1f1b", "num_microbatches": 8, "stages_per_rank": 2},
-    {"kind": "zb1p", "num_microbatches": 4, "stages_per_rank": 2},
+    {"kind": "interleaved_1f1b", "num_microbatches": 4, "stages_per_rank": 2},
     {"kind": "zbv", "num_microbatches": 4},
     {"kind": "dualpipev", "num_microbatches": 8},
 ]
 
 
-def test_every_schedule_matches_single_process_pp2() -> None:
+def test_schedules_match_single_process_pp2() -> None:
     _check(run_distributed(_run_cases, 2, PP2_CASES, 8))
 
 
@@ -111,8 +107,8 @@ def test_inference_matches_single_process() -> None:
         for s in range(4):
             out = stages[s](**out)
     res = run_distributed(_run_inference, 2, 4, 8)
-    assert res[1] is None  # stage 3 lives on rank 1 with a loop topology
-    torch.testing.assert_close(res[0] if res[0] is not None else res[1], out["logits"], atol=ATOL, rtol=0)
+    assert res[0] is None  # the last stage (3) lives on rank 1 = 3 % 2
+    torch.testing.assert_close(res[1], out["logits"], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("m", [1, 4])

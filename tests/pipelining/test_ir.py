@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from plait.pipelining import (
     Action,
     ActionKind,
@@ -29,11 +28,24 @@ from plait.pipelining import (
 
 
 def test_action_strings_round_trip() -> None:
-    for text in ["0F3", "1I2", "1W2", "12B0", "2SEND_F0", "3RECV_F1", "0SEND_B7", "1RECV_B2", "0F3|5B1", "1F0|2I3"]:
+    for text in [
+        "0F3",
+        "1I2",
+        "1W2",
+        "12B0",
+        "2SEND_F0",
+        "3RECV_F1",
+        "0SEND_B7",
+        "1RECV_B2",
+        "0F3|5B1",
+        "1F0|2I3",
+    ]:
         a = parse_action(text)
         assert str(a) == text
     assert parse_action("0F3") == Action(0, ActionKind.FORWARD, 3)
-    assert parse_action("0F3|5B1") == OverlapAction(Action(0, ActionKind.FORWARD, 3), Action(5, ActionKind.BACKWARD, 1))
+    assert parse_action("0F3|5B1") == OverlapAction(
+        Action(0, ActionKind.FORWARD, 3), Action(5, ActionKind.BACKWARD, 1)
+    )
     with pytest.raises(ValueError, match="Cannot parse action"):
         parse_action("0X3")
     with pytest.raises(ValueError, match="must be a forward"):
@@ -90,70 +102,94 @@ HEAD = "# program t microbatches=2 stage_to_rank=0,1 style=loop lowered=1 backwa
 
 
 def test_validator_accepts_hand_written_gpipe() -> None:
-    good = HEAD + """
+    good = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     validate(_broken(good))
 
 
 def test_validator_rejects_missing_receive() -> None:
-    bad = HEAD + """
+    bad = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 rank 1: 1RECV_F0 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match=r"1F1 runs before 1RECV_F1") as e:
         validate(_broken(bad))
     assert ">>> [  2] 1F1" in str(e.value)  # the rank's program with the bad action marked
 
 
 def test_validator_rejects_swapped_order() -> None:
-    bad = HEAD + """
+    bad = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 rank 1: 1RECV_F1 1F1 1RECV_F0 1F0 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match="order mismatch") as e:
         validate(_broken(bad))
     assert ">>> [  0] 1RECV_F1" in str(e.value)
 
 
 def test_validator_rejects_duplicated_microbatch() -> None:
-    bad = HEAD + """
+    bad = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match="0F0 appears twice"):
         validate(_broken(bad))
 
 
 def test_validator_rejects_backward_before_forward_and_missing_weight() -> None:
-    bad = HEAD + """
+    bad = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 rank 1: 1RECV_F0 1B0 1F0 1RECV_F1 1F1 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match="1B0 runs before 1F0"):
         validate(_broken(bad))
-    missing_w = HEAD + """
+    missing_w = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0I0 0RECV_B1 0B1
 rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match="backward W of stage 0 microbatch 0 is missing"):
         validate(_broken(missing_w))
 
 
 def test_validator_rejects_wrong_rank_and_detects_deadlock() -> None:
-    wrong = HEAD + """
+    wrong = (
+        HEAD
+        + """
 rank 0: 0F0 1F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 rank 1: 1RECV_F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match="belongs to rank 1, not rank 0"):
         validate(_broken(wrong))
     # Both ranks wait for each other's gradient/activation: rank 0 receives B0 before sending F1,
     # rank 1 needs F1 before it sends B0.
-    dead = HEAD + """
+    dead = (
+        HEAD
+        + """
 rank 0: 0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1
 rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1
 """
+    )
     with pytest.raises(ProgramError, match="deadlock"):
         validate(_broken(dead))
 

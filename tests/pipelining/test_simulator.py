@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from plait.pipelining import (
     ActionCosts,
     build_1f1b,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
-
 from plait.pipelining import (
     BaseScheduleConfig,
     GPipeConfig,
@@ -68,7 +67,9 @@ def test_configs_parse_and_validate() -> None:
     with pytest.raises(ValueError, match="unknown pipeline schedule kind 'nope'"):
         parse_schedule_config({"kind": "nope", "num_microbatches": 1})
     with pytest.raises(pydantic.ValidationError):
-        GPipeConfig(num_microbatches=2).model_copy(update={}).__class__.model_validate({"num_microbatches": 0})
+        GPipeConfig(num_microbatches=2).model_copy(update={}).__class__.model_validate(
+            {"num_microbatches": 0}
+        )
 
 
 class ReverseGPipeConfig(BaseScheduleConfig):

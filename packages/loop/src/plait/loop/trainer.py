@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState
 from plait.dist_core import set_gradient_sync
+from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState
 from plait.loop.config import TrainerConfig
 from plait.loop.events import (
     AfterBackward,
@@ -109,9 +109,9 @@ class Trainer:
         model: builds and prepares the model's stages.
         data: builds this rank's :class:`~plait.loop.data.DistributedDataLoader`.
         task: batch -> model inputs; model outputs -> loss.
-        ctx: a ``plait.dist_core.DistributedContext``; None builds one from ``config.mesh`` when the
-            mesh has more than one rank (or uses pure data parallelism over the default process group
-            when one is initialised and the mesh is trivial).
+        ctx: a ``plait.dist_core.DistributedContext`` (anything with ``mesh_for("batch")``); None
+            builds one with ``DistributedContext.from_env(config.mesh)`` (torchrun's environment, or
+            a single process). It is passed to ``model.parallelize``.
         optimizer: per-model-part optimizer factory (default: from ``config.optimizer``).
         lr_scheduler: scheduler factory (default: :class:`~plait.loop.optim.PiecewiseLR` from
             ``config.lr_schedule``).
@@ -215,24 +215,16 @@ class Trainer:
         return dev
 
     def _build_topology(self, ctx: Any) -> tuple[Any, Topology]:
-        mesh = self.config.mesh
-        world = 1
-        for name in (
-            "pipeline",
-            "data_replicate",
-            "data_shard",
-            "context_shard",
-            "context_replicate",
-            "tensor",
-        ):
-            world *= int(getattr(mesh, name))
-        if ctx is None and world == 1 and not dist.is_initialized():
-            return None, Topology()  # one process, no process group
         if ctx is None:
             from plait.dist_core import DistributedContext
 
             # Start-up collectives (weight loading, compilation) run under the long init timeout.
-            ctx = DistributedContext.from_env(mesh, device=self.device, timeout=self.config.timeouts.init_s)
+            # In a single process this creates no process group (providers may still ask for meshes).
+            ctx = DistributedContext.from_env(
+                self.config.mesh, device=self.device, timeout=self.config.timeouts.init_s
+            )
+        if getattr(ctx, "world_size", None) == 1 and not dist.is_initialized():
+            return ctx, Topology()
         return ctx, Topology.from_context(ctx)
 
     def _stage_layout(self) -> tuple[list[int], int]:

@@ -80,7 +80,7 @@ def register_peft_method(method: str, applier: PeftApplier) -> None:
 
 def canonical_name(name: str) -> str:
     """A parameter/module name as it was before LoRA injection (drops ``.base_layer``)."""
-    return name.replace(".base_layer", "").removeprefix("base_layer.").removeprefix("base_layer")
+    return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
 def _walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, nn.Module | None, str]]:
@@ -193,8 +193,8 @@ def _check_expert_hosts(model: nn.Module, cfg: LoRAConfig) -> None:
     for host_name, host, _, _ in _walk(model):
         for pname, param in host._parameters.items():
             full = f"{host_name}.{pname}" if host_name else pname
-            if param is None or not matches(cfg.target_parameters, canonical_name(full)):
-                continue
+            if param is None or param.ndim != 3 or not matches(cfg.target_parameters, canonical_name(full)):
+                continue  # non-3-D matches get their own error from the applier
             if not getattr(host, EXPERT_HOOK_ATTR, False):
                 raise ValueError(
                     f"lora: target_parameters matched {full!r}, but {type(host).__name__} does not set "

@@ -7,13 +7,12 @@ from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
-from torch import nn
-
 from plait.pipelining import schedules as S
 from plait.pipelining.executor import ForwardKwargsFn, LossFn, OfflineExecutor, PipelineExecutor
 from plait.pipelining.program import Program
 from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from torch import nn
 
 __all__ = [
     "BaseScheduleConfig",

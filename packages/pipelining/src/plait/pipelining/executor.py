@@ -9,12 +9,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction
 from plait.pipelining.program import Program
 from plait.pipelining.split_backward import WeightGradWork, backward_input, backward_weight
 from plait.pipelining.state import MicrobatchView, PipelineState
+from torch import nn
 
 __all__ = ["LossFn", "OfflineExecutor", "PipelineExecutor", "StepResult"]
 
@@ -71,7 +70,9 @@ class _StageRunner:
         has_backward: bool,
     ) -> None:
         if has_backward and loss_fn is None:
-            raise ValueError("a training schedule needs loss_fn (pass an inference schedule to run forward only)")
+            raise ValueError(
+                "a training schedule needs loss_fn (pass an inference schedule to run forward only)"
+            )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.modules = dict(stage_modules)
@@ -218,7 +219,12 @@ class PipelineExecutor:
             )
         self.topology = topo
         self.runner = _StageRunner(
-            stage_modules, topo.num_stages, loss_fn, forward_kwargs_fn, loss_reduction, self.program.has_backward
+            stage_modules,
+            topo.num_stages,
+            loss_fn,
+            forward_kwargs_fn,
+            loss_reduction,
+            self.program.has_backward,
         )
         if device is None:
             p = next((p for mod in stage_modules.values() for p in mod.parameters()), None)
@@ -266,10 +272,14 @@ class PipelineExecutor:
                 continue
             if a.kind is ActionKind.SEND_F and a.stage not in self._meta_sent:
                 out = self.runner.outputs[(a.stage, a.microbatch)]
-                meta = [[k, str(v.dtype), list(v.shape), bool(v.requires_grad)] for k, v in sorted(out.items())]
+                meta = [
+                    [k, str(v.dtype), list(v.shape), bool(v.requires_grad)] for k, v in sorted(out.items())
+                ]
                 raw = json.dumps(meta).encode()
                 if len(raw) > _META_BYTES:
-                    raise ValueError(f"stage {a.stage} outputs too many tensors to describe in {_META_BYTES} bytes")
+                    raise ValueError(
+                        f"stage {a.stage} outputs too many tensors to describe in {_META_BYTES} bytes"
+                    )
                 buf = torch.zeros(_META_BYTES, dtype=torch.uint8)
                 buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                 buf = buf.to(self.device)
@@ -297,9 +307,14 @@ class PipelineExecutor:
                     for _, v in sorted(out.items())]  # fmt: skip
         if a.kind is ActionKind.SEND_B:
             grads = r.input_grads.pop((s, k))
-            return [dist.P2POp(dist.isend, g.contiguous(), self._peer(s - 1), self.group) for _, g in sorted(grads.items())]
+            return [
+                dist.P2POp(dist.isend, g.contiguous(), self._peer(s - 1), self.group)
+                for _, g in sorted(grads.items())
+            ]
         if a.kind is ActionKind.RECV_F:
-            bufs = {key: torch.empty(shape, dtype=dt, device=self.device) for key, dt, shape, _ in self._meta[s]}
+            bufs = {
+                key: torch.empty(shape, dtype=dt, device=self.device) for key, dt, shape, _ in self._meta[s]
+            }
             self._recv_f[(s, k)] = (bufs, {key: rg for key, _, _, rg in self._meta[s]})
             return [dist.P2POp(dist.irecv, bufs[key], self._peer(s - 1), self.group) for key in sorted(bufs)]
         # RECV_B: gradients for this stage's outputs that require grad, in key order
@@ -383,7 +398,9 @@ class PipelineExecutor:
         m = self.num_microbatches
         if state.num_microbatches != m:
             raise ValueError(f"state has {state.num_microbatches} microbatches but the schedule has {m}")
-        self._mb_inputs = _split_inputs(inputs, m) if inputs is not None and 0 in self.runner.modules else None
+        self._mb_inputs = (
+            _split_inputs(inputs, m) if inputs is not None and 0 in self.runner.modules else None
+        )
         self.runner.reset()
         self._meta: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], bool]]] = {}
         self._meta_sent: set[int] = set()
@@ -466,7 +483,10 @@ class OfflineExecutor:
             for s in range(n):
                 r.forward(s, k, x, state)
                 if s < n - 1:
-                    x = {key: _leaf(v, v.requires_grad and r.has_backward) for key, v in r.outputs[(s, k)].items()}
+                    x = {
+                        key: _leaf(v, v.requires_grad and r.has_backward)
+                        for key, v in r.outputs[(s, k)].items()
+                    }
             if r.has_backward:
                 for s in reversed(range(n)):
                     if s < n - 1:

@@ -61,7 +61,9 @@ class Program:
             f"# program {self.name} microbatches={self.num_microbatches} stage_to_rank={stages} "
             f"style={self.topology.style} lowered={int(self.lowered)} backward={int(self.has_backward)}"
         )
-        lines = [head] + [f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.actions)]
+        lines = [head] + [
+            f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.actions)
+        ]
         return "\n".join(lines)
 
     def format_rank(self, rank: int, mark: int | None = None) -> str:

@@ -39,7 +39,9 @@ class ActionCosts:
             if a.kind is ActionKind.FORWARD:
                 total += self.forward
             elif a.kind is ActionKind.BACKWARD:
-                total += self.backward if self.backward is not None else self.backward_input + self.backward_weight
+                total += (
+                    self.backward if self.backward is not None else self.backward_input + self.backward_weight
+                )
             elif a.kind is ActionKind.BACKWARD_INPUT:
                 total += self.backward_input
             elif a.kind is ActionKind.BACKWARD_WEIGHT:
@@ -82,13 +84,15 @@ class SimulationResult:
         label_w = max((len(e.action) for e in self.timeline), default=3) + 1
         shortest = min((e.end - e.start for e in self.timeline if e.end > e.start), default=1.0)
         scale = max(label_w / shortest, 1.0)
-        scale = min(scale, max(width, 20) * 4 / self.step_time) if self.step_time * scale > width * 4 else scale
-        cols = int(round(self.step_time * scale))
+        scale = (
+            min(scale, max(width, 20) * 4 / self.step_time) if self.step_time * scale > width * 4 else scale
+        )
+        cols = round(self.step_time * scale)
         rows = []
         for r in range(self.num_ranks):
             line = [" "] * cols
             for e in (e for e in self.timeline if e.rank == r):
-                a, b = int(round(e.start * scale)), int(round(e.end * scale))
+                a, b = round(e.start * scale), round(e.end * scale)
                 cell = ("[" + e.action).ljust(max(b - a, 1), ".")[: max(b - a, 1)]
                 line[a : a + len(cell)] = list(cell)
             rows.append(f"rank {r:2d} |{''.join(line)}|")
@@ -106,16 +110,20 @@ class SimulationResult:
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-        except ImportError as e:  # pragma: no cover - depends on the environment
+        except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "SimulationResult.save needs matplotlib: pip install 'plait-pipelining[viz]'"
-            ) from e
+            ) from err
         colors = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
         fig, ax = plt.subplots(figsize=(max(6.0, self.step_time * 0.35), 0.6 * self.num_ranks + 1))
         for e in self.timeline:
             kind = "F" if "|" in e.action else e.action.rstrip("0123456789").lstrip("0123456789")
-            ax.barh(e.rank, e.end - e.start, left=e.start, color=colors.get(kind, "#8172b2"), edgecolor="black")
-            ax.text((e.start + e.end) / 2, e.rank, e.action, ha="center", va="center", fontsize=6, color="white")
+            ax.barh(
+                e.rank, e.end - e.start, left=e.start, color=colors.get(kind, "#8172b2"), edgecolor="black"
+            )
+            ax.text(
+                (e.start + e.end) / 2, e.rank, e.action, ha="center", va="center", fontsize=6, color="white"
+            )
         ax.set_yticks(range(self.num_ranks), [f"rank {r}" for r in range(self.num_ranks)])
         ax.invert_yaxis()
         ax.set_xlabel("time")
@@ -145,7 +153,9 @@ def simulate(program: Program, costs: ActionCosts | None = None) -> SimulationRe
     costs = costs or ActionCosts()
     times = compute_times(program, costs.of, costs.comm)
     timeline = tuple(
-        TimelineEntry(r, str(program.actions[r][i]), st, en) for r, per in enumerate(times) for i, st, en in per
+        TimelineEntry(r, str(program.actions[r][i]), st, en)
+        for r, per in enumerate(times)
+        for i, st, en in per
     )
     t0 = min((e.start for e in timeline), default=0.0)
     t1 = max((e.end for e in timeline), default=0.0)

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-
 from plait.kernels.grad_direction import GradDirection, grad_direction
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightGradWork", "backward_input", "backward_weight"]
 

@@ -94,7 +94,9 @@ class PipelineState:
             self._replicated[key] = value
             return
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"PipelineState key {key!r} has spec {spec} and needs a tensor, got {type(value).__name__}")
+            raise TypeError(
+                f"PipelineState key {key!r} has spec {spec} and needs a tensor, got {type(value).__name__}"
+            )
         m = self.num_microbatches
         if isinstance(spec, Split):
             if value.dim() == 0 or value.shape[spec.dim] < m:
@@ -130,7 +132,9 @@ class PipelineState:
 
     def _write_mb(self, key: str, index: int, value: Any) -> None:
         if isinstance(self.spec(key), Replicate):
-            raise KeyError(f"PipelineState key {key!r} is Replicate: write it through global_view, not a microbatch")
+            raise KeyError(
+                f"PipelineState key {key!r} is Replicate: write it through global_view, not a microbatch"
+            )
         self._shards.setdefault(key, [None] * self.num_microbatches)[index] = value
 
     def _read_mb(self, key: str, index: int) -> Any:

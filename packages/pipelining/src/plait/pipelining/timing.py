@@ -7,7 +7,7 @@ from collections.abc import Callable
 from plait.pipelining.actions import ActionKind, AnyAction
 from plait.pipelining.program import Program
 
-F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _Key = tuple[str, int, int]  # ("F" | "BWD" | "W", stage, microbatch)
 
 
@@ -43,7 +43,7 @@ def compute_times(
             need: list[tuple[_Key, float]] = []
             if x.kind is F and s > 0:
                 need.append((("F", s - 1, k), 0.0 if topo.is_local_edge(s - 1) else comm_latency))
-            elif x.kind in (B, I):
+            elif x.kind in (B, BI):
                 need.append((("F", s, k), 0.0))
                 if s < ns - 1:
                     need.append((("BWD", s + 1, k), 0.0 if topo.is_local_edge(s) else comm_latency))

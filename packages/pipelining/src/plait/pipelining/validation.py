@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from plait.pipelining.actions import Action, ActionKind, AnyAction
+from plait.pipelining.actions import Action, ActionKind
 from plait.pipelining.lowering import recvs_for
 from plait.pipelining.program import Program
 
 __all__ = ["ProgramError", "dry_run", "validate"]
 
-F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _Msg = tuple[str, int, int]  # ("F" | "B", sending stage, microbatch)
 
 
 class ProgramError(ValueError):
     """A program is invalid. The message shows the offending rank's program with the bad action marked."""
 
-    def __init__(self, message: str, program: Program | None = None, rank: int | None = None, index: int | None = None):
+    def __init__(
+        self, message: str, program: Program | None = None, rank: int | None = None, index: int | None = None
+    ):
         self.rank, self.index = rank, index
         text = message
         if program is not None and rank is not None:
@@ -50,18 +52,27 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
         for i, act in enumerate(acts):
             for a in act.sub_actions():
                 if a.stage >= topo.num_stages:
-                    raise ProgramError(f"{a}: stage {a.stage} does not exist ({topo.num_stages} stages)", program, r, i)
+                    raise ProgramError(
+                        f"{a}: stage {a.stage} does not exist ({topo.num_stages} stages)", program, r, i
+                    )
                 if topo.rank_of(a.stage) != r:
                     raise ProgramError(
-                        f"{a}: stage {a.stage} belongs to rank {topo.rank_of(a.stage)}, not rank {r}", program, r, i
+                        f"{a}: stage {a.stage} belongs to rank {topo.rank_of(a.stage)}, not rank {r}",
+                        program,
+                        r,
+                        i,
                     )
                 if a.microbatch >= m:
-                    raise ProgramError(f"{a}: microbatch {a.microbatch} >= num_microbatches {m}", program, r, i)
+                    raise ProgramError(
+                        f"{a}: microbatch {a.microbatch} >= num_microbatches {m}", program, r, i
+                    )
                 key = (a.kind, a.stage, a.microbatch)
                 if key in pos:
                     raise ProgramError(f"{a} appears twice (first at index {pos[key][1]})", program, r, i)
                 if a.is_comm and not program.lowered:
-                    raise ProgramError(f"{a}: communication action in a program marked not lowered", program, r, i)
+                    raise ProgramError(
+                        f"{a}: communication action in a program marked not lowered", program, r, i
+                    )
                 pos[key] = (r, i)
 
     def where(kind: ActionKind, s: int, k: int) -> tuple[int, int] | None:
@@ -72,7 +83,7 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
         for k in range(m):
             if where(F, s, k) is None:
                 raise ProgramError(f"forward {s}F{k} is missing", program, r, None)
-            has_b, has_i, has_w = where(B, s, k), where(I, s, k), where(W, s, k)
+            has_b, has_i, has_w = where(B, s, k), where(BI, s, k), where(W, s, k)
             if not program.has_backward:
                 extra = has_b or has_i or has_w
                 if extra:
@@ -82,7 +93,9 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                 raise ProgramError(f"stage {s} microbatch {k} has both B and I/W", program, *has_b)
             if not has_b and not (has_i and has_w):
                 which = "W" if has_i else "I" if has_w else "B (or I and W)"
-                raise ProgramError(f"backward {which} of stage {s} microbatch {k} is missing", program, r, None)
+                raise ProgramError(
+                    f"backward {which} of stage {s} microbatch {k} is missing", program, r, None
+                )
     # local order of dependencies
     for r, acts in enumerate(program.actions):
         seen: set[tuple[ActionKind, int, int]] = set()
@@ -92,20 +105,20 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                 need: list[tuple[ActionKind, int, int]] = []
                 if a.kind is F and s > 0:
                     need.append((F, s - 1, k) if topo.is_local_edge(s - 1) else (ActionKind.RECV_F, s, k))
-                elif a.kind in (B, I):
+                elif a.kind in (B, BI):
                     need.append((F, s, k))
                     if s < topo.num_stages - 1:
                         if topo.is_local_edge(s):
-                            nb = B if where(B, s + 1, k) else I
+                            nb = B if where(B, s + 1, k) else BI
                             need.append((nb, s + 1, k))
                         else:
                             need.append((ActionKind.RECV_B, s, k))
                 elif a.kind is W:
-                    need.append((I, s, k))
+                    need.append((BI, s, k))
                 elif a.kind is ActionKind.SEND_F:
                     need.append((F, s, k))
                 elif a.kind is ActionKind.SEND_B:
-                    need.append((B, s, k) if where(B, s, k) else (I, s, k))
+                    need.append((B, s, k) if where(B, s, k) else (BI, s, k))
                 for n in need:
                     if n[0].is_comm and not program.lowered:
                         continue
@@ -119,16 +132,19 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
     sent: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
     recvd: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
     for r, acts in enumerate(program.actions):
-        for i, a in enumerate(acts):
-            if not a.is_comm:
+        for i, act in enumerate(acts):
+            if not isinstance(act, Action) or not act.is_comm:
                 continue
+            a = act
             assert isinstance(a, Action)
             msg, peer_stage = _message(a)
             if not 0 <= peer_stage < topo.num_stages:
                 raise ProgramError(f"{a}: peer stage {peer_stage} does not exist", program, r, i)
             peer = topo.rank_of(peer_stage)
             if peer == r:
-                raise ProgramError(f"{a}: stages {a.stage} and {peer_stage} are on the same rank", program, r, i)
+                raise ProgramError(
+                    f"{a}: stages {a.stage} and {peer_stage} are on the same rank", program, r, i
+                )
             if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
                 sent[(r, peer)].append((msg, i))
             else:
@@ -149,11 +165,17 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
         for j in range(max(len(ss), len(rr))):
             if j >= len(rr):
                 raise ProgramError(
-                    f"send {ss[j][0]} from rank {src} to rank {dst} has no matching receive", program, src, ss[j][1]
+                    f"send {ss[j][0]} from rank {src} to rank {dst} has no matching receive",
+                    program,
+                    src,
+                    ss[j][1],
                 )
             if j >= len(ss):
                 raise ProgramError(
-                    f"receive {rr[j][0]} on rank {dst} from rank {src} has no matching send", program, dst, rr[j][1]
+                    f"receive {rr[j][0]} on rank {dst} from rank {src} has no matching send",
+                    program,
+                    dst,
+                    rr[j][1],
                 )
             if ss[j][0] != rr[j][0]:
                 raise ProgramError(
@@ -196,7 +218,7 @@ def dry_run(program: Program) -> None:
             while cpu[r] < len(acts):
                 a = acts[cpu[r]]
                 if a.is_comm:
-                    start, grp = cpu[r], []
+                    start, grp = cpu[r], list[Action]()
                     while cpu[r] < len(acts) and acts[cpu[r]].is_comm:
                         grp.append(acts[cpu[r]])  # type: ignore[arg-type]
                         cpu[r] += 1

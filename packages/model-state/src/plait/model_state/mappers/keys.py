@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import MapperError
 from ..specs import TensorSpec
-from .base import Mapper, MapperGroup, rekey
+from .base import PASS_THROUGH, Mapper, MapperGroup, rekey
 from .templates import KeyTemplate, as_templates, match_any
 
 __all__ = ["AddPrefix", "Drop", "Identity", "Rename", "Scoped", "Select"]
@@ -139,6 +139,8 @@ class Scoped(Mapper):
         plan = self.inner.plan(sub)
         out = []
         for g in plan.groups:
+            if g.label == PASS_THROUGH:
+                continue  # not claimed: the enclosing plan passes these keys through
             out.append(
                 rekey(
                     g,

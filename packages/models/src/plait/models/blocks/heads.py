@@ -63,7 +63,7 @@ class LMHead(nn.Linear):
         """
         # With tp_group the kernel combines the vocab shards and all-reduces the hidden gradient.
         h = hidden.reshape(-1, hidden.shape[-1])
-        return linear_cross_entropy(
+        loss = linear_cross_entropy(
             h,
             self._local_weight(),
             labels.reshape(-1),
@@ -71,6 +71,8 @@ class LMHead(nn.Linear):
             reduction=reduction,
             process_group=self.tp_group,
         )
+        assert isinstance(loss, torch.Tensor)
+        return loss
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., V]`` (gathered over the tensor-parallel group if sharded)."""

@@ -32,7 +32,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` (use :meth:`forward_residual` for the fused residual add)."""
         weight = all_reduce_backward(self.weight, self.grad_reduce_group)
-        return rms_norm(x, weight, eps=self.eps)
+        out = rms_norm(x, weight, eps=self.eps)
+        assert isinstance(out, torch.Tensor)
+        return out
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused ``h = x + residual``; returns ``(rms_norm(h), h)``."""

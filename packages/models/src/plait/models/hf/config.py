@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,7 @@ def config_to_hf(config: Qwen3Config) -> dict[str, Any]:
     return d
 
 
-def load_hf_config(path: str | Path) -> Qwen3Config:
+def load_hf_config(path: str | os.PathLike[str]) -> Qwen3Config:
     """Read ``config.json`` from a checkpoint directory (or the file itself)."""
     p = Path(path)
     if p.is_dir():

@@ -14,6 +14,7 @@ import torch
 from plait.models.parallel.checkpointing import apply_activation_checkpointing
 from plait.models.parallel.config import ParallelConfig
 from plait.models.qwen3.model import Qwen3ForCausalLM, _Qwen3Stage
+from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -127,7 +128,7 @@ def apply_fsdp(
     ignored_all: set[nn.Parameter] = set()
     for layer in model.decoder_layers():
         ignored: set[nn.Parameter] = set()
-        if layer.is_moe and experts_sharded:
+        if isinstance(layer.mlp, MoELayer) and experts_sharded:
             experts = layer.mlp.experts
             if expert_dp_mesh is not None:
                 fully_shard(experts, mesh=expert_dp_mesh, **kwargs)

@@ -18,6 +18,7 @@ from plait.models.blocks.norm import RMSNorm
 from plait.models.blocks.rope import RotaryEmbedding
 from plait.models.config import Qwen3Config
 from plait.models.qwen3.layers import Qwen3DecoderLayer
+from plait.moe import MoELayer
 from torch import nn
 
 __all__ = ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model", "stage_layer_ids"]
@@ -144,9 +145,9 @@ class _Qwen3Stage(nn.Module):
             assert isinstance(layer, Qwen3DecoderLayer)
             yield layer
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         """This stage's :class:`plait.moe.MoELayer` modules (for bias updates and load statistics)."""
-        return [layer.mlp for layer in self.decoder_layers() if layer.is_moe]
+        return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoELayer)]
 
     @property
     def has_aux_loss(self) -> bool:
@@ -207,7 +208,9 @@ class Qwen3ForCausalLM(_Qwen3Stage):
 
     def tie_weights(self) -> None:
         """Re-tie the head to the embedding (after something replaced either parameter)."""
-        if self.lm_head is not None and self.lm_head.weight is getattr(self.model.embed_tokens, "weight", None):
+        if self.lm_head is not None and self.lm_head.weight is getattr(
+            self.model.embed_tokens, "weight", None
+        ):
             return
         if (
             self.config.tie_word_embeddings

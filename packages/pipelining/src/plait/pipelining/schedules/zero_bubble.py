@@ -16,7 +16,7 @@ from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapActio
 from plait.pipelining.program import Program
 from plait.pipelining.topology import Topology, loop_topology, vshape_topology
 
-F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class _Policy:
 
 def _greedy(topo: Topology, m: int, policy: _Policy, name: str) -> Program:
     ns, pp = topo.num_stages, topo.num_ranks
-    cost = {F: 1, B: 2, I: 1, W: 1}
+    cost = {F: 1, B: 2, BI: 1, W: 1}
     done: dict[tuple[ActionKind, int, int], int] = {}  # (F|BWD, stage, mb) -> finish time
     next_f = [0] * ns
     next_b = [0] * ns
@@ -92,10 +92,10 @@ def _greedy(topo: Topology, m: int, policy: _Policy, name: str) -> Program:
                     continue
             if bw:
                 s = bw[0]
-                kind = I if policy.split_backward else B
+                kind = BI if policy.split_backward else B
                 act = Action(s, kind, next_b[s])
                 done[(B, s, next_b[s])] = t + cost[kind]
-                if kind is I:
+                if kind is BI:
                     pending_w[r].append(Action(s, W, next_b[s]))
                 else:
                     release(r, s)

@@ -1,0 +1,296 @@
+"""Pipeline schedules on 2 GPUs: plait vs torch.distributed.pipelining, and simulated vs measured bubble.
+
+Run (one command, 2 GPUs):
+
+    torchrun --nproc-per-node 2 benchmarks/pipelining/schedules.py
+
+A bf16 transformer (pre-norm encoder layers) is split into pipeline stages. For every schedule this script
+times a full training step (forward + backward of all microbatches) with plait's executor and with
+torch.distributed.pipelining's matching schedule in the same run. It also measures one stage's forward,
+full backward, input-backward and weight-backward times and the activation transfer time, feeds them to
+plait's simulator, and prints the predicted bubble next to the measured one
+(1 - per-rank compute time / step time). Prints a markdown table on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as tpp
+import torch.nn.functional as F
+from plait.pipelining import (
+    ActionCosts,
+    PipelineState,
+    Split,
+    Stack,
+    backward_input,
+    backward_weight,
+    build_pipeline,
+    build_program,
+    lower,
+    parse_schedule_config,
+    simulate,
+)
+from torch import nn
+
+DEVICE = torch.device("cpu")
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zb1p": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+class Stage(nn.Module):
+    def __init__(self, index: int, num_stages: int, layers: int, a: argparse.Namespace) -> None:
+        super().__init__()
+        self.first, self.last = index == 0, index == num_stages - 1
+        self.embed = nn.Embedding(a.vocab, a.hidden) if self.first else None
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                a.hidden, a.heads, 4 * a.hidden, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(a.hidden, a.vocab, bias=False) if self.last else None
+
+    def forward(
+        self, input_ids: torch.Tensor | None = None, h: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        if self.embed is not None:
+            h = self.embed(input_ids)
+        assert h is not None
+        for layer in self.layers:
+            h = layer(h, is_causal=False)
+        if self.head is not None:
+            return {"logits": self.head(h)}
+        return {"h": h}
+
+
+class TorchAdapter(nn.Module):
+    def __init__(self, stage: Stage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.stage(input_ids=x) if self.stage.first else self.stage(h=x)
+        return out["logits"] if "logits" in out else out["h"]
+
+
+def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def plait_loss(out: dict[str, torch.Tensor], mb) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return ce(out["logits"], mb["labels"])
+
+
+def make_stages(held, num_stages, a, dev):  # type: ignore[no-untyped-def]
+    per = a.layers // num_stages
+    torch.manual_seed(0)
+    return {s: Stage(s, num_stages, per, a).to(dev, torch.bfloat16) for s in held}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, steps: int, warmup: int) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(warmup):
+        fn()
+    sync()
+    dist.barrier()
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    t_ = torch.tensor([statistics.median(times)], device=DEVICE)
+    dist.all_reduce(t_, op=dist.ReduceOp.MAX)
+    return t_.item()
+
+
+def stage_costs(a: argparse.Namespace, dev: torch.device) -> ActionCosts:
+    """Per-stage F, B, I, W times (seconds) of a middle stage, and the activation transfer time."""
+    mbs = a.batch // a.microbatches
+    st = Stage(1, 3, a.layers // a.ref_stages, a).to(dev, torch.bfloat16)
+    x = torch.randn(mbs, a.seq, a.hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def ev(fn) -> float:  # type: ignore[no-untyped-def]
+        for _ in range(3):
+            fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(10):
+            fn()
+        sync()
+        return (time.perf_counter() - t) / 10
+
+    f = ev(lambda: st(h=x))
+    fb = ev(lambda: torch.autograd.backward(st(h=x)["h"], g))
+    params = list(st.parameters())
+    fi = ev(lambda: backward_input([st(h=x)["h"]], [g], [x], params))
+    fiw = ev(lambda: backward_weight(backward_input([st(h=x)["h"]], [g], [x], params)[1]))
+    # activation transfer between the 2 ranks (one direction)
+    buf = torch.empty(mbs, a.seq, a.hidden, device=dev, dtype=torch.bfloat16)
+    peer = 1 - dist.get_rank()
+
+    def xfer() -> None:
+        ops = [dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, torch.empty_like(buf), peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    comm = ev(xfer)
+    # scale a middle stage of `ref_stages` to the stage sizes of each schedule in main()
+    return ActionCosts(forward=f, backward=fb - f, backward_input=fi - f, backward_weight=fiw - fi, comm=comm)
+
+
+def matmul_peak(dev: torch.device) -> float:
+    n = 8192 if dev.type == "cuda" else 256
+    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ x
+    sync()
+    t = time.perf_counter()
+    for _ in range(20):
+        x @ x
+    sync()
+    return 20 * 2 * n**3 / (time.perf_counter() - t)
+
+
+def bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops):  # type: ignore[no-untyped-def]
+    """Time one schedule with plait and with torch; simulate it with measured costs."""
+    m = a.microbatches
+    spr = {"looped_bfs": 2, "interleaved_1f1b": 2, "zb1p": 2}.get(kind)
+    cfg_d = {"kind": kind, "num_microbatches": m} | ({"stages_per_rank": spr} if spr else {})
+    cfg = parse_schedule_config(cfg_d)
+    topo = cfg.topology(pp)
+    held = topo.stages_of(rank)
+    # plait
+    stages = make_stages(held, topo.num_stages, a, dev)
+    ex = build_pipeline(cfg, pp_group=dist.group.WORLD, stage_modules=stages, loss_fn=plait_loss)
+    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+
+    def plait_step() -> None:
+        state.reset()
+        state.global_view["labels"] = labels
+        ex.step({"input_ids": ids}, state)
+        for s in stages.values():
+            s.zero_grad(set_to_none=True)
+
+    t_plait = timed(plait_step, a.steps, a.warmup)
+    # torch
+    tstages = {s: TorchAdapter(mod) for s, mod in make_stages(held, topo.num_stages, a, dev).items()}
+    pstages = [tpp.PipelineStage(tstages[s], s, topo.num_stages, dev) for s in held]
+    cls = getattr(tpp.schedules, TORCH_SCHEDULES[kind])
+    multi = len(pstages) > 1 or kind in ("looped_bfs", "zb1p")
+    sched = cls(pstages if multi else pstages[0], m, loss_fn=ce)
+
+    def torch_step() -> None:
+        kw = {}
+        if topo.num_stages - 1 in held:
+            kw["target"] = labels
+        if 0 in held:
+            sched.step(ids, **kw)
+        else:
+            sched.step(**kw)
+        for s in tstages.values():
+            s.zero_grad(set_to_none=True)
+
+    t_torch = timed(torch_step, a.steps, a.warmup)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    # simulator with measured costs, scaled from a layers/4 stage to this schedule's stage size
+    scale = 4 / topo.num_stages
+    c = ActionCosts(
+        forward=costs4.forward * scale,
+        backward=(costs4.backward or 0.0) * scale,
+        backward_input=costs4.backward_input * scale,
+        backward_weight=costs4.backward_weight * scale,
+        comm=costs4.comm,
+    )
+    sim = simulate(lower(build_program(cfg, pp)), c)
+    busy = max(sim.busy)
+    measured_bubble = max(0.0, 1 - busy / t_plait)
+    mfu = step_flops / t_plait / pp / peak
+    row = (kind, t_plait * 1e3, t_torch * 1e3, t_torch / t_plait, sim.step_time * 1e3)
+    if rank == 0:
+        print(f"done {kind}", flush=True)
+    return (*row, sim.bubble_fraction, measured_bubble, mfu)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo smoke test")
+    p.add_argument("--schedules", default="gpipe,1f1b,looped_bfs,interleaved_1f1b,zb1p,zbv,dualpipev")
+    a = p.parse_args()
+    a.ref_stages = 4
+    global DEVICE
+    if a.device == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    DEVICE = dev
+    rank = dist.get_rank()
+    pp = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(dev)
+    labels = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(dev)
+    m = a.microbatches
+    costs4 = stage_costs(a, dev)  # one stage of layers/4 layers
+    peak = matmul_peak(dev)
+    mbs = a.batch // m
+    # model FLOPs per step: 6 * params * tokens for the layers (+ attention scores), head included
+    layer_flops = 24 * a.hidden**2 + 4 * a.seq * a.hidden
+    step_flops = 3 * a.batch * a.seq * (a.layers * layer_flops + 2 * a.hidden * a.vocab)
+    rows = []
+    for kind in a.schedules.split(","):
+        rows.append(bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops))
+    if rank == 0:
+        print(
+            f"\n{torch.cuda.get_device_name()} x{pp}, torch {torch.__version__}, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
+        )
+        print(
+            f"hidden {a.hidden}, layers {a.layers}, seq {a.seq}, batch {a.batch}, microbatches {m} (mbs {mbs}); "
+            f"one layers/4 stage: F {costs4.forward * 1e3:.2f} ms, B {(costs4.backward or 0) * 1e3:.2f} ms, "
+            f"I {costs4.backward_input * 1e3:.2f} ms, W {costs4.backward_weight * 1e3:.2f} ms, "
+            f"activation transfer {costs4.comm * 1e3:.2f} ms\n"
+        )
+        print(
+            "| schedule | plait step (ms) | torch step (ms) | torch/plait | simulated step (ms) | simulated bubble | measured bubble | model FLOP/s / matmul peak |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.2f} | {r[4]:.1f} | {r[5]:.3f} | {r[6]:.3f} | {r[7]:.2f} |"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Split backward (I then W) equals a full backward, and sets the kernels' grad-direction switch."""
+
+from __future__ import annotations
+
+import torch
+from plait.kernels.grad_direction import GradDirection, current_grad_direction
+from plait.pipelining import backward_input, backward_weight
+from torch import nn
+
+CALLS: list[GradDirection] = []
+
+
+class _Matmul(torch.autograd.Function):
+    """x @ w.T that, like plait's kernels, computes only the gradients the current direction asks for."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        x, w = ctx.saved_tensors
+        d = current_grad_direction()
+        CALLS.append(d)
+        gx = g @ w if GradDirection.INPUTS in d else None
+        gw = g.flatten(0, -2).T @ x.flatten(0, -2) if GradDirection.WEIGHTS in d else None
+        return gx, gw
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.w = nn.Parameter(torch.randn(5, 6))
+        self.norm = nn.LayerNorm(5)
+        self.aux = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        h = _Matmul.apply(torch.tanh(self.a(x)), self.w)
+        return self.norm(h) * 2.0, self.aux.square().sum()  # second output does not depend on x
+
+
+def test_split_backward_equals_full_backward_and_sets_direction() -> None:
+    torch.manual_seed(0)
+    net = _Net().double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, 5, dtype=torch.float64)
+    out, aux = net(x)
+    torch.autograd.backward([out, aux], [g, torch.tensor(0.5, dtype=torch.float64)])
+    ref_x = x.grad.clone()
+    ref = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad()
+    x.grad = None
+    CALLS.clear()
+
+    out, aux = net(x)
+    (gx,), work = backward_input(
+        [out, aux], [g, torch.tensor(0.5, dtype=torch.float64)], [x], list(net.parameters())
+    )
+    assert CALLS == [GradDirection.INPUTS]
+    assert all(p.grad is None for p in net.parameters())  # no weight gradient yet
+    torch.testing.assert_close(gx, ref_x, rtol=0, atol=1e-12)
+    backward_weight(work)
+    assert CALLS == [GradDirection.INPUTS, GradDirection.WEIGHTS]
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=1e-12, msg=n)
+
+
+def test_split_backward_without_input_grads_is_all_weights() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 3)).double()
+    ids = torch.tensor([[1, 2, 3]])
+    g = torch.randn(1, 3, 3, dtype=torch.float64)
+    ref = torch.autograd.grad(net(ids), list(net.parameters()), g)
+    (gi,), work = backward_input([net(ids)], [g], [ids], list(net.parameters()))
+    assert gi is None
+    backward_weight(work)
+    for p, r in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12)
