@@ -63,7 +63,7 @@ def _parallel_step(mode: str, config: dict[str, int], xs: list[list[torch.Tensor
     params = list(model.parameters())
     out: dict[str, object] = {
         "placements": [str(p.placements) for p in params],
-        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()},  # before clipping
         "norm": global_grad_norm(params).item(),
     }
     clip_grad_norm_(params, 0.1)

@@ -308,3 +308,13 @@ def test_pipeline_parallel_2_matches_one_process(tmp_path, schedule):
     ref = _losses(single)
     single.fit()
     assert pp_losses[0] == pytest.approx(ref, rel=1e-4)
+
+
+def test_too_many_skipped_steps_raise(tmp_path):
+    cfg = _config(tmp_path, "--determinism.nonfinite_loss=skip", "--determinism.max_skipped_steps=0", steps=3)
+    tr = _trainer(cfg, task=_NaNAt(0))
+    with pytest.raises(
+        FloatingPointError,
+        match=r"1 steps skipped .* at step 0 on rank 0, more than determinism\.max_skipped_steps=0",
+    ):
+        tr.fit()

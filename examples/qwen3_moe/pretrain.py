@@ -1,0 +1,102 @@
+"""Pretrain a small Qwen3-MoE on an embedded corpus: the Python standard library's own source files.
+
+    uv run examples/qwen3_moe/pretrain.py                         # CPU default (CUDA when present)
+    uv run examples/qwen3_moe/pretrain.py --steps 50 --run-dir runs/x --optimizer.lr=1e-3
+    uv run examples/qwen3_moe/pretrain.py --config examples/qwen3_moe/configs/gpu1.toml
+    torchrun --nproc-per-node 2 examples/qwen3_moe/pretrain.py --config examples/qwen3_moe/configs/cpu_fsdp2.toml
+
+Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
+attention masking. The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
+``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
+checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import sysconfig
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from plait.loop import CausalLMTask, DatasetProvider, Trainer, TrainerConfig, load_config
+from plait.loop.data import ByteTokenizer, pack_documents
+from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "cpu.toml"
+
+
+class DataConfig(BaseModel):
+    """Where the text comes from and how it is cut."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = Field("stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files")
+    pattern: str = "*.py"
+    max_files: int | None = Field(400, ge=1, description="Cap on files read (sorted by path), None for all")
+    seq_len: int = Field(256, ge=8)
+
+
+class PretrainConfig(TrainerConfig):
+    """The loop's config plus the model, its parallel plan and the data."""
+
+    model: Qwen3MoeConfig
+    parallel: ParallelConfig = ParallelConfig()
+    data: DataConfig = DataConfig()
+
+
+def corpus_files(cfg: DataConfig) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"]) if cfg.source == "stdlib" else Path(cfg.source)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data.source: {root} is not a directory")
+    files = sorted(p for p in root.rglob(cfg.pattern) if p.is_file() and "site-packages" not in p.parts)
+    if not files:
+        raise FileNotFoundError(f"data.source: no files matching {cfg.pattern!r} under {root}")
+    return files[: cfg.max_files]
+
+
+def build_dataset(cfg: DataConfig):  # type: ignore[no-untyped-def]
+    tok = ByteTokenizer()
+    docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg))
+    return pack_documents(docs, cfg.seq_len, tok.eos_id)
+
+
+def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML/YAML/JSON config file")
+    ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
+    ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
+    ap.add_argument("--no-export", action="store_true", help="skip the final Hugging Face export")
+    args, overrides = ap.parse_known_args(argv)
+    if args.steps is not None:
+        overrides.append(f"--run.steps={args.steps}")
+    if args.run_dir is not None:
+        overrides.append(f"--run.run_dir={args.run_dir}")
+    return load_config(args.config, overrides, cls=PretrainConfig), args
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    config, args = parse_args(sys.argv[1:] if argv is None else argv)
+    assert config.model.vocab_size >= ByteTokenizer.vocab_size, "model.vocab_size must cover the byte tokens"
+    provider = Qwen3Provider(config.model, parallel=config.parallel, seed=config.run.seed)
+    trainer = Trainer(
+        config,
+        provider,
+        DatasetProvider(lambda: build_dataset(config.data)),
+        CausalLMTask(labels_to_model=True),
+    )
+    try:
+        summary = trainer.fit()
+        if not args.no_export:
+            out = provider.export_hf(trainer.model_parts, trainer.run_dir / "hf")
+            if trainer.is_main_process:
+                print(f"Hugging Face checkpoint: {out}")
+    finally:
+        trainer.close()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
