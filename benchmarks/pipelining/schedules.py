@@ -273,7 +273,7 @@ def main() -> None:
         rows.append(bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops))
     if rank == 0:
         print(
-            f"\n{torch.cuda.get_device_name()} x{pp}, torch {torch.__version__}, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
+            f"\n{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (gloo)'} x{pp}, torch {torch.__version__}, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
         )
         print(
             f"hidden {a.hidden}, layers {a.layers}, seq {a.seq}, batch {a.batch}, microbatches {m} (mbs {mbs}); "

@@ -315,6 +315,6 @@ def test_too_many_skipped_steps_raise(tmp_path):
     tr = _trainer(cfg, task=_NaNAt(0))
     with pytest.raises(
         FloatingPointError,
-        match=r"1 steps skipped .* at step 0 on rank 0, more than determinism\.max_skipped_steps=0",
+        match=r"1 steps skipped .* at step 0 on rank 0\), more than determinism\.max_skipped_steps=0",
     ):
         tr.fit()

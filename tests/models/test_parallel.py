@@ -46,11 +46,12 @@ CFG = dict(
     initializer_range=0.2,
 )
 
-# layout -> (world, dense mesh shape, expert mesh shape, parallel config kwargs)
+# layout -> (world, dense mesh shape, expert mesh shape, parallel config kwargs). Layouts named
+# "ctx_*" build plait.dist_core's DistributedContext from the matching degrees instead of meshes.
 LAYOUTS = {
     "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
-    "hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 4, 1), {}),
-    "ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
+    "ctx_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 4, 1), {}),
+    "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
@@ -73,12 +74,22 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
     world, dshape, eshape, pkw = LAYOUTS[layout]
     assert dist.get_world_size() == world
-    dense = init_device_mesh("cpu", dshape, mesh_dim_names=DENSE)
-    expert = init_device_mesh("cpu", eshape, mesh_dim_names=EXPERT)
     cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
-    parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig(**pkw))
+    if layout.startswith("ctx_"):
+        from plait.dist_core import DeviceMeshParameters, DistributedContext
+
+        params = DeviceMeshParameters(
+            data_replicate=dshape[1], data_shard=dshape[2], tensor=dshape[4], expert=eshape[2]
+        )
+        ctx = DistributedContext.from_env(params, device="cpu")
+        dense = ctx.mesh_for("dense")
+        parallelize(model, context=ctx, config=ParallelConfig(**pkw))
+    else:
+        dense = init_device_mesh("cpu", dshape, mesh_dim_names=DENSE)
+        expert = init_device_mesh("cpu", eshape, mesh_dim_names=EXPERT)
+        parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig(**pkw))
     load_hf_checkpoint(model, ckpt)
     from torch.distributed.fsdp import FSDPModule
 

@@ -285,4 +285,11 @@ def fully_shard_module(
     assert isinstance(sharded, FSDPModule)
     if reduce == "sum":
         _set_divide_factor(sharded, 1.0)
+        # A factor other than the group size becomes NCCL's PreMulSum, which gloo lacks: there,
+        # reduce with plain SUM (the factor is then applied as a separate scaling).
+        if "nccl" not in str(dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1))).lower():
+            force_sum = getattr(sharded, "set_force_sum_reduction_for_comms", None)
+            if force_sum is None:
+                raise NotImplementedError(f"torch {torch.__version__}: FSDP2 cannot sum gradients over gloo")
+            force_sum(True)
     return sharded

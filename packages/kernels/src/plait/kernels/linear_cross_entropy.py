@@ -128,13 +128,15 @@ def _chunks(
     return max(1, nc), max(1, vb)
 
 
-def _vocab_offset(local_vocab: int, group: Any) -> int:
+def _vocab_offset(local_vocab: int, group: Any, device: torch.device) -> int:
     if group is None:
         return 0
+    # Shards may differ in size: gather them (one tiny tensor collective, NCCL- and gloo-friendly).
     world = dist.get_world_size(group)
-    sizes = [0] * world
-    dist.all_gather_object(sizes, local_vocab, group=group)
-    return sum(sizes[: dist.get_rank(group)])
+    mine = torch.tensor([local_vocab], dtype=torch.int64, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(sizes, mine, group=group)
+    return int(sizes[: dist.get_rank(group)].sum())
 
 
 class _LinearCE(torch.autograd.Function):
@@ -142,7 +144,7 @@ class _LinearCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, ignore_index, z_loss, softcap, group, triton, nc, vb):  # type: ignore[override]
         n, v = hidden.shape[0], weight.shape[0]
         stats, _ = _tile_ops(triton)
-        v0 = _vocab_offset(v, group)
+        v0 = _vocab_offset(v, group, hidden.device)
         valid = targets != ignore_index
         local_all = torch.where(valid, targets - v0, -1)
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
@@ -245,7 +247,8 @@ def linear_cross_entropy(
     Args:
         hidden: ``[N, H]`` final hidden states (flatten batch and sequence first).
         weight: ``[V, H]`` classifier (``lm_head.weight``); with ``process_group`` the local
-            vocabulary shard ``[V_r, H]``, shards ordered by rank.
+            vocabulary shard ``[V_r, H]``, shards ordered by rank (plain tensors: pass
+            ``dtensor.to_local()`` for a DTensor).
         targets: ``[N]`` int64 global token ids; ``ignore_index`` entries contribute nothing.
         ignore_index: target value to skip.
         reduction: ``"mean"`` (over non-ignored tokens; 0 if all are ignored), ``"sum"`` or

@@ -1,0 +1,27 @@
+"""CUDA-only: attention backends agree in bf16 (FlashAttention when installed, FlexAttention, SDPA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plait.models import build_attention_mask
+from plait.models.blocks.attention import attention, flash_attn_available
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_backends_agree_on_cuda(packed):
+    torch.manual_seed(0)
+    b, s, h, kv, d = 2, 256, 8, 2, 64
+    dev = torch.device("cuda")
+    q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
+    docs = torch.cat([torch.zeros(b, 100), torch.ones(b, 156)], 1).long().to(dev) if packed else None
+    ref_mask = build_attention_mask(b, s, dev, torch.float32, document_ids=docs, implementation="sdpa")
+    ref = attention(q.float(), k.float(), v.float(), ref_mask, d**-0.5)
+    backends = ["sdpa", "flex"] + (["flash"] if flash_attn_available() else [])
+    for backend in backends:
+        mask = build_attention_mask(b, s, dev, q.dtype, document_ids=docs, implementation=backend)
+        out = attention(q, k, v, mask, d**-0.5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=backend)
