@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from plait.dist_core import DOMAIN_DIMS, DeviceMeshParameters, DistributedContext
 from plait.dist_core.testing import DistributedTestError, run_distributed
+
 from tests.dist_core._dist_fns import context_facts
 from tests.dist_core.test_domains import reference_coordinates
 
@@ -32,7 +32,11 @@ def _check_facts(config: dict[str, int], facts: list[dict[str, object]]) -> None
                 expected = [
                     r
                     for r in range(p.world_size)
-                    if all(v == ref[domain][k] for k, v in reference_coordinates(p, r)[domain].items() if k != dim)
+                    if all(
+                        v == ref[domain][k]
+                        for k, v in reference_coordinates(p, r)[domain].items()
+                        if k != dim
+                    )
                 ]
                 expected.sort(key=lambda r: reference_coordinates(p, r)[domain][dim])
                 assert d["groups"][dim] == expected == d["ctx_groups"][dim], (rank, domain, dim)  # type: ignore[index]
@@ -69,7 +73,9 @@ def test_world_size_one_inside_harness() -> None:
 def test_single_process_without_process_group() -> None:
     assert not dist.is_initialized()
     ctx = DistributedContext.from_env(DeviceMeshParameters(), device="cpu")
-    assert not ctx.is_distributed and ctx.world_size == 1 and ctx.is_main_process and ctx.is_local_main_process
+    assert (
+        not ctx.is_distributed and ctx.world_size == 1 and ctx.is_main_process and ctx.is_local_main_process
+    )
     ctx.barrier()
     with ctx.main_process_first():
         pass
@@ -102,7 +108,7 @@ def _mismatched_world() -> None:
 
 
 def test_world_size_mismatch_under_harness_names_degrees() -> None:
-    with pytest.raises(DistributedTestError, match="data_shard=4 .* but the world size is 2"):
+    with pytest.raises(DistributedTestError, match=r"data_shard=4 .* but the world size is 2"):
         run_distributed(_mismatched_world, 2)
 
 
@@ -160,7 +166,7 @@ def _short_timeout() -> None:
         t = torch.zeros(1)
         dist.all_reduce(t, group=ctx.mesh_for("flat").get_group())  # rank 1 joins too late
     else:
-        time.sleep(2.5)
+        time.sleep(1.5)  # longer than the 1 s timeout, shorter than the harness grace
 
 
 def test_set_timeout_shortens_collectives() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from plait.dist_core import DOMAIN_DIMS, DeviceMeshParameters, domain_coordinates, domain_groups
 from plait.dist_core.domains import domain_shape
 
@@ -13,7 +12,14 @@ CONFIGS = [
     {},
     {"data_shard": 2, "expert": 2},
     {"pipeline": 2, "data_replicate": 2, "tensor": 2},
-    {"data_replicate": 2, "data_shard": 2, "context_shard": 2, "context_replicate": 2, "tensor": 2, "expert": 4},
+    {
+        "data_replicate": 2,
+        "data_shard": 2,
+        "context_shard": 2,
+        "context_replicate": 2,
+        "tensor": 2,
+        "expert": 4,
+    },
     {"pipeline": 2, "data_shard": 3, "context_shard": 2, "tensor": 2, "expert": 3},
     {"pipeline": 3, "data_replicate": 2, "context_replicate": 2, "expert": 2},
 ]
@@ -32,7 +38,14 @@ def reference_coordinates(p: DeviceMeshParameters, rank: int) -> dict[str, dict[
     cp = cps * p.context_replicate + cpr
     data_context_index = dp * p.context + cp
     return {
-        "regular": {"pp": pp, "dp_replicate": dpr, "dp_shard": dps, "cp_shard": cps, "cp_replicate": cpr, "tp": tp},
+        "regular": {
+            "pp": pp,
+            "dp_replicate": dpr,
+            "dp_shard": dps,
+            "cp_shard": cps,
+            "cp_replicate": cpr,
+            "tp": tp,
+        },
         "dense": {
             "pp": pp,
             "dp_replicate": dpr,
@@ -96,7 +109,9 @@ def test_dense_shard_group_is_dp_shard_times_cp_shard() -> None:
     p = DeviceMeshParameters(data_replicate=2, data_shard=2, context_shard=2, tensor=2)
     for group in domain_groups(p, "dense", "dp_cp_shard"):
         regular = [domain_coordinates(p, "regular", r) for r in group]
-        assert {(c["dp_shard"], c["cp_shard"]) for c in regular} == {(a, b) for a in range(2) for b in range(2)}
+        assert {(c["dp_shard"], c["cp_shard"]) for c in regular} == {
+            (a, b) for a in range(2) for b in range(2)
+        }
         assert len({(c["pp"], c["dp_replicate"], c["cp_replicate"], c["tp"]) for c in regular}) == 1
 
 

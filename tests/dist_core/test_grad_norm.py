@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
 from plait.dist_core import DeviceMeshParameters, DistributedContext, clip_grad_norm_, global_grad_norm
 from plait.dist_core.testing import run_distributed
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 # (name, pipeline stage, how the gradient is laid out, global shape)
 LAYOUTS = [
@@ -28,8 +27,10 @@ def _grads(seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, _, _, shape in LAYOUTS}
 
 
-def _mixed_norms(config: dict[str, int], grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, object]:
-    ctx = DistributedContext.from_env(DeviceMeshParameters(**config), device="cpu")
+def _mixed_norms(
+    config: dict[str, int], grads: dict[str, torch.Tensor], max_norm: float, device: str = "cpu"
+) -> dict[str, object]:
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**config), device=device)
     stage = ctx.coordinates("batch")["pp"]
     dense = ctx.mesh_for("dense")["dp_cp_shard"]
     expert = ctx.mesh_for("expert")["ep_replicate", "ep_shard"]
@@ -37,7 +38,7 @@ def _mixed_norms(config: dict[str, int], grads: dict[str, torch.Tensor], max_nor
     for name, s, layout, _ in LAYOUTS:
         if s != stage:
             continue
-        g = grads[name]
+        g = grads[name].to(ctx.device)
         if layout == "plain":
             p = torch.nn.Parameter(torch.zeros_like(g))
             p.grad = g.clone()
@@ -78,10 +79,16 @@ def _reference(grads: dict[str, torch.Tensor], p: float) -> float:
     ids=["pp2-dp2-ep2", "dp2-tp2-ep2"],
 )
 def test_mixed_mesh_norm_equals_single_process(config: dict[str, int]) -> None:
+    check_mixed_norms(config)
+
+
+def check_mixed_norms(config: dict[str, int], backend: str = "gloo", device: str = "cpu") -> None:
     params = DeviceMeshParameters(**config)
     grads = _grads(0)
     max_norm = 1.0
-    results = run_distributed(_mixed_norms, params.world_size, config, grads, max_norm)
+    results = run_distributed(
+        _mixed_norms, params.world_size, config, grads, max_norm, device, backend=backend
+    )
     present = {name: grads[name] for name, stage, _, _ in LAYOUTS if stage < params.pipeline}
     ref = {k: _reference(present, p) for k, p in [("l2", 2.0), ("l1", 1.0), ("linf", math.inf), ("l3", 3.0)]}
     coef = min(1.0, max_norm / (ref["l2"] + 1e-6))

@@ -34,13 +34,15 @@ def _lint(tmp: Path, bad_import: bool) -> subprocess.CompletedProcess[str]:
     src = ROOT / "packages" / "dist-core" / "src" / "plait"
     work = tmp / ("bad" if bad_import else "good")
     shutil.copytree(src, work / "plait", ignore=shutil.ignore_patterns("__pycache__"))
-    (work / "plait" / "kernels").mkdir()
-    (work / "plait" / "kernels" / "__init__.py").write_text("")
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    contract = next(c for c in contracts if c["name"] == CONTRACT)
+    for module in contract["forbidden_modules"]:  # empty stand-ins for the other plait packages
+        if module.startswith("plait."):
+            (work / "plait" / module.split(".")[1]).mkdir()
+            (work / "plait" / module.split(".")[1] / "__init__.py").write_text("")
     if bad_import:
         grad_norm = work / "plait" / "dist_core" / "grad_norm.py"
         grad_norm.write_text(grad_norm.read_text() + "\nimport plait.kernels  # deliberate violation\n")
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    contract = next(c for c in contracts if c["name"] == CONTRACT)
     forbidden = ", ".join(f'"{m}"' for m in contract["forbidden_modules"])
     config = work / "importlinter.toml"
     config.write_text(

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
-
 from plait.dist_core import DeviceMeshParameters
+from pydantic import ValidationError
 
 
 def test_defaults_are_single_process() -> None:
@@ -34,7 +33,8 @@ def test_frozen() -> None:
 
 
 @pytest.mark.parametrize(
-    "field", ["pipeline", "data_replicate", "data_shard", "context_shard", "context_replicate", "tensor", "expert"]
+    "field",
+    ["pipeline", "data_replicate", "data_shard", "context_shard", "context_replicate", "tensor", "expert"],
 )
 @pytest.mark.parametrize("value", [0, -1])
 def test_degree_below_one_names_the_field(field: str, value: int) -> None:

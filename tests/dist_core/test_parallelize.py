@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from plait.dist_core import (
     DeviceMeshParameters,
     DistributedContext,
@@ -16,6 +14,7 @@ from plait.dist_core import (
     set_gradient_sync,
 )
 from plait.dist_core.testing import run_distributed
+from torch import nn
 
 
 def _model() -> nn.Module:
@@ -45,9 +44,11 @@ def _reference(xs: list[list[torch.Tensor]], reduce: str) -> tuple[dict[str, tor
     return grads, float(torch.nn.utils.get_total_norm(list(grads.values())))
 
 
-def _parallel_step(mode: str, config: dict[str, int], xs: list[list[torch.Tensor]], reduce: str) -> dict[str, object]:
-    ctx = DistributedContext.from_env(DeviceMeshParameters(**config), device="cpu")
-    model = _model()
+def _parallel_step(
+    mode: str, config: dict[str, int], xs: list[list[torch.Tensor]], reduce: str, device: str = "cpu"
+) -> dict[str, object]:
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**config), device=device)
+    model = _model().to(ctx.device)
     dense = ctx.mesh_for("dense")
     if mode == "replicate":
         replicate(model, dense["dp_replicate"], reduce=reduce, bucket_cap_mb=1e-4)  # tiny buckets: several
@@ -59,7 +60,7 @@ def _parallel_step(mode: str, config: dict[str, int], xs: list[list[torch.Tensor
     my_xs = xs[ctx.rank]
     for i, x in enumerate(my_xs):  # gradient accumulation: sync only on the last micro-batch
         set_gradient_sync(model, i == len(my_xs) - 1)
-        _loss(model, x).backward()
+        _loss(model, x.to(ctx.device)).backward()
     params = list(model.parameters())
     out: dict[str, object] = {
         "placements": [str(p.placements) for p in params],
@@ -80,12 +81,21 @@ CASES = [
 
 
 @pytest.mark.parametrize(("mode", "config", "reduce", "micro"), CASES, ids=[c[0] for c in CASES])
-def test_gradients_and_norm_match_single_process(mode: str, config: dict[str, int], reduce: str, micro: int) -> None:
+def test_gradients_and_norm_match_single_process(
+    mode: str, config: dict[str, int], reduce: str, micro: int
+) -> None:
+    check_parallel_step(mode, config, reduce, micro)
+
+
+def check_parallel_step(
+    mode: str, config: dict[str, int], reduce: str, micro: int, backend: str = "gloo", device: str = "cpu"
+) -> None:
     world = DeviceMeshParameters(**config).world_size
     xs = _inputs(world, micro)
     ref_grads, ref_norm = _reference(xs, reduce)
     coef = min(1.0, 0.1 / (ref_norm + 1e-6))
-    for res in run_distributed(_parallel_step, world, "replicate" if mode == "replicate" else "fsdp", config, xs, reduce):
+    kind = "replicate" if mode == "replicate" else "fsdp"
+    for res in run_distributed(_parallel_step, world, kind, config, xs, reduce, device, backend=backend):
         expected = "Replicate()" if mode == "replicate" else "Shard(dim=0)"
         assert all(expected in p for p in res["placements"]), res["placements"]
         for name, g in res["grads"].items():

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from plait.dist_core import Replicate, Split, shard_tree, split_sizes, unshard_tree
 
 Pair = namedtuple("Pair", ["left", "right"])
@@ -30,7 +29,9 @@ scalars = st.one_of(st.integers(-5, 5), st.floats(allow_nan=False, width=32), st
 
 @st.composite
 def tree_and_spec(draw: st.DrawFn, depth: int = 2) -> tuple[object, object]:
-    kind = draw(st.sampled_from(["tensor", "scalar", "dict", "list", "tuple"] if depth > 0 else ["tensor", "scalar"]))
+    kind = draw(
+        st.sampled_from(["tensor", "scalar", "dict", "list", "tuple"] if depth > 0 else ["tensor", "scalar"])
+    )
     if kind == "tensor":
         t, dim = draw(tensor_and_dim())
         return t, draw(st.sampled_from([Split(dim), Replicate()]))

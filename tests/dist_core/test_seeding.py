@@ -6,8 +6,13 @@ import itertools
 
 import pytest
 import torch
-
-from plait.dist_core import DeviceMeshParameters, DistributedContext, seed_for, seed_from_coordinates, set_seed
+from plait.dist_core import (
+    DeviceMeshParameters,
+    DistributedContext,
+    seed_for,
+    seed_from_coordinates,
+    set_seed,
+)
 from plait.dist_core.testing import run_distributed
 
 # kind -> the batch-domain coordinates that must change the seed (all others must not)
@@ -17,7 +22,9 @@ DIMS = ("pp", "dp", "cp", "tp")
 
 @pytest.mark.parametrize("kind", sorted(RULES))
 def test_seed_depends_on_exactly_the_documented_coordinates(kind: str) -> None:
-    grid = [dict(zip(DIMS, c, strict=True)) for c in itertools.product(range(2), range(3), range(2), range(2))]
+    grid = [
+        dict(zip(DIMS, c, strict=True)) for c in itertools.product(range(2), range(3), range(2), range(2))
+    ]
     seeds = {tuple(c.values()): seed_from_coordinates(7, kind, c) for c in grid}  # type: ignore[arg-type]
     for a, b in itertools.combinations(grid, 2):
         differs = {d for d in DIMS if a[d] != b[d]}
@@ -40,20 +47,25 @@ def test_bad_kind_and_missing_coordinate() -> None:
         seed_from_coordinates(0, "data", {"pp": 0})
 
 
-def _draws() -> dict[str, object]:
-    ctx = DistributedContext.from_env(DeviceMeshParameters(pipeline=2, data_shard=2, tensor=2), device="cpu")
+def _draws(config: dict[str, int], device: str = "cpu") -> dict[str, object]:
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**config), device=device)
     out: dict[str, object] = {"coords": ctx.coordinates("batch")}
     for kind in RULES:
         set_seed(1234, ctx, kind)  # type: ignore[arg-type]
-        out[kind] = (seed_for(1234, ctx, kind), torch.rand(4))  # type: ignore[arg-type]
+        out[kind] = (seed_for(1234, ctx, kind), torch.rand(4, device=ctx.device))  # type: ignore[arg-type]
     ctx.shutdown()
     return out
 
 
-def test_random_streams_on_8_ranks() -> None:
-    results = run_distributed(_draws, 8)
+def check_random_streams(config: dict[str, int], backend: str = "gloo", device: str = "cpu") -> None:
+    world = DeviceMeshParameters(**config).world_size
+    results = run_distributed(_draws, world, config, device, backend=backend)
     for kind, dims in RULES.items():
         for a, b in itertools.combinations(results, 2):
             must_match = all(a["coords"][d] == b["coords"][d] for d in dims)
             assert (a[kind][0] == b[kind][0]) == must_match
             assert torch.equal(a[kind][1], b[kind][1]) == must_match, (kind, a["coords"], b["coords"])
+
+
+def test_random_streams_on_8_ranks() -> None:
+    check_random_streams({"pipeline": 2, "data_shard": 2, "tensor": 2})

@@ -227,6 +227,11 @@ def test_tied_weights_count_once(tmp_path: Path) -> None:
     net = Net(tie=True)
     load_module(net, tmp_path / "t.safetensors", HF_TO_NET)
     assert torch.equal(net.head.weight, state["model.embed.weight"])
+    with torch.device("meta"):
+        net = Net(tie=True)
+    load_module(net, tmp_path / "t.safetensors", HF_TO_NET)  # to_empty unties; the loader re-ties
+    assert net.head.weight is net.embed.weight
+    assert torch.equal(net.head.weight, state["model.embed.weight"])
 
 
 def test_stacked_experts_load_reads_each_byte_once(tmp_path: Path) -> None:

@@ -196,6 +196,12 @@ def test_parallel(moe_state) -> None:
     out = m.map_state(moe_state)
     assert out["norm"].dtype == torch.float64 and "head" in out and "model.layers.0.up" in out
     assert "model.layers.0.attn.q.weight" in out
+    per_layer = Parallel(
+        *(Scoped(f"model.layers.{i}.", Rename({"attn.{p}.weight": "attention.{p}"})) for i in range(2))
+    )
+    out = per_layer.map_state(moe_state)
+    assert torch.equal(out["model.layers.1.attention.v"], moe_state["model.layers.1.attn.v.weight"])
+    assert "model.layers.0.mlp.experts.2.up.weight" in out  # unclaimed keys in a scope pass through
     with pytest.raises(MapperError, match="claim the same keys"):
         Parallel(Rename({"lm_head.weight": "a"}), Transpose("lm_head.weight")).map_state(moe_state)
 

@@ -17,7 +17,7 @@ import torch
 from plait.model_state.cli import main
 from safetensors.torch import load_file, save_file
 
-N_LAYERS, N_EXPERTS, ROWS, COLS = 12, 8, 256, 512  # 12 x 8 x 512 KiB = 48 MiB of experts
+N_LAYERS, N_EXPERTS, ROWS, COLS = 32, 8, 256, 512  # 32 x 8 x 512 KiB = 128 MiB of experts
 EXPERT_BYTES = ROWS * COLS * 4
 GROUP_BYTES = N_EXPERTS * EXPERT_BYTES  # the largest group: one stacked layer (4 MiB)
 
@@ -72,7 +72,7 @@ def test_streaming_peak_memory_is_about_one_group(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["check"] == float(state["layers.3.experts.5"][7, 11])
-    bound = 2 * GROUP_BYTES + 8 * 2**20
+    bound = 2 * GROUP_BYTES + 16 * 2**20  # 24 MiB: the constant covers allocator/dispatcher warm-up
     assert got["load"] <= bound, (
         f"load peak {got['load'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
     )

@@ -90,6 +90,13 @@ def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
         dense = init_device_mesh("cpu", dshape, mesh_dim_names=DENSE)
         expert = init_device_mesh("cpu", eshape, mesh_dim_names=EXPERT)
         parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig(**pkw))
+    # The training path: materialise the sharded meta model and initialise it in place...
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        assert torch.isfinite(local).all(), name
+    # ...then overwrite it with the checkpoint, each rank reading only its shards.
     load_hf_checkpoint(model, ckpt)
     from torch.distributed.fsdp import FSDPModule
 

@@ -19,6 +19,7 @@ from plait.peft import (
     load_base_checkpoint,
     merge_peft,
     save_adapter,
+    shard_expert_adapters,
     trainable_parameters,
     unmerge_peft,
 )
@@ -232,3 +233,58 @@ def test_fsdp2_meta_init_and_base_checkpoint_equal_single_process(tmp_path: Path
         assert set(got) == set(expected)
         for k in expected:
             torch.testing.assert_close(got[k], expected[k], atol=1e-6, rtol=1e-6, msg=k)
+
+
+EP_TPE = ([2, 4, 0, 0], [0, 0, 3, 3])  # rank r owns experts 2r, 2r+1
+
+
+def ep_experts() -> Experts:
+    torch.manual_seed(0)
+    ex = Experts()
+    apply_peft(ex, LoRAConfig(r=2, alpha=3, target_parameters="gate_up_proj", init="random"))
+    return ex
+
+
+def run_expert_parallel() -> dict[str, torch.Tensor]:
+    """Expert weights Shard(0) over 2 ranks (as plait.moe's expert_parallel does); adapters follow."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ex = ep_experts()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ex.gate_up_proj = nn.Parameter(
+        distribute_tensor(ex.gate_up_proj.detach(), mesh, [Shard(0)]), requires_grad=False
+    )
+    assert shard_expert_adapters(ex) == 1
+    rank = dist.get_rank()
+    tpe = torch.tensor(EP_TPE[rank][2 * rank : 2 * rank + 2])
+    x = torch.randn(6, 7, generator=torch.Generator().manual_seed(3))
+    adapter = ex.lora["gate_up_proj"]
+    out = adapter(grouped_mm(x, ex.gate_up_proj.to_local(), tpe, trans_w=True), x, tpe)
+    out.square().sum().backward()
+    result = {
+        "out": out.detach(),
+        "grad_A": adapter.lora_A.grad.full_tensor(),
+        "grad_B": adapter.lora_B.grad.full_tensor(),
+    }
+    merge_peft(ex)
+    result["merged"] = ex.gate_up_proj.full_tensor()
+    return result
+
+
+def test_expert_parallel_adapters_equal_single_process() -> None:
+    results = testing.run_distributed(run_expert_parallel, 2, timeout=60.0)
+    ex = ep_experts()
+    x = torch.randn(6, 7, generator=torch.Generator().manual_seed(3))
+    adapter = ex.lora["gate_up_proj"]
+    outs = []
+    for counts in EP_TPE:
+        tpe = torch.tensor(counts)
+        outs.append(adapter(grouped_mm(x, ex.gate_up_proj, tpe, trans_w=True), x, tpe))
+    sum(o.square().sum() for o in outs).backward()
+    merge_peft(ex)
+    for rank, res in enumerate(results):
+        torch.testing.assert_close(res["out"], outs[rank].detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(res["grad_A"], adapter.lora_A.grad, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(res["grad_B"], adapter.lora_B.grad, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(res["merged"], ex.gate_up_proj.detach(), atol=1e-6, rtol=1e-6)

@@ -78,3 +78,32 @@ def test_split_backward_without_input_grads_is_all_weights() -> None:
     backward_weight(work)
     for p, r in zip(net.parameters(), ref):
         torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12)
+
+
+class _Embed(nn.Module):
+    """A first stage: integer inputs, then a plait-style Function on the activations, then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 6)
+        self.w = nn.Parameter(torch.randn(5, 6))
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, ids):  # type: ignore[no-untyped-def]
+        return self.out(torch.tanh(_Matmul.apply(self.emb(ids), self.w)))
+
+
+def test_first_stage_weight_pass_reaches_weights_behind_custom_functions() -> None:
+    # With no input needing a gradient, W backpropagates the whole stage: the custom Function must still
+    # produce its activation gradient there, or the embedding gets no gradient.
+    torch.manual_seed(0)
+    net = _Embed().double()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    g = torch.randn(2, 3, 3, dtype=torch.float64)
+    ref = torch.autograd.grad(net(ids), list(net.parameters()), g)
+    CALLS.clear()
+    (gi,), work = backward_input([net(ids)], [g], [ids], list(net.parameters()))
+    backward_weight(work)
+    assert gi is None and CALLS == [GradDirection.BOTH]
+    for (n, p), r in zip(net.named_parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12, msg=n)

@@ -2,14 +2,44 @@
 parallelize applicators, DTensor-aware gradient clipping. The test harness is
 :mod:`plait.dist_core.testing`."""
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from plait.dist_core.collectives import all_gather_object, all_gather_uneven, gather_uneven, reduce_scalar
 from plait.dist_core.context import DistributedContext
 from plait.dist_core.domains import DOMAIN_DIMS, Domain, domain_coordinates, domain_groups, domain_layout
-from plait.dist_core.grad_norm import clip_grad_norm_, global_grad_norm
 from plait.dist_core.mesh_params import DeviceMeshParameters
-from plait.dist_core.parallelize import data_parallel_mesh, fully_shard_module, replicate, set_gradient_sync
 from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
+
+if TYPE_CHECKING:
+    from plait.dist_core.grad_norm import clip_grad_norm_, global_grad_norm
+    from plait.dist_core.parallelize import (
+        data_parallel_mesh,
+        fully_shard_module,
+        replicate,
+        set_gradient_sync,
+    )
+
+# DTensor/FSDP (torch.distributed.tensor pulls in sympy: seconds) load on first use, so code that
+# only needs meshes and the context imports fast.
+_LAZY = {
+    "clip_grad_norm_": "plait.dist_core.grad_norm",
+    "global_grad_norm": "plait.dist_core.grad_norm",
+    "data_parallel_mesh": "plait.dist_core.parallelize",
+    "fully_shard_module": "plait.dist_core.parallelize",
+    "replicate": "plait.dist_core.parallelize",
+    "set_gradient_sync": "plait.dist_core.parallelize",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'plait.dist_core' has no attribute {name!r}")
+
 
 __all__ = [
     "DOMAIN_DIMS",

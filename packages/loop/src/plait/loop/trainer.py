@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.dist_core import set_gradient_sync
-from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState
+from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState, PreemptionHandler, RngState
 from plait.loop.config import TrainerConfig
 from plait.loop.events import (
     AfterBackward,
@@ -202,6 +202,9 @@ class Trainer:
         self.gc = GCController(config.gc)
         self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
         self.rng = RngState()
+        self.checkpointer: Checkpointer | None = None
+        if config.checkpoint.enabled:
+            self._setup_checkpointing()
         self._bar: Any = None
         self._last_lr = math.nan
 
@@ -422,6 +425,8 @@ class Trainer:
                 )
         else:
             self.events.publish(BeforeOptimizerStep(self, step, grad_norm))
+            if self.checkpointer is not None:  # a pending save may still be copying these tensors
+                self.checkpointer.wait_for_staging()
             for opt in self.optimizers:
                 opt.step()
         # The schedule follows the step count, skipped steps included.
@@ -499,6 +504,12 @@ class Trainer:
         self.profiler.start()
         self._set_timeout(self.config.timeouts.init_s)
         self.events.publish(TrainingStart(self, self.step))
+        ck = self.config.checkpoint
+        preemption = (
+            PreemptionHandler(ck.grace_period_s, self._host_group())
+            if self.checkpointer is not None and ck.save_on_signal
+            else None
+        )
         first = True
         try:
             while self.step < total and not self._stop_requested:
@@ -521,8 +532,16 @@ class Trainer:
                 self.events.publish(
                     StepEnd(self, self.step, {"loss": result.loss, "grad_norm": result.grad_norm})
                 )
+                if preemption is not None and preemption.should_stop():
+                    self._stop_requested = True
+                if self.checkpointer is not None:
+                    last = self.step == total or self._stop_requested
+                    if last or (ck.interval is not None and self.step % ck.interval == 0):
+                        self.save_checkpoint(blocking=last)
             self.events.publish(TrainingEnd(self, self.step, stopped_early=self.step < total))
         finally:
+            if preemption is not None:
+                preemption.restore()
             self.profiler.stop()
             self.gc.stop()
             unsub()
@@ -531,8 +550,34 @@ class Trainer:
                 self._bar = None
         return last_logged
 
+    # ------------------------------------------------------------------ checkpoints
+    def _host_group(self) -> Any:
+        return getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
+
+    def _setup_checkpointing(self) -> None:
+        ck = self.config.checkpoint
+        root = Path(ck.dir) if ck.dir else self.run_dir / "checkpoints"
+        self.checkpointer = Checkpointer(
+            root, keep_last=ck.keep_last, async_mode=ck.async_mode, process_group=self._host_group()
+        )
+        if ck.resume and (latest := self.checkpointer.latest()) is not None:
+            meta = self.checkpointer.load(latest, self.app_state())
+            self.log.info(
+                "resumed from %s (step %d, saved by %s ranks)", latest, self.step, meta.get("world_size")
+            )
+
+    def save_checkpoint(self, *, blocking: bool = False) -> None:
+        """Save the whole training state as checkpoint ``self.step`` (async unless ``blocking``)."""
+        if self.checkpointer is None:
+            raise RuntimeError("checkpoint.enabled is false: no checkpointer")
+        self.checkpointer.save(
+            self.step, self.app_state(), blocking=blocking, meta={"run": self.config.run.name}
+        )
+
     def close(self) -> None:
-        """Close the trackers (call once after the last :meth:`fit`)."""
+        """Finish pending checkpoint writes and close the trackers (call once after the last :meth:`fit`)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         for t in self.trackers:
             t.close()
         self.trackers = []

@@ -102,6 +102,25 @@ def _aliases(targets: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
     return {k: [o for o in ks if o != k] for ks in by_id.values() if len(ks) > 1 for k in ks}
 
 
+def _retie(module: nn.Module, aliases: Mapping[str, list[str]]) -> None:
+    """Restore tied parameters that ``to_empty`` separated (it replaces each name's tensor)."""
+    done: set[str] = set()
+    for key, others in aliases.items():
+        if key in done:
+            continue
+        done.update(others)
+        owner, _, name = key.rpartition(".")
+        source = module.get_submodule(owner)
+        tensor = source._parameters.get(name)
+        if tensor is None:
+            continue  # tied buffers are rare; leave them
+        for other in others:
+            o_owner, _, o_name = other.rpartition(".")
+            sub = module.get_submodule(o_owner)
+            if o_name in sub._parameters:
+                sub._parameters[o_name] = tensor
+
+
 def _is_meta(t: torch.Tensor) -> bool:
     return (t.to_local() if isinstance(t, DTensor) else t).device.type == "meta"
 
@@ -158,6 +177,7 @@ def load_module(
                 meshes = [v.device_mesh.device_type for v in targets.values() if isinstance(v, DTensor)]
                 device = meshes[0] if meshes else "cpu"
             module.to_empty(device=device)
+            _retie(module, aliases)
             targets = module.state_dict(keep_vars=True)
         start = reader.bytes_read
         stager = _Stager()

@@ -16,6 +16,7 @@ from plait.peft.apply import (
     merge_and_unload,
     merge_peft,
     register_peft_method,
+    shard_expert_adapters,
     trainable_parameters,
     unmerge_peft,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "read_adapter_config",
     "register_peft_method",
     "save_adapter",
+    "shard_expert_adapters",
     "trainable_parameters",
     "unmerge_peft",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "merge_and_unload",
     "merge_peft",
     "register_peft_method",
+    "shard_expert_adapters",
     "trainable_parameters",
     "unmerge_peft",
 ]
@@ -284,6 +285,39 @@ def unmerge_peft(model: nn.Module) -> int:
         n += 1
     for _, host, adapter in expert_adapters(model):
         adapter.unmerge(getattr(host, adapter.param_name))
+        n += 1
+    return n
+
+
+def shard_expert_adapters(model: nn.Module) -> int:
+    """Lay out each grouped-expert adapter like its (already sharded) expert weight.
+
+    Call after expert parallelism turned the expert weights into DTensors (e.g. ``Shard(0)`` over
+    the EP mesh): ``lora_A``/``lora_B`` become DTensors on the same mesh, sharded on the expert dim
+    where the weight is (other weight dims map to ``Replicate``), so each rank's adapter holds
+    exactly its local experts. No communication: every rank holds the whole adapter before.
+
+    Returns:
+        How many adapters were sharded (weights that are not DTensors are skipped).
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    n = 0
+    for _, host, adapter in expert_adapters(model):
+        weight = getattr(host, adapter.param_name)
+        if not isinstance(weight, DTensor):
+            continue
+        mesh = weight.device_mesh
+        placements = [Shard(0) if type(p) is Shard and p.dim == 0 else Replicate() for p in weight.placements]
+        for pname in ("lora_A", "lora_B"):
+            old = getattr(adapter, pname)
+            if isinstance(old, DTensor):
+                raise ValueError(f"shard_expert_adapters: {adapter.param_name}.{pname} is already a DTensor")
+            full = old.detach().to(weight.to_local().device)
+            dt = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+                mesh, placements
+            )
+            setattr(adapter, pname, nn.Parameter(dt, requires_grad=old.requires_grad))
         n += 1
     return n
 

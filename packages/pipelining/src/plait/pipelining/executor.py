@@ -137,10 +137,9 @@ class _StageRunner:
 
     def backward(self, stage: int, mb: int, num_microbatches: int) -> None:
         roots, grads = self._roots(stage, mb, num_microbatches)
-        inputs = self.inputs.pop((stage, mb))
+        inputs = self.inputs[(stage, mb)]
         if roots:
             torch.autograd.backward(roots, grads)
-        self.inputs[(stage, mb)] = inputs
         self._record_input_grads(stage, mb, {k: v.grad for k, v in inputs.items()})
         self._free(stage, mb)
 
@@ -153,7 +152,8 @@ class _StageRunner:
         self.weight_work[(stage, mb)] = work
         self._record_input_grads(stage, mb, dict(zip(keys, got)))
         self.outputs.pop((stage, mb), None)
-        self.losses.pop(mb, None) if stage == self.num_stages - 1 else None
+        if stage == self.num_stages - 1:
+            self.losses.pop(mb, None)
 
     def backward_weight(self, stage: int, mb: int) -> None:
         backward_weight(self.weight_work.pop((stage, mb)))
@@ -356,8 +356,9 @@ class PipelineExecutor:
             else:
                 self._wait(Action(s, ActionKind.RECV_B, k))
         mod = r.module(s)
-        last = self._last_backward.get(s) == a
-        if _is_fsdp(mod):
+        if _is_fsdp(mod) and not self._manual_fsdp:
+            # Older torch: let FSDP reduce in the post-backward of the stage's last backward of the step.
+            last = self._last_backward.get(s) == a
             mod.set_requires_gradient_sync(last)  # type: ignore[operator]
             mod.set_is_last_backward(last)  # type: ignore[operator]
         m = self.num_microbatches
@@ -410,6 +411,7 @@ class PipelineExecutor:
         self._waited: set[int] = set()
         self._keep: list[torch.Tensor] = []
         self._early_sent: set[Action] = set()
+        self._start_fsdp()
         acts = self.program.actions[self.rank]
         i = 0
         while i < len(acts):
@@ -432,10 +434,42 @@ class PipelineExecutor:
         self.runner.reset()
         return StepResult(self.runner.step_loss(state, m))
 
+    def _start_fsdp(self) -> None:
+        """FSDP2 stage modules: accumulate unsharded gradients over the step, reduce once at its end.
+
+        With torch's manual backward finalization (newer torch) the reduction runs after the step's last
+        backward, which split backward needs: FSDP's own post-backward hook fires during the ``I`` pass,
+        before ``W`` has produced any weight gradient.
+        """
+        fsdp = [m for m in self.runner.modules.values() if _is_fsdp(m)]
+        self._manual_fsdp = bool(fsdp) and all(hasattr(m, "finalize_backward") for m in fsdp)
+        split = any(
+            a.kind is ActionKind.BACKWARD_WEIGHT
+            for act in self.program.actions[self.rank]
+            for a in act.sub_actions()
+        )
+        if fsdp and split and not self._manual_fsdp:
+            raise RuntimeError(
+                f"schedule {self.program.name!r} splits the backward (I/W), which with FSDP2 stage modules needs "
+                "torch's FSDPModule.finalize_backward (not in this torch version); use a full-backward schedule "
+                "(gpipe, 1f1b, looped_bfs, interleaved_1f1b) or a newer torch"
+            )
+        if self._manual_fsdp and self.program.has_backward:
+            for m in fsdp:
+                m.set_manual_backward_finalization(True)  # type: ignore[operator]
+                m.set_requires_gradient_sync(False)  # type: ignore[operator]
+                m.set_reshard_after_backward(False)  # type: ignore[operator]
+
     def _finish_fsdp(self) -> None:
         for mod in self.runner.modules.values():
-            if _is_fsdp(mod):
-                mod.set_requires_gradient_sync(True)  # type: ignore[operator]
+            if not _is_fsdp(mod):
+                continue
+            mod.set_requires_gradient_sync(True)  # type: ignore[operator]
+            if self._manual_fsdp and self.program.has_backward:
+                mod.set_reshard_after_backward(True)  # type: ignore[operator]
+                mod.finalize_backward()  # type: ignore[operator]
+                mod.set_manual_backward_finalization(False)  # type: ignore[operator]
+            else:
                 mod.set_is_last_backward(True)  # type: ignore[operator]
 
 

@@ -119,7 +119,13 @@ def backward_input(
 
 
 def backward_weight(work: WeightGradWork) -> None:
-    """Accumulate the parameters' gradients into ``param.grad`` from a finished :func:`backward_input`."""
+    """Accumulate the parameters' gradients into ``param.grad`` from a finished :func:`backward_input`.
+
+    Gradients recorded at the intermediates are propagated to the parameters under
+    ``GradDirection.WEIGHTS``. Outputs off the input path (all outputs of a stage whose inputs need no
+    gradient, e.g. the first stage) are backpropagated here in full under ``GradDirection.BOTH``: their
+    activation gradients were never computed, and the earlier layers' weights need them.
+    """
     roots: list[Any] = []
     grads: list[torch.Tensor | None] = []
     for i, node in enumerate(work.intermediates):
@@ -127,24 +133,37 @@ def backward_weight(work: WeightGradWork) -> None:
             if g is not None:
                 roots.append(GradientEdge(node, j))
                 grads.append(g)
-    roots += work.extra_roots
-    grads += work.extra_grads
-    if not roots or not work.params:
+    if not work.params:
         return
-    handles = []
-    if len(work.intermediates) > 1:
-        # An intermediate downstream of another would receive the upstream one's contribution a second
-        # time; pin every intermediate's incoming gradients to what the I pass recorded.
-        for i, node in enumerate(work.intermediates):
-            recorded = work.grads.get(i)
-            if recorded is not None:
-                handles.append(node.register_prehook(lambda _g, rec=recorded: rec))
-    try:
-        with grad_direction(GradDirection.WEIGHTS):
-            dws = torch.autograd.grad(roots, work.params, grad_outputs=grads, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
+    dws: list[torch.Tensor | None] = [None] * len(work.params)
+    if roots:
+        handles = []
+        if len(work.intermediates) > 1:
+            # An intermediate downstream of another would receive the upstream one's contribution a second
+            # time; pin every intermediate's incoming gradients to what the I pass recorded.
+            for i, node in enumerate(work.intermediates):
+                recorded = work.grads.get(i)
+                if recorded is not None:
+                    handles.append(node.register_prehook(lambda _g, rec=recorded: rec))
+        try:
+            with grad_direction(GradDirection.WEIGHTS):
+                dws = list(
+                    torch.autograd.grad(
+                        roots,
+                        work.params,
+                        grad_outputs=grads,
+                        allow_unused=True,
+                        retain_graph=bool(work.extra_roots),
+                    )
+                )
+        finally:
+            for h in handles:
+                h.remove()
+    if work.extra_roots:
+        more = torch.autograd.grad(
+            work.extra_roots, work.params, grad_outputs=work.extra_grads, allow_unused=True
+        )
+        dws = [a if b is None else b if a is None else a + b for a, b in zip(dws, more)]
     for p, dw in zip(work.params, dws):
         if dw is None:
             continue
@@ -154,3 +173,5 @@ def backward_weight(work: WeightGradWork) -> None:
             p.grad += dw
     work.grads.clear()
     work.intermediates.clear()
+    work.extra_roots.clear()
+    work.extra_grads.clear()

@@ -97,6 +97,12 @@ class Checkpointer:
             log.info("no process group: checkpoints are written from a background thread, not a process")
             async_mode = "thread"
         self.async_mode: AsyncMode = async_mode
+        # DCP's writes coordinate through collectives; a background thread must not interleave them
+        # with the training thread's collectives on the same group, so it gets a group of its own.
+        self._dcp_pg = process_group
+        if async_mode == "thread" and _initialised():
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            self._dcp_pg = dist.new_group(ranks=ranks, backend="gloo")
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._stager: DefaultStager | None = None
         if async_mode != "off":
@@ -160,7 +166,7 @@ class Checkpointer:
                 state,
                 checkpoint_id=str(path),
                 planner=self._planner,
-                process_group=self.pg,
+                process_group=self._dcp_pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS
                 if self.async_mode == "process"
                 else AsyncCheckpointerType.THREAD,

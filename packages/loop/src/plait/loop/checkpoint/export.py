@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch import nn
-
 from plait.loop.checkpoint.checkpointer import Checkpointer
 from plait.loop.checkpoint.state import ModelState
 from plait.model_state import Mapper, save_module
+from torch import nn
 
 
 def export_checkpoint(
@@ -27,5 +26,7 @@ def export_checkpoint(
     mapper); ``None`` keeps the module's names.
     """
     checkpoint = Path(checkpoint)
-    Checkpointer(checkpoint.parent, async_mode="off").load(checkpoint, {"model": ModelState(model)}, strict=False)
+    Checkpointer(checkpoint.parent, async_mode="off").load(
+        checkpoint, {"model": ModelState(model)}, strict=False
+    )
     return save_module(model, out_dir, mapper, max_shard_size=max_shard_size, distributed=False)

@@ -133,13 +133,24 @@ class GradientConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Checkpointing (filled by plait.loop.checkpoint): when to save and how many to keep."""
+    """Checkpointing of the whole training state (see :mod:`plait.loop.checkpoint`).
+
+    Saves every ``interval`` steps, at the last step, and on SIGTERM/SIGINT (``save_on_signal``:
+    the current step finishes, a final checkpoint is written, the process exits within
+    ``grace_period_s``). With ``resume`` the newest complete checkpoint in ``dir`` is loaded when the
+    trainer is built.
+    """
 
     enabled: bool = False
     interval: int | None = Field(default=None, ge=1, description="Save every N steps (and at the last step).")
-    keep_last: int | None = Field(default=None, ge=1)
-    async_mode: bool = True
+    keep_last: int = Field(default=3, ge=1)
+    async_mode: Literal["process", "thread", "off"] = Field(
+        default="process", description="Write from a background process, a thread, or synchronously."
+    )
     dir: str | None = Field(default=None, description="Defaults to <run_dir>/checkpoints.")
+    resume: bool = True
+    save_on_signal: bool = True
+    grace_period_s: float = Field(default=120.0, gt=0)
 
 
 class TrackerConfig(_Section):

@@ -146,7 +146,9 @@ def build_zbv(pp: int, num_microbatches: int) -> Program:
         raise ValueError(f"zbv: pipeline size must be >= 1, got {pp}")
     if num_microbatches < pp:
         raise ValueError(f"zbv: num_microbatches ({num_microbatches}) must be >= the pipeline size ({pp})")
-    policy = _Policy(True, False, lambda r: 2 * pp)
+    # At most pp microbatches in flight per rank (2*pp stage-activations, each half a rank's layers): the
+    # activation memory of 1F1B, as in the ZB-V paper; a larger budget gives no smaller bubble.
+    policy = _Policy(True, False, lambda r: pp)
     return _greedy(vshape_topology(pp), num_microbatches, policy, "zbv")
 
 
@@ -161,5 +163,7 @@ def build_dualpipev(pp: int, num_microbatches: int) -> Program:
         raise ValueError(
             f"dualpipev: num_microbatches ({num_microbatches}) must be >= 2 * pipeline size ({2 * pp})"
         )
+    # Twice ZBV's in-flight budget: the overlapped F|B steady state needs a forward ready whenever a
+    # backward is (with ZBV's budget the greedy never finds a pair).
     policy = _Policy(True, True, lambda r: 2 * pp)
     return _greedy(vshape_topology(pp), num_microbatches, policy, "dualpipev")
