@@ -71,7 +71,28 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
+def _clear_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches.
+
+    They key on DeviceMesh *values*: in a warm rank process, a mesh equal to one from an earlier
+    test (whose process groups were destroyed) would hit cached specs that still point at the old
+    mesh's dead groups ("Could not resolve the process group ..."). Reported to dist-core (harness).
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor as _DT
+
+    prop = _DT._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        fn = getattr(prop, name, None)
+        inner = getattr(fn, "cache", fn)
+        if hasattr(inner, "cache_clear"):
+            inner.cache_clear()
+    if hasattr(_redistribute._gen_transform_infos, "cache_clear"):
+        _redistribute._gen_transform_infos.cache_clear()
+
+
 def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
+    _clear_dtensor_caches()
     world, dshape, eshape, pkw = LAYOUTS[layout]
     assert dist.get_world_size() == world
     cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})

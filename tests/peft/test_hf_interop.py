@@ -202,8 +202,8 @@ def test_plait_qwen3_adapter_round_trip_with_peft(tmp_path: Path) -> None:
 
 def test_plait_qwen3_moe_expert_adapter_to_peft(tmp_path: Path) -> None:
     """plait's Qwen3-MoE (plait.moe experts, same [E, out, in] names as transformers) + expert LoRA
-    -> HF target_parameters adapter -> peft on transformers' Qwen3-MoE; compared through merge_peft
-    so it does not depend on the experts' forward calling the adapter hook."""
+    -> HF target_parameters adapter -> peft on transformers' Qwen3-MoE: the unmerged forward (the
+    experts call the adapter hook inside the grouped computation) and the merged one both match."""
     models = pytest.importorskip("plait.models")
     hf = tiny_qwen3_moe()
     plait_model = models.Qwen3ForCausalLM(models.config_from_hf(hf.config)).eval()
@@ -217,12 +217,15 @@ def test_plait_qwen3_moe_expert_adapter_to_peft(tmp_path: Path) -> None:
     apply_peft(
         plait_model,
         LoRAConfig(r=2, alpha=4, target_modules=ATTN, target_parameters=EXPERTS, init="random"),
-        require_expert_hook=False,
     )
     export_hf_adapter(plait_model, tmp_path)
+    unmerged = plait_logits(plait_model)
     merge_peft(plait_model)
     theirs = peft.PeftModel.from_pretrained(tiny_qwen3_moe(), str(tmp_path)).eval()
-    torch.testing.assert_close(logits(theirs), plait_logits(plait_model), atol=1e-5, rtol=1e-5)
+    reference = logits(theirs)
+    assert not torch.allclose(reference, logits(hf), atol=1e-3), "the adapter must change the logits"
+    torch.testing.assert_close(unmerged, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plait_logits(plait_model), reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])

@@ -23,6 +23,9 @@ class GroupedExperts(nn.Module):
     module computes its local experts only.
     """
 
+    # Calls adapters in ``self.lora`` after each grouped GEMM (see plait.peft's expert LoRA).
+    calls_expert_adapters = True
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -54,9 +57,17 @@ class GroupedExperts(nn.Module):
         """
         w1 = local_tensor(self.gate_up_proj)
         w2 = local_tensor(self.down_proj)
+        # Adapters (e.g. plait.peft's expert LoRA) registered in ``self.lora`` by parameter name add
+        # their low-rank term to each grouped GEMM's output, on the same expert-contiguous rows.
+        adapters = getattr(self, "lora", None)
         h = gmm(x, w1, tokens_per_expert, trans_w=True)
-        h = swiglu_fused(h, row_weight)
-        return gmm(h, w2, tokens_per_expert, trans_w=True)
+        if adapters is not None and "gate_up_proj" in adapters:
+            h = adapters["gate_up_proj"](h, x, tokens_per_expert, gmm=gmm)
+        a = swiglu_fused(h, row_weight)
+        out = gmm(a, w2, tokens_per_expert, trans_w=True)
+        if adapters is not None and "down_proj" in adapters:
+            out = adapters["down_proj"](out, a, tokens_per_expert, gmm=gmm)
+        return out
 
 
 class SharedExpert(nn.Module):

@@ -74,7 +74,13 @@ def _context() -> BaseContext:
         ctx = multiprocessing.get_context("forkserver")
         # Only effective before the forkserver starts; harmless (just slower) if it already runs.
         # pytest too when the caller runs under it: test modules import it in every rank.
-        preload = ["torch", "torch.distributed", _worker.__name__, "plait.dist_core.parallelize", "plait.dist_core.grad_norm"]
+        preload = [
+            "torch",
+            "torch.distributed",
+            _worker.__name__,
+            "plait.dist_core.parallelize",
+            "plait.dist_core.grad_norm",
+        ]
         ctx.set_forkserver_preload(preload + (["pytest"] if "pytest" in sys.modules else []))
         return ctx
     return multiprocessing.get_context("spawn")
