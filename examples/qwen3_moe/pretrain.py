@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from plait.loop import CausalLMTask, DatasetProvider, Trainer, TrainerConfig, load_config
-from plait.loop.data import ByteTokenizer, pack_documents
+from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
 from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
 
 HERE = Path(__file__).resolve().parent
@@ -36,7 +36,6 @@ class DataConfig(BaseModel):
     source: str = Field("stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files")
     pattern: str = "*.py"
     max_files: int | None = Field(400, ge=1, description="Cap on files read (sorted by path), None for all")
-    seq_len: int = Field(256, ge=8)
 
 
 class PretrainConfig(TrainerConfig):
@@ -57,10 +56,11 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     return files[: cfg.max_files]
 
 
-def build_dataset(cfg: DataConfig):  # type: ignore[no-untyped-def]
+def build_dataset(cfg: DataConfig, seq_len: int) -> PackedTokens:
+    """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
     tok = ByteTokenizer()
     docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg))
-    return pack_documents(docs, cfg.seq_len, tok.eos_id)
+    return pack_documents(docs, seq_len, tok.eos_id)
 
 
 def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = Trainer(
         config,
         provider,
-        DatasetProvider(lambda: build_dataset(config.data)),
+        DatasetProvider(lambda: build_dataset(config.data, config.batching.seq_len)),
         CausalLMTask(labels_to_model=True),
     )
     try:
         summary = trainer.fit()
         if not args.no_export:
             out = provider.export_hf(trainer.model_parts, trainer.run_dir / "hf")
-            if trainer.is_main_process:
+            if trainer.topology.is_main:
                 print(f"Hugging Face checkpoint: {out}")
     finally:
         trainer.close()

@@ -139,7 +139,10 @@ def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
-        grads[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
+        try:
+            grads[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
+        except RuntimeError as e:
+            raise RuntimeError(f"{name}: {g.device_mesh} {g.placements} {p.device_mesh}") from e
     return {"loss": loss_sum.item() / global_tokens, "grads": grads if dist.get_rank() == 0 else None}
 
 
