@@ -73,13 +73,6 @@ def test_chained_stages_match_whole_model():
 
 
 SCHEDULES = {"1f1b": {"kind": "1f1b"}, "zbv": {"kind": "zbv"}}
-# plait.pipelining's split backward runs the W pass of a stage whose inputs need no gradient (the
-# first stage: input_ids) from the stage outputs under GradDirection.WEIGHTS, so plait's kernels skip
-# the activation gradients and the first stage's earlier weights get wrong/None gradients.
-_ZBV_FIRST_STAGE_BUG = pytest.mark.xfail(
-    reason="plait.pipelining split backward: first-stage W pass under GradDirection.WEIGHTS (reported)",
-    strict=False,
-)
 
 
 def _pp_cfg(schedule: str) -> Qwen3MoeConfig:
@@ -128,7 +121,7 @@ def _pp_rank(ckpt: str, schedule: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=_ZBV_FIRST_STAGE_BUG)])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_pp2_matches_single_process(schedule, tmp_path):
     dist_testing = pytest.importorskip("plait.dist_core.testing")
     cfg = _pp_cfg(schedule)

@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from typing import Any
 
+import torch.distributed as dist
 from plait.dist_core.testing import _worker
 from plait.dist_core.testing._protocol import Task, TaskResult
 from plait.dist_core.testing.errors import DistributedTestError
@@ -61,12 +61,6 @@ class _Worker:
 
 class _SetupFailure(Exception):
     """The ranks failed to form the process group; the call is retried once."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _context() -> BaseContext:
@@ -165,7 +159,10 @@ class WorkerPool:
         with self._lock:
             self._ensure(world_size)
             workers = self._workers[:world_size]
-            port = _free_port()
+            # The harness hosts the rendezvous store: it listens before any rank starts, so ranks
+            # never wait in a connect-retry back-off for rank 0 (seen as ~5 s stalls on busy CPUs).
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            port = store.port
             offsets = [w.log_size() for w in workers]
             for rank, w in enumerate(workers):
                 env = {
@@ -179,7 +176,10 @@ class WorkerPool:
                 }
                 task = Task(payload, env, list(sys.path), os.getcwd(), backend, timeout)
                 w.conn.send_bytes(pickle.dumps(task))
-            return self._collect(workers, offsets, timeout, retry)
+            try:
+                return self._collect(workers, offsets, timeout, retry)
+            finally:
+                del store
 
     def _collect(self, workers: list[_Worker], offsets: list[int], timeout: float, retry: bool) -> list[Any]:
         results: dict[int, TaskResult] = {}
