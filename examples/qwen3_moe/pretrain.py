@@ -17,6 +17,9 @@ import argparse
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Literal
+
+import torch
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +45,8 @@ class PretrainConfig(TrainerConfig):
     """The loop's config plus the model, its parallel plan and the data."""
 
     model: Qwen3MoeConfig
+    # bfloat16 parameters pair with optimizer.name = "stochastic_adamw" (stochastic rounding).
+    model_dtype: Literal["float32", "bfloat16"] = "float32"
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
 
@@ -69,6 +74,14 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
     ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
     ap.add_argument("--no-export", action="store_true", help="skip the final Hugging Face export")
+    ap.add_argument("--init-from", type=Path, help="start from this Hugging Face checkpoint (e.g. a seed checkpoint)")
+    ap.add_argument(
+        "--write-seed-checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="write the freshly initialised model as a Hugging Face checkpoint to DIR and exit; every "
+        "parallel layout that starts from it (--init-from DIR) starts from the same weights",
+    )
     args, overrides = ap.parse_known_args(argv)
     if args.steps is not None:
         overrides.append(f"--run.steps={args.steps}")
@@ -80,7 +93,17 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     config, args = parse_args(sys.argv[1:] if argv is None else argv)
     assert config.model.vocab_size >= ByteTokenizer.vocab_size, "model.vocab_size must cover the byte tokens"
-    provider = Qwen3Provider(config.model, parallel=config.parallel, seed=config.run.seed)
+    provider = Qwen3Provider(
+        config.model,
+        parallel=config.parallel,
+        init_from=args.init_from,
+        dtype=getattr(torch, config.model_dtype),
+        seed=config.run.seed,
+    )
+    if args.write_seed_checkpoint is not None:
+        model = provider.build_stage(0, 1)
+        provider.materialize(model, "cpu")
+        return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
     trainer = Trainer(
         config,
         provider,

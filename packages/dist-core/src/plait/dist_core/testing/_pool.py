@@ -14,7 +14,9 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -24,7 +26,6 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from typing import Any
 
-import torch.distributed as dist
 from plait.dist_core.testing import _worker
 from plait.dist_core.testing._protocol import Task, TaskResult
 from plait.dist_core.testing.errors import DistributedTestError
@@ -61,6 +62,12 @@ class _Worker:
 
 class _SetupFailure(Exception):
     """The ranks failed to form the process group; the call is retried once."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _context() -> BaseContext:
@@ -102,6 +109,7 @@ class WorkerPool:
             self._kill()
         if self._ctx is None:
             self._ctx = _context()
+        if self._log_dir is None:
             self._log_dir = tempfile.mkdtemp(prefix="plait-harness-")
         assert self._log_dir is not None
         for i in range(len(self._workers), n):
@@ -131,6 +139,9 @@ class WorkerPool:
                     w.process.join()
                 w.conn.close()
             self._workers = []
+            if self._log_dir is not None:
+                shutil.rmtree(self._log_dir, ignore_errors=True)
+                self._log_dir = None
 
     def _kill(self) -> None:
         for w in self._workers:
@@ -159,10 +170,7 @@ class WorkerPool:
         with self._lock:
             self._ensure(world_size)
             workers = self._workers[:world_size]
-            # The harness hosts the rendezvous store: it listens before any rank starts, so ranks
-            # never wait in a connect-retry back-off for rank 0 (seen as ~5 s stalls on busy CPUs).
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            port = store.port
+            port = _free_port()
             offsets = [w.log_size() for w in workers]
             for rank, w in enumerate(workers):
                 env = {
@@ -176,10 +184,7 @@ class WorkerPool:
                 }
                 task = Task(payload, env, list(sys.path), os.getcwd(), backend, timeout)
                 w.conn.send_bytes(pickle.dumps(task))
-            try:
-                return self._collect(workers, offsets, timeout, retry)
-            finally:
-                del store
+            return self._collect(workers, offsets, timeout, retry)
 
     def _collect(self, workers: list[_Worker], offsets: list[int], timeout: float, retry: bool) -> list[Any]:
         results: dict[int, TaskResult] = {}

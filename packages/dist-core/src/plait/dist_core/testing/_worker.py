@@ -44,20 +44,13 @@ def _run_task(task: Task) -> TaskResult:
         if task.backend == "nccl" or "cuda" in task.backend:
             torch.cuda.set_device(int(task.env["LOCAL_RANK"]))
         timeout = timedelta(seconds=task.timeout)
-        import time as _t; _t0 = _t.time()
-        store = dist.TCPStore(
-            task.env["MASTER_ADDR"], int(task.env["MASTER_PORT"]), is_master=False, timeout=timeout
-        )
-        _t1 = _t.time()
         dist.init_process_group(
             backend=task.backend,
-            store=store,
+            init_method="env://",
             rank=int(task.env["RANK"]),
             world_size=int(task.env["WORLD_SIZE"]),
             timeout=timeout,
         )
-        _t2 = _t.time()
-        if _t2 - _t0 > 1: print("SLOWINIT store", _t1 - _t0, "pg", _t2 - _t1, flush=True)
         setup = False
         try:
             value = _to_cpu(fn(*args, **kwargs))
