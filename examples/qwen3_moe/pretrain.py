@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-
-from pydantic import BaseModel, ConfigDict, Field
-
 from plait.loop import CausalLMTask, DatasetProvider, Trainer, TrainerConfig, load_config
 from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
 from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
+from pydantic import BaseModel, ConfigDict, Field
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "cpu.toml"
@@ -36,7 +34,9 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    source: str = Field("stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files")
+    source: str = Field(
+        "stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files"
+    )
     pattern: str = "*.py"
     max_files: int | None = Field(400, ge=1, description="Cap on files read (sorted by path), None for all")
 
@@ -74,7 +74,9 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
     ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
     ap.add_argument("--no-export", action="store_true", help="skip the final Hugging Face export")
-    ap.add_argument("--init-from", type=Path, help="start from this Hugging Face checkpoint (e.g. a seed checkpoint)")
+    ap.add_argument(
+        "--init-from", type=Path, help="start from this Hugging Face checkpoint (e.g. a seed checkpoint)"
+    )
     ap.add_argument(
         "--write-seed-checkpoint",
         type=Path,

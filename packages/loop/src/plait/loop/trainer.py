@@ -20,7 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.dist_core import set_gradient_sync
-from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState, PreemptionHandler, RngState
+from plait.loop.checkpoint import (
+    Checkpointer,
+    ModelState,
+    OptimizerState,
+    PerRankState,
+    PreemptionHandler,
+    RngState,
+)
 from plait.loop.config import TrainerConfig
 from plait.loop.events import (
     AfterBackward,
@@ -313,7 +320,7 @@ class Trainer:
             "optimizer": OptimizerState(self.model_parts, self.optimizers),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data_loader,
-            "metrics": self.metrics,
+            "metrics": PerRankState(self.metrics),
             "trainer": self.state,
             "rng": self.rng,
         }

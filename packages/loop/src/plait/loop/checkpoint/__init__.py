@@ -3,7 +3,7 @@
 from plait.loop.checkpoint.checkpointer import AsyncMode, Checkpointer, CheckpointMismatchError
 from plait.loop.checkpoint.export import export_checkpoint
 from plait.loop.checkpoint.preemption import PreemptionHandler
-from plait.loop.checkpoint.state import ModelState, OptimizerState, RngState, ValueState
+from plait.loop.checkpoint.state import ModelState, OptimizerState, PerRankState, RngState, ValueState
 
 __all__ = [
     "AsyncMode",
@@ -11,6 +11,7 @@ __all__ = [
     "Checkpointer",
     "ModelState",
     "OptimizerState",
+    "PerRankState",
     "PreemptionHandler",
     "RngState",
     "ValueState",

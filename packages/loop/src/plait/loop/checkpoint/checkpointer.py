@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from plait.loop.checkpoint import _layout
-from plait.loop.checkpoint.state import RngState
+from plait.loop.checkpoint.state import PerRankState
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -234,7 +234,7 @@ class Checkpointer:
 
         The checkpoint's structure is checked against ``state`` first: missing keys, shape
         mismatches and (with ``strict``) keys the state does not have raise
-        :class:`CheckpointMismatchError` naming them. Per-rank RNG states of ranks that did not exist
+        :class:`CheckpointMismatchError` naming them. Per-rank states (RNG, metric accumulators) of ranks that did not exist
         when the checkpoint was saved (a different world size) are skipped with a warning.
         """
         path = Path(path)
@@ -248,11 +248,12 @@ class Checkpointer:
             raise CheckpointMismatchError(f"cannot read checkpoint metadata in {path}: {e}") from e
         state = dict(state)
         for key, value in list(state.items()):
-            if isinstance(value, RngState) and not any(k.startswith(f"{key}.rank{self.rank}") for k in saved):
+            if isinstance(value, PerRankState) and not any(k.startswith(f"{key}.rank{self.rank}") for k in saved):
                 log.warning(
-                    "checkpoint %s has no RNG state for rank %d (saved with world size %s); "
-                    "keeping this rank's current RNG",
+                    "checkpoint %s has no %r state for rank %d (saved with world size %s); "
+                    "keeping this rank's current one",
                     path,
+                    key,
                     self.rank,
                     meta.get("world_size"),
                 )
@@ -262,7 +263,7 @@ class Checkpointer:
             saved,
             _flatten(state),
             strict=strict,
-            rank_keyed=[k for k, v in state.items() if isinstance(v, RngState)],
+            rank_keyed=[k for k, v in state.items() if isinstance(v, PerRankState)],
         )
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
         return meta

@@ -72,12 +72,27 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class RngState:
-    """Every RNG a rank uses (Python, torch CPU, CUDA, NumPy if present), stored under its rank.
+class PerRankState:
+    """Wraps a Stateful whose state differs per rank (RNGs, local metric accumulators).
 
-    Ranks' generators differ, so each rank writes its own key (``rank<N>``); DCP would otherwise
-    keep only one copy of an identically named object.
+    Each rank writes its own key ``rank<N>`` (DCP would otherwise keep one copy of identically named
+    objects), as a pickled blob so that a structure that grows during training (metrics created on
+    first use) still loads into a fresh object. On a world size the checkpoint did not have, the
+    :class:`~plait.loop.checkpoint.Checkpointer` skips ranks without a saved state, with a warning.
     """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{_rank()}": pickle.dumps(self.inner.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(pickle.loads(state_dict[f"rank{_rank()}"]))
+
+
+class _Generators:
+    """Every RNG a rank uses: Python, torch CPU, CUDA, NumPy if present."""
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -89,10 +104,9 @@ class RngState:
             state["numpy"] = np.random.get_state()
         except ImportError:
             pass
-        return {f"rank{_rank()}": pickle.dumps(state)}
+        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = pickle.loads(state_dict[f"rank{_rank()}"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
@@ -101,6 +115,13 @@ class RngState:
             import numpy as np
 
             np.random.set_state(state["numpy"])
+
+
+class RngState(PerRankState):
+    """Every RNG of this rank (Python, torch CPU, CUDA, NumPy), saved per rank."""
+
+    def __init__(self) -> None:
+        super().__init__(_Generators())
 
 
 class ValueState:
