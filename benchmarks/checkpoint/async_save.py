@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState
 from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner
-
-from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState
 
 PLAN_TIMES: list[float] = []
 

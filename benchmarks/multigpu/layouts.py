@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -32,11 +33,19 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("PP2 x DP2", 4, ["--mesh.pipeline=2", "--mesh.data_shard=2", "--pipeline.kind=1f1b"]),
     ("PP2 x EP2", 4, ["--mesh.pipeline=2", "--mesh.data_shard=2", "--mesh.expert=2", "--pipeline.kind=1f1b"]),
     ("PP4 1F1B", 4, ["--mesh.pipeline=4", "--pipeline.kind=1f1b"]),
-    ("PP4 Interleaved 1F1B", 4, ["--mesh.pipeline=4", "--pipeline.kind=interleaved_1f1b", "--pipeline.stages_per_rank=2"]),
+    (
+        "PP4 Interleaved 1F1B",
+        4,
+        ["--mesh.pipeline=4", "--pipeline.kind=interleaved_1f1b", "--pipeline.stages_per_rank=2"],
+    ),
     ("PP4 ZB1P", 4, ["--mesh.pipeline=4", "--pipeline.kind=zb1p", "--pipeline.stages_per_rank=2"]),
     ("PP4 ZBV", 4, ["--mesh.pipeline=4", "--pipeline.kind=zbv"]),
     ("PP4 DualPipeV", 4, ["--mesh.pipeline=4", "--pipeline.kind=dualpipev"]),
-    ("PP2 x FSDP2 x EP2", 8, ["--mesh.pipeline=2", "--mesh.data_shard=4", "--mesh.expert=2", "--pipeline.kind=1f1b"]),
+    (
+        "PP2 x FSDP2 x EP2",
+        8,
+        ["--mesh.pipeline=2", "--mesh.data_shard=4", "--mesh.expert=2", "--pipeline.kind=1f1b"],
+    ),
 ]
 
 BASE = [
@@ -55,12 +64,36 @@ if "--cpu-smoke" in sys.argv:  # gloo on CPU processes: checks the driver itself
     BASE[BASE.index("--batching.seq_len=256")] = "--batching.seq_len=32"
 
 
-
 def launch(nproc: int, run_dir: Path, args: list[str], timeout: int) -> tuple[int, float, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
+    """torchrun the main job; on timeout every process dumps its Python stacks (faulthandler) and dies."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(SCRIPT),
+    ]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd + [*BASE, f"--run-dir={run_dir}", *args], capture_output=True, text=True, timeout=timeout)
-    return p.returncode, time.perf_counter() - t0, (p.stdout + p.stderr)[-3000:]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    p = subprocess.Popen(
+        [*cmd, *BASE, f"--run-dir={run_dir}", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGABRT)
+        time.sleep(3)
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        rc = 124
+    return rc, time.perf_counter() - t0, out[-6000:]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -78,6 +111,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated layout names")
     args = ap.parse_args()
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)
@@ -91,8 +125,9 @@ def main() -> None:
     rows.append(("1 GPU (reference)", 1, rc, secs, 0.0, ref.get(1), ref.get(args.steps)))
     if rc:
         print(log)
+    only = set(args.only.split(",")) if args.only else None
     for name, nproc, extra in LAYOUTS:
-        if nproc > args.gpus:
+        if nproc > args.gpus or (only and name not in only):
             continue
         d = work / name.replace(" ", "_")
         rc, secs, log = launch(nproc, d, steps + extra, args.timeout)
@@ -107,20 +142,34 @@ def main() -> None:
     # Async checkpoint on all GPUs, resumed on half: the resumed curve must continue the reference.
     ck = work / "ckpt"
     half = max(1, args.gpus // 2)
-    ck_args = [f"--steps={args.steps}", f"--init-from={seed}", "--checkpoint.enabled=true",
-               f"--checkpoint.interval={args.steps // 2}", "--checkpoint.keep_last=4"]
-    rc1, _, log1 = launch(args.gpus, ck, ck_args + [f"--mesh.data_shard={args.gpus}"], args.timeout)
+    ck_args = [
+        f"--steps={args.steps}",
+        f"--init-from={seed}",
+        "--checkpoint.enabled=true",
+        f"--checkpoint.interval={args.steps // 2}",
+        "--checkpoint.keep_last=4",
+    ]
+    rc1, _, log1 = launch(args.gpus, ck, [*ck_args, f"--mesh.data_shard={args.gpus}"], args.timeout)
     shutil.rmtree(ck / "checkpoints" / f"step_{args.steps:08d}", ignore_errors=True)
     (ck / "metrics.jsonl").unlink(missing_ok=True)
-    rc2, _, log2 = launch(half, ck, ck_args + [f"--mesh.data_shard={half}"], args.timeout)
+    rc2, _, log2 = launch(half, ck, [*ck_args, f"--mesh.data_shard={half}"], args.timeout)
     got = losses(ck)
     resumed = {s: v for s, v in got.items() if s > args.steps // 2}
     diff = max((abs(v - ref[s]) / abs(ref[s]) for s, v in resumed.items()), default=float("nan"))
     if rc1 or rc2 or not resumed:
         print(f"--- checkpoint resume failed rc={rc1},{rc2} ---\n{log1}\n{log2}")
         diff = float("nan")
-    rows.append((f"save FSDP{args.gpus} @ {args.steps // 2}, resume FSDP{half}", args.gpus, rc1 or rc2, 0.0, diff,
-                 None, got.get(args.steps)))
+    rows.append(
+        (
+            f"save FSDP{args.gpus} @ {args.steps // 2}, resume FSDP{half}",
+            args.gpus,
+            rc1 or rc2,
+            0.0,
+            diff,
+            None,
+            got.get(args.steps),
+        )
+    )
 
     import torch
 

@@ -248,7 +248,9 @@ class Checkpointer:
             raise CheckpointMismatchError(f"cannot read checkpoint metadata in {path}: {e}") from e
         state = dict(state)
         for key, value in list(state.items()):
-            if isinstance(value, PerRankState) and not any(k.startswith(f"{key}.rank{self.rank}") for k in saved):
+            if isinstance(value, PerRankState) and not any(
+                k.startswith(f"{key}.rank{self.rank}") for k in saved
+            ):
                 log.warning(
                     "checkpoint %s has no %r state for rank %d (saved with world size %s); "
                     "keeping this rank's current one",
