@@ -37,7 +37,7 @@ class CheckpointInfo:
 
 def list_complete(root: Path) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root``, oldest first (final name and a readable marker)."""
-    found = []
+    found: list[CheckpointInfo] = []
     if not root.is_dir():
         return found
     for child in root.iterdir():

@@ -102,7 +102,7 @@ class Checkpointer:
         self._dcp_pg = process_group
         if async_mode == "thread" and _initialised():
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-            self._dcp_pg = dist.new_group(ranks=ranks, backend="gloo")
+            self._dcp_pg = dist.new_group(ranks=ranks, backend="gloo")  # type: ignore[assignment]
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._stager: DefaultStager | None = None
         if async_mode != "off":
