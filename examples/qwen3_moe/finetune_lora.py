@@ -1,0 +1,91 @@
+"""LoRA fine-tuning of a Qwen3 / Qwen3-MoE Hugging Face checkpoint; exports a Hugging Face PEFT adapter.
+
+    uv run examples/qwen3_moe/finetune_lora.py --base runs/qwen3_moe/hf --steps 30 --run-dir runs/lora
+    uv run examples/qwen3_moe/finetune_lora.py --base DIR --lora.r=16 --lora.target_parameters='["gate_up_proj"]'
+
+The base weights load straight into the LoRA-injected model (base keys are mapped onto the
+``base_layer`` names); only the adapters train. At the end ``<run_dir>/adapter`` holds
+``adapter_model.safetensors`` + ``adapter_config.json``, which ``peft.PeftModel.from_pretrained``
+loads onto the transformers model of the base checkpoint. Data: as in ``pretrain.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from plait.loop import CausalLMTask, DatasetProvider, Trainer, TrainerConfig, load_config
+from plait.models import Qwen3Provider, hf_to_plait_mapper, load_hf_config
+from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
+from pretrain import DataConfig, build_dataset
+from torch import nn
+
+DEFAULTS = {
+    "run": {"name": "qwen3-lora", "run_dir": "runs/qwen3_lora", "steps": 30},
+    "batching": {"global_batch_size": 8, "microbatch_size": 8, "seq_len": 256},
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.0},
+    "logging": {"interval": 5},
+    "lora": {"r": 8, "alpha": 16, "target_modules": r".*\.(q_proj|k_proj|v_proj|o_proj)"},
+}
+
+
+class FinetuneConfig(TrainerConfig):
+    """The loop's config plus the LoRA method and the data."""
+
+    lora: LoRAConfig
+    data: DataConfig = DataConfig()
+
+
+class LoRAProvider(Qwen3Provider):
+    """A Qwen3 provider whose stages get LoRA adapters and load their base weights from ``base``."""
+
+    def __init__(self, base: Path, lora: LoRAConfig, seed: int) -> None:
+        super().__init__(load_hf_config(base), seed=seed)
+        self.base = base
+        self.lora = lora
+
+    def build_stage(self, stage_index: int, num_stages: int) -> nn.Module:
+        stage = super().build_stage(stage_index, num_stages)
+        apply_peft(stage, self.lora)  # on the meta device; everything but the adapters is frozen
+        return stage
+
+    def load_initial_weights(self, modules: Sequence[nn.Module]) -> None:
+        for m in modules:
+            # base weights overwrite the seeded init; adapters start again from their own init (zero B)
+            load_base_checkpoint(m, self.base, hf_to_plait_mapper(self.config), reinit_adapters=True)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", type=Path, required=True, help="Hugging Face checkpoint directory to fine-tune")
+    ap.add_argument("--config", type=Path, help="TOML/YAML/JSON config file (defaults are built in)")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--run-dir")
+    args, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.steps is not None:
+        overrides.append(f"--run.steps={args.steps}")
+    if args.run_dir is not None:
+        overrides.append(f"--run.run_dir={args.run_dir}")
+    config = load_config(args.config, overrides, cls=FinetuneConfig, base=DEFAULTS)
+    provider = LoRAProvider(args.base, config.lora, config.run.seed)
+    trainer = Trainer(
+        config,
+        provider,
+        DatasetProvider(lambda: build_dataset(config.data, config.batching.seq_len)),
+        CausalLMTask(labels_to_model=True),
+    )
+    try:
+        trainer.fit()
+        out = trainer.run_dir / "adapter"
+        if trainer.topology.is_main:
+            export_hf_adapter(trainer.model_parts[0], out, base_model_name_or_path=str(args.base))
+            print(f"PEFT adapter: {out}")
+    finally:
+        trainer.close()
+    return out
+
+
+if __name__ == "__main__":
+    main()
