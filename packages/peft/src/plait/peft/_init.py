@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from plait.peft._dtensor import assign_full, full_tensor, local_view
 from plait.peft.config import LoRAInit
 
 __all__ = ["init_factors", "pissa_factors"]
@@ -57,3 +58,37 @@ def pissa_factors(
     a = sr.unsqueeze(-1) * vh[..., :r, :]
     b = u[..., :, :r] * sr.unsqueeze(-2)
     return a, b, w - scaling * (b @ a)
+
+
+def init_adapter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    init: LoRAInit,
+    r: int,
+    scaling: float,
+    fan_in: int,
+    generator: torch.Generator | None,
+) -> None:
+    """Fill the factors ``a``, ``b`` (plain or DTensor) per ``init``; PiSSA also rewrites ``weight``.
+
+    Whole tensors are drawn on every rank and each keeps its shard, so sharded and single-process
+    initialisations agree for the same seed.
+    """
+    if init == "pissa":
+        assert weight is not None
+        fa, fb, residual = pissa_factors(full_tensor(weight), r, scaling)
+        assign_full(weight, residual)
+    else:
+        fa, fb = init_factors(
+            init,
+            tuple(a.shape),
+            tuple(b.shape),
+            fan_in=fan_in,
+            r=r,
+            device=local_view(a).device,
+            generator=generator,
+        )
+    assign_full(a, fa)
+    assign_full(b, fb)

@@ -26,14 +26,13 @@ from collections.abc import Callable
 
 import torch
 from plait.peft._dtensor import (
-    assign_full,
     full_tensor,
     is_dtensor,
     local_chunk,
     local_view,
     simple_placements,
 )
-from plait.peft._init import init_factors, pissa_factors
+from plait.peft._init import init_adapter
 from plait.peft.config import LoRAInit
 from torch import nn
 
@@ -135,23 +134,18 @@ class ExpertLoRA(nn.Module):
             generator: random generator for the draws.
         """
         a, b = self.lora_A, self.lora_B
-        if self.init == "pissa":
-            if weight is None:
-                raise ValueError(f"ExpertLoRA({self.param_name}): PiSSA init needs the base weight")
-            fa, fb, residual = pissa_factors(full_tensor(weight), self.r, self.scaling)
-            assign_full(weight, residual)
-        else:
-            fa, fb = init_factors(
-                self.init,
-                tuple(a.shape),
-                tuple(b.shape),
-                fan_in=self.in_features,
-                r=self.r,
-                device=local_view(a).device,
-                generator=generator,
-            )
-        assign_full(a, fa)
-        assign_full(b, fb)
+        if self.init == "pissa" and weight is None:
+            raise ValueError(f"ExpertLoRA({self.param_name}): PiSSA init needs the base weight")
+        init_adapter(
+            a,
+            b,
+            weight,
+            init=self.init,
+            r=self.r,
+            scaling=self.scaling,
+            fan_in=self.in_features,
+            generator=generator,
+        )
 
     def forward(
         self,

@@ -23,7 +23,7 @@ from plait.peft._dtensor import (
     local_view,
     simple_placements,
 )
-from plait.peft._init import init_factors, pissa_factors
+from plait.peft._init import init_adapter
 from plait.peft.config import LoRAInit
 from torch import nn
 
@@ -108,22 +108,16 @@ class LoRALinear(nn.Module):
         (PiSSA all-gathers the base weight of this one layer).
         """
         a, b = self.lora_A.weight, self.lora_B.weight
-        if self.init == "pissa":
-            w = self.base_layer.weight
-            fa, fb, residual = pissa_factors(full_tensor(w), self.r, self.scaling)
-            assign_full(w, residual)
-        else:
-            fa, fb = init_factors(
-                self.init,
-                tuple(a.shape),
-                tuple(b.shape),
-                fan_in=self.in_features,
-                r=self.r,
-                device=local_view(a).device,
-                generator=generator,
-            )
-        assign_full(a, fa)
-        assign_full(b, fb)
+        init_adapter(
+            a,
+            b,
+            self.base_layer.weight,
+            init=self.init,
+            r=self.r,
+            scaling=self.scaling,
+            fan_in=self.in_features,
+            generator=generator,
+        )
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
         return self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))) * self.scaling
