@@ -83,6 +83,29 @@ def test_keep_last_and_latest(tmp_path):
     assert ck.latest() == tmp_path / "step_00000004"
 
 
+def test_repeated_async_saves_are_exact_and_reuse_staging_buffers(tmp_path):
+    """Every save of one Checkpointer holds its own step's values, copied into the same host buffers each
+    time (torch 2.11's DefaultStager dropped its buffers after one save and failed the next one)."""
+    model, opt = _setup()
+    ck = Checkpointer(tmp_path, keep_last=3, async_mode="thread")
+    expected = {}
+    for step in (1, 2, 3):
+        _train(model, opt, 1)
+        expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        ck.save(step, _state(model, opt, step))
+        ck.wait_for_staging()
+    assert ck._stager is not None
+    staged = [ck._stager.stage({"w": model[0].weight}).result()["w"] for _ in range(2)]
+    assert staged[0].data_ptr() == staged[1].data_ptr()
+    assert torch.equal(staged[1], model[0].weight)
+    ck.close()
+    for step, want in expected.items():
+        fresh, fresh_opt = _setup(seed=step + 100)
+        Checkpointer(tmp_path).load(tmp_path / f"step_{step:08d}", _state(fresh, fresh_opt, 0))
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, want[k]), (step, k)
+
+
 def test_incomplete_checkpoints_are_ignored_and_cleaned(tmp_path):
     model, opt = _setup()
     ck = Checkpointer(tmp_path, async_mode="off")

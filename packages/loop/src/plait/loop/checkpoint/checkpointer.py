@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from plait.loop.checkpoint import _layout
 from plait.loop.checkpoint.state import PerRankState
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -48,6 +49,36 @@ class _Pending:
     path: Path
     response: Any  # Future or AsyncSaveResponse
     started: float
+
+
+class _KeepBuffers(StateDictStager):
+    """A StateDictStager whose pinned host buffers live as long as the Checkpointer, not one save.
+
+    torch 2.10/2.11's DefaultStager closes its StateDictStager after every stage. That drops the cached
+    host buffers and empties the copy-dispatch table, so the second save fails with
+    ``KeyError: <class 'type'>`` (and every save would allocate and pin the whole state again).
+    Later torch no longer closes it; either way the Checkpointer releases the buffers in ``close()``.
+    """
+
+    def close(self) -> None:  # what DefaultStager calls after each stage on torch <= 2.11
+        pass
+
+    def release(self) -> None:
+        super().close()
+
+
+class _Stager(DefaultStager):
+    """DefaultStager (pinned/shared host copies in a background thread) that reuses its buffers."""
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        self._state_dict_stager: _KeepBuffers = _KeepBuffers(
+            pin_memory=options.use_pinned_memory, share_memory=options.use_shared_memory
+        )
+
+    def close(self) -> None:
+        super().close()
+        self._state_dict_stager.release()
 
 
 def _initialised() -> bool:
@@ -104,9 +135,9 @@ class Checkpointer:
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self._dcp_pg = dist.new_group(ranks=ranks, backend="gloo")  # type: ignore[assignment]
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._stager: DefaultStager | None = None
+        self._stager: _Stager | None = None
         if async_mode != "off":
-            self._stager = DefaultStager(
+            self._stager = _Stager(
                 StagingOptions(
                     use_pinned_memory=pin,
                     use_shared_memory=async_mode == "process",
