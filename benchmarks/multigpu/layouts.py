@@ -10,6 +10,7 @@ Also saves a checkpoint on all GPUs and resumes it on half of them (the curve mu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -88,10 +89,16 @@ def launch(nproc: int, run_dir: Path, args: list[str], timeout: int) -> tuple[in
         out, _ = p.communicate(timeout=timeout)
         rc = p.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGABRT)
-        time.sleep(3)
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
+        # torchrun starts its workers in sessions of their own: signal every process of the tree
+        import psutil
+
+        tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        for sig in (signal.SIGABRT, signal.SIGKILL):  # ABRT: faulthandler dumps the Python stacks
+            for proc in tree:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(sig)
+            time.sleep(5)
+        out, _ = p.communicate(timeout=30)
         rc = 124
     return rc, time.perf_counter() - t0, out[-6000:]
 
