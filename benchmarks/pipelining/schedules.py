@@ -211,6 +211,16 @@ def bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops):  #
             s.zero_grad(set_to_none=True)
 
     t_torch = timed(torch_step, a.steps, a.warmup)
+    if a.trace_dir:
+        from torch.profiler import ProfilerActivity, profile
+
+        os.makedirs(a.trace_dir, exist_ok=True)
+        for name, fn in (("plait", plait_step), ("torch", torch_step)):
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                sync()
+            prof.export_chrome_trace(os.path.join(a.trace_dir, f"{kind}_{name}_rank{rank}.json"))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     # simulator with measured costs, scaled from a layers/4 stage to this schedule's stage size
@@ -244,6 +254,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo smoke test")
+    p.add_argument("--trace-dir", default="", help="also write a profiler trace of one step of each")
     p.add_argument("--schedules", default="gpipe,1f1b,looped_bfs,interleaved_1f1b,zb1p,zbv,dualpipev")
     a = p.parse_args()
     a.ref_stages = 4

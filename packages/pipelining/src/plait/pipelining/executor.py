@@ -231,6 +231,7 @@ class PipelineExecutor:
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
         self._last_backward = self._find_last_backward()
+        self._connect()
 
     @property
     def num_microbatches(self) -> int:
@@ -246,6 +247,36 @@ class PipelineExecutor:
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.topology.rank_of(stage))
+
+    def _connect(self) -> None:
+        """Open the connections to the pipeline neighbours before the first step (a collective call).
+
+        NCCL creates its communicator on first use and connects each peer and direction lazily, inside
+        the call that first uses it. Inside a step that handshake can deadlock: on 2 H200s one rank sat in
+        ``ncclGroupEnd`` opening the connection for its first gradient receive while its peer sat in
+        Triton's first load of a backward kernel, which waited for that rank. One exchange in both
+        directions with every neighbour, here, moves communicator creation and connection out of the step.
+        """
+        me = dist.get_rank()
+        topo = self.topology
+        peers = sorted(
+            {
+                self._peer(s + d)
+                for s in topo.stages_of(self.rank)
+                for d in (-1, 1)
+                if 0 <= s + d < topo.num_stages and not topo.is_local_edge(min(s, s + d))
+            }
+            - {me}
+        )
+        ops = []
+        for p in peers:  # a few MiB so that NCCL connects every channel it uses for a peer
+            ops.append(dist.P2POp(dist.isend, torch.zeros(1 << 20, device=self.device), p, self.group))
+            ops.append(dist.P2POp(dist.irecv, torch.empty(1 << 20, device=self.device), p, self.group))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # --- communication ---
     def _issue(self, group: list[Action]) -> None:
