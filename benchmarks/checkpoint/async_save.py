@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState
 from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -49,6 +50,23 @@ class TimedPlanner(DefaultSavePlanner):
         return out
 
 
+# DCP caches plans per planner class: one class per mode keeps the modes independent. Module-level
+# classes, because "process" mode pickles the planner to its background process (where it then runs).
+class OffPlanner(TimedPlanner):
+    pass
+
+
+class ThreadPlanner(TimedPlanner):
+    pass
+
+
+class ProcessPlanner(TimedPlanner):
+    pass
+
+
+PLANNERS = {"off": OffPlanner, "thread": ThreadPlanner, "process": ProcessPlanner}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params-b", type=float, default=1.0)
@@ -59,6 +77,8 @@ def main() -> None:
     ap.add_argument("--modes", default="off,thread,process")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
     args = ap.parse_args()
+    # A one-rank process group, as in a real run: "process" mode needs one (without it, it writes from a thread).
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n_layers = max(1, round(args.params_b * 1e9 / (args.width * args.width)))
@@ -94,8 +114,7 @@ def main() -> None:
         stalls, totals = [], []
         try:
             ck = Checkpointer(root, keep_last=1, async_mode=mode)  # type: ignore[arg-type]
-            # DCP caches plans per planner class: one class per mode keeps the modes independent
-            ck._planner = type(f"TimedPlanner_{mode}", (TimedPlanner,), {})(enable_plan_caching=True)
+            ck._planner = PLANNERS[mode](enable_plan_caching=True)
             for i in range(args.saves):
                 t0 = time.perf_counter()
                 ck.save(i + 1, state)
