@@ -34,20 +34,23 @@ def _run_cases(cases: list[dict], batch: int) -> list[tuple[str, float, float]]:
         mine = M.copies(M.make_stages(topo.num_stages), topo.stages_of(rank))
         ex = build_pipeline(cfg, pp_group=group, stage_modules=mine, loss_fn=M.loss_fn)
         ids, labels = M.make_batch(batch)
-        state = PipelineState(cfg.num_microbatches, specs={"labels": Split(0), "loss": Stack()})
-        state.global_view["labels"] = labels
-        res = ex.step({"input_ids": ids}, state)
-        loss_err = 0.0
-        if topo.num_stages - 1 in mine:
-            assert res.loss is not None
-            loss_err = (res.loss - ref_loss).abs().item()
-        else:
-            assert res.loss is None
-        grad_err = 0.0
-        for s, mod in mine.items():
-            for n, p in mod.named_parameters():
-                assert p.grad is not None, f"{case}: stage {s} {n} has no grad"
-                grad_err = max(grad_err, (p.grad - ref_grads[s][n]).abs().max().item())
+        loss_err = grad_err = 0.0
+        for lockstep in (True, False):  # the first step runs in lockstep, later ones overlap communication
+            for mod in mine.values():
+                mod.zero_grad(set_to_none=True)
+            state = PipelineState(cfg.num_microbatches, specs={"labels": Split(0), "loss": Stack()})
+            state.global_view["labels"] = labels
+            res = ex.step({"input_ids": ids}, state)
+            assert ex._lockstep is lockstep
+            if topo.num_stages - 1 in mine:
+                assert res.loss is not None
+                loss_err = max(loss_err, (res.loss - ref_loss).abs().item())
+            else:
+                assert res.loss is None
+            for s, mod in mine.items():
+                for n, p in mod.named_parameters():
+                    assert p.grad is not None, f"{case}: stage {s} {n} has no grad"
+                    grad_err = max(grad_err, (p.grad - ref_grads[s][n]).abs().max().item())
         out.append((str(case), loss_err, grad_err))
     return out
 

@@ -205,6 +205,7 @@ class PipelineExecutor:
 
         self.program = lower(program)
         validate(self.program)
+        self._steps = 0
         self.group = pp_group
         self.rank = dist.get_rank(pp_group)
         if dist.get_world_size(pp_group) != self.program.num_ranks:
@@ -249,13 +250,10 @@ class PipelineExecutor:
         return dist.get_global_rank(self.group, self.topology.rank_of(stage))
 
     def _connect(self) -> None:
-        """Open the connections to the pipeline neighbours before the first step (a collective call).
+        """Create the communicator and open the connections to the pipeline neighbours (a collective call).
 
-        NCCL creates its communicator on first use and connects each peer and direction lazily, inside
-        the call that first uses it. Inside a step that handshake can deadlock: on 2 H200s one rank sat in
-        ``ncclGroupEnd`` opening the connection for its first gradient receive while its peer sat in
-        Triton's first load of a backward kernel, which waited for that rank. One exchange in both
-        directions with every neighbour, here, moves communicator creation and connection out of the step.
+        NCCL does both lazily, inside the call that first needs them, and that call blocks until the peer
+        joins. Done here, every pp-rank joins at the same point and no step waits on it.
         """
         me = dist.get_rank()
         topo = self.topology
@@ -291,6 +289,12 @@ class PipelineExecutor:
                 return []
             works = dist.batch_isend_irecv(ops)
             self._pending.extend(works)
+            if self._lockstep:
+                for w in works:
+                    w.wait()
+                    self._waited.add(id(w))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             for x in in_batch:
                 if x.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                     self._recv_works[x] = works
@@ -407,7 +411,7 @@ class PipelineExecutor:
             self._forward(act.forward, state)
             send = Action(act.forward.stage, ActionKind.SEND_F, act.forward.microbatch)
             later = self.program.actions[self.rank][idx + 1 : idx + 8]
-            if send in later and act.forward.stage in self._meta_sent:
+            if send in later and act.forward.stage in self._meta_sent and not self._lockstep:
                 self._issue([send])
                 self._early_sent.add(send)
             self._backward(act.backward)
@@ -418,7 +422,13 @@ class PipelineExecutor:
         else:
             self._backward(act)
 
-    def step(self, inputs: Mapping[str, torch.Tensor] | None, state: PipelineState) -> StepResult:
+    def step(
+        self,
+        inputs: Mapping[str, torch.Tensor] | None,
+        state: PipelineState,
+        *,
+        lockstep: bool | None = None,
+    ) -> StepResult:
         """Run forward (and backward) of every microbatch of the step.
 
         Args:
@@ -426,7 +436,18 @@ class PipelineExecutor:
                 the rank holding stage 0.
             state: the step's :class:`PipelineState` (same num_microbatches); receives ``loss`` per microbatch
                 (and the last stage's outputs for forward-only programs).
+            lockstep: wait for each communication group to finish before going on, so that no transfer is
+                in flight while this rank computes (same value on every pp-rank). The first launch of a
+                kernel (a new Triton specialisation, a lazily loaded or JIT-compiled CUDA kernel) waits
+                for the GPU's in-flight NCCL operations; if the peer is blocked the same way, the pipeline
+                deadlocks (measured on 2 H200s, see benchmarks/multigpu/module_load_probe.py). Lockstep
+                cannot deadlock a validated program: a rank's groups already run one after another on its
+                single communication queue, so waiting for them on the host adds no dependency.
+                Default: the first step only (its kernels launch for the first time). Pass True for a
+                step with new shapes.
         """
+        self._lockstep = self._steps == 0 if lockstep is None else lockstep
+        self._steps += 1
         m = self.num_microbatches
         if state.num_microbatches != m:
             raise ValueError(f"state has {state.num_microbatches} microbatches but the schedule has {m}")
