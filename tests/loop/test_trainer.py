@@ -267,16 +267,20 @@ class _MeshContext:
         return self.mesh
 
 
-def _pp_run(run_dir: str, steps: int, schedule: str) -> list[float]:
+def _pp_run(run_dir: str, steps: int, schedule: str) -> tuple[list[float], bool]:
     from tests.loop._lm import load_reference_weights, tiny_stage
 
+    import torch._functorch.config as functorch_config
+
     torch.set_num_threads(1)
+    functorch_config.donated_buffer = True  # torch's default (pool workers are reused)
     cfg = load_config(
         overrides=[
             f"--run.run_dir={run_dir}",
             f"--run.steps={steps}",
             "--mesh.pipeline=2",
             f"--pipeline.kind={schedule}",
+            *(["--pipeline.stages_per_rank=1"] if schedule == "zb1p" else []),
             "--batching.global_batch_size=8",
             "--batching.microbatch_size=2",
             "--optimizer.lr=0.02",
@@ -288,16 +292,21 @@ def _pp_run(run_dir: str, steps: int, schedule: str) -> list[float]:
     losses = _losses(tr)
     tr.fit()
     tr.close()
-    return losses
+    donated = functorch_config.donated_buffer
+    functorch_config.donated_buffer = True
+    return losses, donated
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
 def test_pipeline_parallel_2_matches_one_process(tmp_path, schedule):
     from tests.loop._lm import load_reference_weights
 
     steps = 4
-    pp_losses = run_distributed(_pp_run, 2, str(tmp_path / "pp"), steps, schedule)
+    results = run_distributed(_pp_run, 2, str(tmp_path / "pp"), steps, schedule)
+    pp_losses = [r[0] for r in results]
     assert pp_losses[0] == pp_losses[1]
+    # split backward keeps the graph between I and W: compiled backwards must not donate buffers
+    assert [r[1] for r in results] == [schedule != "zb1p"] * 2
     cfg = _config(tmp_path / "one", steps=steps)
     single = Trainer(
         cfg,

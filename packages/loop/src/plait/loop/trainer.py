@@ -270,13 +270,22 @@ class Trainer:
             return {k: mb[k] for k in self._stage_kwargs_keys}
 
         self._has_last_stage = has_last
-        return build_pipeline(
+        executor = build_pipeline(
             self.pipeline_config,
             pp_group=self.topology.pp_group,
             stage_modules=stage_modules,
             loss_fn=loss_fn,
             forward_kwargs_fn=forward_kwargs_fn,
         )
+        import torch._functorch.config as functorch_config
+
+        if getattr(executor, "splits_backward", False) and functorch_config.donated_buffer:
+            # The I pass keeps the autograd graph for the W pass (retain_graph); a torch.compile'd backward
+            # with donated buffers refuses that (seen with the compiled FlexAttention on GPU). The compiled
+            # parts (FlexAttention, per-layer compile) compile at their first forward, after this.
+            functorch_config.donated_buffer = False
+            logger.info("split-backward schedule: torch._functorch.config.donated_buffer set to False")
+        return executor
 
     def _set_timeout(self, seconds: float) -> None:
         if self.ctx is not None and hasattr(self.ctx, "set_timeout"):

@@ -238,6 +238,15 @@ class PipelineExecutor:
     def num_microbatches(self) -> int:
         return self.program.num_microbatches
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether this rank's program has split backward (``I`` then ``W``, which keeps the graph in between)."""
+        return any(
+            a.kind is ActionKind.BACKWARD_WEIGHT
+            for act in self.program.actions[self.rank]
+            for a in act.sub_actions()
+        )
+
     def _find_last_backward(self) -> dict[int, Action]:
         last: dict[int, Action] = {}
         for act in self.program.actions[self.rank]:
@@ -495,12 +504,7 @@ class PipelineExecutor:
         """
         fsdp = [m for m in self.runner.modules.values() if _is_fsdp(m)]
         self._manual_fsdp = bool(fsdp) and all(hasattr(m, "finalize_backward") for m in fsdp)
-        split = any(
-            a.kind is ActionKind.BACKWARD_WEIGHT
-            for act in self.program.actions[self.rank]
-            for a in act.sub_actions()
-        )
-        if fsdp and split and not self._manual_fsdp:
+        if fsdp and self.splits_backward and not self._manual_fsdp:
             raise RuntimeError(
                 f"schedule {self.program.name!r} splits the backward (I/W), which with FSDP2 stage modules needs "
                 "torch's FSDPModule.finalize_backward (not in this torch version); use a full-backward schedule "
