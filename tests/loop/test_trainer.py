@@ -268,9 +268,9 @@ class _MeshContext:
 
 
 def _pp_run(run_dir: str, steps: int, schedule: str) -> tuple[list[float], bool]:
-    from tests.loop._lm import load_reference_weights, tiny_stage
-
     import torch._functorch.config as functorch_config
+
+    from tests.loop._lm import load_reference_weights, tiny_stage
 
     torch.set_num_threads(1)
     functorch_config.donated_buffer = True  # torch's default (pool workers are reused)

@@ -107,3 +107,54 @@ def test_first_stage_weight_pass_reaches_weights_behind_custom_functions() -> No
     assert gi is None and CALLS == [GradDirection.BOTH]
     for (n, p), r in zip(net.named_parameters(), ref):
         torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12, msg=n)
+
+
+def _flops(fn) -> int:  # type: ignore[no-untyped-def]
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_weight_pass_runs_only_the_weight_branches() -> None:
+    """W computes each weight gradient once and no activation gradient: with bias-free Linear layers,
+    I and W each cost exactly half the FLOPs of the full backward (one matmul of two per layer)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32, bias=False), nn.Tanh())])
+    x = torch.randn(16, 32, requires_grad=True)
+    g = torch.randn(16, 32)
+    params = list(net.parameters())
+    out = net(x)
+    full = _flops(lambda: torch.autograd.backward(out, g))
+    ref = [p.grad.clone() for p in params]
+    net.zero_grad(set_to_none=True)
+    out = net(x)
+    box: list = []
+    i_flops = _flops(lambda: box.extend(backward_input([out], [g], [x], params)))
+    work = box[1]
+    assert work.branches is not None and len(work.intermediates) == 4
+    w_flops = _flops(lambda: backward_weight(work))
+    assert (i_flops, w_flops) == (full // 2, full // 2)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r)
+
+
+def test_weight_used_twice_takes_the_single_pass_and_matches_full_backward() -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    g = torch.randn(4, 8)
+
+    def f():  # type: ignore[no-untyped-def]
+        return torch.tanh(x @ w) @ w
+
+    torch.autograd.backward(f(), g)
+    ref_w, ref_x = w.grad.clone(), x.grad.clone()
+    w.grad = None
+    x.grad = None
+    got, work = backward_input([f()], [g], [x], [w])
+    assert work.branches is None  # w joins the input path at two places
+    backward_weight(work)
+    torch.testing.assert_close(got[0], ref_x)
+    torch.testing.assert_close(w.grad, ref_w)

@@ -25,6 +25,9 @@ class WeightGradWork:
 
     params: list[torch.Tensor]
     intermediates: list[Node]
+    # per intermediate: indices into params of the weights whose branch joins the input path there; None if
+    # a weight joins at several intermediates (a weight used twice), which needs the single-pass W
+    branches: list[list[int]] | None = None
     grads: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # index into intermediates -> grads in
     extra_roots: list[torch.Tensor] = field(default_factory=list)  # outputs not on the input path
     extra_grads: list[torch.Tensor | None] = field(default_factory=list)
@@ -69,21 +72,26 @@ def backward_input(
                 closure.add(p)
                 stack.append(p)
     # intermediates: where a weight's branch joins the input path
-    inter: dict[Node, None] = {}
-    for prm in params:
+    weights = [p for p in params if p.requires_grad]
+    inter: dict[Node, list[int]] = {}
+    shared = False
+    for i, prm in enumerate(weights):
         pn = _node(prm)
         if pn is None or pn not in seen:
             continue
-        stack, visited = [pn], {pn}
+        stack, visited, joins = [pn], {pn}, set()
         while stack:
             node = stack.pop()
             for p in parents.get(node, []):
                 if p in closure:
-                    inter[p] = None
+                    joins.add(p)
                 elif p not in visited:
                     visited.add(p)
                     stack.append(p)
-    work = WeightGradWork([p for p in params if p.requires_grad], list(inter))
+        shared |= len(joins) > 1
+        for p in joins:
+            inter.setdefault(p, []).append(i)
+    work = WeightGradWork(weights, list(inter), None if shared else list(inter.values()))
     for o, g in roots:
         n = _node(o)
         if n is not None and n not in closure:
@@ -136,7 +144,28 @@ def backward_weight(work: WeightGradWork) -> None:
     if not work.params:
         return
     dws: list[torch.Tensor | None] = [None] * len(work.params)
-    if roots:
+    if roots and work.branches is not None:
+        # One autograd call per intermediate, asking only for the weights of its own branch: autograd then
+        # runs only that branch. (One call for all would also follow the input path from each intermediate
+        # down to earlier weights, recomputing every activation gradient of the I pass.)
+        with grad_direction(GradDirection.WEIGHTS):
+            for i, node in enumerate(work.intermediates):
+                edges = [
+                    (GradientEdge(node, j), g) for j, g in enumerate(work.grads.get(i, ())) if g is not None
+                ]
+                if not edges:
+                    continue
+                branch = work.branches[i]
+                got = torch.autograd.grad(
+                    [e for e, _ in edges],
+                    [work.params[k] for k in branch],
+                    grad_outputs=[g for _, g in edges],
+                    allow_unused=True,
+                    retain_graph=bool(work.extra_roots),
+                )
+                for k, dw in zip(branch, got):
+                    dws[k] = dw
+    elif roots:
         handles = []
         if len(work.intermediates) > 1:
             # An intermediate downstream of another would receive the upstream one's contribution a second
