@@ -300,10 +300,10 @@ class PipelineExecutor:
             self._pending.extend(works)
             if self._lockstep:
                 for w in works:
-                    w.wait()
+                    w.wait()  # NCCL: the current stream waits for the group
                     self._waited.add(id(w))
                 if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                    torch.cuda.current_stream(self.device).synchronize()
             for x in in_batch:
                 if x.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                     self._recv_works[x] = works
