@@ -163,8 +163,8 @@ def backward_weight(work: WeightGradWork) -> None:
                     allow_unused=True,
                     retain_graph=bool(work.extra_roots),
                 )
-                for k, dw in zip(branch, got):
-                    dws[k] = dw
+                for k, g_k in zip(branch, got):
+                    dws[k] = g_k
     elif roots:
         handles = []
         if len(work.intermediates) > 1:
