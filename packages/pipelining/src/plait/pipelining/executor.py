@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +17,8 @@ from plait.pipelining.state import MicrobatchView, PipelineState
 from torch import nn
 
 __all__ = ["LossFn", "OfflineExecutor", "PipelineExecutor", "StepResult"]
+
+log = logging.getLogger(__name__)  # DEBUG: one line per posted group and per compute action (hang hunting)
 
 LossFn = Callable[[dict[str, torch.Tensor], MicrobatchView], torch.Tensor]
 ForwardKwargsFn = Callable[[int, MicrobatchView], Mapping[str, torch.Tensor]]
@@ -296,6 +299,9 @@ class PipelineExecutor:
         def flush() -> list[Any]:
             if not ops:
                 return []
+            if log.isEnabledFor(logging.DEBUG):
+                sent = [(o.op.__name__, o.peer, tuple(o.tensor.shape), str(o.tensor.dtype)) for o in ops]
+                log.debug("pp-rank %d posts %s: %s", self.rank, [str(x) for x in in_batch], sent)
             works = dist.batch_isend_irecv(ops)
             self._pending.extend(works)
             if self._lockstep:
@@ -304,6 +310,7 @@ class PipelineExecutor:
                     self._waited.add(id(w))
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
+                log.debug("pp-rank %d: group done", self.rank)
             for x in in_batch:
                 if x.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                     self._recv_works[x] = works
@@ -414,6 +421,7 @@ class PipelineExecutor:
             r.backward_weight(s, k)
 
     def _compute(self, act: AnyAction, state: PipelineState, idx: int) -> None:
+        log.debug("pp-rank %d computes %s", self.rank, act)
         if isinstance(act, OverlapAction):
             # Forward first while the backward's gradient receive is still in flight, then post the
             # forward's activation send so it travels while the backward computes.
