@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +11,7 @@ import torch
 
 from ..errors import KeyMismatchError, MapperError, SpecMismatchError, format_keys
 from ..specs import Region, TensorSpec, slice_region
+from .templates import as_templates, match_any
 
 if TYPE_CHECKING:
     from .composite import Sequential
@@ -277,3 +278,28 @@ def rekey(
         renames,
         label or group.label,
     )
+
+
+Keys = str | Sequence[str]
+
+
+class _PerTensor(Mapper):
+    """Base for mappers that map each matching tensor on its own, keeping its key (``_group`` returns
+    None to leave one out)."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = [keys] if isinstance(keys, str) else list(keys)
+        self.templates = as_templates(self.keys)
+
+    def groups(self, source: Mapping[str, TensorSpec]) -> list[MapperGroup]:
+        out = []
+        for k, spec in source.items():
+            if match_any(self.templates, k) is None:
+                continue
+            group = self._group(k, spec)
+            if group is not None:
+                out.append(group)
+        return out
+
+    def _group(self, key: str, spec: TensorSpec) -> MapperGroup | None:
+        raise NotImplementedError

@@ -12,8 +12,8 @@ from torch.distributed.tensor.placement_types import Placement
 from ..dtensor import local_region, local_shard, to_dtensor
 from ..errors import MapperError
 from ..specs import Region, TensorSpec, is_full
-from .base import GroupFn, Mapper, MapperGroup
-from .templates import as_templates, match_any
+from .base import GroupFn, Keys, Mapper, MapperGroup, _PerTensor
+from .templates import as_templates
 
 __all__ = ["Distribute", "Gather"]
 
@@ -21,7 +21,7 @@ Placements = Sequence[Placement]
 PlacementRule = Placements | Mapping[str, Placements] | Callable[[str, TensorSpec], Placements | None]
 
 
-class Distribute(Mapper):
+class Distribute(_PerTensor):
     """Turns full tensors into DTensors on ``mesh`` holding only this rank's shard.
 
     No communication: every rank computes its own shard, and with plain ``Shard``/``Replicate``
@@ -35,13 +35,10 @@ class Distribute(Mapper):
         keys: templates of the keys to distribute (default: all).
     """
 
-    def __init__(
-        self, mesh: DeviceMesh, placements: PlacementRule, keys: str | Sequence[str] = "{*key}"
-    ) -> None:
+    def __init__(self, mesh: DeviceMesh, placements: PlacementRule, keys: Keys = "{*key}") -> None:
+        super().__init__(keys)
         self.mesh = mesh
         self.placements = placements
-        self.keys = [keys] if isinstance(keys, str) else list(keys)
-        self.templates = as_templates(self.keys)
         if isinstance(placements, Mapping):
             self._rules = [(as_templates(k)[0], list(v)) for k, v in placements.items()]
 
@@ -57,22 +54,14 @@ class Distribute(Mapper):
             return None if got is None else list(got)
         return list(p)
 
-    def groups(self, source: Mapping[str, TensorSpec]) -> list[MapperGroup]:
-        out = []
-        for k, spec in source.items():
-            if match_any(self.templates, k) is None:
-                continue
-            placements = self._placements_for(k, spec)
-            if placements is None:
-                continue
-            if len(placements) != self.mesh.ndim:
-                raise MapperError(
-                    f"Distribute: {k!r} has {len(placements)} placements for a {self.mesh.ndim}-dim mesh"
-                )
-            out.append(self._group(k, spec, placements))
-        return out
-
-    def _group(self, key: str, spec: TensorSpec, placements: list[Placement]) -> MapperGroup:
+    def _group(self, key: str, spec: TensorSpec) -> MapperGroup | None:
+        placements = self._placements_for(key, spec)
+        if placements is None:
+            return None
+        if len(placements) != self.mesh.ndim:
+            raise MapperError(
+                f"Distribute: {key!r} has {len(placements)} placements for a {self.mesh.ndim}-dim mesh"
+            )
         mesh = self.mesh
         region = local_region(spec.shape, mesh, placements)
 
@@ -97,28 +86,21 @@ class Distribute(Mapper):
         return f"Distribute({self.mesh}, {self.placements})"
 
 
-class Gather(Mapper):
+class Gather(_PerTensor):
     """DTensors -> full tensors (``full_tensor()``: a collective every rank of the mesh must join).
 
     Plain tensors pass unchanged. Groups run in plan order, which is the same on every rank.
     """
 
-    def __init__(self, keys: str | Sequence[str] = "{*key}") -> None:
-        self.keys = [keys] if isinstance(keys, str) else list(keys)
-        self.templates = as_templates(self.keys)
+    def __init__(self, keys: Keys = "{*key}") -> None:
+        super().__init__(keys)
 
-    def groups(self, source: Mapping[str, TensorSpec]) -> list[MapperGroup]:
-        out = []
-        for k, spec in source.items():
-            if match_any(self.templates, k) is None:
-                continue
+    def _group(self, key: str, spec: TensorSpec) -> MapperGroup:
+        def fn(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            v = t[key]
+            return {key: v.full_tensor() if isinstance(v, DTensor) else v}
 
-            def fn(t: dict[str, torch.Tensor], k: str = k) -> dict[str, torch.Tensor]:
-                v = t[k]
-                return {k: v.full_tensor() if isinstance(v, DTensor) else v}
-
-            out.append(MapperGroup((k,), {k: spec}, fn, None, None, "Gather"))
-        return out
+        return MapperGroup((key,), {key: spec}, fn, None, None, "Gather")
 
     def __repr__(self) -> str:
         return f"Gather({self.keys})"

@@ -8,33 +8,9 @@ import torch
 
 from ..errors import MapperError
 from ..specs import Region, TensorSpec
-from .base import GroupFn, Mapper, MapperGroup
-from .templates import as_templates, match_any
+from .base import GroupFn, Keys, Mapper, MapperGroup, _PerTensor
 
 __all__ = ["Cast", "Reshape", "Transpose"]
-
-Keys = str | Sequence[str]
-
-
-class _PerTensor(Mapper):
-    """Base for mappers that transform each matching tensor on its own, keeping its key."""
-
-    def __init__(self, keys: Keys) -> None:
-        self.keys = [keys] if isinstance(keys, str) else list(keys)
-        self.templates = as_templates(self.keys)
-
-    def groups(self, source: Mapping[str, TensorSpec]) -> list[MapperGroup]:
-        out = []
-        for k, spec in source.items():
-            if match_any(self.templates, k) is None:
-                continue
-            group = self._group(k, spec)
-            if group is not None:
-                out.append(group)
-        return out
-
-    def _group(self, key: str, spec: TensorSpec) -> MapperGroup | None:
-        raise NotImplementedError
 
 
 class Transpose(_PerTensor):
