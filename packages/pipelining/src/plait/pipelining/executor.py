@@ -235,20 +235,17 @@ class PipelineExecutor:
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
         self._last_backward = self._find_last_backward()
+        # split backward (I then W) on this rank: the graph is kept between the two
+        self.splits_backward = any(
+            a.kind is ActionKind.BACKWARD_WEIGHT
+            for act in self.program.actions[self.rank]
+            for a in act.sub_actions()
+        )
         self._connect()
 
     @property
     def num_microbatches(self) -> int:
         return self.program.num_microbatches
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether this rank's program has split backward (``I`` then ``W``, which keeps the graph in between)."""
-        return any(
-            a.kind is ActionKind.BACKWARD_WEIGHT
-            for act in self.program.actions[self.rank]
-            for a in act.sub_actions()
-        )
 
     def _find_last_backward(self) -> dict[int, Action]:
         last: dict[int, Action] = {}
