@@ -232,3 +232,21 @@ def test_export_checkpoint_to_safetensors(tmp_path):
     assert sorted(exported) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
     for key, value in model.state_dict().items():
         assert torch.equal(exported[f"net.{key}"], value)
+
+
+class _Counting(ValueState):
+    calls = 0
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        type(self).calls += 1
+        return super().state_dict()
+
+
+def test_load_builds_each_state_dict_once(tmp_path):
+    """load() checks and restores through one state_dict() per Stateful (optimizer state dicts of sharded
+    models are expensive to build)."""
+    ck = Checkpointer(tmp_path, async_mode="off")
+    ck.save(1, {"v": ValueState(7)})
+    target = _Counting(0)
+    ck.load(ck.latest(), {"v": target})
+    assert target.value == 7 and _Counting.calls == 1

@@ -85,11 +85,10 @@ def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _flatten(state: dict[str, Any]) -> dict[str, Any]:
-    """Flatten a state dict the way DCP does (Stateful objects expanded, nested keys joined by '.')."""
+def _flatten(expanded: dict[str, Any]) -> dict[str, Any]:
+    """Flatten a state dict whose Stateful objects are expanded the way DCP does (nested keys joined by '.')."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    expanded = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
     flat, _ = flatten_state_dict(expanded)
     return flat
 
@@ -291,14 +290,20 @@ class Checkpointer:
                     meta.get("world_size"),
                 )
                 del state[key]
+        # Expand each Stateful once: the same dicts are checked, loaded into in place, then handed back
+        # (what dcp.load does itself, which would call every state_dict() a second time).
+        expanded = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
         self._verify(
             path,
             saved,
-            _flatten(state),
+            _flatten(expanded),
             strict=strict,
             rank_keyed=[k for k, v in state.items() if isinstance(v, PerRankState)],
         )
-        dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
+        dcp.load(expanded, checkpoint_id=str(path), process_group=self.pg)
+        for k, v in state.items():
+            if hasattr(v, "load_state_dict"):
+                v.load_state_dict(expanded[k])
         return meta
 
     def _verify(
