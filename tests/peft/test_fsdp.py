@@ -90,6 +90,20 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def merge_cycle(model: nn.Module, x: torch.Tensor) -> dict[str, object]:
+    """States and outputs of a trained model, merged, then unmerged."""
+    out: dict[str, object] = {"trained": full_state(model)}
+    with torch.no_grad():
+        out["out_trained"] = model(x)
+    merge_peft(model)
+    out["merged"] = full_state(model)
+    with torch.no_grad():
+        out["out_merged"] = model(x)
+    unmerge_peft(model)
+    out["unmerged"] = full_state(model)
+    return out
+
+
 def run_fsdp(out_dir: str) -> dict[str, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -105,16 +119,8 @@ def run_fsdp(out_dir: str) -> dict[str, object]:
     per = x.shape[0] // world
     # each rank its slice of the batch; FSDP averages gradients over ranks = the full-batch mean
     train_step(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-    trained = full_state(model)
     save_adapter(model, Path(out_dir) / "adapter.safetensors")
-    with torch.no_grad():
-        out_trained = model(x)
-    merge_peft(model)
-    merged = full_state(model)
-    with torch.no_grad():
-        out_merged = model(x)
-    unmerge_peft(model)
-    unmerged = full_state(model)
+    cycle = merge_cycle(model, x)
     # loading the saved adapter into a fresh sharded model reproduces the trained adapter
     fresh = build()
     for block in fresh:
@@ -123,12 +129,8 @@ def run_fsdp(out_dir: str) -> dict[str, object]:
     load_adapter(fresh, Path(out_dir) / "adapter.safetensors")
     reloaded = full_state(fresh)
     return {
-        "trained": trained,
-        "merged": merged,
-        "unmerged": unmerged,
+        **cycle,
         "reloaded": reloaded,
-        "out_trained": out_trained,
-        "out_merged": out_merged,
         "local_shape": tuple(model[0].q_proj.base_layer.weight.to_local().shape),
     }
 
@@ -151,15 +153,9 @@ def test_fsdp2_train_merge_io_equal_single_process(tmp_path: Path) -> None:
     ref = build()
     x, y = data()
     train_step(ref, x, y)
-    trained = full_state(ref)
-    with torch.no_grad():
-        out_trained = ref(x)
-    merge_peft(ref)
-    merged = full_state(ref)
-    with torch.no_grad():
-        out_merged = ref(x)
-    unmerge_peft(ref)
-    unmerged = full_state(ref)
+    expect = merge_cycle(ref, x)
+    trained, merged, unmerged = expect["trained"], expect["merged"], expect["unmerged"]
+    out_trained, out_merged = expect["out_trained"], expect["out_merged"]
 
     before = full_state(build())
     moved = [k for k in trained if not torch.equal(trained[k], before[k])]
