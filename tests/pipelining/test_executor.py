@@ -21,19 +21,22 @@ from tests.pipelining import _model as M
 ATOL = 1e-6
 
 
-def _run_cases(cases: list[dict], batch: int) -> list[tuple[str, float, float]]:
+def _run_cases(cases: list[dict], batch: int, device: str = "cpu") -> list[tuple[str, float, float]]:
     """On every rank: run each schedule config and return (case, loss error, max grad error)."""
     torch.set_num_threads(1)
     group = dist.group.WORLD
     pp, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     out = []
     for case in cases:
         cfg = parse_schedule_config(case)
         topo = cfg.topology(pp)
         ref_loss, ref_grads = M.reference(topo.num_stages, batch)
-        mine = M.copies(M.make_stages(topo.num_stages), topo.stages_of(rank))
+        mine = {
+            s: m.to(dev) for s, m in M.copies(M.make_stages(topo.num_stages), topo.stages_of(rank)).items()
+        }
         ex = build_pipeline(cfg, pp_group=group, stage_modules=mine, loss_fn=M.loss_fn)
-        ids, labels = M.make_batch(batch)
+        ids, labels = (t.to(dev) for t in M.make_batch(batch))
         loss_err = grad_err = 0.0
         for lockstep in (True, False):  # the first step runs in lockstep, later ones overlap communication
             for mod in mine.values():
@@ -44,21 +47,21 @@ def _run_cases(cases: list[dict], batch: int) -> list[tuple[str, float, float]]:
             assert ex._lockstep is lockstep
             if topo.num_stages - 1 in mine:
                 assert res.loss is not None
-                loss_err = max(loss_err, (res.loss - ref_loss).abs().item())
+                loss_err = max(loss_err, (res.loss.cpu() - ref_loss).abs().item())
             else:
                 assert res.loss is None
             for s, mod in mine.items():
                 for n, p in mod.named_parameters():
                     assert p.grad is not None, f"{case}: stage {s} {n} has no grad"
-                    grad_err = max(grad_err, (p.grad - ref_grads[s][n]).abs().max().item())
+                    grad_err = max(grad_err, (p.grad.cpu() - ref_grads[s][n]).abs().max().item())
         out.append((str(case), loss_err, grad_err))
     return out
 
 
-def _check(results: list[list[tuple[str, float, float]]]) -> None:
+def _check(results: list[list[tuple[str, float, float]]], atol: float = ATOL) -> None:
     for rank, per_rank in enumerate(results):
         for case, loss_err, grad_err in per_rank:
-            assert loss_err <= ATOL and grad_err <= ATOL, (
+            assert loss_err <= atol and grad_err <= atol, (
                 f"rank {rank} {case}: loss err {loss_err}, grad err {grad_err}"
             )
 
@@ -88,6 +91,47 @@ def test_schedules_match_single_process_pp2() -> None:
 
 def test_schedules_match_single_process_pp4() -> None:
     _check(run_distributed(_run_cases, 4, PP4_CASES, 8))
+
+
+@pytest.mark.multigpu
+def test_schedules_match_single_process_pp2_on_nccl() -> None:
+    # Each stage sends two tensors (float activations and an int64 position tensor) per message: with the
+    # old grouping of consecutive sends and receives into one NCCL group, 1F1B deadlocked (the second
+    # tensor waited behind the gradient receive of the same group). fp32 on GPU vs the CPU reference.
+    cases = [*PP2_CASES, {"kind": "looped_bfs", "num_microbatches": 4, "stages_per_rank": 2}]
+    _check(run_distributed(_run_cases, 2, cases, 8, "cuda", backend="nccl"), atol=1e-5)
+
+
+def _run_new_shapes() -> list[float]:
+    """1F1B on 2 ranks: batch 4, then batch 8 without and with ``new_shapes``; errors vs the reference."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    cfg = parse_schedule_config({"kind": "1f1b", "num_microbatches": 2})
+    mine = M.copies(M.make_stages(2), [rank])
+    ex = build_pipeline(cfg, pp_group=dist.group.WORLD, stage_modules=mine, loss_fn=M.loss_fn)
+    errs = []
+    for batch, new_shapes in ((4, False), (8, False), (8, True)):
+        ids, labels = M.make_batch(batch)
+        state = PipelineState(2, specs={"labels": Split(0), "loss": Stack()})
+        state.global_view["labels"] = labels
+        for mod in mine.values():
+            mod.zero_grad(set_to_none=True)
+        if batch == 8 and not new_shapes:
+            if rank == 0:  # the sender notices before posting anything; rank 1 does not take part
+                with pytest.raises(ValueError, match=r"stage 0's outputs .* new_shapes=True"):
+                    ex.step({"input_ids": ids}, state)
+            continue
+        ex.step({"input_ids": ids}, state, new_shapes=new_shapes)
+        _, ref_grads = M.reference(2, batch)
+        errs.append(
+            max((p.grad - ref_grads[rank][n]).abs().max().item() for n, p in mine[rank].named_parameters())
+        )
+    return errs
+
+
+def test_changed_shapes_need_new_shapes() -> None:
+    for errs in run_distributed(_run_new_shapes, 2):
+        assert len(errs) == 2 and max(errs) <= ATOL, errs
 
 
 def _run_inference(m: int, batch: int) -> torch.Tensor | None:

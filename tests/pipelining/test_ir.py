@@ -6,6 +6,7 @@ import pytest
 from plait.pipelining import (
     Action,
     ActionKind,
+    CommGroup,
     OverlapAction,
     Program,
     ProgramError,
@@ -18,6 +19,7 @@ from plait.pipelining import (
     build_program,
     build_zb1p,
     build_zbv,
+    dry_run,
     loop_topology,
     lower,
     parse_action,
@@ -43,6 +45,10 @@ def test_action_strings_round_trip() -> None:
         a = parse_action(text)
         assert str(a) == text
     assert parse_action("0F3") == Action(0, ActionKind.FORWARD, 3)
+    group = parse_action("0SEND_F1+0RECV_B0")
+    assert isinstance(group, CommGroup) and str(group) == "0SEND_F1+0RECV_B0" and group.is_comm
+    with pytest.raises(ValueError, match="send/receive actions only"):
+        parse_action("0SEND_F1+0F2")
     assert parse_action("0F3|5B1") == OverlapAction(
         Action(0, ActionKind.FORWARD, 3), Action(5, ActionKind.BACKWARD, 1)
     )
@@ -200,3 +206,35 @@ def test_lowering_is_stream_safe_for_looped_bfs() -> None:
     prog = lower(build_looped_bfs(2, 4, 2))
     validate(prog)
     assert prog.lowered and all(any(a.is_comm for a in acts) for acts in prog.actions)
+
+
+def test_validator_rejects_groups_that_do_not_pair_up() -> None:
+    # The grouping that hung the main job on NCCL (two tensors per message): rank 0 posts its activation send
+    # and its gradient receive in one group, rank 1 receives and later sends in groups of their own. NCCL
+    # pairs a group's k-th send with its k-th receive per peer, so rank 0's second tensor waited behind the
+    # gradient that rank 1 only computes after receiving it. The plain dry run accepts this program.
+    bad = (
+        HEAD
+        + """
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1+0RECV_B0 0B0 0RECV_B1 0B1
+rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1
+"""
+    )
+    with pytest.raises(
+        ProgramError, match=r"group \[3\] 0SEND_F1\+0RECV_B0 does not pair with one group of rank 1"
+    ):
+        validate(_broken(bad))
+    dry_run(_broken(bad))  # the queue model alone does not see it
+    good = bad.replace("0SEND_F1+0RECV_B0", "0SEND_F1 0RECV_B0")
+    validate(_broken(good))
+
+
+def test_lowering_groups_messages_by_instant() -> None:
+    # 1F1B on 2 ranks: rank 0's activation send of microbatch 1 and its gradient receive of microbatch 0
+    # leave at different instants, so they are separate groups; an exchange of one instant is one group.
+    low = lower(build_1f1b(2, 4))
+    assert "0SEND_F1 0RECV_B0" in low.format()
+    dual = lower(build_dualpipev(2, 8))
+    groups = [a for acts in dual.actions for a in acts if isinstance(a, CommGroup)]
+    assert any({x.kind.value[:4] for x in g.ops} == {"SEND", "RECV"} for g in groups)  # exchanges exist
+    validate(dual)

@@ -1,7 +1,7 @@
 """plait.pipelining: pipeline-parallel schedule IR, program builders (GPipe to DualPipeV), validator,
 simulator and executor with split backward."""
 
-from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction, parse_action
+from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup, OverlapAction, parse_action
 from plait.pipelining.config import (
     BaseScheduleConfig,
     DualPipeVConfig,
@@ -44,6 +44,7 @@ __all__ = [
     "ActionKind",
     "AnyAction",
     "BaseScheduleConfig",
+    "CommGroup",
     "DualPipeVConfig",
     "GPipeConfig",
     "InferenceConfig",

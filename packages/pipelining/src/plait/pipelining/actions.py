@@ -6,7 +6,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["Action", "ActionKind", "AnyAction", "OverlapAction", "parse_action"]
+__all__ = ["Action", "ActionKind", "AnyAction", "CommGroup", "OverlapAction", "parse_action"]
 
 
 class ActionKind(enum.Enum):
@@ -103,7 +103,40 @@ class OverlapAction:
         return (self.forward, self.backward)
 
 
-AnyAction = Action | OverlapAction
+@dataclass(frozen=True, slots=True)
+class CommGroup:
+    """Sends and receives posted together as one group (one ``batch_isend_irecv``) in a lowered program.
+
+    NCCL progresses the operations of a group concurrently only when each peer posts its matching operations
+    in one group as well; the validator checks that groups pair up across ranks. Prints as
+    ``"0SEND_F1+0RECV_B0"``. A group of one operation is written as that :class:`Action`.
+    """
+
+    ops: tuple[Action, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ops) < 2 or not all(isinstance(a, Action) and a.is_comm for a in self.ops):
+            raise ValueError(f"CommGroup needs two or more send/receive actions, got {self.ops}")
+
+    def __str__(self) -> str:
+        return "+".join(str(a) for a in self.ops)
+
+    def __repr__(self) -> str:
+        return f"CommGroup({self})"
+
+    @property
+    def is_compute(self) -> bool:
+        return False
+
+    @property
+    def is_comm(self) -> bool:
+        return True
+
+    def sub_actions(self) -> tuple[Action, ...]:
+        return self.ops
+
+
+AnyAction = Action | OverlapAction | CommGroup
 
 
 def parse_action(text: str) -> AnyAction:
@@ -113,6 +146,11 @@ def parse_action(text: str) -> AnyAction:
         ValueError: if `text` is not a valid action string.
     """
     text = text.strip()
+    if "+" in text:
+        ops = [parse_action(t) for t in text.split("+")]
+        if not all(isinstance(a, Action) and a.is_comm for a in ops):
+            raise ValueError(f"Cannot parse action {text!r}: a '+' group holds send/receive actions only")
+        return CommGroup(tuple(ops))  # type: ignore[arg-type]
     if "|" in text:
         left, _, right = text.partition("|")
         fwd, bwd = parse_action(left), parse_action(right)
@@ -123,6 +161,6 @@ def parse_action(text: str) -> AnyAction:
     if m is None:
         raise ValueError(
             f"Cannot parse action {text!r}: expected '<stage><kind><microbatch>' with kind in "
-            "F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (e.g. '0F3'), or 'fwd|bwd' for an overlap"
+            "F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (e.g. '0F3'), 'fwd|bwd' for an overlap, or 'a+b' for a communication group"
         )
     return Action(int(m.group(1)), ActionKind(m.group(2)), int(m.group(3)))

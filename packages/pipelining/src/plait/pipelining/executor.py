@@ -286,66 +286,80 @@ class PipelineExecutor:
             torch.cuda.synchronize(self.device)
 
     # --- communication ---
-    def _issue(self, group: list[Action]) -> None:
-        """Post one communication group. The first activation message of a stage edge in a step is preceded
-        by a small metadata message (keys, dtypes, shapes) in the same channel position, so both ends keep
-        the program's per-pair order; the receiver waits for it before allocating the data buffers."""
-        ops: list[dist.P2POp] = []
-        in_batch: list[Action] = []
-
-        def flush() -> list[Any]:
-            if not ops:
-                return []
-            if log.isEnabledFor(logging.DEBUG):
-                sent = [(o.op.__name__, o.peer, tuple(o.tensor.shape), str(o.tensor.dtype)) for o in ops]
-                log.debug("pp-rank %d posts %s: %s", self.rank, [str(x) for x in in_batch], sent)
-            works = dist.batch_isend_irecv(ops)
+    def _post(self, ops: list[dist.P2POp], what: list[Action], *, wait: bool) -> list[Any]:
+        """Post `ops` as one group; with `wait` (or in lockstep) block until it completed on the GPU."""
+        if log.isEnabledFor(logging.DEBUG):
+            sent = [(o.op.__name__, o.peer, tuple(o.tensor.shape), str(o.tensor.dtype)) for o in ops]
+            log.debug("pp-rank %d posts %s: %s", self.rank, [str(x) for x in what], sent)
+        works = dist.batch_isend_irecv(ops)
+        if wait or self._lockstep:
+            for w in works:
+                w.wait()  # NCCL: the current stream waits for the group
+                self._waited.add(id(w))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            log.debug("pp-rank %d: group done", self.rank)
+        else:
             self._pending.extend(works)
-            if self._lockstep:
-                for w in works:
-                    w.wait()  # NCCL: the current stream waits for the group
-                    self._waited.add(id(w))
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                log.debug("pp-rank %d: group done", self.rank)
-            for x in in_batch:
-                if x.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                    self._recv_works[x] = works
-            ops.clear()
-            in_batch.clear()
-            return works
+        return works
 
+    def _issue(self, group: tuple[Action, ...]) -> None:
+        """Post one communication group of the program.
+
+        In a step that exchanges metadata, the first activation message of each stage edge is preceded by
+        its metadata (keys, dtypes, shapes, requires_grad), posted as a group of its own by both ends; the
+        receiver reads it before it allocates the data buffers. Later steps reuse it, and a send whose
+        tensors no longer match raises.
+        """
+        meta_ops: list[dist.P2POp] = []
+        incoming: list[tuple[int, torch.Tensor]] = []
         for a in group:
-            if a in self._early_sent:
-                continue
-            if a.kind is ActionKind.SEND_F and a.stage not in self._meta_sent:
+            if a.kind is ActionKind.SEND_F:
                 out = self.runner.outputs[(a.stage, a.microbatch)]
                 meta = [
-                    [k, str(v.dtype), list(v.shape), bool(v.requires_grad)] for k, v in sorted(out.items())
+                    (k, str(v.dtype), tuple(v.shape), bool(v.requires_grad)) for k, v in sorted(out.items())
                 ]
-                raw = json.dumps(meta).encode()
-                if len(raw) > _META_BYTES:
-                    raise ValueError(
-                        f"stage {a.stage} outputs too many tensors to describe in {_META_BYTES} bytes"
+                known = self._out_meta.get(a.stage)
+                if known is None:
+                    raw = json.dumps(meta).encode()
+                    if len(raw) > _META_BYTES:
+                        raise ValueError(
+                            f"stage {a.stage} outputs too many tensors to describe in {_META_BYTES} bytes"
+                        )
+                    buf = torch.zeros(_META_BYTES, dtype=torch.uint8)
+                    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                    meta_ops.append(
+                        dist.P2POp(dist.isend, buf.to(self.device), self._peer(a.stage + 1), self.group)
                     )
-                buf = torch.zeros(_META_BYTES, dtype=torch.uint8)
-                buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                buf = buf.to(self.device)
-                ops.append(dist.P2POp(dist.isend, buf, self._peer(a.stage + 1), self.group))
-                self._meta_sent.add(a.stage)
-                self._keep.append(buf)
+                    self._out_meta[a.stage] = meta
+                elif known != meta:
+                    raise ValueError(
+                        f"stage {a.stage}'s outputs for microbatch {a.microbatch} are {meta}, but the pipeline "
+                        f"exchanged {known} (keys, dtypes, shapes, requires_grad) at its first step; when they "
+                        "change, call step(..., new_shapes=True) on every pp-rank"
+                    )
             elif a.kind is ActionKind.RECV_F and a.stage not in self._meta:
                 buf = torch.zeros(_META_BYTES, dtype=torch.uint8, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buf, self._peer(a.stage - 1), self.group))
-                for w in flush():
-                    if id(w) not in self._waited:
-                        w.wait()
-                        self._waited.add(id(w))
+                meta_ops.append(dist.P2POp(dist.irecv, buf, self._peer(a.stage - 1), self.group))
+                incoming.append((a.stage, buf))
+        if meta_ops:
+            self._post(meta_ops, list(group), wait=True)
+            for stage, buf in incoming:
                 raw = bytes(buf.cpu().tolist()).rstrip(b"\0")
-                self._meta[a.stage] = [(k, _DTYPES[d], tuple(sh), rg) for k, d, sh, rg in json.loads(raw)]
-            ops += self._data_ops(a)
-            in_batch.append(a)
-        flush()
+                self._meta[stage] = [(k, _DTYPES[d], tuple(sh), rg) for k, d, sh, rg in json.loads(raw)]
+        works = self._post([op for a in group for op in self._data_ops(a)], list(group), wait=False)
+        for a in group:
+            if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                self._recv_works[a] = works
+
+    def _ready(self, entry: AnyAction) -> bool:
+        """Whether every send of a communication entry has its data already."""
+        r = self.runner
+        return all(
+            (a.stage, a.microbatch) in (r.outputs if a.kind is ActionKind.SEND_F else r.input_grads)
+            for a in entry.sub_actions()
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B)
+        )
 
     def _data_ops(self, a: Action) -> list[dist.P2POp]:
         r, s, k = self.runner, a.stage, a.microbatch
@@ -420,14 +434,14 @@ class PipelineExecutor:
     def _compute(self, act: AnyAction, state: PipelineState, idx: int) -> None:
         log.debug("pp-rank %d computes %s", self.rank, act)
         if isinstance(act, OverlapAction):
-            # Forward first while the backward's gradient receive is still in flight, then post the
-            # forward's activation send so it travels while the backward computes.
+            # Forward first while the backward's gradient receive is still in flight; then post the next
+            # communication group (the forward's activation send) so it travels while the backward computes.
             self._forward(act.forward, state)
-            send = Action(act.forward.stage, ActionKind.SEND_F, act.forward.microbatch)
-            later = self.program.actions[self.rank][idx + 1 : idx + 8]
-            if send in later and act.forward.stage in self._meta_sent and not self._lockstep:
-                self._issue([send])
-                self._early_sent.add(send)
+            acts = self.program.actions[self.rank]
+            nxt = acts[idx + 1] if idx + 1 < len(acts) else None
+            if nxt is not None and nxt.is_comm and not self._lockstep and self._ready(nxt):
+                self._issue(nxt.sub_actions())
+                self._posted_early.add(idx + 1)
             self._backward(act.backward)
             return
         assert isinstance(act, Action)
@@ -441,7 +455,7 @@ class PipelineExecutor:
         inputs: Mapping[str, torch.Tensor] | None,
         state: PipelineState,
         *,
-        lockstep: bool | None = None,
+        new_shapes: bool = False,
     ) -> StepResult:
         """Run forward (and backward) of every microbatch of the step.
 
@@ -450,17 +464,20 @@ class PipelineExecutor:
                 the rank holding stage 0.
             state: the step's :class:`PipelineState` (same num_microbatches); receives ``loss`` per microbatch
                 (and the last stage's outputs for forward-only programs).
-            lockstep: wait for each communication group to finish before going on, so that no transfer is
-                in flight while this rank computes (same value on every pp-rank). The first launch of a
-                kernel (a new Triton specialisation, a lazily loaded or JIT-compiled CUDA kernel) waits
-                for the GPU's in-flight NCCL operations; if the peer is blocked the same way, the pipeline
-                deadlocks (measured on 2 H200s, see benchmarks/multigpu/module_load_probe.py). Lockstep
-                cannot deadlock a validated program: a rank's groups already run one after another on its
-                single communication queue, so waiting for them on the host adds no dependency.
-                Default: the first step only (its kernels launch for the first time). Pass True for a
-                step with new shapes.
+            new_shapes: exchange the stages' output metadata (keys, dtypes, shapes) again; pass the same
+                value on every pp-rank. The first step always does; later steps reuse it.
+
+        A step that exchanges metadata also runs in lockstep: each communication group is waited for on the
+        host before going on, so that no transfer is in flight while this rank computes. The first launch
+        of a kernel (a new Triton specialisation, a lazily loaded or JIT-compiled CUDA kernel), which new
+        shapes bring, waits for the GPU's in-flight NCCL operations; with the peer blocked the same way the
+        pipeline would deadlock (measured on 2 H200s, see benchmarks/multigpu/module_load_probe.py).
+        Lockstep cannot deadlock a validated program (the validator's dry run checks both modes).
         """
-        self._lockstep = self._steps == 0 if lockstep is None else lockstep
+        self._lockstep = self._steps == 0 or new_shapes
+        if self._lockstep:
+            self._meta: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], bool]]] = {}
+            self._out_meta: dict[int, list[tuple[str, str, tuple[int, ...], bool]]] = {}
         self._steps += 1
         m = self.num_microbatches
         if state.num_microbatches != m:
@@ -469,33 +486,22 @@ class PipelineExecutor:
             _split_inputs(inputs, m) if inputs is not None and 0 in self.runner.modules else None
         )
         self.runner.reset()
-        self._meta: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], bool]]] = {}
-        self._meta_sent: set[int] = set()
         self._recv_f: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, bool]]] = {}
         self._recv_works: dict[Action, list[Any]] = {}
         self._pending: list[Any] = []
         self._waited: set[int] = set()
-        self._keep: list[torch.Tensor] = []
-        self._early_sent: set[Action] = set()
+        self._posted_early: set[int] = set()
         self._start_fsdp()
-        acts = self.program.actions[self.rank]
-        i = 0
-        while i < len(acts):
-            if acts[i].is_comm:
-                j = i
-                while j < len(acts) and acts[j].is_comm:
-                    j += 1
-                self._issue(list(acts[i:j]))  # type: ignore[arg-type]
-                i = j
-                continue
-            self._compute(acts[i], state, i)
-            i += 1
+        for i, act in enumerate(self.program.actions[self.rank]):
+            if not act.is_comm:
+                self._compute(act, state, i)
+            elif i not in self._posted_early:
+                self._issue(act.sub_actions())
         for w in self._pending:
             if id(w) not in self._waited:
                 w.wait()
         self._pending.clear()
         self._waited.clear()
-        self._keep.clear()
         self._finish_fsdp()
         self.runner.reset()
         return StepResult(self.runner.step_loss(state, m))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 
-from plait.pipelining.actions import Action, ActionKind, AnyAction
+from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup
 from plait.pipelining.program import Program
 from plait.pipelining.timing import compute_times, unit_cost
 from plait.pipelining.topology import Topology
@@ -47,10 +48,12 @@ def lower(program: Program) -> Program:
 
     Each message gets a time: when its producer finishes in a unit-cost run of the program where sends never
     block. The send goes right after the producer; the receive goes before the first compute action the
-    receiving rank starts at or after that time. Every communication group then only holds operations of
-    one instant whose partners sit in the peers' groups of the same instant, so the lowered program is
-    deadlock-free even when each rank's operations run strictly in order on one stream (NCCL), and each rank
-    pair posts its messages in the same order on both ends.
+    receiving rank starts at or after that time. The messages of one instant that a rank sends or receives
+    form one :class:`CommGroup`, and each peer holds the same messages of that instant in one group too, so
+    groups pair up across ranks (which NCCL needs to progress a group's operations concurrently). Groups run
+    in order of their instants on every rank, so the lowered program is deadlock-free even when each rank
+    runs its groups strictly one after another on one stream, and each rank pair posts its messages in the
+    same order on both ends.
 
     Raises:
         ValueError: if the compute order has cyclic dependencies across ranks.
@@ -86,7 +89,9 @@ def lower(program: Program) -> Program:
     for r, per_rank in enumerate(times):
         seq: list[AnyAction] = []
         for j in range(len(per_rank) + 1):
-            seq += [a for _, a in sorted(slots[r][j], key=lambda x: x[0])]
+            for _, grp in itertools.groupby(sorted(slots[r][j], key=lambda x: x[0]), key=lambda x: x[0][0]):
+                ops = [a for _, a in grp]
+                seq.append(ops[0] if len(ops) == 1 else CommGroup(tuple(ops)))
             if j < len(per_rank):
                 seq.append(program.actions[r][per_rank[j][0]])
         ranks.append(seq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plait.pipelining.actions import ActionKind, AnyAction
+from plait.pipelining.actions import ActionKind, AnyAction, OverlapAction
 from plait.pipelining.program import Program
 
 F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
@@ -19,6 +19,8 @@ def compute_times(
     program: Program, cost: Callable[[AnyAction], float], comm_latency: float = 0.0
 ) -> list[list[tuple[int, float, float]]]:
     """Start and end times of each rank's compute actions when sends never block.
+
+    The forward of an :class:`OverlapAction` runs first: its output is ready after ``cost(forward)``.
 
     Returns, per rank, ``(program index, start, end)`` for every compute action in program order.
 
@@ -71,6 +73,8 @@ def compute_times(
                 finish = start + cost(a)
                 for x in a.sub_actions():
                     end[_key(x.kind, x.stage, x.microbatch)] = finish
+                if isinstance(a, OverlapAction):  # the forward runs first and its output leaves early
+                    end[_key(F, a.forward.stage, a.forward.microbatch)] = start + cost(a.forward)
                 out[r].append((i, start, finish))
                 free[r] = finish
                 ptr[r] += 1

@@ -131,24 +131,27 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
     # every remote edge carries exactly one matched message, in the same order on both ends
     sent: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
     recvd: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
+    group_of: dict[tuple[str, _Msg], tuple[int, int]] = {}  # (side, message) -> (rank, index of its group)
     for r, acts in enumerate(program.actions):
         for i, act in enumerate(acts):
-            if not isinstance(act, Action) or not act.is_comm:
+            if not act.is_comm:
                 continue
-            a = act
-            assert isinstance(a, Action)
-            msg, peer_stage = _message(a)
-            if not 0 <= peer_stage < topo.num_stages:
-                raise ProgramError(f"{a}: peer stage {peer_stage} does not exist", program, r, i)
-            peer = topo.rank_of(peer_stage)
-            if peer == r:
-                raise ProgramError(
-                    f"{a}: stages {a.stage} and {peer_stage} are on the same rank", program, r, i
-                )
-            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                sent[(r, peer)].append((msg, i))
-            else:
-                recvd[(peer, r)].append((msg, i))
+            for a in act.sub_actions():
+                msg, peer_stage = _message(a)
+                group_of[(_side(a), msg)] = (r, i)
+            for a in act.sub_actions():
+                msg, peer_stage = _message(a)
+                if not 0 <= peer_stage < topo.num_stages:
+                    raise ProgramError(f"{a}: peer stage {peer_stage} does not exist", program, r, i)
+                peer = topo.rank_of(peer_stage)
+                if peer == r:
+                    raise ProgramError(
+                        f"{a}: stages {a.stage} and {peer_stage} are on the same rank", program, r, i
+                    )
+                if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    sent[(r, peer)].append((msg, i))
+                else:
+                    recvd[(peer, r)].append((msg, i))
     for s in range(topo.num_stages - 1):
         if topo.is_local_edge(s):
             continue
@@ -185,18 +188,56 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                     dst,
                     rr[j][1],
                 )
+    _check_groups_pair_up(program, group_of)
     if check_deadlock:
         dry_run(program)
+        dry_run(program, lockstep=True)
 
 
-def dry_run(program: Program) -> None:
+def _check_groups_pair_up(program: Program, group_of: dict[tuple[str, _Msg], tuple[int, int]]) -> None:
+    """A group's operations with one peer must have their partners in one group of that peer, and that group's
+    operations with this rank their partners in this group. NCCL progresses a group's sends and receives
+    concurrently only when both ends group them alike; otherwise a send may wait behind a receive."""
+    for r, acts in enumerate(program.actions):
+        for i, act in enumerate(acts):
+            if not act.is_comm:
+                continue
+            peers: dict[int, set[int]] = defaultdict(set)  # peer rank -> its groups holding our partners
+            for a in act.sub_actions():
+                pr, pj = group_of[_partner(a)]
+                peers[pr].add(pj)
+            for pr, js in peers.items():
+                theirs = [b for j in js for b in program.actions[pr][j].sub_actions()]
+                if len(js) > 1 or any(
+                    group_of[_partner(b)] != (r, i) for b in theirs if _peer_rank(program, b) == r
+                ):
+                    where_ = ", ".join(f"[{j}] {program.actions[pr][j]}" for j in sorted(js))
+                    raise ProgramError(
+                        f"group [{i}] {act} does not pair with one group of rank {pr} (its partners: {where_}); "
+                        "both ends must post the sends and receives between them in groups that match",
+                        program,
+                        r,
+                        i,
+                    )
+
+
+def _partner(a: Action) -> tuple[str, _Msg]:
+    return ("R" if _side(a) == "S" else "S", _message(a)[0])
+
+
+def _peer_rank(program: Program, a: Action) -> int:
+    return program.topology.rank_of(_message(a)[1])
+
+
+def dry_run(program: Program, *, lockstep: bool = False) -> None:
     """Execute a lowered program the way the executor does and raise :class:`ProgramError` on deadlock.
 
     Model (that of NCCL with one communication stream per rank, stricter than gloo): each rank's host walks its
-    program in order; a run of consecutive communication actions is issued as one group onto the rank's
-    communication queue without blocking the host; queued groups run one after another, and an operation
-    completes once the peer has its matching operation in the group at the head of its own queue (or already
-    completed). A compute action waits until the receives it consumes have completed.
+    program in order; each communication entry (an action or a :class:`CommGroup`) is issued as one group onto
+    the rank's communication queue without blocking the host; queued groups run one after another, and an
+    operation completes once the peer has its matching operation in the group at the head of its own queue
+    (or already completed). A compute action waits until the receives it consumes have completed. With
+    `lockstep`, the host also waits for each group it issued to complete before going on.
     """
     if not program.lowered:
         raise ValueError("dry_run() needs a lowered program (see plait.pipelining.lower)")
@@ -215,14 +256,11 @@ def dry_run(program: Program) -> None:
         progressed = False
         for r in range(n):  # hosts: issue groups, run computes whose receives completed
             acts = program.actions[r]
-            while cpu[r] < len(acts):
+            while cpu[r] < len(acts) and not (lockstep and queues[r]):
                 a = acts[cpu[r]]
                 if a.is_comm:
-                    start, grp = cpu[r], list[Action]()
-                    while cpu[r] < len(acts) and acts[cpu[r]].is_comm:
-                        grp.append(acts[cpu[r]])  # type: ignore[arg-type]
-                        cpu[r] += 1
-                    queues[r].append((start, grp))
+                    queues[r].append((cpu[r], list(a.sub_actions())))
+                    cpu[r] += 1
                     progressed = True
                     continue
                 needs = [_message(x)[0] for x in recvs_for(topo, a)]
