@@ -94,12 +94,16 @@ def test_schedules_match_single_process_pp4() -> None:
 
 
 @pytest.mark.multigpu
-def test_schedules_match_single_process_pp2_on_nccl() -> None:
+@pytest.mark.parametrize(
+    "case",
+    [*PP2_CASES, {"kind": "looped_bfs", "num_microbatches": 4, "stages_per_rank": 2}],
+    ids=lambda c: f"{c['kind']}-m{c['num_microbatches']}",
+)
+def test_schedules_match_single_process_pp2_on_nccl(case: dict) -> None:
     # Each stage sends two tensors (float activations and an int64 position tensor) per message: with the
     # old grouping of consecutive sends and receives into one NCCL group, 1F1B deadlocked (the second
     # tensor waited behind the gradient receive of the same group). fp32 on GPU vs the CPU reference.
-    cases = [*PP2_CASES, {"kind": "looped_bfs", "num_microbatches": 4, "stages_per_rank": 2}]
-    _check(run_distributed(_run_cases, 2, cases, 8, "cuda", backend="nccl"), atol=1e-5)
+    _check(run_distributed(_run_cases, 2, [case], 8, "cuda", backend="nccl", timeout=60), atol=1e-5)
 
 
 def _run_new_shapes() -> list[float]:

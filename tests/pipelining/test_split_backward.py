@@ -158,3 +158,19 @@ def test_weight_used_twice_takes_the_single_pass_and_matches_full_backward() -> 
     backward_weight(work)
     torch.testing.assert_close(got[0], ref_x)
     torch.testing.assert_close(w.grad, ref_w)
+
+
+def test_weight_pass_after_the_outputs_are_dropped() -> None:
+    # The executor drops a stage's outputs between I and W. On torch 2.11 the Python object of an autograd
+    # Function's node holds that node only weakly, so the W pass found _Matmul's node freed
+    # (RuntimeError: Attribute '_input_metadata' is invalid) unless the work keeps the outputs.
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, dtype=torch.float64)
+    out = _Matmul.apply(torch.tanh(x), w)
+    (gx,), work = backward_input([out], [g], [x], [w])
+    del out
+    backward_weight(work)
+    torch.testing.assert_close(w.grad, g.T @ torch.tanh(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(gx, (g @ w.detach()) * (1 - torch.tanh(x.detach()) ** 2), rtol=0, atol=1e-12)

@@ -31,6 +31,9 @@ class WeightGradWork:
     grads: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # index into intermediates -> grads in
     extra_roots: list[torch.Tensor] = field(default_factory=list)  # outputs not on the input path
     extra_grads: list[torch.Tensor | None] = field(default_factory=list)
+    # The outputs keep the graph alive until W: the Python object of an autograd Function's node holds its
+    # C++ node only weakly (torch 2.11), so once the caller drops the outputs the W pass would find them freed.
+    outputs: list[torch.Tensor] = field(default_factory=list)
 
 
 def _node(t: torch.Tensor) -> Node | None:
@@ -92,6 +95,7 @@ def backward_input(
         for p in joins:
             inter.setdefault(p, []).append(i)
     work = WeightGradWork(weights, list(inter), None if shared else list(inter.values()))
+    work.outputs = [o for o, _ in roots]
     for o, g in roots:
         n = _node(o)
         if n is not None and n not in closure:
@@ -204,3 +208,4 @@ def backward_weight(work: WeightGradWork) -> None:
     work.intermediates.clear()
     work.extra_roots.clear()
     work.extra_grads.clear()
+    work.outputs.clear()
