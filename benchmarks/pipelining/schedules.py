@@ -6,10 +6,11 @@ Run (one command, 2 GPUs):
 
 A bf16 transformer (pre-norm encoder layers) is split into pipeline stages. For every schedule this script
 times a full training step (forward + backward of all microbatches) with plait's executor and with
-torch.distributed.pipelining's matching schedule in the same run. It also measures one stage's forward,
-full backward, input-backward and weight-backward times and the activation transfer time, feeds them to
-plait's simulator, and prints the predicted bubble next to the measured one
-(1 - per-rank compute time / step time). Prints a markdown table on rank 0.
+torch.distributed.pipelining's matching schedule in the same run. It also measures each stage's forward,
+full backward, input-backward and weight-backward times (the first stage with its embedding, the last with
+its head and loss) and the activation transfer time, feeds them to plait's simulator, and prints the
+predicted bubble next to the measured one (1 - compute time of all ranks / (ranks x measured step)).
+Prints a markdown table on rank 0.
 """
 
 from __future__ import annotations
@@ -122,30 +123,20 @@ def timed(fn, steps: int, warmup: int) -> float:  # type: ignore[no-untyped-def]
     return t_.item()
 
 
-def stage_costs(a: argparse.Namespace, dev: torch.device) -> ActionCosts:
-    """Per-stage F, B, I, W times (seconds) of a middle stage, and the activation transfer time."""
-    mbs = a.batch // a.microbatches
-    st = Stage(1, 3, a.layers // a.ref_stages, a).to(dev, torch.bfloat16)
-    x = torch.randn(mbs, a.seq, a.hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn_like(x)
+def _ev(fn) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(3):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / 10
 
-    def ev(fn) -> float:  # type: ignore[no-untyped-def]
-        for _ in range(3):
-            fn()
-        sync()
-        t = time.perf_counter()
-        for _ in range(10):
-            fn()
-        sync()
-        return (time.perf_counter() - t) / 10
 
-    f = ev(lambda: st(h=x))
-    fb = ev(lambda: torch.autograd.backward(st(h=x)["h"], g))
-    params = list(st.parameters())
-    fi = ev(lambda: backward_input([st(h=x)["h"]], [g], [x], params))
-    fiw = ev(lambda: backward_weight(backward_input([st(h=x)["h"]], [g], [x], params)[1]))
-    # activation transfer between the 2 ranks (one direction)
-    buf = torch.empty(mbs, a.seq, a.hidden, device=dev, dtype=torch.bfloat16)
+def transfer_time(a: argparse.Namespace, dev: torch.device) -> float:
+    """One microbatch's activations exchanged between the 2 ranks (each direction at once)."""
+    buf = torch.empty(a.batch // a.microbatches, a.seq, a.hidden, device=dev, dtype=torch.bfloat16)
     peer = 1 - dist.get_rank()
 
     def xfer() -> None:
@@ -153,9 +144,43 @@ def stage_costs(a: argparse.Namespace, dev: torch.device) -> ActionCosts:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    comm = ev(xfer)
-    # scale a middle stage of `ref_stages` to the stage sizes of each schedule in main()
-    return ActionCosts(forward=f, backward=fb - f, backward_input=fi - f, backward_weight=fiw - fi, comm=comm)
+    return _ev(xfer)
+
+
+def measure_stages(stages, a, dev, ids, labels) -> dict[int, ActionCosts]:  # type: ignore[no-untyped-def]
+    """F, B, I, W (seconds) of each stage this rank holds, on one microbatch; gathered from every rank."""
+    mbs = a.batch // a.microbatches
+    mine = {}
+    for s, st in stages.items():
+        x = (
+            {"input_ids": ids[:mbs]}
+            if st.first
+            else {
+                "h": torch.randn(mbs, a.seq, a.hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            }
+        )
+        inputs = [] if st.first else [x["h"]]
+        params = list(st.parameters())
+
+        def fwd(st=st, x=x):  # type: ignore[no-untyped-def]
+            out = st(**x)
+            if st.last:
+                return [ce(out["logits"], labels[:mbs])], [None]
+            return [out["h"]], [torch.ones_like(out["h"])]
+
+        f = _ev(fwd)
+        fb = _ev(lambda: torch.autograd.backward(*fwd()))
+        fi = _ev(lambda: backward_input(*fwd(), inputs, params))  # noqa: B023
+        fiw = _ev(lambda: backward_weight(backward_input(*fwd(), inputs, params)[1]))  # noqa: B023
+        st.zero_grad(set_to_none=True)
+        mine[s] = (f, fb - f, fi - f, fiw - fi)
+    everyone: list[dict[int, tuple[float, ...]]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    return {
+        s: ActionCosts(forward=c[0], backward=c[1], backward_input=c[2], backward_weight=c[3])
+        for per in everyone
+        for s, c in per.items()
+    }
 
 
 def matmul_peak(dev: torch.device) -> float:
@@ -171,8 +196,8 @@ def matmul_peak(dev: torch.device) -> float:
     return 20 * 2 * n**3 / (time.perf_counter() - t)
 
 
-def bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops):  # type: ignore[no-untyped-def]
-    """Time one schedule with plait and with torch; simulate it with measured costs."""
+def bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # type: ignore[no-untyped-def]
+    """Time one schedule with plait and with torch; simulate it with each stage's measured costs."""
     m = a.microbatches
     spr = {"looped_bfs": 2, "interleaved_1f1b": 2, "zb1p": 2}.get(kind)
     cfg_d = {"kind": kind, "num_microbatches": m} | ({"stages_per_rank": spr} if spr else {})
@@ -223,23 +248,19 @@ def bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops):  #
             prof.export_chrome_trace(os.path.join(a.trace_dir, f"{kind}_{name}_rank{rank}.json"))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    # simulator with measured costs, scaled from a layers/4 stage to this schedule's stage size
-    scale = 4 / topo.num_stages
-    c = ActionCosts(
-        forward=costs4.forward * scale,
-        backward=(costs4.backward or 0.0) * scale,
-        backward_input=costs4.backward_input * scale,
-        backward_weight=costs4.backward_weight * scale,
-        comm=costs4.comm,
-    )
-    sim = simulate(lower(build_program(cfg, pp)), c)
-    busy = max(sim.busy)
-    measured_bubble = max(0.0, 1 - busy / t_plait)
+    # simulator with each stage's measured costs; "measured bubble" uses the same per-rank busy time
+    costs = measure_stages(stages, a, dev, ids, labels)
+    sim = simulate(lower(build_program(cfg, pp)), ActionCosts(comm=comm), stage_costs=costs)
+    measured_bubble = max(0.0, 1 - sum(sim.busy) / (pp * t_plait))
     mfu = step_flops / t_plait / pp / peak
     row = (kind, t_plait * 1e3, t_torch * 1e3, t_torch / t_plait, sim.step_time * 1e3)
     if rank == 0:
         print(f"done {kind}", flush=True)
-    return (*row, sim.bubble_fraction, measured_bubble, mfu)
+    per_stage = ", ".join(
+        f"{s}: {c.forward * 1e3:.1f}/{(c.backward or 0) * 1e3:.1f}/{c.backward_input * 1e3:.1f}/{c.backward_weight * 1e3:.1f}"
+        for s, c in sorted(costs.items())
+    )
+    return (*row, sim.bubble_fraction, measured_bubble, mfu, per_stage)
 
 
 def main() -> None:
@@ -257,7 +278,6 @@ def main() -> None:
     p.add_argument("--trace-dir", default="", help="also write a profiler trace of one step of each")
     p.add_argument("--schedules", default="gpipe,1f1b,looped_bfs,interleaved_1f1b,zb1p,zbv,dualpipev")
     a = p.parse_args()
-    a.ref_stages = 4
     global DEVICE
     if a.device == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -273,7 +293,7 @@ def main() -> None:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(dev)
     labels = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(dev)
     m = a.microbatches
-    costs4 = stage_costs(a, dev)  # one stage of layers/4 layers
+    comm = transfer_time(a, dev)
     peak = matmul_peak(dev)
     mbs = a.batch // m
     # model FLOPs per step: 6 * params * tokens for the layers (+ attention scores), head included
@@ -281,16 +301,14 @@ def main() -> None:
     step_flops = 3 * a.batch * a.seq * (a.layers * layer_flops + 2 * a.hidden * a.vocab)
     rows = []
     for kind in a.schedules.split(","):
-        rows.append(bench_one(kind, a, pp, rank, dev, ids, labels, costs4, peak, step_flops))
+        rows.append(bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops))
     if rank == 0:
         print(
             f"\n{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (gloo)'} x{pp}, torch {torch.__version__}, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
         )
         print(
             f"hidden {a.hidden}, layers {a.layers}, seq {a.seq}, batch {a.batch}, microbatches {m} (mbs {mbs}); "
-            f"one layers/4 stage: F {costs4.forward * 1e3:.2f} ms, B {(costs4.backward or 0) * 1e3:.2f} ms, "
-            f"I {costs4.backward_input * 1e3:.2f} ms, W {costs4.backward_weight * 1e3:.2f} ms, "
-            f"activation transfer {costs4.comm * 1e3:.2f} ms\n"
+            f"activation transfer {comm * 1e3:.2f} ms; per-stage costs below\n"
         )
         print(
             "| schedule | plait step (ms) | torch step (ms) | torch/plait | simulated step (ms) | simulated bubble | measured bubble | model FLOP/s / matmul peak |"
@@ -300,6 +318,9 @@ def main() -> None:
             print(
                 f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.2f} | {r[4]:.1f} | {r[5]:.3f} | {r[6]:.3f} | {r[7]:.2f} |"
             )
+        print("\nPer-stage costs (ms, one microbatch) F/B/I/W:")
+        for r in rows:
+            print(f"- {r[0]}: {r[8]}")
     dist.destroy_process_group()
 
 

@@ -39,7 +39,7 @@ class Stage(nn.Module):
     def forward(self, input_ids=None, h=None, pos=None):  # type: ignore[no-untyped-def]
         if self.embed is not None:
             h = self.embed(input_ids)
-            pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         h = self.block(h) + 0.01 * pos.unsqueeze(-1).to(h.dtype)
         if self.head is not None:
             return {"logits": self.head(h)}

@@ -62,3 +62,15 @@ def test_ascii_and_png_html(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert png.read_bytes()[:4] == b"\x89PNG"
     html = sim.save(tmp_path / "t.html").read_text()
     assert html.startswith("<!doctype html>") and "<svg" in html
+
+
+def test_stage_costs_make_the_slow_stage_the_critical_path() -> None:
+    # GPipe, 2 stages, 4 microbatches; stage 1 (say, the head) costs twice stage 0 (F 2, B 4 vs F 1, B 2).
+    # Stage 1 forwards run 1..9, its backwards 9..25; stage 0's backward of each microbatch (2) follows
+    # stage 1's by 2, so the step ends at 27. Busy: 4 * (1 + 2) = 12 and 4 * (2 + 4) = 24.
+    slow = ActionCosts(forward=2.0, backward=4.0)
+    res = simulate(lower(build_gpipe(2, 4)), ActionCosts(forward=1.0, backward=2.0), stage_costs={1: slow})
+    assert res.step_time == 27.0 and res.busy == (12.0, 24.0)
+    assert abs(res.bubble_fraction - (1 - 36 / 54)) < 1e-12
+    with pytest.raises(ValueError, match=r"stage_costs: stages \[2\] do not exist"):
+        simulate(build_gpipe(2, 4), stage_costs={2: slow})

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.pipelining.actions import ActionKind, AnyAction
+from plait.pipelining.actions import Action, ActionKind, AnyAction
 from plait.pipelining.program import Program
 from plait.pipelining.timing import compute_times
 
@@ -144,14 +145,34 @@ class SimulationResult:
         return path
 
 
-def simulate(program: Program, costs: ActionCosts | None = None) -> SimulationResult:
+def simulate(
+    program: Program,
+    costs: ActionCosts | None = None,
+    *,
+    stage_costs: Mapping[int, ActionCosts] | None = None,
+) -> SimulationResult:
     """Simulate `program` (lowered or not) under `costs`; sends never block, receives wait for the producer.
 
+    Args:
+        program: the program.
+        costs: per-action costs of every stage, and the communication latency.
+        stage_costs: costs of particular stages instead of `costs` (e.g. a first stage with the embedding, a
+            last one with the head and the loss); their ``comm`` is not used.
+
     Raises:
-        ValueError: if the program's dependencies form a cycle.
+        ValueError: if the program's dependencies form a cycle, or `stage_costs` names a stage that does not
+            exist.
     """
     costs = costs or ActionCosts()
-    times = compute_times(program, costs.of, costs.comm)
+    per_stage = dict(stage_costs or {})
+    unknown = sorted(set(per_stage) - set(range(program.topology.num_stages)))
+    if unknown:
+        raise ValueError(f"stage_costs: stages {unknown} do not exist ({program.topology.num_stages} stages)")
+
+    def of(a: Action) -> ActionCosts:
+        return per_stage.get(a.stage, costs)
+
+    times = compute_times(program, lambda act: sum(of(a).of(a) for a in act.sub_actions()), costs.comm)
     timeline = tuple(
         TimelineEntry(r, str(program.actions[r][i]), st, en)
         for r, per in enumerate(times)
@@ -174,11 +195,11 @@ def simulate(program: Program, costs: ActionCosts | None = None) -> SimulationRe
         for i, st, en in per:
             for a in program.actions[r][i].sub_actions():
                 if a.kind is ActionKind.FORWARD:
-                    events.append((st, costs.activation_memory))
+                    events.append((st, of(a).activation_memory))
                 elif a.kind is ActionKind.BACKWARD or (
                     a.kind is ActionKind.BACKWARD_WEIGHT and (a.stage, a.microbatch) in split
                 ):
-                    events.append((en, -costs.activation_memory))
+                    events.append((en, -of(a).activation_memory))
         live = peak = 0.0
         for _, d in sorted(events):
             live += d
