@@ -21,7 +21,7 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # token mixing along the sequence (a causal cumulative mean) keeps it transformer-like
-        n = torch.arange(1, h.shape[1] + 1, dtype=h.dtype).view(1, -1, 1)
+        n = torch.arange(1, h.shape[1] + 1, dtype=h.dtype, device=h.device).view(1, -1, 1)
         h = h + self.mix(h.cumsum(1) / n)
         return h + self.down(F.gelu(self.up(self.norm(h))))
 
