@@ -106,6 +106,14 @@ def test_schedules_match_single_process_pp2_on_nccl(case: dict) -> None:
     _check(run_distributed(_run_cases, 2, [case], 8, "cuda", backend="nccl", timeout=60), atol=1e-5)
 
 
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+@pytest.mark.parametrize("case", PP4_CASES, ids=lambda c: f"{c['kind']}-m{c['num_microbatches']}")
+def test_schedules_match_single_process_pp4_on_nccl(case: dict) -> None:
+    # pp=4: a middle rank's groups hold messages for both neighbours.
+    _check(run_distributed(_run_cases, 4, [case], 8, "cuda", backend="nccl", timeout=60), atol=1e-5)
+
+
 def _run_new_shapes() -> list[float]:
     """1F1B on 2 ranks: batch 4, then batch 8 without and with ``new_shapes``; errors vs the reference."""
     torch.set_num_threads(1)
