@@ -295,7 +295,7 @@ class PipelineExecutor:
         if wait or self._lockstep:
             for w in works:
                 w.wait()  # NCCL: the current stream waits for the group
-                self._waited.add(id(w))
+                self._waited[id(w)] = w
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             log.debug("pp-rank %d: group done", self.rank)
@@ -390,7 +390,7 @@ class PipelineExecutor:
         for w in self._recv_works.pop(a, []):
             if id(w) not in self._waited:
                 w.wait()
-                self._waited.add(id(w))
+                self._waited[id(w)] = w
 
     # --- compute ---
     def _forward(self, a: Action, state: PipelineState) -> None:
@@ -489,7 +489,7 @@ class PipelineExecutor:
         self._recv_f: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, bool]]] = {}
         self._recv_works: dict[Action, list[Any]] = {}
         self._pending: list[Any] = []
-        self._waited: set[int] = set()
+        self._waited: dict[int, Any] = {}  # id -> work, kept alive so that its id is not reused
         self._posted_early: set[int] = set()
         self._start_fsdp()
         for i, act in enumerate(self.program.actions[self.rank]):

@@ -139,8 +139,6 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
             for a in act.sub_actions():
                 msg, peer_stage = _message(a)
                 group_of[(_side(a), msg)] = (r, i)
-            for a in act.sub_actions():
-                msg, peer_stage = _message(a)
                 if not 0 <= peer_stage < topo.num_stages:
                     raise ProgramError(f"{a}: peer stage {peer_stage} does not exist", program, r, i)
                 peer = topo.rank_of(peer_stage)
@@ -273,8 +271,7 @@ def dry_run(program: Program, *, lockstep: bool = False) -> None:
                 continue
             for a in queues[r][0][1]:
                 msg, peer_stage = _message(a)
-                other = ("R" if _side(a) == "S" else "S", msg)
-                if msg not in matched and other in head_msgs(topo.rank_of(peer_stage)):
+                if msg not in matched and _partner(a) in head_msgs(topo.rank_of(peer_stage)):
                     matched.add(msg)
         for r in range(n):
             while queues[r] and all(_message(a)[0] in matched for a in queues[r][0][1]):
