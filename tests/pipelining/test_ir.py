@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from plait.pipelining import (
     Action,
@@ -238,3 +240,18 @@ def test_lowering_groups_messages_by_instant() -> None:
     groups = [a for acts in dual.actions for a in acts if isinstance(a, CommGroup)]
     assert any({x.kind.value[:4] for x in g.ops} == {"SEND", "RECV"} for g in groups)  # exchanges exist
     validate(dual)
+    # The forward of an F|B pair finishes first: its cross-rank send leaves in the next group, without the
+    # backward's send, so the executor can post it while the backward computes.
+    checked = 0
+    topo = dual.topology
+    for acts in dual.actions:
+        for a, nxt in itertools.pairwise(acts):
+            if not isinstance(a, OverlapAction) or a.forward.stage == topo.num_stages - 1:
+                continue
+            if topo.is_local_edge(a.forward.stage):
+                continue
+            ops = {str(x) for x in nxt.sub_actions()}
+            f, b = a.forward, a.backward
+            assert f"{f.stage}SEND_F{f.microbatch}" in ops and f"{b.stage}SEND_B{b.microbatch}" not in ops
+            checked += 1
+    assert checked == 6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup
+from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup, OverlapAction
 from plait.pipelining.program import Program
 from plait.pipelining.timing import compute_times, unit_cost
 from plait.pipelining.topology import Topology
@@ -76,15 +76,23 @@ def lower(program: Program) -> Program:
     starts = [[st for _, st, _ in t] for t in times]
     for r, per_rank in enumerate(times):
         seq_no = 0
-        for j, (i, _st, finish) in enumerate(per_rank):
-            for snd in sends_for(topo, program.actions[r][i], has_backward=program.has_backward):
-                key = (finish, r, seq_no)
-                seq_no += 1
-                slots[r][j + 1].append((key, snd))
-                rcv = _matching_recv(snd)
-                dst = topo.rank_of(rcv.stage)
-                at = bisect.bisect_left(starts[dst], finish)  # first compute starting at or after `finish`
-                slots[dst][at].append((key, rcv))
+        for j, (i, start, finish) in enumerate(per_rank):
+            act = program.actions[r][i]
+            for sub in act.sub_actions():
+                # the forward of an F|B pair runs first: its output leaves before the backward's
+                done = (
+                    start + unit_cost(sub)
+                    if isinstance(act, OverlapAction) and sub is act.forward
+                    else finish
+                )
+                for snd in sends_for(topo, sub, has_backward=program.has_backward):
+                    key = (done, r, seq_no)
+                    seq_no += 1
+                    slots[r][j + 1].append((key, snd))
+                    rcv = _matching_recv(snd)
+                    dst = topo.rank_of(rcv.stage)
+                    at = bisect.bisect_left(starts[dst], done)  # first compute starting at or after `done`
+                    slots[dst][at].append((key, rcv))
     ranks: list[list[AnyAction]] = []
     for r, per_rank in enumerate(times):
         seq: list[AnyAction] = []
