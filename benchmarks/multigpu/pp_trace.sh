@@ -10,5 +10,9 @@ for kind in ${@:-1f1b zbv}; do
     --redirects 3 --log-dir $OUT/logs_$kind examples/qwen3_moe/pretrain.py $BASE --steps=3 \
     --checkpoint.enabled=false --mesh.pipeline=2 --pipeline.kind=$kind --run-dir=/tmp/pp2_$kind
   echo "== $kind rc=$?"
-  for f in $(find $OUT/logs_$kind -name stderr.log | sort); do echo "-- $f"; grep -E "pp-rank|step" "$f" | tail -5; done
+  for f in $(find $OUT/logs_$kind -name stderr.log | sort); do
+    echo "-- $f"; grep -E "pp-rank|step" "$f" | tail -5
+    cp "$f" "$OUT/${kind}_rank$(basename $(dirname $f)).log"  # the device tool does not return deep paths
+  done
+  rm -rf $OUT/logs_$kind
 done
