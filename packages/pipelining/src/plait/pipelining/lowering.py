@@ -5,9 +5,9 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup, OverlapAction
+from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup
 from plait.pipelining.program import Program
-from plait.pipelining.timing import compute_times, unit_cost
+from plait.pipelining.timing import compute_times, produced_at, unit_cost
 from plait.pipelining.topology import Topology
 
 __all__ = ["lower", "recvs_for", "sends_for"]
@@ -79,12 +79,7 @@ def lower(program: Program) -> Program:
         for j, (i, start, finish) in enumerate(per_rank):
             act = program.actions[r][i]
             for sub in act.sub_actions():
-                # the forward of an F|B pair runs first: its output leaves before the backward's
-                done = (
-                    start + unit_cost(sub)
-                    if isinstance(act, OverlapAction) and sub is act.forward
-                    else finish
-                )
+                done = produced_at(act, sub, start, finish, unit_cost)  # an F|B pair's forward: early
                 for snd in sends_for(topo, sub, has_backward=program.has_backward):
                     key = (done, r, seq_no)
                     seq_no += 1

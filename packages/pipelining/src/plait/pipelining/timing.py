@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plait.pipelining.actions import ActionKind, AnyAction, OverlapAction
+from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction
 from plait.pipelining.program import Program
 
 F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
@@ -20,7 +20,7 @@ def compute_times(
 ) -> list[list[tuple[int, float, float]]]:
     """Start and end times of each rank's compute actions when sends never block.
 
-    The forward of an :class:`OverlapAction` runs first: its output is ready after ``cost(forward)``.
+    The forward of an :class:`OverlapAction` is done first (see :func:`produced_at`).
 
     Returns, per rank, ``(program index, start, end)`` for every compute action in program order.
 
@@ -72,9 +72,7 @@ def compute_times(
                 start = max([free[r]] + [end[k] + lat for k, lat in d])
                 finish = start + cost(a)
                 for x in a.sub_actions():
-                    end[_key(x.kind, x.stage, x.microbatch)] = finish
-                if isinstance(a, OverlapAction):  # the forward runs first and its output leaves early
-                    end[_key(F, a.forward.stage, a.forward.microbatch)] = start + cost(a.forward)
+                    end[_key(x.kind, x.stage, x.microbatch)] = produced_at(a, x, start, finish, cost)
                 out[r].append((i, start, finish))
                 free[r] = finish
                 ptr[r] += 1
@@ -88,6 +86,14 @@ def compute_times(
             ]
             raise ValueError("cyclic data dependencies, no rank can proceed: " + "; ".join(waiting))
     return out
+
+
+def produced_at(
+    action: AnyAction, sub: Action, start: float, finish: float, cost: Callable[[AnyAction], float]
+) -> float:
+    """When `sub`, a part of `action` (run from `start` to `finish`), has its result: the forward of an
+    :class:`OverlapAction` runs first, so its output is ready after ``cost(forward)``."""
+    return start + cost(sub) if isinstance(action, OverlapAction) and sub is action.forward else finish
 
 
 def unit_cost(a: AnyAction) -> float:
