@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from plait.loop import CausalLMTask, DatasetProvider, Trainer, TrainerConfig, load_config
+from plait.loop import TrainerConfig, load_config
 from plait.models import Qwen3Provider, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
-from pretrain import DataConfig, build_dataset
+from pretrain import DataConfig, build_trainer
 from torch import nn
 
 DEFAULTS = {
@@ -70,12 +70,7 @@ def main(argv: list[str] | None = None) -> Path:
         overrides.append(f"--run.run_dir={args.run_dir}")
     config = load_config(args.config, overrides, cls=FinetuneConfig, base=DEFAULTS)
     provider = LoRAProvider(args.base, config.lora, config.run.seed)
-    trainer = Trainer(
-        config,
-        provider,
-        DatasetProvider(lambda: build_dataset(config.data, config.batching.seq_len)),
-        CausalLMTask(labels_to_model=True),
-    )
+    trainer = build_trainer(config, config.data, provider)
     try:
         trainer.fit()
         out = trainer.run_dir / "adapter"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from plait.loop import CausalLMTask, DatasetProvider, Trainer, TrainerConfig, load_config
+from plait.loop import CausalLMTask, DatasetProvider, ModelProvider, Trainer, TrainerConfig, load_config
 from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
 from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,6 +68,16 @@ def build_dataset(cfg: DataConfig, seq_len: int) -> PackedTokens:
     return pack_documents(docs, seq_len, tok.eos_id)
 
 
+def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
+    """The causal-LM trainer on the packed corpus (also used by ``finetune_lora.py``)."""
+    return Trainer(
+        config,
+        provider,
+        DatasetProvider(lambda: build_dataset(data, config.batching.seq_len)),
+        CausalLMTask(labels_to_model=True),
+    )
+
+
 def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML/YAML/JSON config file")
@@ -106,12 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model = provider.build_stage(0, 1)
         provider.materialize(model, "cpu")
         return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
-    trainer = Trainer(
-        config,
-        provider,
-        DatasetProvider(lambda: build_dataset(config.data, config.batching.seq_len)),
-        CausalLMTask(labels_to_model=True),
-    )
+    trainer = build_trainer(config, config.data, provider)
     try:
         summary = trainer.fit()
         if not args.no_export:
