@@ -1,4 +1,5 @@
 """plait.dist_core: device meshes, distributed context, seeding, collectives, pytree sharding,
+the load-balanced context-parallel sequence layout,
 parallelize applicators, DTensor-aware gradient clipping. The test harness is
 :mod:`plait.dist_core.testing`."""
 
@@ -7,6 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from plait.dist_core.collectives import all_gather_object, all_gather_uneven, gather_uneven, reduce_scalar
 from plait.dist_core.context import DistributedContext
+from plait.dist_core.context_parallel import (
+    gather_sequence,
+    load_balanced_indices,
+    shard_batch,
+    shard_sequence,
+    unshard_sequence,
+)
 from plait.dist_core.domains import DOMAIN_DIMS, Domain, domain_coordinates, domain_groups, domain_layout
 from plait.dist_core.mesh_params import DeviceMeshParameters
 from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
@@ -58,15 +66,20 @@ __all__ = [
     "domain_groups",
     "domain_layout",
     "fully_shard_module",
+    "gather_sequence",
     "gather_uneven",
     "global_grad_norm",
+    "load_balanced_indices",
     "reduce_scalar",
     "replicate",
     "seed_for",
     "seed_from_coordinates",
     "set_gradient_sync",
     "set_seed",
+    "shard_batch",
+    "shard_sequence",
     "shard_tree",
     "split_sizes",
+    "unshard_sequence",
     "unshard_tree",
 ]

@@ -11,13 +11,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from plait.models.blocks.norm import RMSNorm
 from plait.models.blocks.rope import apply_rotary
 from torch import nn
+
+if TYPE_CHECKING:
+    from plait.models.blocks.context_parallel import ContextParallelMask
 
 __all__ = [
     "AttentionMask",
@@ -53,6 +56,8 @@ class AttentionMask:
         block_mask: FlexAttention ``BlockMask`` for packed rows.
         cu_seqlens: FlashAttention varlen cumulative lengths (int32) over the flattened batch.
         max_seqlen: Longest document (FlashAttention varlen).
+        context: Context parallelism: the sequence is sharded over a group and attention crosses
+            ranks (see :mod:`plait.models.blocks.context_parallel`).
     """
 
     backend: Backend
@@ -61,6 +66,7 @@ class AttentionMask:
     block_mask: Any = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    context: ContextParallelMask | None = None
 
 
 def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, packed: bool) -> Backend:
@@ -187,6 +193,8 @@ def attention(
 
     Returns ``[B, S, q_heads, D]``.
     """
+    if mask.context is not None:
+        return mask.context.attend(q, k, v, mask, scale)
     if mask.backend == "flash":
         return _flash(q, k, v, mask, scale)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,202 @@
+"""Context parallelism (gloo, CPU) equals the single-process float64 computation.
+
+Attention: every rank holds its load-balanced shard of q/k/v; the output and the gradients of q, k
+and v (for an upstream gradient sharded the same way) are compared with plain SDPA over the full
+sequence. Model: a small Qwen3-MoE with cp=2 (the parallel plan applied from a DistributedContext,
+FSDP over ``dp_cp_shard``) gives the loss and the gradients of the 1-process model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from plait.dist_core import (
+    DeviceMeshParameters,
+    DistributedContext,
+    gather_sequence,
+    shard_batch,
+    shard_sequence,
+)
+from plait.dist_core.testing import run_distributed
+from plait.models import (
+    AttentionMask,
+    ParallelConfig,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    build_attention_mask,
+    load_hf_checkpoint,
+    parallelize,
+    save_hf_checkpoint,
+)
+from plait.models.blocks import attention as attention_mod
+from plait.models.blocks import context_parallel as cp_mod
+from torch.distributed.tensor import DTensor
+
+B, T, HQ, HKV, D = 2, 24, 4, 2, 8
+# Document lengths per row: several cross chunk (and rank) boundaries for cp = 2 and 4.
+DOC_LENGTHS = ([5, 9, 3, 7], [11, 13])
+
+
+def _doc_ids() -> torch.Tensor:
+    rows = [torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in DOC_LENGTHS]
+    return torch.stack(rows)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "q": torch.randn(B, T, HQ, D, generator=g, dtype=torch.float64),
+        "k": torch.randn(B, T, HKV, D, generator=g, dtype=torch.float64),
+        "v": torch.randn(B, T, HKV, D, generator=g, dtype=torch.float64),
+        "grad": torch.randn(B, T, HQ, D, generator=g, dtype=torch.float64),
+    }
+
+
+def _reference(docs: bool) -> dict[str, torch.Tensor]:
+    t = {k: v.clone().requires_grad_(k != "grad") for k, v in _tensors().items()}
+    mask = build_attention_mask(
+        B, T, torch.device("cpu"), torch.float64, document_ids=_doc_ids() if docs else None, implementation="sdpa"
+    )
+    out = attention_mod.attention(t["q"], t["k"], t["v"], mask, D**-0.5)
+    out.backward(t["grad"])
+    return {"out": out.detach(), "dq": t["q"].grad, "dk": t["k"].grad, "dv": t["v"].grad}
+
+
+def _attention_rank(mode: str, docs: bool, tile: int) -> dict[str, torch.Tensor]:
+    cp_mod._Q_TILE = tile
+    n, r = dist.get_world_size(), dist.get_rank()
+    cp = cp_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
+    local = {k: shard_sequence(v, n, r).requires_grad_(k != "grad") for k, v in _tensors().items()}
+    doc_ids = shard_sequence(_doc_ids(), n, r) if docs else None
+    mask = cp.build_mask(B, T // n, torch.device("cpu"), document_ids=doc_ids, implementation="sdpa")
+    assert isinstance(mask, AttentionMask) and mask.context is not None
+    out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
+    out.backward(local["grad"])
+    group = dist.group.WORLD
+    return {
+        "out": gather_sequence(out.detach(), group),  # type: ignore[arg-type]
+        "dq": gather_sequence(local["q"].grad, group),  # type: ignore[arg-type]
+        "dk": gather_sequence(local["k"].grad, group),  # type: ignore[arg-type]
+        "dv": gather_sequence(local["v"].grad, group),  # type: ignore[arg-type]
+    }
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_attention_matches_single_process(mode: str, cp: int, docs: bool) -> None:
+    ref = _reference(docs)
+    tile = 2 if cp == 2 else cp_mod._Q_TILE  # small query tiles exercise the ring kernel's tiling
+    for rank, res in enumerate(run_distributed(_attention_rank, cp, mode, docs, tile)):
+        for key, want in ref.items():
+            torch.testing.assert_close(res[key], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {key}")
+
+
+def _positions_rank(mode: str) -> torch.Tensor:
+    # Documents given as position ids that restart (a restart sits exactly on a rank boundary).
+    n, r = dist.get_world_size(), dist.get_rank()
+    cp = cp_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
+    pos = torch.cat([torch.arange(12), torch.arange(5), torch.arange(7)])[None]
+    mask = cp.build_mask(1, T // n, torch.device("cpu"), position_ids=shard_sequence(pos, n, r))
+    assert mask.context is not None and mask.context.document_ids is not None
+    return mask.context.document_ids
+
+
+def test_documents_from_restarting_positions() -> None:
+    want = torch.repeat_interleave(torch.arange(1, 4), torch.tensor([12, 5, 7]))[None]
+    for res in run_distributed(_positions_rank, 2, "ring"):
+        assert torch.equal(res, want.to(res.dtype))
+
+
+def test_bad_implementation() -> None:
+    with pytest.raises(ValueError, match="attn_implementation='flash' is not available with context"):
+        cp_mod.ContextParallel(None, "ring").build_mask(  # type: ignore[arg-type]
+            1, 4, torch.device("cpu"), implementation="flash"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- model
+CFG = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=(1,),
+    router_aux_loss_coef=0.02,
+    initializer_range=0.2,
+)
+SEQ = 16
+
+
+def _model_batch(packed: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    batch = {
+        "input_ids": torch.randint(0, 96, (2, SEQ), generator=g),
+        "labels": torch.randint(0, 96, (2, SEQ), generator=g),
+    }
+    batch["labels"][0, :3] = -100
+    batch["labels"][1, 9:11] = -100
+    if packed:
+        # Position ids restarting per document; documents cross the chunk and rank boundaries.
+        batch["position_ids"] = torch.cat([torch.arange(6), torch.arange(7), torch.arange(3)]).expand(2, SEQ)
+    return batch
+
+
+def _objective(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    # The loop's objective of one microbatch: token-summed loss plus aux loss weighted by tokens.
+    return out["loss_sum"] + out["aux_loss"] * (labels != -100).sum()
+
+
+def _model_rank(mode: str, packed: bool, ckpt: str) -> dict:
+    torch.set_default_dtype(torch.float64)  # the harness restores it
+    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device="cpu")
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
+    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
+            m.set_force_sum_reduction_for_comms(True)
+    cp_group = ctx.mesh_for("batch")["cp"]
+    batch = shard_batch(_model_batch(packed), cp_group.size(), cp_group.get_local_rank())
+    out = model(**batch)
+    global_tokens = int((_model_batch(packed)["labels"] != -100).sum())
+    (_objective(out, batch["labels"]) / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    dist.all_reduce(loss_sum, group=cp_group.get_group())
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+    return {"loss": loss_sum.item() / global_tokens, "aux": out["aux_loss"].item(), "grads": grads}
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_moe_model_cp2_matches_single_process(mode: str, packed: bool, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
+    model.reset_parameters()
+    model.double()
+    ckpt = save_hf_checkpoint(model, tmp_path / "seed")
+    batch = _model_batch(packed)
+    out = model(**batch)
+    tokens = int((batch["labels"] != -100).sum())
+    (_objective(out, batch["labels"]) / tokens).backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    for rank, res in enumerate(run_distributed(_model_rank, 2, mode, packed, str(ckpt), timeout=240.0)):
+        assert res["loss"] == pytest.approx(out["loss"].item(), rel=1e-12), rank
+        assert res["aux"] == pytest.approx(out["aux_loss"].item(), rel=1e-12), rank
+        assert set(res["grads"]) == set(ref_grads)
+        for name, want in ref_grads.items():
+            torch.testing.assert_close(res["grads"][name], want, rtol=1e-9, atol=1e-11, msg=f"rank {rank} {name}")
