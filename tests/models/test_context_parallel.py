@@ -195,8 +195,9 @@ def test_moe_model_cp2_matches_single_process(mode: str, packed: bool, tmp_path)
     (_objective(out, batch["labels"]) / tokens).backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     for rank, res in enumerate(run_distributed(_model_rank, 2, mode, packed, str(ckpt), timeout=240.0)):
-        assert res["loss"] == pytest.approx(out["loss"].item(), rel=1e-12), rank
+        # The fused cross-entropy kernel works in float32 (summed over other token sets): fp32 tolerances.
+        assert res["loss"] == pytest.approx(out["loss"].item(), rel=1e-6), rank
         assert res["aux"] == pytest.approx(out["aux_loss"].item(), rel=1e-12), rank
         assert set(res["grads"]) == set(ref_grads)
         for name, want in ref_grads.items():
-            torch.testing.assert_close(res["grads"][name], want, rtol=1e-9, atol=1e-11, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(res["grads"][name], want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")

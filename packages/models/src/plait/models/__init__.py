@@ -2,6 +2,7 @@
 
 from plait.models.blocks import (
     AttentionMask,
+    ContextParallel,
     GroupedQueryAttention,
     LMHead,
     RMSNorm,
@@ -27,7 +28,7 @@ from plait.models.hf import (
     save_hf_checkpoint,
     save_hf_config,
 )
-from plait.models.parallel import ActivationCheckpointing, ParallelConfig, parallelize
+from plait.models.parallel import ActivationCheckpointing, ParallelConfig, apply_context_parallel, parallelize
 from plait.models.provider import Qwen3Provider
 from plait.models.qwen3 import (
     Qwen3DecoderLayer,
@@ -40,6 +41,7 @@ from plait.models.qwen3 import (
 __all__ = [
     "ActivationCheckpointing",
     "AttentionMask",
+    "ContextParallel",
     "GroupedQueryAttention",
     "LMHead",
     "ParallelConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "SwiGLUMLP",
     "TokenEmbedding",
     "active_params",
+    "apply_context_parallel",
     "apply_rotary",
     "build_attention_mask",
     "config_from_hf",

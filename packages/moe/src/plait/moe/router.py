@@ -59,6 +59,10 @@ class TopKRouter(nn.Module):
     added to the scores for *selection only*; two non-persistent int64 accumulators count the
     assignments of training forwards (not recomputations) since the last bias update and since the
     last :meth:`tokens_per_expert_stats` read. They stay on device: reading them is the only sync.
+
+    ``context_group`` (set by a context-parallel plan; default None): the ranks that hold the other
+    tokens of the same sequences; the balancing losses are then those of the whole sequences (see
+    :mod:`plait.moe.losses`). Routing and the load counters stay per rank.
     """
 
     expert_bias: Tensor | None
@@ -78,6 +82,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
         self.register_buffer("_bias_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("_stat_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.context_group: object = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -144,15 +149,15 @@ class TopKRouter(nn.Module):
         if cfg.aux_loss_coef > 0 or cfg.seq_aux_loss_coef > 0:
             probs = balancing_probs(scores, cfg.score_func)
             if cfg.aux_loss_coef > 0:
-                sw = switch_aux_loss(probs, topk_idx, self.num_experts)
+                sw = switch_aux_loss(probs, topk_idx, self.num_experts, self.context_group)
                 aux = aux + cfg.aux_loss_coef * sw
                 losses["switch"] = sw.detach()
             if cfg.seq_aux_loss_coef > 0:
-                sq = seq_aux_loss(probs, topk_idx, self.num_experts, num_sequences)
+                sq = seq_aux_loss(probs, topk_idx, self.num_experts, num_sequences, self.context_group)
                 aux = aux + cfg.seq_aux_loss_coef * sq
                 losses["seq"] = sq.detach()
         if cfg.z_loss_coef > 0:
-            z = router_z_loss(logits32)
+            z = router_z_loss(logits32, self.context_group)
             aux = aux + cfg.z_loss_coef * z
             losses["z"] = z.detach()
         return RouterOutput(logits, topk_idx, topk_w, aux, counts, losses)

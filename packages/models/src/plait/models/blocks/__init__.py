@@ -1,4 +1,4 @@
-"""Transformer building blocks: attention, RoPE, RMSNorm, SwiGLU, embedding, heads, pooling."""
+"""Transformer building blocks: attention (and context-parallel attention), RoPE, RMSNorm, SwiGLU, embedding, heads, pooling."""
 
 from plait.models.blocks.attention import (
     AttentionMask,
@@ -7,6 +7,7 @@ from plait.models.blocks.attention import (
     document_ids_from_position_ids,
     flash_attn_available,
 )
+from plait.models.blocks.context_parallel import ContextParallel, ContextParallelMask, ContextParallelMode
 from plait.models.blocks.heads import LMHead, PoolingMethod, TokenEmbedding, pool_hidden_states
 from plait.models.blocks.mlp import SwiGLUMLP
 from plait.models.blocks.norm import RMSNorm
@@ -14,6 +15,9 @@ from plait.models.blocks.rope import RotaryEmbedding, apply_rotary, rope_inv_fre
 
 __all__ = [
     "AttentionMask",
+    "ContextParallel",
+    "ContextParallelMask",
+    "ContextParallelMode",
     "GroupedQueryAttention",
     "LMHead",
     "PoolingMethod",

@@ -47,6 +47,10 @@ class ParallelConfig(BaseModel):
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
         compile: ``torch.compile`` each decoder layer (in place; parameter names unchanged).
+        context_parallel_attention: How attention crosses the context group when the sequence is
+            sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
+            or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
+            :mod:`plait.models.blocks.context_parallel`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,3 +61,4 @@ class ParallelConfig(BaseModel):
     reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     compile: bool = False
+    context_parallel_attention: Literal["ring", "allgather"] = "allgather"

@@ -1,7 +1,8 @@
-"""Parallel plans for Qwen3 / Qwen3-MoE stages: TP, EP, FSDP2/HSDP, activation checkpointing, compile.
+"""Parallel plans for Qwen3 / Qwen3-MoE stages: TP, CP, EP, FSDP2/HSDP, activation checkpointing, compile.
 
 Order matters and follows torchtitan: tensor parallel first (parameters become DTensors on the
-``tp`` mesh), then expert parallel (expert weights ``Shard(0)`` over ``ep_shard``), activation
+``tp`` mesh), context parallel (attention and MoE balancing losses span the context group), then
+expert parallel (expert weights ``Shard(0)`` over ``ep_shard``), activation
 checkpointing and compile (in place, parameter names unchanged), and FSDP2 last (per decoder
 layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plait.models.blocks.context_parallel import ContextParallel, ContextParallelMode
 from plait.models.parallel.checkpointing import apply_activation_checkpointing
 from plait.models.parallel.config import ParallelConfig
 from plait.models.qwen3.model import Qwen3ForCausalLM, _Qwen3Stage
@@ -21,7 +23,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-__all__ = ["apply_expert_parallel", "apply_fsdp", "apply_tensor_parallel", "parallelize"]
+__all__ = [
+    "apply_context_parallel",
+    "apply_expert_parallel",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "parallelize",
+]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -88,6 +96,28 @@ def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
         head.tp_group = group
 
 
+def apply_context_parallel(model: _Qwen3Stage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather") -> None:
+    """Context parallelism over ``cp_mesh`` (1-D): the model takes sequence shards in the
+    load-balanced layout (:func:`plait.dist_core.shard_batch`), attention crosses the group
+    (``mode``: ``allgather`` or ``ring``) and MoE balancing losses sum their statistics over it.
+
+    Parameters stay as they are: their gradients must be summed over the context group too (FSDP
+    over the dense mesh's ``dp_cp_shard`` does that).
+
+    Raises:
+        ValueError: the stage is not a causal LM (pooling heads need the whole sequence).
+    """
+    if not isinstance(model, Qwen3ForCausalLM):
+        raise ValueError(
+            f"context parallelism supports Qwen3ForCausalLM stages, not {type(model).__name__} "
+            "(its pooling head needs the whole sequence on one rank)"
+        )
+    group = cp_mesh.get_group()
+    model.model.context_parallel = ContextParallel(group, mode)
+    for moe in model.moe_layers():
+        moe.router.context_group = group
+
+
 def apply_expert_parallel(model: _Qwen3Stage, ep_mesh: DeviceMesh) -> None:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``."""
     from plait.moe import expert_parallel
@@ -146,14 +176,19 @@ def parallelize(
     expert_mesh: DeviceMesh | None = None,
     config: ParallelConfig | None = None,
     context: Any = None,
+    cp_mesh: DeviceMesh | None = None,
 ) -> _Qwen3Stage:
-    """Apply TP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
+    """Apply TP, CP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
 
     Pass either the meshes or a ``plait.dist_core.DistributedContext`` (``context``), whose
-    ``mesh_for("dense")`` (dims ``pp, dp_replicate, dp_cp_shard, cp_replicate, tp``) and
-    ``mesh_for("expert")`` (dims ``pp, ep_replicate, ep_shard``) are used. Dims of size 1 are
-    skipped. Call on the meta-device model before ``to_empty`` + ``reset_parameters`` (or before
-    loading a checkpoint).
+    ``mesh_for("dense")`` (dims ``pp, dp_replicate, dp_cp_shard, cp_replicate, tp``),
+    ``mesh_for("expert")`` (dims ``pp, ep_replicate, ep_shard``) and the ``cp`` dim of
+    ``mesh_for("batch")`` are used. Dims of size 1 are skipped. Call on the meta-device model
+    before ``to_empty`` + ``reset_parameters`` (or before loading a checkpoint).
+
+    Under context parallelism (a ``cp`` group of size > 1) every input of the model must be this
+    rank's shard in the load-balanced layout (:func:`plait.dist_core.shard_batch`); FSDP shards
+    over ``dp_cp_shard``, which sums the gradients over the context ranks too.
 
     Args:
         model: A :class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification` stage.
@@ -161,20 +196,31 @@ def parallelize(
         expert_mesh: Mesh of the expert domain.
         config: Parallel settings (default: FSDP, no checkpointing, no compile).
         context: A DistributedContext (alternative to the meshes).
+        cp_mesh: 1-D context-parallel mesh (with ``dense_mesh``; from ``context`` otherwise). Its
+            ranks must be those of the ``dp_cp_shard`` dim that share a data shard.
 
     Returns:
         The same module.
+
+    Raises:
+        ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), or context
+            parallelism for a classifier stage.
     """
     config = config or ParallelConfig()
     if context is not None:
         dense_mesh = dense_mesh or context.mesh_for("dense")
         expert_mesh = expert_mesh or context.mesh_for("expert")
-        regular = context.mesh_for("regular")
-        if _dim_size(regular, "cp_shard") > 1 or _dim_size(regular, "cp_replicate") > 1:
-            raise NotImplementedError("context parallelism is not implemented for plait's Qwen3 models")
+        cp_mesh = cp_mesh or context.mesh_for("batch")["cp"]
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
         apply_tensor_parallel(model, dense_mesh["tp"])
+    if cp_mesh is not None and cp_mesh.size() > 1:
+        if config.data_parallel == "fsdp" and _dim_size(dense_mesh, "cp_replicate") > 1:
+            raise ValueError(
+                "context_replicate > 1 is not supported with data_parallel='fsdp' (FSDP2 would not "
+                "reduce gradients over it); use context_shard"
+            )
+        apply_context_parallel(model, cp_mesh, config.context_parallel_attention)
     experts_sharded = _dim_size(expert_mesh, "ep_shard") > 1 and bool(model.moe_layers())
     if experts_sharded:
         assert expert_mesh is not None

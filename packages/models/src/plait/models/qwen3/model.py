@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from plait.models.blocks.attention import build_attention_mask
+from plait.models.blocks.context_parallel import ContextParallel
 from plait.models.blocks.heads import LMHead, PoolingMethod, TokenEmbedding, pool_hidden_states
 from plait.models.blocks.norm import RMSNorm
 from plait.models.blocks.rope import RotaryEmbedding
@@ -44,6 +45,11 @@ class Qwen3Model(nn.Module):
         layer_ids: Global indices of the decoder layers this stage owns.
         has_embedding: Build ``embed_tokens``.
         has_norm: Build the final ``norm``.
+
+    Attributes:
+        context_parallel: Set by :func:`plait.models.parallelize` under context parallelism: the
+            inputs are this rank's shard in the load-balanced layout, positions default to the
+            global ones and attention crosses the context group.
     """
 
     def __init__(
@@ -61,6 +67,7 @@ class Qwen3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.rope_parameters, config.resolved_head_dim, config.max_position_embeddings
         )
+        self.context_parallel: ContextParallel | None = None
 
     def forward(
         self,
@@ -91,17 +98,30 @@ class Qwen3Model(nn.Module):
                 raise ValueError("stages after the first need hidden_states from the previous stage")
             h = hidden_states
         b, s = h.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(s, device=h.device).unsqueeze(0)
-        mask = build_attention_mask(
-            b,
-            s,
-            h.device,
-            h.dtype,
-            document_ids=document_ids,
-            position_ids=position_ids,
-            implementation=self.config.attn_implementation,
-        )
+        cp = self.context_parallel
+        if cp is not None:
+            mask = cp.build_mask(
+                b,
+                s,
+                h.device,
+                document_ids=document_ids,
+                position_ids=position_ids,
+                implementation=self.config.attn_implementation,
+            )
+            if position_ids is None:
+                position_ids = cp.local_positions(s, h.device).unsqueeze(0)
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(s, device=h.device).unsqueeze(0)
+            mask = build_attention_mask(
+                b,
+                s,
+                h.device,
+                h.dtype,
+                document_ids=document_ids,
+                position_ids=position_ids,
+                implementation=self.config.attn_implementation,
+            )
         rope = self.rotary_emb(position_ids.to(h.device), h.dtype)
         aux: torch.Tensor | None = None
         for layer in self.layers.values():
