@@ -194,9 +194,9 @@ def _objective(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tens
     return out["loss_sum"] + out["aux_loss"] * (labels != -100).sum()
 
 
-def _model_rank(mode: str, packed: bool, ckpt: str) -> dict:
+def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int]) -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it
-    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device="cpu")
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device="cpu")
     with torch.device("meta"):
         model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
     parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
@@ -209,34 +209,69 @@ def _model_rank(mode: str, packed: bool, ckpt: str) -> dict:
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
             m.set_force_sum_reduction_for_comms(True)
-    cp_group = ctx.mesh_for("batch")["cp"]
-    batch = shard_batch(_model_batch(packed), cp_group.size(), cp_group.get_local_rank())
+    batch_mesh = ctx.mesh_for("batch")
+    dp, dp_rank = batch_mesh["dp"].size(), batch_mesh["dp"].get_local_rank()
+    cp_mesh = batch_mesh["cp"]
+    full = _model_batch(packed)
+    rows = {k: v[dp_rank * 2 // dp : (dp_rank + 1) * 2 // dp] for k, v in full.items()}
+    batch = shard_batch(rows, cp_mesh.size(), cp_mesh.get_local_rank())
     out = model(**batch)
-    global_tokens = int((_model_batch(packed)["labels"] != -100).sum())
+    global_tokens = int((full["labels"] != -100).sum())
     (_objective(out, batch["labels"]) / global_tokens).backward()
     loss_sum = out["loss_sum"].detach().clone()
-    dist.all_reduce(loss_sum, group=cp_group.get_group())
+    dist.all_reduce(loss_sum)
+    loss_sum /= ctx.params.tensor  # tensor-parallel ranks hold the same tokens
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
-    return {"loss": loss_sum.item() / global_tokens, "aux": out["aux_loss"].item(), "grads": grads}
+    aux = out["aux_loss"].detach().clone()
+    if dp > 1:  # per-sequence-group aux losses, token-weighted over dp like the loop's metric
+        aux *= (batch["labels"] != -100).sum()
+        dist.all_reduce(aux, group=batch_mesh["dp"].get_group())
+        dist.all_reduce(aux, group=cp_mesh.get_group())
+        aux /= global_tokens
+    return {"loss": loss_sum.item() / global_tokens, "aux": aux.item(), "grads": grads}
 
 
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
-@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
-def test_moe_model_cp2_matches_single_process(mode: str, packed: bool, tmp_path) -> None:
+# layout -> (degrees, attention mode, packed documents)
+LAYOUTS = {
+    "cp2_ring": ({"context_shard": 2}, "ring", False),
+    "cp2_ring_packed": ({"context_shard": 2}, "ring", True),
+    "cp2_allgather": ({"context_shard": 2}, "allgather", False),
+    "cp2_allgather_packed": ({"context_shard": 2}, "allgather", True),
+    "dp2_cp2_ep2_ring_packed": ({"data_shard": 2, "context_shard": 2, "expert": 2}, "ring", True),
+    "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp_path) -> None:
+    degrees, mode, packed = LAYOUTS[layout]
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
     model.reset_parameters()
     model.double()
     ckpt = save_hf_checkpoint(model, tmp_path / "seed")
     batch = _model_batch(packed)
-    out = model(**batch)
     tokens = int((batch["labels"] != -100).sum())
-    (_objective(out, batch["labels"]) / tokens).backward()
+    if "data_shard" in degrees:  # one row per data-parallel rank: the aux loss is per row
+        outs = [model(**{k: v[i : i + 1] for k, v in batch.items()}) for i in range(2)]
+        objective = sum(_objective(o, batch["labels"][i : i + 1]) for i, o in enumerate(outs))
+        ref_loss = float(sum(o["loss_sum"].detach() for o in outs)) / tokens
+        ref_aux = float(sum(o["aux_loss"].detach() * (batch["labels"][i] != -100).sum() for i, o in enumerate(outs))) / tokens
+    else:
+        out = model(**batch)
+        objective = _objective(out, batch["labels"])
+        ref_loss, ref_aux = out["loss"].item(), out["aux_loss"].item()
+    (objective / tokens).backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
-    for rank, res in enumerate(run_distributed(_model_rank, 2, mode, packed, str(ckpt), timeout=240.0)):
-        # The fused cross-entropy kernel works in float32 (summed over other token sets): fp32 tolerances.
-        assert res["loss"] == pytest.approx(out["loss"].item(), rel=1e-6), rank
-        assert res["aux"] == pytest.approx(out["aux_loss"].item(), rel=1e-6), rank
+    world = 1
+    for d in degrees.values():
+        world *= d
+    world //= degrees.get("expert", 1)
+    results = run_distributed(_model_rank, world, mode, packed, str(ckpt), degrees, timeout=300.0)
+    for rank, res in enumerate(results):
+        # The fused cross-entropy kernel and the router work in float32: fp32 tolerances.
+        assert res["loss"] == pytest.approx(ref_loss, rel=1e-6), rank
+        assert res["aux"] == pytest.approx(ref_aux, rel=1e-6), rank
         assert set(res["grads"]) == set(ref_grads)
         for name, want in ref_grads.items():
             torch.testing.assert_close(res["grads"][name], want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")
