@@ -32,7 +32,12 @@ def test_shard_matches_indices_and_unshard_inverts(n: int) -> None:
         assert torch.equal(s, x[:, load_balanced_indices(16, n, r)])
     assert torch.equal(unshard_sequence(shards), x)
     # another sequence dim
-    assert torch.equal(unshard_sequence([shard_sequence(x.transpose(0, 1), n, r, dim=0).transpose(0, 1) for r in range(n)], dim=1), x)
+    assert torch.equal(
+        unshard_sequence(
+            [shard_sequence(x.transpose(0, 1), n, r, dim=0).transpose(0, 1) for r in range(n)], dim=1
+        ),
+        x,
+    )
 
 
 def test_unshard_is_differentiable() -> None:
@@ -47,7 +52,9 @@ def test_shard_batch_and_errors() -> None:
     out = shard_batch(batch, 2, 1)
     assert out["input_ids"].tolist() == [[2, 3, 4, 5]]
     assert out["labels"].tolist() == [[10, 11, 12, 13]]
-    with pytest.raises(ValueError, match="sequence length 6 must be divisible by 2 \\* context-parallel size = 4"):
+    with pytest.raises(
+        ValueError, match="sequence length 6 must be divisible by 2 \\* context-parallel size = 4"
+    ):
         shard_sequence(torch.zeros(1, 6), 2, 0)
     with pytest.raises(ValueError, match="different sequence lengths"):
         shard_batch({"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 4)}, 2, 0)

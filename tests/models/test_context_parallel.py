@@ -30,8 +30,8 @@ from plait.models import (
     save_hf_checkpoint,
 )
 from plait.models.blocks import attention as attention_mod
-from plait.moe import RouterConfig, TopKRouter
 from plait.models.blocks import context_parallel as cp_mod
+from plait.moe import RouterConfig, TopKRouter
 from torch.distributed.tensor import DTensor
 
 B, T, HQ, HKV, D = 2, 24, 4, 2, 8
@@ -57,7 +57,12 @@ def _tensors() -> dict[str, torch.Tensor]:
 def _reference(docs: bool) -> dict[str, torch.Tensor]:
     t = {k: v.clone().requires_grad_(k != "grad") for k, v in _tensors().items()}
     mask = build_attention_mask(
-        B, T, torch.device("cpu"), torch.float64, document_ids=_doc_ids() if docs else None, implementation="sdpa"
+        B,
+        T,
+        torch.device("cpu"),
+        torch.float64,
+        document_ids=_doc_ids() if docs else None,
+        implementation="sdpa",
     )
     out = attention_mod.attention(t["q"], t["k"], t["v"], mask, D**-0.5)
     out.backward(t["grad"])
@@ -221,7 +226,10 @@ def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int]) -> 
     loss_sum = out["loss_sum"].detach().clone()
     dist.all_reduce(loss_sum)
     loss_sum /= ctx.params.tensor  # tensor-parallel ranks hold the same tokens
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        for n, p in model.named_parameters()
+    }
     aux = out["aux_loss"].detach().clone()
     if dp > 1:  # per-sequence-group aux losses, token-weighted over dp like the loop's metric
         aux *= (batch["labels"] != -100).sum()
@@ -256,7 +264,12 @@ def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp
         outs = [model(**{k: v[i : i + 1] for k, v in batch.items()}) for i in range(2)]
         objective = sum(_objective(o, batch["labels"][i : i + 1]) for i, o in enumerate(outs))
         ref_loss = float(sum(o["loss_sum"].detach() for o in outs)) / tokens
-        ref_aux = float(sum(o["aux_loss"].detach() * (batch["labels"][i] != -100).sum() for i, o in enumerate(outs))) / tokens
+        ref_aux = (
+            float(
+                sum(o["aux_loss"].detach() * (batch["labels"][i] != -100).sum() for i, o in enumerate(outs))
+            )
+            / tokens
+        )
     else:
         out = model(**batch)
         objective = _objective(out, batch["labels"])
@@ -274,4 +287,6 @@ def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp
         assert res["aux"] == pytest.approx(ref_aux, rel=1e-6), rank
         assert set(res["grads"]) == set(ref_grads)
         for name, want in ref_grads.items():
-            torch.testing.assert_close(res["grads"][name], want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(
+                res["grads"][name], want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}"
+            )

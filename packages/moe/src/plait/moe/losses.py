@@ -114,7 +114,9 @@ def router_z_loss(logits: Tensor, group: Any = None) -> Tensor:
     """
     if group is not None:
         z_sum, total = _sum_over(
-            group, torch.logsumexp(logits.float(), dim=-1).square().sum(), torch.tensor(float(logits.shape[0]), device=logits.device)
+            group,
+            torch.logsumexp(logits.float(), dim=-1).square().sum(),
+            torch.tensor(float(logits.shape[0]), device=logits.device),
         )
         return z_sum / total.float().clamp(min=1)
     if logits.shape[0] == 0:

@@ -118,7 +118,9 @@ class ContextParallel:
         cp = ContextParallelMask(self.group, self.mode, n, self.rank, local_len // 2, q_pos, docs)
         if self.mode == "ring":
             return AttentionMask("sdpa", context=cp)
-        backend = implementation if implementation != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+        backend = (
+            implementation if implementation != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+        )
         total = local_len * n
         if backend == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
@@ -236,9 +238,7 @@ def _tiles(length: int) -> Iterator[slice]:
         yield slice(start, min(start + _Q_TILE, length))
 
 
-def _block_mask(
-    cp: ContextParallelMask, q_chunk: int, kv_chunk: int, rows: slice
-) -> torch.Tensor | None:
+def _block_mask(cp: ContextParallelMask, q_chunk: int, kv_chunk: int, rows: slice) -> torch.Tensor | None:
     """Boolean ``[B|1, 1, 1, rows, chunk]`` (True = attend) for one tile of a chunk pair, or None."""
     c = cp.chunk
     mask: torch.Tensor | None = None
@@ -328,7 +328,9 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallelMask = ctx.cp
         scale: float = ctx.scale
@@ -366,7 +368,9 @@ class _RingAttention(torch.autograd.Function):
                     own[1, ..., ks, :] += torch.matmul(p.transpose(-1, -2), dd).sum(dim=2, keepdim=True)
                     ds = p * (torch.matmul(dd, vv.transpose(-1, -2)) - delta[..., sl, None])
                     dq[..., sl, :] += torch.matmul(ds, kk) * scale
-                    own[0, ..., ks, :] += torch.matmul(ds.transpose(-1, -2), qq).sum(dim=2, keepdim=True) * scale
+                    own[0, ..., ks, :] += (
+                        torch.matmul(ds.transpose(-1, -2), qq).sum(dim=2, keepdim=True) * scale
+                    )
             own = own.squeeze(3)
             _wait(grad_works)
             sending = own if dkv is None else dkv + own

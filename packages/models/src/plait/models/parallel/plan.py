@@ -96,7 +96,9 @@ def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
         head.tp_group = group
 
 
-def apply_context_parallel(model: _Qwen3Stage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather") -> None:
+def apply_context_parallel(
+    model: _Qwen3Stage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather"
+) -> None:
     """Context parallelism over ``cp_mesh`` (1-D): the model takes sequence shards in the
     load-balanced layout (:func:`plait.dist_core.shard_batch`), attention crosses the group
     (``mode``: ``allgather`` or ``ring``) and MoE balancing losses sum their statistics over it.
