@@ -69,22 +69,29 @@ def _reference(docs: bool) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": t["q"].grad, "dk": t["k"].grad, "dv": t["v"].grad}
 
 
-def _attention_rank(mode: str, docs: bool, tile: int) -> dict[str, torch.Tensor]:
+def _attention_rank(
+    mode: str, docs: bool, tile: int, device: str = "cpu", dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
     cp_mod._Q_TILE = tile
     n, r = dist.get_world_size(), dist.get_rank()
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     cp = cp_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
-    local = {k: shard_sequence(v, n, r).requires_grad_(k != "grad") for k, v in _tensors().items()}
-    doc_ids = shard_sequence(_doc_ids(), n, r) if docs else None
-    mask = cp.build_mask(B, T // n, torch.device("cpu"), document_ids=doc_ids, implementation="sdpa")
+    local = {
+        k: shard_sequence(v, n, r).to(dev, dtype).requires_grad_(k != "grad") for k, v in _tensors().items()
+    }
+    doc_ids = shard_sequence(_doc_ids(), n, r).to(dev) if docs else None
+    # CPU: SDPA; CUDA: "auto" is FlexAttention for the all-gather mode.
+    impl = "sdpa" if device == "cpu" else "auto"
+    mask = cp.build_mask(B, T // n, dev, document_ids=doc_ids, implementation=impl)
     assert isinstance(mask, AttentionMask) and mask.context is not None
     out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
     out.backward(local["grad"])
     group = dist.group.WORLD
     return {
-        "out": gather_sequence(out.detach(), group),  # type: ignore[arg-type]
-        "dq": gather_sequence(local["q"].grad, group),  # type: ignore[arg-type]
-        "dk": gather_sequence(local["k"].grad, group),  # type: ignore[arg-type]
-        "dv": gather_sequence(local["v"].grad, group),  # type: ignore[arg-type]
+        "out": gather_sequence(out.detach(), group).double(),  # type: ignore[arg-type]
+        "dq": gather_sequence(local["q"].grad, group).double(),  # type: ignore[arg-type]
+        "dk": gather_sequence(local["k"].grad, group).double(),  # type: ignore[arg-type]
+        "dv": gather_sequence(local["v"].grad, group).double(),  # type: ignore[arg-type]
     }
 
 
@@ -97,6 +104,16 @@ def test_attention_matches_single_process(mode: str, cp: int, docs: bool) -> Non
     for rank, res in enumerate(run_distributed(_attention_rank, cp, mode, docs, tile)):
         for key, want in ref.items():
             torch.testing.assert_close(res[key], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {key}")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_attention_on_two_gpus_nccl(mode: str) -> None:
+    ref = _reference(docs=True)
+    results = run_distributed(_attention_rank, 2, mode, True, 4, "cuda", torch.float32, backend="nccl")
+    for rank, res in enumerate(results):
+        for key, want in ref.items():
+            torch.testing.assert_close(res[key], want, rtol=2e-4, atol=2e-4, msg=f"rank {rank} {key}")
 
 
 def _positions_rank(mode: str) -> torch.Tensor:
@@ -199,13 +216,13 @@ def _objective(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tens
     return out["loss_sum"] + out["aux_loss"] * (labels != -100).sum()
 
 
-def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int]) -> dict:
+def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int], device: str = "cpu") -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it
-    ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device="cpu")
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device=device)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
+        model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG, attn_implementation="sdpa"))
     parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
-    model.to_empty(device="cpu")
+    model.to_empty(device=ctx.device)
     model.reset_parameters()
     load_hf_checkpoint(model, ckpt)
     from torch.distributed.fsdp import FSDPModule
@@ -219,7 +236,9 @@ def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int]) -> 
     cp_mesh = batch_mesh["cp"]
     full = _model_batch(packed)
     rows = {k: v[dp_rank * 2 // dp : (dp_rank + 1) * 2 // dp] for k, v in full.items()}
-    batch = shard_batch(rows, cp_mesh.size(), cp_mesh.get_local_rank())
+    batch = shard_batch(
+        {k: v.to(ctx.device) for k, v in rows.items()}, cp_mesh.size(), cp_mesh.get_local_rank()
+    )
     out = model(**batch)
     global_tokens = int((full["labels"] != -100).sum())
     (_objective(out, batch["labels"]) / global_tokens).backward()
@@ -227,7 +246,7 @@ def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int]) -> 
     dist.all_reduce(loss_sum)
     loss_sum /= ctx.params.tensor  # tensor-parallel ranks hold the same tokens
     grads = {
-        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
         for n, p in model.named_parameters()
     }
     aux = out["aux_loss"].detach().clone()
@@ -252,6 +271,16 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp_path) -> None:
+    check_model_layout(layout, tmp_path, "cpu")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["cp2_ring_packed", "cp2_allgather_packed"])
+def test_moe_model_with_context_parallel_on_two_gpus_nccl(layout: str, tmp_path) -> None:
+    check_model_layout(layout, tmp_path, "cuda")
+
+
+def check_model_layout(layout: str, tmp_path, device: str) -> None:
     degrees, mode, packed = LAYOUTS[layout]
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
@@ -280,7 +309,10 @@ def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp
     for d in degrees.values():
         world *= d
     world //= degrees.get("expert", 1)
-    results = run_distributed(_model_rank, world, mode, packed, str(ckpt), degrees, timeout=300.0)
+    backend = "nccl" if device == "cuda" else "gloo"
+    results = run_distributed(
+        _model_rank, world, mode, packed, str(ckpt), degrees, device, backend=backend, timeout=300.0
+    )
     for rank, res in enumerate(results):
         # The fused cross-entropy kernel and the router work in float32: fp32 tolerances.
         assert res["loss"] == pytest.approx(ref_loss, rel=1e-6), rank
