@@ -17,15 +17,30 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group; the backward sums the gradients over it too (every rank's loss uses the sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _sum_over(group: Any, grad_sum: Tensor, no_grad: Tensor) -> tuple[Tensor, Tensor]:
     """All-reduce (sum) ``grad_sum`` differentiably and ``no_grad`` plainly over ``group`` (None: as is)."""
     if group is None:
         return grad_sum, no_grad
-    from torch.distributed.nn.functional import all_reduce
-
     no_grad = no_grad.clone()
     dist.all_reduce(no_grad, group=group)
-    return all_reduce(grad_sum, group=group), no_grad
+    return _AllReduceSum.apply(grad_sum, group), no_grad
 
 
 def count_tokens_per_expert(topk_idx: Tensor, num_experts: int) -> Tensor:
