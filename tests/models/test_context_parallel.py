@@ -25,6 +25,7 @@ from plait.models import (
     AttentionMask,
     ParallelConfig,
     Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
     Qwen3MoeConfig,
     build_attention_mask,
     load_hf_checkpoint,
@@ -138,6 +139,33 @@ def test_bad_implementation() -> None:
     with pytest.raises(ValueError, match="attn_implementation='flash' is not available with context"):
         cp_mod.ContextParallel(None, "ring").build_mask(  # type: ignore[arg-type]
             1, 4, torch.device("cpu"), implementation="flash"
+        )
+
+
+def _plan_errors_rank() -> list[str]:
+    cfg = Qwen3MoeConfig(**CFG)
+    errors = []
+    for degrees, cls in (({"context_replicate": 2}, Qwen3ForCausalLM), ({"context_shard": 2}, "classifier")):
+        ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device="cpu")
+        with torch.device("meta"):
+            model = (
+                Qwen3ForCausalLM(cfg) if cls is Qwen3ForCausalLM else Qwen3ForSequenceClassification(cfg, 2)
+            )
+        try:
+            parallelize(model, context=ctx)
+        except ValueError as e:
+            errors.append(str(e))
+        ctx.shutdown()
+    return errors
+
+
+def test_plan_refuses_unsupported_context_layouts() -> None:
+    for errors in run_distributed(_plan_errors_rank, 2):
+        assert len(errors) == 2
+        assert "context_replicate > 1 is not supported with data_parallel='fsdp'" in errors[0]
+        assert (
+            "context parallelism supports Qwen3ForCausalLM stages, not Qwen3ForSequenceClassification"
+            in errors[1]
         )
 
 
