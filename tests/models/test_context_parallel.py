@@ -73,23 +73,33 @@ def _reference(docs: bool) -> dict[str, torch.Tensor]:
 
 
 def _attention_rank(
-    mode: str, docs: bool, tile: int, device: str = "cpu", dtype: torch.dtype = torch.float64
+    mode: str,
+    docs: bool,
+    tile: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float64,
+    impl: str | None = None,
 ) -> dict[str, torch.Tensor]:
     cp_mod._Q_TILE = tile
     n, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     cp = cp_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
+    # Default: SDPA on CPU; on CUDA "auto" is FlexAttention for the all-gather mode.
+    impl = impl or ("sdpa" if device == "cpu" else "auto")
+    forward_only = impl == "flex" and device == "cpu"  # FlexAttention has no backward on CPU
     local = {
-        k: shard_sequence(v, n, r).to(dev, dtype).requires_grad_(k != "grad") for k, v in _tensors().items()
+        k: shard_sequence(v, n, r).to(dev, dtype).requires_grad_(k != "grad" and not forward_only)
+        for k, v in _tensors().items()
     }
     doc_ids = shard_sequence(_doc_ids(), n, r).to(dev) if docs else None
-    # CPU: SDPA; CUDA: "auto" is FlexAttention for the all-gather mode.
-    impl = "sdpa" if device == "cpu" else "auto"
     mask = cp.build_mask(B, T // n, dev, document_ids=doc_ids, implementation=impl)
     assert isinstance(mask, AttentionMask) and mask.context is not None
+    group = dist.group.WORLD
+    if forward_only:
+        out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
+        return {"out": gather_sequence(out, group).double()}  # type: ignore[arg-type]
     out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
     out.backward(local["grad"])
-    group = dist.group.WORLD
     return {
         "out": gather_sequence(out.detach(), group).double(),  # type: ignore[arg-type]
         "dq": gather_sequence(local["q"].grad, group).double(),  # type: ignore[arg-type]
@@ -107,6 +117,15 @@ def test_attention_matches_single_process(mode: str, cp: int, docs: bool) -> Non
     for rank, res in enumerate(run_distributed(_attention_rank, cp, mode, docs, tile)):
         for key, want in ref.items():
             torch.testing.assert_close(res[key], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {key}")
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_allgather_flex_forward_on_cpu(docs: bool) -> None:
+    # The block mask of the all-gather mode's FlexAttention path (CUDA's default), checked on CPU.
+    want = _reference(docs)["out"]
+    for rank, res in enumerate(run_distributed(_attention_rank, 2, "allgather", docs, 4, impl="flex")):
+        assert set(res) == {"out"}
+        torch.testing.assert_close(res["out"], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank}")
 
 
 @pytest.mark.multigpu
