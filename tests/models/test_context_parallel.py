@@ -265,20 +265,39 @@ def _objective(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tens
     return out["loss_sum"] + out["aux_loss"] * (labels != -100).sum()
 
 
-def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int], device: str = "cpu") -> dict:
+def _stages_forward(parts: list[Qwen3ForCausalLM], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run the stages one after the other (a pipeline without the pipeline), stage kwargs like the loop's."""
+    out: dict[str, torch.Tensor] = {}
+    for i, part in enumerate(parts):
+        kw = {k: v for k, v in batch.items() if k in ("position_ids", "document_ids")}
+        if i == 0:
+            kw["input_ids"] = batch["input_ids"]
+        else:
+            kw.update(hidden_states=out["hidden_states"], aux_loss=out["aux_loss"])
+        if i == len(parts) - 1:
+            kw["labels"] = batch["labels"]
+        out = part(**kw)
+    return out
+
+
+def _model_rank(
+    mode: str, packed: bool, ckpt: str, degrees: dict[str, int], stages: int, device: str = "cpu"
+) -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it (and the environment)
     # The float64 comparison is about context parallelism over NCCL, not the fp32 Triton kernels.
     os.environ["PLAIT_KERNELS_DISABLE_TRITON"] = "1"
     ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device=device)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG, attn_implementation="sdpa"))
-    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
-    model.to_empty(device=ctx.device)
-    model.reset_parameters()
-    load_hf_checkpoint(model, ckpt)
+        cfg = Qwen3MoeConfig(**CFG, attn_implementation="sdpa")
+        parts = [Qwen3ForCausalLM(cfg, stage_index=i, num_stages=stages) for i in range(stages)]
+    for part in parts:
+        parallelize(part, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
+        part.to_empty(device=ctx.device)
+        part.reset_parameters()
+    load_hf_checkpoint(parts, ckpt)
     from torch.distributed.fsdp import FSDPModule
 
-    for m in model.modules():
+    for m in (m for part in parts for m in part.modules()):
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
             m.set_force_sum_reduction_for_comms(True)
@@ -290,7 +309,7 @@ def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int], dev
     batch = shard_batch(
         {k: v.to(ctx.device) for k, v in rows.items()}, cp_mesh.size(), cp_mesh.get_local_rank()
     )
-    out = model(**batch)
+    out = _stages_forward(parts, batch)
     global_tokens = int((full["labels"] != -100).sum())
     (_objective(out, batch["labels"]) / global_tokens).backward()
     loss_sum = out["loss_sum"].detach().clone()
@@ -298,7 +317,8 @@ def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int], dev
     loss_sum /= ctx.params.tensor  # tensor-parallel ranks hold the same tokens
     grads = {
         n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
-        for n, p in model.named_parameters()
+        for part in parts
+        for n, p in part.named_parameters()
     }
     aux = out["aux_loss"].detach().clone()
     if dp > 1:  # per-sequence-group aux losses, token-weighted over dp like the loop's metric
@@ -309,14 +329,15 @@ def _model_rank(mode: str, packed: bool, ckpt: str, degrees: dict[str, int], dev
     return {"loss": loss_sum.item() / global_tokens, "aux": aux.item(), "grads": grads}
 
 
-# layout -> (degrees, attention mode, packed documents)
+# layout -> (degrees, attention mode, packed documents, pipeline stages run one after the other)
 LAYOUTS = {
-    "cp2_ring": ({"context_shard": 2}, "ring", False),
-    "cp2_ring_packed": ({"context_shard": 2}, "ring", True),
-    "cp2_allgather": ({"context_shard": 2}, "allgather", False),
-    "cp2_allgather_packed": ({"context_shard": 2}, "allgather", True),
-    "dp2_cp2_ep2_ring_packed": ({"data_shard": 2, "context_shard": 2, "expert": 2}, "ring", True),
-    "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True),
+    "cp2_ring": ({"context_shard": 2}, "ring", False, 1),
+    "cp2_ring_packed": ({"context_shard": 2}, "ring", True, 1),
+    "cp2_allgather": ({"context_shard": 2}, "allgather", False, 1),
+    "cp2_allgather_packed": ({"context_shard": 2}, "allgather", True, 1),
+    "cp2_2stages_allgather_packed": ({"context_shard": 2}, "allgather", True, 2),
+    "dp2_cp2_ep2_ring_packed": ({"data_shard": 2, "context_shard": 2, "expert": 2}, "ring", True, 1),
+    "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True, 1),
 }
 
 
@@ -332,7 +353,7 @@ def test_moe_model_with_context_parallel_on_two_gpus_nccl(layout: str, tmp_path)
 
 
 def check_model_layout(layout: str, tmp_path, device: str) -> None:
-    degrees, mode, packed = LAYOUTS[layout]
+    degrees, mode, packed, stages = LAYOUTS[layout]
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
     model.reset_parameters()
@@ -362,7 +383,7 @@ def check_model_layout(layout: str, tmp_path, device: str) -> None:
     world //= degrees.get("expert", 1)
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
-        _model_rank, world, mode, packed, str(ckpt), degrees, device, backend=backend, timeout=300.0
+        _model_rank, world, mode, packed, str(ckpt), degrees, stages, device, backend=backend, timeout=300.0
     )
     for rank, res in enumerate(results):
         # The fused cross-entropy kernel and the router work in float32: fp32 tolerances.
