@@ -130,12 +130,16 @@ def test_allgather_flex_forward_on_cpu(docs: bool) -> None:
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("mode", ["ring", "allgather"])
-def test_attention_on_two_gpus_nccl(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 2e-4), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"]
+)
+def test_attention_on_two_gpus_nccl(mode: str, dtype: torch.dtype, tol: float) -> None:
+    # bf16 runs the ring's tensor-core kernel (bf16 operands, fp32 accumulation).
     ref = _reference(docs=True)
-    results = run_distributed(_attention_rank, 2, mode, True, 4, "cuda", torch.float32, backend="nccl")
+    results = run_distributed(_attention_rank, 2, mode, True, 4, "cuda", dtype, backend="nccl")
     for rank, res in enumerate(results):
         for key, want in ref.items():
-            torch.testing.assert_close(res[key], want, rtol=2e-4, atol=2e-4, msg=f"rank {rank} {key}")
+            torch.testing.assert_close(res[key], want, rtol=tol, atol=tol, msg=f"rank {rank} {key}")
 
 
 def _positions_rank(mode: str) -> torch.Tensor:

@@ -239,15 +239,16 @@ def _tiles(length: int) -> Iterator[slice]:
 
 
 def _block_mask(cp: ContextParallelMask, q_chunk: int, kv_chunk: int, rows: slice) -> torch.Tensor | None:
-    """Boolean ``[B|1, 1, 1, rows, chunk]`` (True = attend) for one tile of a chunk pair, or None."""
+    """Boolean ``[B|1, 1, rows, 1, chunk]`` (True = attend; the 1 is the GQA group) for one tile of
+    a chunk pair, or None when everything is visible."""
     c = cp.chunk
     mask: torch.Tensor | None = None
     q_idx = torch.arange(rows.start, rows.stop, device=cp.q_positions.device)
     if q_chunk == kv_chunk:
-        mask = (q_idx[:, None] >= torch.arange(c, device=q_idx.device)[None, :])[None, None, None]
+        mask = (q_idx[:, None] >= torch.arange(c, device=q_idx.device)[None, :])[None, None, :, None]
     qd, kd = cp.chunk_docs(q_chunk), cp.chunk_docs(kv_chunk)
     if qd is not None and kd is not None:
-        same = (qd[:, rows, None] == kd[:, None, :])[:, None, None]
+        same = (qd[:, rows, None] == kd[:, None, :])[:, None, :, None]
         mask = same if mask is None else mask & same
     return mask
 
@@ -265,18 +266,53 @@ def _visible_pairs(cp: ContextParallelMask, kv_rank: int) -> Iterator[tuple[int,
             yield q_slot, q_chunk, kv_slot, kv_chunk
 
 
+@dataclass(frozen=True)
+class _Kernel:
+    """Precision of the ring's block kernel.
+
+    ``half`` (CUDA fp16/bf16 inputs): matmul operands in that dtype, fp32 accumulation and output
+    (tensor cores; probabilities and score gradients are rounded to it before their matmuls, as
+    FlashAttention does). Otherwise operands and results in ``acc`` (fp32, or fp64 for fp64 inputs).
+    """
+
+    acc: torch.dtype
+    half: torch.dtype | None
+    scale: float
+
+    @staticmethod
+    def for_input(x: torch.Tensor, scale: float) -> _Kernel:
+        half = x.dtype if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) else None
+        return _Kernel(torch.promote_types(x.dtype, torch.float32), half, scale)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a [B, H, m, k] @ b [B, H, k, n]`` in the ``acc`` dtype."""
+        if self.half is None:
+            return torch.matmul(a.to(self.acc), b.to(self.acc))
+        a3 = a.to(self.half).reshape(-1, *a.shape[-2:])
+        b3 = b.to(self.half).reshape(-1, *b.shape[-2:])
+        return torch.bmm(a3, b3, out_dtype=torch.float32).view(*a.shape[:-1], b.shape[-1])
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Masked scores ``[B, Hk, r*G, c]`` of query rows ``q [B, Hk, r*G, D]`` (row-major over
+        (token, group)) against ``k [B, Hk, c, D]``; ``mask`` ``[B|1, 1, r, 1, c]``."""
+        s = self.matmul(q, k.transpose(-1, -2)) * self.scale
+        if mask is None:
+            return s
+        b, h, rows, c = s.shape
+        s5 = s.view(b, h, mask.shape[2], rows // mask.shape[2], c).masked_fill(~mask, float("-inf"))
+        return s5.view(b, h, rows, c)
+
+
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    kern: _Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, Hk, G, r, D]``, ``k, v [B, Hk, 1, c, D]`` -> (normalised out, log-sum-exp ``[..., r]``)."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    """One block: (normalised out ``[B, Hk, rows, D]``, log-sum-exp ``[B, Hk, rows]``)."""
+    s = kern.scores(q, k, mask)
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows that see no key here
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p, v) / torch.where(denom == 0, torch.ones_like(denom), denom)
+    out = kern.matmul(p, v) / torch.where(denom == 0, torch.ones_like(denom), denom)
     return out, (m + torch.log(denom)).squeeze(-1)
 
 
@@ -290,6 +326,18 @@ def _merge(
     return out, new
 
 
+def _rows(x: torch.Tensor, hk: int) -> torch.Tensor:
+    """``[B, S, Hq, D]`` -> ``[B, Hk, S, G, D]`` (contiguous): a tile of tokens is a view of rows."""
+    b, s, hq, d = x.shape
+    return x.view(b, s, hk, hq // hk, d).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def _unrows(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_rows`."""
+    b, hk, s, g, d = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b, s, hk * g, d)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention over ``cp.group``; tensors ``[B, S, H, D]`` in, ``[B, S, Hq, D]`` out."""
 
@@ -297,35 +345,43 @@ class _RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallelMask, scale: float
     ) -> torch.Tensor:
-        b, s, hq, d = q.shape
-        hk = k.shape[2]
-        acc = torch.promote_types(q.dtype, torch.float32)
+        b, _, hk, d = k.shape
+        kern = _Kernel.for_input(q, scale)
         c = cp.chunk
-        q5 = q.permute(0, 2, 1, 3).reshape(b, hk, hq // hk, s, d).to(acc)
+        qr = _rows(q, hk)  # [B, Hk, S, G, D]
+        g = qr.shape[3]
         kv = torch.stack([k, v]).permute(0, 1, 3, 2, 4).contiguous()  # [2, B, Hk, S, D]
-        out = q5.new_zeros(q5.shape)
-        lse = q5.new_full(q5.shape[:-1], float("-inf"))
+        out = torch.zeros(qr.shape, dtype=kern.acc, device=q.device)
+        lse = torch.full(qr.shape[:-1], float("-inf"), dtype=kern.acc, device=q.device)
         for step in range(cp.size):
             works: list[Any] = []
             if step < cp.size - 1:
                 incoming = torch.empty_like(kv)
                 works = _exchange(kv, incoming, cp, tag=0)
             kv_rank = (cp.rank - step) % cp.size
-            kv_acc = kv.to(acc)[:, :, :, None]  # [2, B, Hk, 1, S, D]
             for q_slot, q_chunk, kv_slot, kv_chunk in _visible_pairs(cp, kv_rank):
-                kk = kv_acc[0, ..., kv_slot * c : (kv_slot + 1) * c, :]
-                vv = kv_acc[1, ..., kv_slot * c : (kv_slot + 1) * c, :]
+                ks = slice(kv_slot * c, (kv_slot + 1) * c)
                 for rows in _tiles(c):
                     sl = slice(q_slot * c + rows.start, q_slot * c + rows.stop)
+                    n_rows = (rows.stop - rows.start) * g
                     mask = _block_mask(cp, q_chunk, kv_chunk, rows)
-                    o_b, l_b = _block_forward(q5[..., sl, :], kk, vv, mask, scale)
-                    out[..., sl, :], lse[..., sl] = _merge(out[..., sl, :], lse[..., sl], o_b, l_b)
+                    o_b, l_b = _block_forward(
+                        kern, qr[:, :, sl].reshape(b, hk, n_rows, d), kv[0, :, :, ks], kv[1, :, :, ks], mask
+                    )
+                    o, lse_t = _merge(
+                        out[:, :, sl].reshape(b, hk, n_rows, d),
+                        lse[:, :, sl].reshape(b, hk, n_rows),
+                        o_b,
+                        l_b,
+                    )
+                    out[:, :, sl] = o.view(b, hk, -1, g, d)
+                    lse[:, :, sl] = lse_t.view(b, hk, -1, g)
             _wait(works)
             if works:
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
-        return out.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
+        ctx.cp, ctx.kern = cp, kern
+        return _unrows(out).to(q.dtype)
 
     @staticmethod
     def backward(
@@ -333,15 +389,14 @@ class _RingAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallelMask = ctx.cp
-        scale: float = ctx.scale
-        b, s, hq, d = q.shape
-        hk = k.shape[2]
-        acc = out.dtype
+        kern: _Kernel = ctx.kern
+        b, _, hk, d = k.shape
         c = cp.chunk
-        q5 = q.permute(0, 2, 1, 3).reshape(b, hk, hq // hk, s, d).to(acc)
-        do = grad_out.permute(0, 2, 1, 3).reshape(b, hk, hq // hk, s, d).to(acc)
-        delta = (do * out).sum(dim=-1)  # rowsum(dO * O) of the softmax backward
-        dq = torch.zeros_like(q5)
+        qr = _rows(q, hk)
+        g = qr.shape[3]
+        do = _rows(grad_out, hk)
+        delta = (do.to(kern.acc) * out).sum(dim=-1)  # rowsum(dO * O) of the softmax backward
+        dq = torch.zeros(qr.shape, dtype=kern.acc, device=q.device)
         kv = torch.stack([k, v]).permute(0, 1, 3, 2, 4).contiguous()
         dkv: torch.Tensor | None = None  # gradient of the block held now, accumulated along the ring
         grad_works: list[Any] = []
@@ -352,26 +407,23 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = _exchange(kv, incoming, cp, tag=0)
             kv_rank = (cp.rank - step) % cp.size
-            kv_acc = kv.to(acc)[:, :, :, None]
-            own = torch.zeros(kv_acc.shape, dtype=acc, device=kv.device)  # this rank's contribution
+            own = torch.zeros(kv.shape, dtype=kern.acc, device=kv.device)  # this rank's contribution
             for q_slot, q_chunk, kv_slot, kv_chunk in _visible_pairs(cp, kv_rank):
                 ks = slice(kv_slot * c, (kv_slot + 1) * c)
-                kk, vv = kv_acc[0, ..., ks, :], kv_acc[1, ..., ks, :]
+                kk, vv = kv[0, :, :, ks], kv[1, :, :, ks]
                 for rows in _tiles(c):
                     sl = slice(q_slot * c + rows.start, q_slot * c + rows.stop)
-                    qq, dd = q5[..., sl, :], do[..., sl, :]
-                    sc = torch.matmul(qq, kk.transpose(-1, -2)) * scale
+                    n_rows = (rows.stop - rows.start) * g
+                    qq, dd = qr[:, :, sl].reshape(b, hk, n_rows, d), do[:, :, sl].reshape(b, hk, n_rows, d)
                     mask = _block_mask(cp, q_chunk, kv_chunk, rows)
-                    if mask is not None:
-                        sc = sc.masked_fill(~mask, float("-inf"))
-                    p = torch.exp(sc - lse[..., sl, None])
-                    own[1, ..., ks, :] += torch.matmul(p.transpose(-1, -2), dd).sum(dim=2, keepdim=True)
-                    ds = p * (torch.matmul(dd, vv.transpose(-1, -2)) - delta[..., sl, None])
-                    dq[..., sl, :] += torch.matmul(ds, kk) * scale
-                    own[0, ..., ks, :] += (
-                        torch.matmul(ds.transpose(-1, -2), qq).sum(dim=2, keepdim=True) * scale
+                    p = torch.exp(kern.scores(qq, kk, mask) - lse[:, :, sl].reshape(b, hk, n_rows)[..., None])
+                    own[1, :, :, ks] += kern.matmul(p.transpose(-1, -2), dd)
+                    ds = p * (
+                        kern.matmul(dd, vv.transpose(-1, -2))
+                        - delta[:, :, sl].reshape(b, hk, n_rows)[..., None]
                     )
-            own = own.squeeze(3)
+                    dq[:, :, sl] += (kern.matmul(ds, kk) * kern.scale).view(b, hk, -1, g, d)
+                    own[0, :, :, ks] += kern.matmul(ds.transpose(-1, -2), qq) * kern.scale
             _wait(grad_works)
             sending = own if dkv is None else dkv + own
             # Pass the accumulated gradient on with its block; the next step's compute overlaps it.
@@ -385,6 +437,5 @@ class _RingAttention(torch.autograd.Function):
         _wait(grad_works)
         del sending
         assert dkv is not None
-        dq_out = dq.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
         dkv = dkv.permute(0, 1, 3, 2, 4)
-        return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return _unrows(dq).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
