@@ -13,8 +13,9 @@ only attention needs the other ranks' keys and values. Two ways, chosen by ``mod
   next block is posted before the current block is computed, so the two overlap. Block results
   merge with the log-sum-exp rule; the backward recomputes each block's probabilities from the
   saved log-sum-exp and sends the K/V gradients around the ring to their owners. Chunk pairs that
-  the causal mask hides entirely are skipped. The block kernel is plain PyTorch (fp32
-  accumulation, query tiles bound the score memory).
+  the causal mask hides entirely are skipped. The block kernel is plain PyTorch (query tiles
+  bound the score memory; fp32 softmax statistics; CUDA fp16/bf16 matmuls on tensor cores with
+  fp32 accumulation).
 
 Packed documents: document ids (given, or derived from position ids that restart) are
 all-gathered once per forward, so a document that crosses chunk or rank boundaries is masked as
