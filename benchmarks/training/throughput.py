@@ -157,6 +157,12 @@ def row_hf(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     return _result(args, *_timed(step, args.warmup, args.steps, args.device))
 
 
+def _stub_attr(attr: str) -> Any:
+    if attr.startswith("__"):  # inspect and importlib probe dunders: behave like a plain module
+        raise AttributeError(attr)
+    return types.SimpleNamespace()
+
+
 def _stub_torchtitan_imports() -> None:
     """torchtitan 0.2.2 imports packages its model code never uses (datasets, wandb, blobfile)."""
     for name in ("datasets", "wandb", "blobfile"):
@@ -165,7 +171,7 @@ def _stub_torchtitan_imports() -> None:
                 __import__(name)
             except ImportError:
                 mod = types.ModuleType(name)
-                mod.__dict__["__getattr__"] = lambda attr, _n=name: types.SimpleNamespace()
+                mod.__dict__["__getattr__"] = _stub_attr
                 sys.modules[name] = mod
 
 
