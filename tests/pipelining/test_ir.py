@@ -91,7 +91,9 @@ def test_every_builder_lowers_to_a_valid_deadlock_free_program(pp: int, m: int) 
 
 
 def test_builders_reject_unsupported_sizes() -> None:
-    with pytest.raises(ValueError, match=r"interleaved_1f1b: num_microbatches \(3\) must be >= the pipeline size \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"interleaved_1f1b: num_microbatches \(3\) must be >= the pipeline size \(4\)"
+    ):
         build_interleaved_1f1b(4, 3, 2)
     with pytest.raises(ValueError, match=r"zb1p: num_microbatches \(3\) must be >= the pipeline size \(4\)"):
         build_zb1p(4, 3, 2)
@@ -267,7 +269,9 @@ def test_lowering_groups_messages_by_instant() -> None:
 def _torch_order(cls: type, rank: int, **attrs: int) -> list[str]:
     """torch.distributed.pipelining's compute order for `rank` in plait's spelling (its idle slots dropped)."""
     ops = cls._calculate_single_rank_operations(SimpleNamespace(**attrs), rank)
-    return ["|".join(str(x) for x in a.sub_actions) if a.sub_actions else str(a) for a in ops if a is not None]
+    return [
+        "|".join(str(x) for x in a.sub_actions) if a.sub_actions else str(a) for a in ops if a is not None
+    ]
 
 
 @pytest.mark.parametrize(

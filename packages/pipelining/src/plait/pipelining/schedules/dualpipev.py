@@ -49,8 +49,8 @@ class _Legs:
 
 def _reference_rank(pp: int, m: int, r: int) -> list[AnyAction]:
     """Rank r's actions in the order of DeepSeek's eight steps."""
-    legs, out = _Legs(pp, r), []
-    out += [legs.f(0) for _ in range(2 * (pp - r - 1))]  # 1. nF0
+    legs = _Legs(pp, r)
+    out: list[AnyAction] = [legs.f(0) for _ in range(2 * (pp - r - 1))]  # 1. nF0
     for _ in range(r + 1):  # 2. nF0F1
         out += [legs.f(0), legs.f(1)]
     for _ in range(pp - r - 1):  # 3. nB1W1F1: split backward, its W right away
