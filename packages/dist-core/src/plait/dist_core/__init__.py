@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 from plait.dist_core.collectives import all_gather_object, all_gather_uneven, gather_uneven, reduce_scalar
 from plait.dist_core.context import DistributedContext
-from plait.dist_core.domains import DOMAIN_DIMS, Domain, domain_coordinates, domain_groups, domain_layout
+from plait.dist_core.domains import (
+    DOMAIN_DIMS,
+    Domain,
+    domain_coordinates,
+    domain_groups,
+    domain_layout,
+    register_mesh_domain,
+    unregister_mesh_domain,
+)
 from plait.dist_core.mesh_params import DeviceMeshParameters
 from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
@@ -61,6 +69,7 @@ __all__ = [
     "gather_uneven",
     "global_grad_norm",
     "reduce_scalar",
+    "register_mesh_domain",
     "replicate",
     "seed_for",
     "seed_from_coordinates",
@@ -68,5 +77,6 @@ __all__ = [
     "set_seed",
     "shard_tree",
     "split_sizes",
+    "unregister_mesh_domain",
     "unshard_tree",
 ]
