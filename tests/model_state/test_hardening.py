@@ -84,7 +84,9 @@ def test_writer_keeps_other_files_and_replaces_only_its_own(tmp_path: Path) -> N
 
     _write(out, (s3 := _state(3, n=2)), max_shard_size=2**20)  # one file: the index and shards go
     assert not (out / INDEX_NAME).exists()
-    assert not [n for n in os.listdir(out) if n.startswith("model-0000") and n.endswith("-of-00003.safetensors")]
+    assert not [
+        n for n in os.listdir(out) if n.startswith("model-0000") and n.endswith("-of-00003.safetensors")
+    ]
     assert set(load_file(str(out / "model.safetensors"))) == set(s3)
     _assert_loads(out, s3)
 
@@ -108,7 +110,14 @@ def test_save_module_and_abort_keep_other_files(tmp_path: Path) -> None:
     w = CheckpointWriter(out, {"a": TensorSpec((2,), torch.float32)}, fsync=False)
     w.abort()
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["README.md", "config.json", "extra", "model-00007-of-00009.safetensors", "model.safetensors", "tokenizer.json"]
+        [
+            "README.md",
+            "config.json",
+            "extra",
+            "model-00007-of-00009.safetensors",
+            "model.safetensors",
+            "tokenizer.json",
+        ]
     )
     for p, data in foreign.items():
         assert p.read_bytes() == data
@@ -218,7 +227,9 @@ def test_load_and_save_work_without_numpy(tmp_path: Path) -> None:
     assert torch.equal(torch.tensor(got["bias"]), state["layer.bias"])
     assert torch.equal(torch.tensor(got["box"]), state["layer.weight"][8:16, :4])
     saved = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert torch.equal(saved["weight"], state["layer.weight"]) and torch.equal(saved["bias"], state["layer.bias"])
+    assert torch.equal(saved["weight"], state["layer.weight"]) and torch.equal(
+        saved["bias"], state["layer.bias"]
+    )
 
 
 # --- item 11: the CLI's errors and its diff summary ----------------------------------------------

@@ -157,7 +157,9 @@ def bytes_view(t: torch.Tensor) -> memoryview:
     The view keeps ``t`` alive, so a temporary tensor may be passed.
     """
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"bytes_view needs a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+        raise ValueError(
+            f"bytes_view needs a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}"
+        )
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray())

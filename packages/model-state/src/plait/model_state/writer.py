@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -75,7 +76,7 @@ def write_file_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool 
     Nothing else in the directory is touched.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex[:12]}-{path.name}.tmp")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -157,11 +158,10 @@ class CheckpointWriter:
         self.rank = dist.get_rank(group) if distributed else 0
         self.fsync = fsync
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        self._created = self.rank == 0 and not self.out_dir.exists()
-        self._make_out_dir()
+        self._created = self.rank == 0 and not self.out_dir.exists()  # before any rank creates it
         if distributed:
             dist.broadcast_object_list(token, src=self._src(), group=group)
-            self._make_out_dir()
+        self._make_out_dir()
         self._tmp_prefix = f"{_TMP_PREFIX}{token[0]}"
         self._files = self._layout(dict(specs), parse_size(max_shard_size))
         self._key_file = {k: f for f in self._files for k in f.entries}
@@ -345,10 +345,8 @@ class CheckpointWriter:
         self._done = True
         self._discard(f.name for f in self._files)
         if self._created:
-            try:
+            with contextlib.suppress(OSError):  # not empty: other ranks' temporaries, or others' files
                 self.out_dir.rmdir()
-            except OSError:
-                pass  # not empty: other ranks' temporaries, or files someone else put there
 
     def __enter__(self) -> CheckpointWriter:
         return self

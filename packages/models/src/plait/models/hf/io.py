@@ -162,7 +162,9 @@ def save_hf_checkpoint(
         dtypes = {v.dtype for v in module.state_dict().values() if v.is_floating_point()}
         if len(dtypes) == 1:
             hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-        write_file_atomic(Path(out) / "config.json", (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode())
+        write_file_atomic(
+            Path(out) / "config.json", (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
+        )
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group)
     return Path(out)
