@@ -42,7 +42,7 @@ from .module_io import (
 )
 from .reader import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from .specs import Region, TensorSpec
-from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, parse_size
+from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, parse_size, write_file_atomic
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -92,4 +92,5 @@ __all__ = [
     "save_module",
     "state_specs",
     "to_dtensor",
+    "write_file_atomic",
 ]

@@ -326,7 +326,8 @@ def save_module(
 
     Args:
         module: the source module (no meta tensors).
-        out_dir: checkpoint directory (created or replaced atomically).
+        out_dir: checkpoint directory (created if missing; only the writer's files are replaced, see
+            :class:`CheckpointWriter`).
         mapper: module keys -> checkpoint keys (default identity).
         max_shard_size: per-file bound (``int`` bytes or ``"5GB"``).
         metadata: string metadata for file headers and the index.

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.model_state import load_module, save_module
+from plait.model_state import load_module, save_module, write_file_atomic
 from plait.models.config import Qwen3Config
 from plait.models.hf.config import config_to_hf, load_hf_config
 from plait.models.hf.mappers import hf_to_plait_mapper, plait_to_hf_mapper
@@ -137,7 +137,7 @@ def save_hf_checkpoint(
 
     Args:
         modules: Stage module(s) on this rank.
-        out_dir: Output directory (replaced atomically).
+        out_dir: Output directory (its shards, index and ``config.json`` are replaced; other files stay).
         fused_experts: Write transformers 5.x fused expert tensors instead of per-expert keys.
         is_writer: Whether this rank writes its keys.
         group: Process group of the save (default: world).
@@ -162,7 +162,9 @@ def save_hf_checkpoint(
         dtypes = {v.dtype for v in module.state_dict().values() if v.is_floating_point()}
         if len(dtypes) == 1:
             hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-        (Path(out) / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        write_file_atomic(
+            Path(out) / "config.json", (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
+        )
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group)
     return Path(out)
