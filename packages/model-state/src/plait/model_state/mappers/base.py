@@ -16,7 +16,17 @@ from .templates import as_templates, match_any
 if TYPE_CHECKING:
     from .composite import Sequential
 
-__all__ = ["GroupFn", "KeyReport", "Mapper", "MapperGroup", "Plan", "Slicer", "join_slicer", "plan_groups", "rekey"]
+__all__ = [
+    "GroupFn",
+    "KeyReport",
+    "Mapper",
+    "MapperGroup",
+    "Plan",
+    "Slicer",
+    "join_slicer",
+    "plan_groups",
+    "rekey",
+]
 
 PASS_THROUGH = "pass-through"
 """Label of the identity groups a plan adds for keys no mapper claims."""

@@ -21,7 +21,13 @@ from plait.models.qwen3.layers import Qwen3DecoderLayer
 from plait.moe import MoELayer
 from torch import nn
 
-__all__ = ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model", "Qwen3Stage", "stage_layer_ids"]
+__all__ = [
+    "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
+    "Qwen3Model",
+    "Qwen3Stage",
+    "stage_layer_ids",
+]
 
 
 def stage_layer_ids(num_layers: int, stage_index: int, num_stages: int) -> list[int]:
