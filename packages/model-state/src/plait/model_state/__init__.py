@@ -1,6 +1,7 @@
 """plait.model_state: streaming safetensors IO through declarative mapper graphs.
 
-Depends on torch and safetensors only, so any framework can use its checkpoint mappers.
+Depends on torch only (the safetensors format is read and written here), so any framework can use
+its checkpoint mappers.
 """
 
 from .dtensor import full_tensor, is_meta, local_region, local_shard, local_view, to_dtensor
