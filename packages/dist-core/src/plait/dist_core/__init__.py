@@ -23,6 +23,7 @@ from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, s
 if TYPE_CHECKING:
     from plait.dist_core.grad_norm import clip_grad_norm_, global_grad_norm
     from plait.dist_core.parallelize import (
+        all_reduce_grads,
         data_parallel_mesh,
         fully_shard_module,
         replicate,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "clip_grad_norm_": "plait.dist_core.grad_norm",
     "global_grad_norm": "plait.dist_core.grad_norm",
+    "all_reduce_grads": "plait.dist_core.parallelize",
     "data_parallel_mesh": "plait.dist_core.parallelize",
     "fully_shard_module": "plait.dist_core.parallelize",
     "replicate": "plait.dist_core.parallelize",
@@ -60,6 +62,7 @@ __all__ = [
     "Split",
     "all_gather_object",
     "all_gather_uneven",
+    "all_reduce_grads",
     "clip_grad_norm_",
     "data_parallel_mesh",
     "domain_coordinates",

@@ -1,9 +1,10 @@
 """plait.model_state: streaming safetensors IO through declarative mapper graphs.
 
-Depends on torch and safetensors only, so any framework can use its checkpoint mappers.
+Depends on torch only (the safetensors format is read and written here), so any framework can use
+its checkpoint mappers.
 """
 
-from .dtensor import local_region, local_shard, to_dtensor
+from .dtensor import full_tensor, is_meta, local_region, local_shard, local_view, to_dtensor
 from .errors import CheckpointFormatError, KeyMismatchError, MapperError, ModelStateError, SpecMismatchError
 from .mappers import (
     AddPrefix,
@@ -36,6 +37,7 @@ from .module_io import (
     convert_checkpoint,
     iter_groups,
     load_module,
+    materialize,
     read_state,
     save_module,
     state_specs,
@@ -82,10 +84,14 @@ __all__ = [
     "Transpose",
     "Unstack",
     "convert_checkpoint",
+    "full_tensor",
+    "is_meta",
     "iter_groups",
     "load_module",
     "local_region",
     "local_shard",
+    "local_view",
+    "materialize",
     "parse_size",
     "plan_groups",
     "read_state",

@@ -67,7 +67,7 @@ def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, p
     if requested == "flash":
         if not flash_attn_available():
             raise ImportError(
-                "attn_implementation='flash' needs the 'flash-attn' package (pip install flash-attn)"
+                "attn_implementation='flash' needs flash-attn: pip install 'plait-models[flash]'"
             )
         return "flash"
     if requested in ("sdpa", "flex"):

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plait.dist_core import DistributedContext
 from plait.models.parallel.checkpointing import apply_activation_checkpointing
 from plait.models.parallel.config import ParallelConfig
-from plait.models.qwen3.model import Qwen3ForCausalLM, _Qwen3Stage
+from plait.models.qwen3.model import Qwen3ForCausalLM, Qwen3Stage
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,7 +33,7 @@ def _dim_size(mesh: DeviceMesh | None, name: str) -> int:
     return int(mesh[name].size())
 
 
-def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: Qwen3Stage, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallelism over ``tp_mesh`` (1-D).
 
     Attention: q/k/v column-parallel (heads split), o row-parallel; q/k RMSNorm weights stay
@@ -88,7 +89,7 @@ def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
         head.tp_group = group
 
 
-def apply_expert_parallel(model: _Qwen3Stage, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: Qwen3Stage, ep_mesh: DeviceMesh) -> None:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``."""
     from plait.moe import expert_parallel
 
@@ -96,17 +97,8 @@ def apply_expert_parallel(model: _Qwen3Stage, ep_mesh: DeviceMesh) -> None:
         expert_parallel(moe, ep_mesh)
 
 
-def _expert_params(model: _Qwen3Stage) -> list[nn.Parameter]:
-    out: list[nn.Parameter] = []
-    for moe in model.moe_layers():
-        experts = getattr(moe, "experts", None)
-        if experts is not None:
-            out.extend(experts.parameters())
-    return out
-
-
 def apply_fsdp(
-    model: _Qwen3Stage,
+    model: Qwen3Stage,
     dp_mesh: DeviceMesh,
     *,
     experts_sharded: bool = False,
@@ -140,23 +132,23 @@ def apply_fsdp(
 
 
 def parallelize(
-    model: _Qwen3Stage,
+    model: Qwen3Stage,
     *,
     dense_mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
     config: ParallelConfig | None = None,
-    context: Any = None,
-) -> _Qwen3Stage:
+    context: DistributedContext | None = None,
+) -> Qwen3Stage:
     """Apply TP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
 
-    Pass either the meshes or a ``plait.dist_core.DistributedContext`` (``context``), whose
+    Pass either the meshes or a :class:`~plait.dist_core.DistributedContext` (``context``), whose
     ``mesh_for("dense")`` (dims ``pp, dp_replicate, dp_cp_shard, cp_replicate, tp``) and
     ``mesh_for("expert")`` (dims ``pp, ep_replicate, ep_shard``) are used. Dims of size 1 are
     skipped. Call on the meta-device model before ``to_empty`` + ``reset_parameters`` (or before
     loading a checkpoint).
 
     Args:
-        model: A :class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification` stage.
+        model: A :class:`Qwen3Stage` (:class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification`).
         dense_mesh: Mesh of the dense domain.
         expert_mesh: Mesh of the expert domain.
         config: Parallel settings (default: FSDP, no checkpointing, no compile).

@@ -21,7 +21,13 @@ from plait.models.qwen3.layers import Qwen3DecoderLayer
 from plait.moe import MoELayer
 from torch import nn
 
-__all__ = ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model", "stage_layer_ids"]
+__all__ = [
+    "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
+    "Qwen3Model",
+    "Qwen3Stage",
+    "stage_layer_ids",
+]
 
 
 def stage_layer_ids(num_layers: int, stage_index: int, num_stages: int) -> list[int]:
@@ -124,8 +130,12 @@ class Qwen3Model(nn.Module):
             self.norm.reset_parameters()
 
 
-class _Qwen3Stage(nn.Module):
-    """Shared stage plumbing of the causal LM and the classifier."""
+class Qwen3Stage(nn.Module):
+    """One pipeline stage of a Qwen3 model: the plumbing the causal LM and the classifier share.
+
+    The parallel plans (:func:`plait.models.parallelize` and the ``apply_*`` functions) take any
+    subclass: they need the stage's ``config``, its :meth:`decoder_layers` and :meth:`moe_layers`.
+    """
 
     config: Qwen3Config
     model: Qwen3Model
@@ -166,7 +176,7 @@ class _Qwen3Stage(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-class Qwen3ForCausalLM(_Qwen3Stage):
+class Qwen3ForCausalLM(Qwen3Stage):
     """Qwen3 / Qwen3-MoE causal LM, or one pipeline stage of it.
 
     Build on the meta device, then materialise and initialise::
@@ -279,7 +289,7 @@ class Qwen3ForCausalLM(_Qwen3Stage):
             self.lm_head.reset_parameters(self.config.initializer_range)
 
 
-class Qwen3ForSequenceClassification(_Qwen3Stage):
+class Qwen3ForSequenceClassification(Qwen3Stage):
     """Qwen3 / Qwen3-MoE with a ``score`` head on a pooled hidden state (HF's
     ``Qwen3ForSequenceClassification`` with ``pooling="last"``).
 
