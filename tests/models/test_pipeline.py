@@ -44,10 +44,12 @@ def _batch():
     return ids, labels
 
 
-def test_chained_stages_match_whole_model():
+@pytest.mark.parametrize("pooling", ["all_layers", "per_layer"])
+def test_chained_stages_match_whole_model(pooling):
     """Stage modules own disjoint parameters with the whole model's names; chaining their dict IO
-    reproduces the whole model's loss, MoE aux loss and gradients."""
-    cfg = Qwen3MoeConfig(**CFG, router_aux_loss_coef=0.1)
+    reproduces the whole model's loss, MoE aux loss (pooled over the layers of both stages or
+    summed per layer) and gradients."""
+    cfg = Qwen3MoeConfig(**CFG, router_aux_loss_coef=0.1, router_aux_loss_pooling=pooling)
     torch.manual_seed(0)
     full = Qwen3ForCausalLM(cfg)
     full.reset_parameters()
@@ -61,7 +63,8 @@ def test_chained_stages_match_whole_model():
     ref = full(input_ids=ids, labels=labels)
     (ref["loss"] + ref["aux_loss"]).backward()
     out0 = stages[0](input_ids=ids)
-    assert set(out0) == {"hidden_states", "aux_loss"}
+    pooled = {"router_stats"} if pooling == "all_layers" else set()
+    assert set(out0) == {"hidden_states", "aux_loss"} | pooled
     out1 = stages[1](**out0, labels=labels)
     (out1["loss"] + out1["aux_loss"]).backward()
     torch.testing.assert_close(out1["loss"], ref["loss"])
