@@ -131,7 +131,9 @@ def test_padding_masked_attention(backend):
         rep = h // kv
         torch.testing.assert_close(out[row, ~real], v[row, ~real].repeat_interleave(rep, 1))
     # No padding: the plain causal path, no mask tensors.
-    plain = build_attention_mask(b, s, q.device, q.dtype, attention_mask=torch.ones(b, s), implementation="sdpa")
+    plain = build_attention_mask(
+        b, s, q.device, q.dtype, attention_mask=torch.ones(b, s), implementation="sdpa"
+    )
     assert plain.dense_mask is None and plain.padding_mask is None
     with pytest.raises(ValueError, match="attention_mask"):
         build_attention_mask(b, s, q.device, q.dtype, attention_mask=pad[:, :5])

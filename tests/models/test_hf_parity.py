@@ -150,6 +150,11 @@ def test_sequence_classification_matches_transformers():
     ids[0, 9:] = 0  # right padding in row 0
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids)["logits"], hf(ids).logits, atol=1e-5, rtol=0)
+        # Left padding with an attention_mask: attention skips the padding in both.
+        ids, mask = _padded_batch("left")
+        ids = torch.where(mask == 1, ids.clamp(min=1), 0)
+        out = model(input_ids=ids, attention_mask=mask)["logits"]
+        torch.testing.assert_close(out, hf(ids, attention_mask=mask).logits, atol=1e-5, rtol=0)
 
 
 # --- padded batches (transformers' attention_mask) and the MoE aux loss -------------------------

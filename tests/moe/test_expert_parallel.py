@@ -222,7 +222,9 @@ def test_ep2_all_layers_pooling_with_padding() -> None:
         rows = 2 * int(real.sum())
         aux = POOL_COEF * E * ((counts / rows) * (prob_sums / rows)).sum()
         ((h * g_all[rank].double()).sum() + aux).backward()
-        torch.testing.assert_close(res["aux"].double(), aux.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+        torch.testing.assert_close(
+            res["aux"].double(), aux.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}"
+        )
     for i, p in enumerate(params):
         for name, ref in p.items():
             parts = [r["grads"][f"{i}.{name}"] for r in results]

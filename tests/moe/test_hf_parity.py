@@ -148,7 +148,9 @@ def test_pooled_switch_statistics_match_hf_over_layers(padded: bool) -> None:
 
     # Through MoE layers with aux_loss_pooling="all_layers": the routers return the statistics.
     layers = [MoELayer(H, FFN, E, RouterConfig(top_k=K, aux_loss_coef=0.01, aux_loss_pooling="all_layers"))]
-    layers.append(MoELayer(H, FFN, E, RouterConfig(top_k=K, aux_loss_coef=0.01, aux_loss_pooling="all_layers")))
+    layers.append(
+        MoELayer(H, FFN, E, RouterConfig(top_k=K, aux_loss_coef=0.01, aux_loss_pooling="all_layers"))
+    )
     x = torch.randn(b, s, H, generator=g)
     outs, router_logits = [], []
     for layer in layers:

@@ -132,9 +132,7 @@ def build_attention_mask(
     if backend == "sdpa":
         same = document_ids[:, :, None] == document_ids[:, None, :]
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        return AttentionMask(
-            backend, document_ids, dense_mask=(same & causal)[:, None], padding_mask=padding
-        )
+        return AttentionMask(backend, document_ids, dense_mask=(same & causal)[:, None], padding_mask=padding)
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -174,7 +172,11 @@ def _padding_mask(
 
 def _isolate_padding(document_ids: torch.Tensor | None, padding: torch.Tensor) -> torch.Tensor:
     """Document ids where each padding token is a document of its own (an id no other token has)."""
-    docs = torch.zeros_like(padding, dtype=torch.int64) if document_ids is None else document_ids.to(padding.device, torch.int64)
+    docs = (
+        torch.zeros_like(padding, dtype=torch.int64)
+        if document_ids is None
+        else document_ids.to(padding.device, torch.int64)
+    )
     own = docs.max() + 1 + torch.arange(padding.shape[1], device=padding.device)
     return torch.where(padding, docs, own)
 

@@ -184,14 +184,19 @@ class _Qwen3Stage(nn.Module):
         assert aux is not None
         cfg = self.config
         stats = _add(router_stats, own_stats)
-        if not isinstance(cfg, Qwen3MoeConfig) or cfg.router_aux_loss_pooling != "all_layers" or stats is None:
+        if (
+            not isinstance(cfg, Qwen3MoeConfig)
+            or cfg.router_aux_loss_pooling != "all_layers"
+            or stats is None
+        ):
             return {"aux_loss": aux}
         if not self.is_last:
             return {"aux_loss": aux, "router_stats": stats}
         return {"aux_loss": aux + cfg.router_aux_loss_coef * switch_aux_loss_from_stats(stats)}
 
     def last_aux_loss(self) -> torch.Tensor | None:
-        """Sum of this stage's MoE aux losses in the last forward (detached), or None if none."""
+        """Sum of this stage's per-layer MoE aux losses in the last forward (detached), or None if
+        none (a Switch loss pooled over all layers is not a per-layer term and is not in it)."""
         losses = [layer.last_aux_loss for layer in self.decoder_layers() if layer.last_aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
