@@ -258,7 +258,7 @@ def test_moe_total_loss_matches_transformers(padded, tmp_path):
     total loss (load_balancing_loss_func pools all layers; padding left out through attention_mask),
     and the router gradients agree. ``router_aux_loss_pooling="per_layer"`` is the sum of
     transformers' loss of each layer alone."""
-    from plait.models import config_from_hf
+    from plait.models import config_from_hf, config_to_hf
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     coef = 0.05
@@ -283,6 +283,7 @@ def test_moe_total_loss_matches_transformers(padded, tmp_path):
     assert len(ref_grads) == 3
 
     per_layer_cfg = config_from_hf(hf.config).model_copy(update={"router_aux_loss_pooling": "per_layer"})
+    assert "router_aux_loss_pooling" not in config_to_hf(per_layer_cfg)  # plait-only, never in config.json
     per_layer = Qwen3ForCausalLM(per_layer_cfg)
     per_layer.load_state_dict(model.state_dict())
     got = per_layer(input_ids=ids, attention_mask=mask, labels=plait_labels)["aux_loss"]

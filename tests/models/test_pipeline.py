@@ -60,12 +60,14 @@ def test_chained_stages_match_whole_model(pooling):
     assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(sd)
     assert stages[0].lm_head is None and stages[1].model.embed_tokens is None
     ids, labels = _batch()
-    ref = full(input_ids=ids, labels=labels)
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0  # a left-padded row: padding is left out of attention, loss and aux loss
+    ref = full(input_ids=ids, labels=labels, attention_mask=mask)
     (ref["loss"] + ref["aux_loss"]).backward()
-    out0 = stages[0](input_ids=ids)
+    out0 = stages[0](input_ids=ids, attention_mask=mask)
     pooled = {"router_stats"} if pooling == "all_layers" else set()
     assert set(out0) == {"hidden_states", "aux_loss"} | pooled
-    out1 = stages[1](**out0, labels=labels)
+    out1 = stages[1](**out0, labels=labels, attention_mask=mask)
     (out1["loss"] + out1["aux_loss"]).backward()
     torch.testing.assert_close(out1["loss"], ref["loss"])
     torch.testing.assert_close(out1["aux_loss"], ref["aux_loss"])
