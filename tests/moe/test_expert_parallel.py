@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
-from plait.moe import AllToAllDispatcher, MoELayer, RouterConfig, expert_parallel
+from plait.moe import (
+    AllToAllDispatcher,
+    MoELayer,
+    RouterConfig,
+    expert_parallel,
+    switch_aux_loss_from_stats,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -153,6 +159,77 @@ def test_ep2_nccl_matches_reference() -> None:
         router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05, "bias_update_rate": 0.01},
         device="cuda",
     )
+
+
+POOL_K, POOL_COEF = 2, 0.1
+
+
+def _pool_layers() -> list[MoELayer]:
+    cfg = RouterConfig(top_k=POOL_K, aux_loss_coef=POOL_COEF, aux_loss_pooling="all_layers")
+    torch.manual_seed(11)
+    return [MoELayer(H, FFN, E, cfg) for _ in range(2)]
+
+
+def _pool_inputs(world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, g = _inputs(world, 11, None)
+    mask = torch.ones(world, T, dtype=torch.bool)
+    for rank in range(world):
+        mask[rank, : 3 + rank] = False  # rank r: its first 3 + r tokens are padding
+    return x, g, mask
+
+
+def _pooled_ep_worker() -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = _pool_layers()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    for layer in layers:
+        expert_parallel(layer, mesh)
+    x_all, g_all, mask_all = _pool_inputs(world)
+    h, stats = x_all[rank], []
+    for layer in layers:
+        out = layer(h, token_mask=mask_all[rank])
+        h, stats = out.hidden_states, [*stats, out.switch_stats]
+    aux = POOL_COEF * switch_aux_loss_from_stats(stats[0] + stats[1])
+    ((h * g_all[rank]).sum() + aux).backward()
+    grads = {
+        f"{i}.{n}": (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for i, layer in enumerate(layers)
+        for n, p in layer.named_parameters()
+    }
+    return {"aux": aux.detach(), "grads": grads}
+
+
+def test_ep2_all_layers_pooling_with_padding() -> None:
+    """Two EP=2 layers pooling their Switch statistics over both layers, padding masked: each rank's
+    loss is the pooled loss of its own real tokens (nothing is reduced across ranks, as for the
+    per-layer loss) and the gradients match the float64 single-process reference."""
+    world = 2
+    results = run_distributed(_pooled_ep_worker, world)
+    params = [
+        {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
+        for layer in _pool_layers()
+    ]
+    x_all, g_all, mask_all = _pool_inputs(world)
+    for rank, res in enumerate(results):
+        h, real = x_all[rank].double(), mask_all[rank]
+        counts, prob_sums = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)
+        for p in params:
+            probs = torch.softmax(h @ p["router.weight"].T, dim=-1)
+            idx = torch.topk(probs, POOL_K, dim=-1).indices
+            counts = counts + torch.bincount(idx[real].flatten(), minlength=E)
+            prob_sums = prob_sums + probs[real].sum(0)
+            h = reference_moe(h, p, top_k=POOL_K)[0]
+        rows = 2 * int(real.sum())
+        aux = POOL_COEF * E * ((counts / rows) * (prob_sums / rows)).sum()
+        ((h * g_all[rank].double()).sum() + aux).backward()
+        torch.testing.assert_close(
+            res["aux"].double(), aux.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}"
+        )
+    for i, p in enumerate(params):
+        for name, ref in p.items():
+            parts = [r["grads"][f"{i}.{name}"] for r in results]
+            got = torch.cat(parts) if name.startswith("experts.") else sum(parts)
+            torch.testing.assert_close(got.double(), ref.grad, rtol=1e-4, atol=1e-5, msg=f"{i}.{name}")
 
 
 def _errors_worker() -> list[str]:

@@ -13,7 +13,8 @@ from plait.moe.losses import (
     count_tokens_per_expert,
     router_z_loss,
     seq_aux_loss,
-    switch_aux_loss,
+    switch_aux_loss_from_stats,
+    switch_loss_stats,
 )
 from torch import Tensor, nn
 
@@ -26,9 +27,12 @@ class RouterOutput:
         logits: ``[T, E]`` router logits in the input dtype.
         topk_idx: ``[T, k]`` int64 chosen experts.
         topk_weights: ``[T, k]`` combine weights in the input dtype.
-        aux_loss: fp32 scalar, the coefficient-weighted sum of the enabled balancing losses.
-        tokens_per_expert: ``[E]`` int64 assignments in this call (detached).
+        aux_loss: fp32 scalar, the coefficient-weighted sum of the enabled balancing losses (without
+            the Switch loss when ``aux_loss_pooling="all_layers"``).
+        tokens_per_expert: ``[E]`` int64 assignments of real tokens in this call (detached).
         losses: unweighted, detached components (``"switch"``, ``"seq"``, ``"z"``) for logging.
+        switch_stats: fp32 ``[2E + 1]`` Switch-loss statistics (:func:`plait.moe.switch_loss_stats`)
+            when ``aux_loss_coef > 0``, else None.
     """
 
     logits: Tensor
@@ -37,6 +41,7 @@ class RouterOutput:
     aux_loss: Tensor
     tokens_per_expert: Tensor
     losses: dict[str, Tensor] = field(default_factory=dict)
+    switch_stats: Tensor | None = None
 
 
 def in_recomputation() -> bool:
@@ -106,12 +111,14 @@ class TopKRouter(nn.Module):
             sel = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(t, -1)
         return torch.topk(sel, cfg.top_k, dim=-1).indices
 
-    def forward(self, x: Tensor, num_sequences: int = 1) -> RouterOutput:
+    def forward(self, x: Tensor, num_sequences: int = 1, token_mask: Tensor | None = None) -> RouterOutput:
         """Route ``x`` ``[T, H]``.
 
         Args:
             x: Tokens, sequence-major when ``num_sequences > 1``.
             num_sequences: Sequences in ``x`` (for the sequence-level loss).
+            token_mask: ``[T]`` bool, False = padding: routed like any token, but left out of the
+                balancing losses and the load statistics.
         """
         cfg = self.config
         logits = F.linear(x, self.weight)
@@ -133,7 +140,7 @@ class TopKRouter(nn.Module):
             topk_w = topk_w * cfg.scaling_factor
         topk_w = topk_w.to(x.dtype)
 
-        counts = count_tokens_per_expert(topk_idx.detach(), self.num_experts)
+        counts = count_tokens_per_expert(topk_idx.detach(), self.num_experts, token_mask)
         if self.training and not in_recomputation():
             with torch.no_grad():
                 self._bias_counts.add_(counts)
@@ -141,21 +148,24 @@ class TopKRouter(nn.Module):
 
         aux = logits32.new_zeros(())
         losses: dict[str, Tensor] = {}
+        stats: Tensor | None = None
         if cfg.aux_loss_coef > 0 or cfg.seq_aux_loss_coef > 0:
             probs = balancing_probs(scores, cfg.score_func)
             if cfg.aux_loss_coef > 0:
-                sw = switch_aux_loss(probs, topk_idx, self.num_experts)
-                aux = aux + cfg.aux_loss_coef * sw
+                stats = switch_loss_stats(probs, topk_idx, self.num_experts, token_mask)
+                sw = switch_aux_loss_from_stats(stats)
+                if cfg.aux_loss_pooling == "per_layer":
+                    aux = aux + cfg.aux_loss_coef * sw
                 losses["switch"] = sw.detach()
             if cfg.seq_aux_loss_coef > 0:
-                sq = seq_aux_loss(probs, topk_idx, self.num_experts, num_sequences)
+                sq = seq_aux_loss(probs, topk_idx, self.num_experts, num_sequences, token_mask)
                 aux = aux + cfg.seq_aux_loss_coef * sq
                 losses["seq"] = sq.detach()
         if cfg.z_loss_coef > 0:
-            z = router_z_loss(logits32)
+            z = router_z_loss(logits32, token_mask)
             aux = aux + cfg.z_loss_coef * z
             losses["z"] = z.detach()
-        return RouterOutput(logits, topk_idx, topk_w, aux, counts, losses)
+        return RouterOutput(logits, topk_idx, topk_w, aux, counts, losses, stats)
 
     def tokens_per_expert_stats(self, reset: bool = True) -> Tensor:
         """Assignments per expert summed over training forwards since the last read.
