@@ -79,7 +79,11 @@ def _unflatten_grads(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None
 
 
 def all_reduce_grads(
-    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0
+    params: Iterable[nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    *,
+    bucket_cap_mb: float = 25.0,
+    reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """Sum the gradients of ``params`` over ``group`` in flat buckets of about ``bucket_cap_mb`` MiB.
 
@@ -93,12 +97,15 @@ def all_reduce_grads(
         params: the parameters whose gradients to sum.
         group: the process group (default: the world).
         bucket_cap_mb: bucket size in MiB.
+        reduce_dtype: dtype the buckets are summed in (e.g. float32 for bf16 gradients); None: the
+            gradients' own dtype.
     """
     trainable = [p for p in params if p.requires_grad]
     for bucket in _grad_buckets(trainable, bucket_cap_mb * 2**20):
         flat = _flatten_grads(bucket)
-        dist.all_reduce(flat, group=group)
-        _unflatten_grads(bucket, flat)
+        wire = flat if reduce_dtype is None else flat.to(reduce_dtype)
+        dist.all_reduce(wire, group=group)
+        _unflatten_grads(bucket, wire.to(flat.dtype))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from plait.dist_core import all_reduce_grads, clip_grad_norm_, global_grad_norm
+from plait.loop.config.sections import GradientConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -46,16 +47,18 @@ def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def all_reduce_plain_grads(
-    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, bucket_size_mb: float = 25.0
+    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, settings: GradientConfig
 ) -> None:
-    """Sum the gradients of the non-DTensor parameters over ``group`` in flat buckets
-    (:func:`plait.dist_core.all_reduce_grads`; DTensor parameters are reduced by their own parallelism).
+    """Sum the gradients of the non-DTensor parameters over ``group`` in flat buckets of
+    ``settings.bucket_size_mb``, in ``settings.reduce_dtype`` (:func:`plait.dist_core.all_reduce_grads`;
+    DTensor parameters are reduced by their own parallelism, e.g. FSDP2 in its mixed-precision policy).
 
     A parameter without a gradient on this rank (unused this step) contributes zeros, so every rank
     issues the same collectives.
     """
     plain = [p for p in params if not isinstance(p, DTensor)]
-    all_reduce_grads(plain, group, bucket_cap_mb=bucket_size_mb)
+    dtype = None if settings.reduce_dtype is None else getattr(torch, settings.reduce_dtype)
+    all_reduce_grads(plain, group, bucket_cap_mb=settings.bucket_size_mb, reduce_dtype=dtype)
 
 
 @torch.no_grad()
