@@ -68,7 +68,11 @@ class FakeBuffer:
         return FakeConfig()
 
     def get_dispatch_layout(
-        self, topk_idx: Tensor, num_experts: int, previous_event: Any = None, async_finish: bool = False,
+        self,
+        topk_idx: Tensor,
+        num_experts: int,
+        previous_event: Any = None,
+        async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> tuple[Tensor, None, Tensor, Tensor, None]:
         assert topk_idx.dtype == torch.int64, "DeepEP takes int64 top-k ids"

@@ -106,7 +106,15 @@ def _check(
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
-        _ep_worker, world, seed, layer_kwargs, router_kwargs, one_hot_expert, device, dispatch, backend=backend
+        _ep_worker,
+        world,
+        seed,
+        layer_kwargs,
+        router_kwargs,
+        one_hot_expert,
+        device,
+        dispatch,
+        backend=backend,
     )
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
     params = {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
