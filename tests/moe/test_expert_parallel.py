@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -10,6 +10,8 @@ import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
 from plait.moe import (
     AllToAllDispatcher,
+    DeepEPDispatcher,
+    LocalDispatcher,
     MoELayer,
     RouterConfig,
     expert_parallel,
@@ -18,6 +20,7 @@ from plait.moe import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._fake_deep_ep import fake_deep_ep
 from ._reference import reference_moe
 
 H, FFN, E, T = 8, 6, 8, 12
@@ -49,12 +52,31 @@ def _ep_worker(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str = "cpu",
+    backend: Literal["all_to_all", "deepep"] = "all_to_all",
+) -> dict[str, Any]:
+    if backend == "all_to_all":
+        return _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend)
+    with fake_deep_ep() as buffer:  # DeepEP's Buffer API over gloo (tests/moe/_fake_deep_ep.py)
+        result = _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend)
+    # forward dispatch and combine, then their backwards (combine's is a cached dispatch).
+    assert buffer.calls == ["dispatch", "combine", "dispatch", "combine"], buffer.calls
+    return result
+
+
+def _ep_run(
+    seed: int,
+    layer_kwargs: dict[str, Any],
+    router_kwargs: dict[str, Any],
+    one_hot_expert: int | None,
+    device: str,
+    backend: Literal["all_to_all", "deepep"],
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
-    expert_parallel(layer, mesh)
-    assert isinstance(layer.dispatcher, AllToAllDispatcher)
+    expert_parallel(layer, mesh, backend=backend)
+    expected = AllToAllDispatcher if backend == "all_to_all" else DeepEPDispatcher
+    assert isinstance(layer.dispatcher, expected)
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
@@ -81,10 +103,19 @@ def _check(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None = None,
     device: str = "cpu",
+    dispatch: Literal["all_to_all", "deepep"] = "all_to_all",
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
-        _ep_worker, world, seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend=backend
+        _ep_worker,
+        world,
+        seed,
+        layer_kwargs,
+        router_kwargs,
+        one_hot_expert,
+        device,
+        dispatch,
+        backend=backend,
     )
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
     params = {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
@@ -239,6 +270,7 @@ def _errors_worker() -> list[str]:
         ("deepep", E, False),
         ("all_to_all", 3, False),
         ("all_to_all", E, True),
+        ("nccl", E, False),
     ):
         layer = MoELayer(H, FFN, num_experts, RouterConfig(top_k=1))
         try:
@@ -247,6 +279,9 @@ def _errors_worker() -> list[str]:
                 expert_parallel(layer, mesh)
         except (ImportError, ValueError) as e:
             msgs.append(str(e))
+            if not twice:  # a refused backend or size leaves the layer as it was
+                assert not isinstance(layer.experts.gate_up_proj, DTensor)
+                assert isinstance(layer.dispatcher, LocalDispatcher)
         else:
             msgs.append("no error")
     return msgs
@@ -259,8 +294,9 @@ def test_expert_parallel_errors() -> None:
         has_deep_ep = False
     else:
         has_deep_ep = True
-    deepep_msg, divisible_msg, twice_msg = run_distributed(_errors_worker, 2)[0]
+    deepep_msg, divisible_msg, twice_msg, backend_msg = run_distributed(_errors_worker, 2)[0]
     if not has_deep_ep:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg
     assert "already a DTensor" in twice_msg
+    assert "backend must be 'all_to_all' or 'deepep', got 'nccl'" in backend_msg

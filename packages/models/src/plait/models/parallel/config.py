@@ -47,6 +47,11 @@ class ParallelConfig(BaseModel):
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
         compile: ``torch.compile`` each decoder layer (in place; parameter names unchanged).
+        expert_dispatch: How MoE tokens reach their experts when the expert mesh's ``ep_shard`` dim
+            is > 1: ``all_to_all`` (``torch.distributed``, NCCL or gloo) or ``deepep`` (DeepEP's
+            normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install "plait-moe[deepep]"``,
+            else applying the plan raises an ``ImportError`` naming that extra). Without expert
+            parallelism every expert is local and neither is used.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,3 +62,4 @@ class ParallelConfig(BaseModel):
     reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     compile: bool = False
+    expert_dispatch: Literal["all_to_all", "deepep"] = "all_to_all"

@@ -8,7 +8,7 @@ layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from plait.dist_core import DistributedContext
@@ -89,12 +89,23 @@ def apply_tensor_parallel(model: Qwen3Stage, tp_mesh: DeviceMesh) -> None:
         head.tp_group = group
 
 
-def apply_expert_parallel(model: Qwen3Stage, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``."""
+def apply_expert_parallel(
+    model: Qwen3Stage, ep_mesh: DeviceMesh, dispatch: Literal["all_to_all", "deepep"] = "all_to_all"
+) -> None:
+    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``.
+
+    Args:
+        model: The stage, modified in place.
+        ep_mesh: The expert-parallel mesh dimension (``ep_shard``).
+        dispatch: Token dispatch backend (``ParallelConfig.expert_dispatch``).
+
+    Raises:
+        ImportError: ``dispatch="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
+    """
     from plait.moe import expert_parallel
 
     for moe in model.moe_layers():
-        expert_parallel(moe, ep_mesh)
+        expert_parallel(moe, ep_mesh, backend=dispatch)
 
 
 def apply_fsdp(
@@ -170,7 +181,7 @@ def parallelize(
     experts_sharded = _dim_size(expert_mesh, "ep_shard") > 1 and bool(model.moe_layers())
     if experts_sharded:
         assert expert_mesh is not None
-        apply_expert_parallel(model, expert_mesh["ep_shard"])
+        apply_expert_parallel(model, expert_mesh["ep_shard"], config.expert_dispatch)
     layers = {layer.layer_idx: layer for layer in model.decoder_layers()}
     apply_activation_checkpointing(dict(layers), config.activation_checkpointing)
     if config.compile:
