@@ -4,13 +4,20 @@ Run (one command, 2 GPUs):
 
     torchrun --nproc-per-node 2 benchmarks/pipelining/schedules.py
 
+Simulator only (no GPU, no process group): DualPipeV's greedy order vs DeepSeek's reference order, bubble and
+peak activations, on unit costs and, with ``--stage-costs``, on per-stage costs measured earlier:
+
+    python benchmarks/pipelining/schedules.py --simulate-only
+
 A bf16 transformer (pre-norm encoder layers) is split into pipeline stages. For every schedule this script
 times a full training step (forward + backward of all microbatches) with plait's executor and with
 torch.distributed.pipelining's matching schedule in the same run. It also measures each stage's forward,
 full backward, input-backward and weight-backward times (the first stage with its embedding, the last with
 its head and loss) and the activation transfer time, feeds them to plait's simulator, and prints the
 predicted bubble next to the measured one (1 - compute time of all ranks / (ranks x measured step)).
-Prints a markdown table on rank 0.
+Rows are schedule kinds, plus ``dualpipev_reference`` (DualPipeV in DeepSeek's reference order; the greedy
+order is the ``dualpipev`` row); both are timed against torch's ``ScheduleDualPipeV``. Prints a markdown table
+on rank 0, with each schedule's peak GPU memory under plait (max over ranks).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from plait.pipelining import (
     Stack,
     backward_input,
     backward_weight,
+    build_dualpipev,
     build_pipeline,
     build_program,
     lower,
@@ -49,6 +57,8 @@ TORCH_SCHEDULES = {
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
+# Rows that are not a schedule kind: their config (the rest of the rows: {"kind": row}).
+VARIANTS = {"dualpipev_reference": {"kind": "dualpipev", "order": "reference"}}
 
 
 class Stage(nn.Module):
@@ -196,11 +206,13 @@ def matmul_peak(dev: torch.device) -> float:
     return 20 * 2 * n**3 / (time.perf_counter() - t)
 
 
-def bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # type: ignore[no-untyped-def]
+def bench_one(row, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # type: ignore[no-untyped-def]
     """Time one schedule with plait and with torch; simulate it with each stage's measured costs."""
     m = a.microbatches
+    base = VARIANTS.get(row, {"kind": row})
+    kind = base["kind"]
     spr = {"looped_bfs": 2, "interleaved_1f1b": 2, "zb1p": 2}.get(kind)
-    cfg_d = {"kind": kind, "num_microbatches": m} | ({"stages_per_rank": spr} if spr else {})
+    cfg_d = base | {"num_microbatches": m} | ({"stages_per_rank": spr} if spr else {})
     cfg = parse_schedule_config(cfg_d)
     topo = cfg.topology(pp)
     held = topo.stages_of(rank)
@@ -216,7 +228,13 @@ def bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # t
         for s in stages.values():
             s.zero_grad(set_to_none=True)
 
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     t_plait = timed(plait_step, a.steps, a.warmup)
+    mem = torch.tensor(
+        [torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0], device=dev
+    )
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     # torch
     tstages = {s: TorchAdapter(mod) for s, mod in make_stages(held, topo.num_stages, a, dev).items()}
     pstages = [tpp.PipelineStage(tstages[s], s, topo.num_stages, dev) for s in held]
@@ -245,7 +263,7 @@ def bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # t
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 fn()
                 sync()
-            prof.export_chrome_trace(os.path.join(a.trace_dir, f"{kind}_{name}_rank{rank}.json"))
+            prof.export_chrome_trace(os.path.join(a.trace_dir, f"{row}_{name}_rank{rank}.json"))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     # simulator with each stage's measured costs; "measured bubble" uses the same per-rank busy time
@@ -253,14 +271,62 @@ def bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # t
     sim = simulate(lower(build_program(cfg, pp)), ActionCosts(comm=comm), stage_costs=costs)
     measured_bubble = max(0.0, 1 - sum(sim.busy) / (pp * t_plait))
     mfu = step_flops / t_plait / pp / peak
-    row = (kind, t_plait * 1e3, t_torch * 1e3, t_torch / t_plait, sim.step_time * 1e3)
     if rank == 0:
-        print(f"done {kind}", flush=True)
+        print(f"done {row}", flush=True)
     per_stage = ", ".join(
         f"{s}: {c.forward * 1e3:.1f}/{(c.backward or 0) * 1e3:.1f}/{c.backward_input * 1e3:.1f}/{c.backward_weight * 1e3:.1f}"
         for s, c in sorted(costs.items())
     )
-    return (*row, sim.bubble_fraction, measured_bubble, mfu, per_stage)
+    cells = [
+        row,
+        f"{t_plait * 1e3:.1f}",
+        f"{t_torch * 1e3:.1f}",
+        f"{t_torch / t_plait:.2f}",
+        f"{sim.step_time * 1e3:.1f}",
+        f"{sim.bubble_fraction:.3f}",
+        f"{measured_bubble:.3f}",
+        f"{mfu:.2f}",
+        f"{max(sim.peak_activations):.0f}",
+        f"{mem.item():.1f}",
+    ]
+    return cells, per_stage
+
+
+def simulate_dualpipev_orders(stage_costs: str, comm_ms: float) -> None:
+    """Print DualPipeV's greedy and reference orders side by side in plait's simulator (no GPU involved).
+
+    Unit costs (F = I = W = 1) on 2, 4 and 8 ranks; with `stage_costs` (``F/B/I/W`` in ms per stage,
+    comma-separated, 2 * pp stages) also those costs, e.g. the ones a 2-GPU run of this script printed.
+    """
+    unit = ActionCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
+    cases: list[tuple[str, int, ActionCosts, dict[int, ActionCosts] | None]] = [
+        ("F=I=W=1", pp, unit, None) for pp in (2, 4, 8)
+    ]
+    if stage_costs:
+        parsed = [[float(x) for x in st.split("/")] for st in stage_costs.split(",")]
+        per_stage = {
+            s: ActionCosts(forward=f, backward=b, backward_input=i, backward_weight=w)
+            for s, (f, b, i, w) in enumerate(parsed)
+        }
+        cases.append((f"measured ms, comm {comm_ms}", len(parsed) // 2, ActionCosts(comm=comm_ms), per_stage))
+    print("Simulated with plait's simulator (not measured): DualPipeV greedy vs reference order.")
+    print("Peak activations: stage-microbatch activations held at once, max (min) over ranks.\n")
+    print(
+        "| costs | pp | microbatches | step greedy | step reference | bubble greedy | bubble reference "
+        "| peak act. greedy | peak act. reference |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, pp, costs, per in cases:
+        for m in (2 * pp, 4 * pp, 8 * pp):
+            res = [
+                simulate(lower(build_dualpipev(pp, m, order)), costs, stage_costs=per)
+                for order in ("greedy", "reference")
+            ]
+            peaks = [f"{max(r.peak_activations):.0f} ({min(r.peak_activations):.0f})" for r in res]
+            print(
+                f"| {label} | {pp} | {m} | {res[0].step_time:.1f} | {res[1].step_time:.1f} "
+                f"| {res[0].bubble_fraction:.3f} | {res[1].bubble_fraction:.3f} | {peaks[0]} | {peaks[1]} |"
+            )
 
 
 def main() -> None:
@@ -276,8 +342,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo smoke test")
     p.add_argument("--trace-dir", default="", help="also write a profiler trace of one step of each")
-    p.add_argument("--schedules", default="gpipe,1f1b,looped_bfs,interleaved_1f1b,zb1p,zbv,dualpipev")
+    p.add_argument(
+        "--schedules", default="gpipe,1f1b,looped_bfs,interleaved_1f1b,zb1p,zbv,dualpipev,dualpipev_reference"
+    )
+    p.add_argument("--simulate-only", action="store_true", help="DualPipeV orders in the simulator; no GPU")
+    p.add_argument(
+        "--stage-costs", default="", help="with --simulate-only: F/B/I/W ms per stage, comma-separated"
+    )
+    p.add_argument("--comm-ms", type=float, default=0.0, help="with --simulate-only and --stage-costs")
     a = p.parse_args()
+    if a.simulate_only:
+        simulate_dualpipev_orders(a.stage_costs, a.comm_ms)
+        return
     global DEVICE
     if a.device == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -300,8 +376,8 @@ def main() -> None:
     layer_flops = 24 * a.hidden**2 + 4 * a.seq * a.hidden
     step_flops = 3 * a.batch * a.seq * (a.layers * layer_flops + 2 * a.hidden * a.vocab)
     rows = []
-    for kind in a.schedules.split(","):
-        rows.append(bench_one(kind, a, pp, rank, dev, ids, labels, comm, peak, step_flops))
+    for row in a.schedules.split(","):
+        rows.append(bench_one(row, a, pp, rank, dev, ids, labels, comm, peak, step_flops))
     if rank == 0:
         print(
             f"\n{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (gloo)'} x{pp}, torch {torch.__version__}, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
@@ -311,16 +387,16 @@ def main() -> None:
             f"activation transfer {comm * 1e3:.2f} ms; per-stage costs below\n"
         )
         print(
-            "| schedule | plait step (ms) | torch step (ms) | torch/plait | simulated step (ms) | simulated bubble | measured bubble | model FLOP/s / matmul peak |"
+            "| schedule | plait step (ms) | torch step (ms) | torch/plait | simulated step (ms) | simulated bubble "
+            "| measured bubble | model FLOP/s / matmul peak | simulated peak activations (stage-mb) "
+            "| plait peak memory (GiB) |"
         )
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.2f} | {r[4]:.1f} | {r[5]:.3f} | {r[6]:.3f} | {r[7]:.2f} |"
-            )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for cells, _ in rows:
+            print("| " + " | ".join(cells) + " |")
         print("\nPer-stage costs (ms, one microbatch) F/B/I/W:")
-        for r in rows:
-            print(f"- {r[0]}: {r[8]}")
+        for cells, per_stage in rows:
+            print(f"- {cells[0]}: {per_stage}")
     dist.destroy_process_group()
 
 

@@ -28,3 +28,32 @@ def context_facts(config: dict[str, int], device: str = "cpu") -> dict[str, obje
     ctx.shutdown()
     facts["still_initialised"] = dist.is_initialized()  # the harness's group is reused, not destroyed
     return facts
+
+
+def _dp_rest_layout(p: DeviceMeshParameters) -> torch.Tensor:
+    # (pp, dp, cp, tp) -> (dp, pp * cp * tp): the data-parallel ranks in one dimension, everything else in the other
+    return torch.arange(p.world_size).reshape(p.pipeline, p.data, -1).movedim(1, 0).reshape(p.data, -1)
+
+
+def registered_domain_facts(config: dict[str, int]) -> dict[str, object]:
+    """A domain registered by the user: its mesh, its groups, a collective over it, and the errors."""
+    from plait.dist_core import register_mesh_domain, unregister_mesh_domain
+
+    register_mesh_domain("dp_rest", ("dp", "rest"), _dp_rest_layout)
+    try:
+        ctx = DistributedContext.from_env(DeviceMeshParameters(**config), device="cpu")
+        mesh = ctx.mesh_for("dp_rest")
+        t = torch.tensor([float(ctx.rank)])
+        dist.all_reduce(t, group=mesh.get_group("dp"))
+        facts: dict[str, object] = {
+            "dims": mesh.mesh_dim_names,
+            "dp_group": dist.get_process_group_ranks(mesh.get_group("dp")),
+            "ctx_dp_group": ctx.group_ranks("dp_rest", "dp"),
+            "dp_sum": t.item(),
+            "batch_dp_group": ctx.group_ranks("batch", "dp"),
+        }
+        ctx.wait_world()
+        ctx.shutdown()
+    finally:
+        unregister_mesh_domain("dp_rest")
+    return facts

@@ -7,6 +7,7 @@ import torch
 from plait.dist_core import (
     DeviceMeshParameters,
     DistributedContext,
+    all_reduce_grads,
     clip_grad_norm_,
     fully_shard_module,
     global_grad_norm,
@@ -110,3 +111,47 @@ def test_bad_reduce_and_cp_replicate() -> None:
         replicate(nn.Linear(2, 2), None, reduce="avg")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Linear was not parallelized"):
         set_gradient_sync(nn.Linear(2, 2), False)
+
+
+class _Mixed(nn.Module):
+    """float32 and float64 layers, one used on rank 0 only, one frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2).double()
+        self.c = nn.Linear(2, 2)
+        self.scale = nn.Parameter(torch.full((2,), 1.5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)).double()).float()
+        if use_c:
+            h = self.c(h)
+        return (h * self.scale).pow(2).sum()
+
+
+def _all_reduce_grads_step(xs: list[torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    ctx = DistributedContext.from_env(DeviceMeshParameters(data_replicate=2))
+    model = _Mixed()
+    model(xs[ctx.rank], use_c=ctx.rank == 0).backward()
+    assert (model.c.weight.grad is None) == (ctx.rank == 1)
+    all_reduce_grads(model.parameters(), bucket_cap_mb=1e-5)  # tiny buckets: one parameter each
+    out = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    ctx.shutdown()
+    return out
+
+
+def test_all_reduce_grads_sums_over_ranks() -> None:
+    """Each rank gets the sum of the ranks' gradients, per dtype; an unused parameter receives the
+    others' sum; a frozen one keeps no gradient. Reference: both ranks' losses in one process."""
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(2)]
+    ref = _Mixed()
+    (ref(xs[0], use_c=True) + ref(xs[1], use_c=False)).backward()
+    for res in run_distributed(_all_reduce_grads_step, 2, xs):
+        assert res["scale"] is None
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                assert res[name].dtype == p.dtype, name
+                torch.testing.assert_close(res[name], p.grad, rtol=1e-5, atol=1e-6)

@@ -163,6 +163,8 @@ def _pipeline_save(out: str) -> None:
 
 
 def test_pipeline_stage_writing_gives_one_hf_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")  # not the writers' file: it stays
     run_distributed(_pipeline_save, 4, str(tmp_path / "out"))
     torch.manual_seed(0)
     ref = Model()
@@ -179,6 +181,10 @@ def test_pipeline_stage_writing_gives_one_hf_checkpoint(tmp_path: Path) -> None:
         assert torch.equal(loaded[k], v), k
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in expected.values())
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [*set(index["weight_map"].values()), INDEX_NAME, "tokenizer.json"]
+    )  # every rank's temporaries were renamed, nothing else added or removed
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"
 
 
 def _convert(src: str, dst: str) -> list[str]:

@@ -18,7 +18,9 @@ from plait.model_state import (
     Stack,
     TensorSpec,
     Transpose,
+    is_meta,
     load_module,
+    materialize,
     read_state,
     save_module,
 )
@@ -232,6 +234,20 @@ def test_tied_weights_count_once(tmp_path: Path) -> None:
     load_module(net, tmp_path / "t.safetensors", HF_TO_NET)  # to_empty unties; the loader re-ties
     assert net.head.weight is net.embed.weight
     assert torch.equal(net.head.weight, state["model.embed.weight"])
+
+
+def test_materialize_allocates_meta_modules_and_reties() -> None:
+    with torch.device("meta"):
+        net = Net(tie=True)
+    assert all(is_meta(p) for p in net.parameters())
+    plain = nn.Module.to_empty(Net(tie=True).to("meta"), device="cpu")  # what to_empty alone does
+    assert plain.head.weight is not plain.embed.weight
+    assert materialize(net)
+    assert not any(is_meta(t) for t in net.state_dict().values())
+    assert net.head.weight is net.embed.weight and net.head.weight.device.type == "cpu"
+    params = [id(p) for p in net.parameters()]
+    assert not materialize(net, "meta")  # nothing on meta: left as it is
+    assert [id(p) for p in net.parameters()] == params and not is_meta(net.head.weight)
 
 
 def test_stacked_experts_load_reads_each_byte_once(tmp_path: Path) -> None:

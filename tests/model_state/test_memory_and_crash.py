@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plait.model_state import read_state
 from plait.model_state.cli import main
 from safetensors.torch import load_file, save_file
 
@@ -123,13 +124,16 @@ def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> No
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    # The previous checkpoint is untouched; the new one is only a hidden temporary directory.
-    assert sorted(p.name for p in ck.iterdir()) == before
+    # The previous checkpoint is untouched; the new one is only hidden temporary files beside it.
+    after = sorted(p.name for p in ck.iterdir())
+    hidden = [n for n in after if n not in before]
+    assert [n for n in after if n in before] == before
+    assert hidden and all(n.startswith(".plait-tmp-") and n.endswith(".tmp") for n in hidden)
     loaded = load_file(str(ck / "model.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in old.items())
-    hidden = [p for p in tmp_path.iterdir() if p.name != "ck"]
-    assert hidden and all(p.name.startswith(".ck.tmp-") for p in hidden)
-    assert any(p.suffix == ".safetensors" for p in hidden[0].iterdir())  # it did write part files
+    got = read_state(ck)  # the reader ignores the temporaries
+    assert sorted(got) == sorted(old) and all(torch.equal(got[k], v) for k, v in old.items())
+    assert [p for p in tmp_path.iterdir()] == [ck]  # nothing written outside the checkpoint directory
 
 
 def test_cli_inspect_and_diff(

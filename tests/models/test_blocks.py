@@ -106,6 +106,39 @@ def test_document_masked_attention(backend):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_padding_masked_attention(backend):
+    """Padding (left, right, inside packed rows) is never attended to; real queries match a float64
+    reference over the real tokens, padding queries attend only to themselves."""
+    torch.manual_seed(1)
+    b, s, h, kv, d = 3, 12, 4, 2, 8
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, kv, d), torch.randn(b, s, kv, d)
+    docs = torch.tensor([[0] * 12, [0] * 12, [0] * 4 + [1] * 5 + [2] * 3])
+    pad = torch.ones(b, s, dtype=torch.long)
+    pad[0, :3] = 0  # left
+    pad[1, 8:] = 0  # right
+    pad[2, 9:] = 0  # right, after two packed documents
+    mask = build_attention_mask(
+        b, s, q.device, q.dtype, document_ids=docs, attention_mask=pad, implementation=backend
+    )
+    assert torch.equal(mask.padding_mask, pad.bool())
+    out = attention(q, k, v, mask, d**-0.5)
+    for row in range(b):
+        real = pad[row].bool()
+        sub = [t[row : row + 1, real].double() for t in (q, k, v)]
+        ref = _reference_attention(*sub, docs[row : row + 1, real], d**-0.5)
+        torch.testing.assert_close(out[row, real].double(), ref[0], atol=1e-5, rtol=1e-5)
+        rep = h // kv
+        torch.testing.assert_close(out[row, ~real], v[row, ~real].repeat_interleave(rep, 1))
+    # No padding: the plain causal path, no mask tensors.
+    plain = build_attention_mask(
+        b, s, q.device, q.dtype, attention_mask=torch.ones(b, s), implementation="sdpa"
+    )
+    assert plain.dense_mask is None and plain.padding_mask is None
+    with pytest.raises(ValueError, match="attention_mask"):
+        build_attention_mask(b, s, q.device, q.dtype, attention_mask=pad[:, :5])
+
+
 def test_packed_sequences_equal_separate_forwards():
     cfg = Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,

@@ -203,29 +203,55 @@ def _router_tokens() -> torch.Tensor:
     return torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
 
-def _router_rank() -> dict[str, torch.Tensor]:
+def _router_mask(masked: bool) -> torch.Tensor | None:
+    """``[2, 12]`` token mask (False = padding) or None."""
+    if not masked:
+        return None
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, :5] = False
+    mask[1, 10:] = False
+    return mask
+
+
+def _router_rank(masked: bool) -> dict[str, torch.Tensor]:
     n, r = dist.get_world_size(), dist.get_rank()
     router = _router()
     router.context_group = dist.group.WORLD
     x = shard_sequence(_router_tokens(), n, r).requires_grad_()
-    out = router(x.reshape(-1, 8), num_sequences=2)
-    (out.aux_loss / n).backward()  # each rank holds 1/n of the tokens: the loop's aux * n_r / N
+    mask = _router_mask(masked)
+    token_mask = None if mask is None else shard_sequence(mask, n, r).reshape(-1)
+    out = router(x.reshape(-1, 8), num_sequences=2, token_mask=token_mask)
+    assert out.switch_stats is not None
+    # Each rank holds its share of the real tokens: the loop's aux * n_r / N.
+    share = (x.shape[1] * 2 if token_mask is None else int(token_mask.sum())) / (
+        24 if mask is None else int(mask.sum())
+    )
+    (out.aux_loss * share).backward()
     grad = router.weight.grad
     assert grad is not None
     dist.all_reduce(grad)  # what FSDP's sum over the context ranks does
     losses = torch.stack([out.aux_loss.detach(), *(out.losses[k] for k in ("switch", "seq", "z"))])
-    return {"losses": losses, "weight_grad": grad, "x_grad": gather_sequence(x.grad, None)}  # type: ignore[arg-type]
+    return {
+        "losses": losses,
+        "stats": out.switch_stats.detach(),
+        "weight_grad": grad,
+        "x_grad": gather_sequence(x.grad, None),  # type: ignore[arg-type]
+    }
 
 
-def test_balancing_losses_over_context_group() -> None:
+@pytest.mark.parametrize("masked", [False, True], ids=["all_tokens", "padding"])
+def test_balancing_losses_over_context_group(masked: bool) -> None:
     router = _router()
     x = _router_tokens().requires_grad_()
-    out = router(x.reshape(-1, 8), num_sequences=2)
+    mask = _router_mask(masked)
+    out = router(x.reshape(-1, 8), num_sequences=2, token_mask=None if mask is None else mask.reshape(-1))
     out.aux_loss.backward()
+    assert out.switch_stats is not None
     want = torch.stack([out.aux_loss.detach(), *(out.losses[k] for k in ("switch", "seq", "z"))])
     # The router computes its scores and losses in float32 (sums in another order here).
-    for res in run_distributed(_router_rank, 3):
+    for res in run_distributed(_router_rank, 3, masked):
         torch.testing.assert_close(res["losses"], want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(res["stats"], out.switch_stats.detach(), rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(res["weight_grad"], router.weight.grad, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(res["x_grad"], x.grad, rtol=1e-5, atol=1e-9)
 
@@ -250,7 +276,7 @@ CFG = dict(
 SEQ = 16
 
 
-def _model_batch(packed: bool) -> dict[str, torch.Tensor]:
+def _model_batch(packed: bool, padded: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     batch = {
         "input_ids": torch.randint(0, 96, (2, SEQ), generator=g),
@@ -261,23 +287,39 @@ def _model_batch(packed: bool) -> dict[str, torch.Tensor]:
     if packed:
         # Position ids restarting per document; documents cross the chunk and rank boundaries.
         batch["position_ids"] = torch.cat([torch.arange(6), torch.arange(7), torch.arange(3)]).expand(2, SEQ)
+    if padded:
+        # transformers' padding mask: row 0 left-padded (5 tokens, across the first chunk boundary),
+        # row 1 right-padded (3 tokens, on the last rank's chunk for cp=2).
+        mask = torch.ones(2, SEQ, dtype=torch.long)
+        mask[0, :5] = 0
+        mask[1, -3:] = 0
+        batch["attention_mask"] = mask
     return batch
 
 
-def _objective(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+def _scored(batch: dict[str, torch.Tensor]) -> int:
+    """Scored tokens of a batch: labels not ignored, outside the padding."""
+    scored = batch["labels"] != -100
+    if "attention_mask" in batch:
+        scored &= batch["attention_mask"] != 0
+    return int(scored.sum())
+
+
+def _objective(out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
     # The loop's objective of one microbatch: token-summed loss plus aux loss weighted by tokens.
-    return out["loss_sum"] + out["aux_loss"] * (labels != -100).sum()
+    assert int(out["num_tokens"]) == _scored(batch)
+    return out["loss_sum"] + out["aux_loss"] * _scored(batch)
 
 
 def _stages_forward(parts: list[Qwen3ForCausalLM], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run the stages one after the other (a pipeline without the pipeline), stage kwargs like the loop's."""
     out: dict[str, torch.Tensor] = {}
     for i, part in enumerate(parts):
-        kw = {k: v for k, v in batch.items() if k in ("position_ids", "document_ids")}
+        kw = {k: v for k, v in batch.items() if k in ("position_ids", "document_ids", "attention_mask")}
         if i == 0:
             kw["input_ids"] = batch["input_ids"]
         else:
-            kw.update(hidden_states=out["hidden_states"], aux_loss=out["aux_loss"])
+            kw.update(out)  # hidden_states, aux_loss and (pooled Switch loss) router_stats
         if i == len(parts) - 1:
             kw["labels"] = batch["labels"]
         out = part(**kw)
@@ -285,14 +327,21 @@ def _stages_forward(parts: list[Qwen3ForCausalLM], batch: dict[str, torch.Tensor
 
 
 def _model_rank(
-    mode: str, packed: bool, ckpt: str, degrees: dict[str, int], stages: int, device: str = "cpu"
+    mode: str,
+    packed: bool,
+    padded: bool,
+    pooling: str,
+    ckpt: str,
+    degrees: dict[str, int],
+    stages: int,
+    device: str = "cpu",
 ) -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it (and the environment)
     # The float64 comparison is about context parallelism over NCCL, not the fp32 Triton kernels.
     os.environ["PLAIT_KERNELS_DISABLE_TRITON"] = "1"
     ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device=device)
     with torch.device("meta"):
-        cfg = Qwen3MoeConfig(**CFG, attn_implementation="sdpa")
+        cfg = Qwen3MoeConfig(**CFG, attn_implementation="sdpa", router_aux_loss_pooling=pooling)
         parts = [Qwen3ForCausalLM(cfg, stage_index=i, num_stages=stages) for i in range(stages)]
     for part in parts:
         parallelize(part, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
@@ -308,14 +357,14 @@ def _model_rank(
     batch_mesh = ctx.mesh_for("batch")
     dp, dp_rank = batch_mesh["dp"].size(), batch_mesh["dp"].get_local_rank()
     cp_mesh = batch_mesh["cp"]
-    full = _model_batch(packed)
+    full = _model_batch(packed, padded)
     rows = {k: v[dp_rank * 2 // dp : (dp_rank + 1) * 2 // dp] for k, v in full.items()}
     batch = shard_batch(
         {k: v.to(ctx.device) for k, v in rows.items()}, cp_mesh.size(), cp_mesh.get_local_rank()
     )
     out = _stages_forward(parts, batch)
-    global_tokens = int((full["labels"] != -100).sum())
-    (_objective(out, batch["labels"]) / global_tokens).backward()
+    global_tokens = _scored(full)
+    (_objective(out, batch) / global_tokens).backward()
     loss_sum = out["loss_sum"].detach().clone()
     dist.all_reduce(loss_sum)
     loss_sum /= ctx.params.tensor  # tensor-parallel ranks hold the same tokens
@@ -326,22 +375,33 @@ def _model_rank(
     }
     aux = out["aux_loss"].detach().clone()
     if dp > 1:  # per-sequence-group aux losses, token-weighted over dp like the loop's metric
-        aux *= (batch["labels"] != -100).sum()
+        aux *= _scored(batch)
         dist.all_reduce(aux, group=batch_mesh["dp"].get_group())
         dist.all_reduce(aux, group=cp_mesh.get_group())
         aux /= global_tokens
     return {"loss": loss_sum.item() / global_tokens, "aux": aux.item(), "grads": grads}
 
 
-# layout -> (degrees, attention mode, packed documents, pipeline stages run one after the other)
+# layout -> (degrees, attention mode, packed documents, padded (attention_mask), MoE aux-loss
+# pooling, pipeline stages run one after the other)
 LAYOUTS = {
-    "cp2_ring": ({"context_shard": 2}, "ring", False, 1),
-    "cp2_ring_packed": ({"context_shard": 2}, "ring", True, 1),
-    "cp2_allgather": ({"context_shard": 2}, "allgather", False, 1),
-    "cp2_allgather_packed": ({"context_shard": 2}, "allgather", True, 1),
-    "cp2_2stages_allgather_packed": ({"context_shard": 2}, "allgather", True, 2),
-    "dp2_cp2_ep2_ring_packed": ({"data_shard": 2, "context_shard": 2, "expert": 2}, "ring", True, 1),
-    "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True, 1),
+    "cp2_ring": ({"context_shard": 2}, "ring", False, False, "all_layers", 1),
+    "cp2_ring_packed_per_layer": ({"context_shard": 2}, "ring", True, False, "per_layer", 1),
+    "cp2_ring_padded": ({"context_shard": 2}, "ring", False, True, "all_layers", 1),
+    "cp2_allgather": ({"context_shard": 2}, "allgather", False, False, "per_layer", 1),
+    "cp2_allgather_packed": ({"context_shard": 2}, "allgather", True, False, "all_layers", 1),
+    "cp2_allgather_packed_padded": ({"context_shard": 2}, "allgather", True, True, "per_layer", 1),
+    "cp2_2stages_allgather_packed": ({"context_shard": 2}, "allgather", True, False, "all_layers", 2),
+    "cp2_2stages_ring_padded_per_layer": ({"context_shard": 2}, "ring", False, True, "per_layer", 2),
+    "dp2_cp2_ep2_ring_packed": (
+        {"data_shard": 2, "context_shard": 2, "expert": 2},
+        "ring",
+        True,
+        False,
+        "all_layers",
+        1,
+    ),
+    "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True, False, "per_layer", 1),
 }
 
 
@@ -351,33 +411,32 @@ def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("layout", ["cp2_ring_packed", "cp2_allgather_packed"])
+@pytest.mark.parametrize("layout", ["cp2_ring_packed_per_layer", "cp2_allgather_packed_padded"])
 def test_moe_model_with_context_parallel_on_two_gpus_nccl(layout: str, tmp_path) -> None:
     check_model_layout(layout, tmp_path, "cuda")
 
 
 def check_model_layout(layout: str, tmp_path, device: str) -> None:
-    degrees, mode, packed, stages = LAYOUTS[layout]
+    degrees, mode, packed, padded, pooling, stages = LAYOUTS[layout]
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG))
+    model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG, router_aux_loss_pooling=pooling))
     model.reset_parameters()
     model.double()
     ckpt = save_hf_checkpoint(model, tmp_path / "seed")
-    batch = _model_batch(packed)
-    tokens = int((batch["labels"] != -100).sum())
+    batch = _model_batch(packed, padded)
+    tokens = _scored(batch)
     if "data_shard" in degrees:  # one row per data-parallel rank: the aux loss is per row
-        outs = [model(**{k: v[i : i + 1] for k, v in batch.items()}) for i in range(2)]
-        objective = sum(_objective(o, batch["labels"][i : i + 1]) for i, o in enumerate(outs))
+        rows = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
+        outs = [model(**row) for row in rows]
+        objective = sum(_objective(o, row) for o, row in zip(outs, rows, strict=True))
         ref_loss = float(sum(o["loss_sum"].detach() for o in outs)) / tokens
         ref_aux = (
-            float(
-                sum(o["aux_loss"].detach() * (batch["labels"][i] != -100).sum() for i, o in enumerate(outs))
-            )
+            float(sum(o["aux_loss"].detach() * _scored(row) for o, row in zip(outs, rows, strict=True)))
             / tokens
         )
     else:
         out = model(**batch)
-        objective = _objective(out, batch["labels"])
+        objective = _objective(out, batch)
         ref_loss, ref_aux = out["loss"].item(), out["aux_loss"].item()
     (objective / tokens).backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
@@ -387,7 +446,18 @@ def check_model_layout(layout: str, tmp_path, device: str) -> None:
     world //= degrees.get("expert", 1)
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
-        _model_rank, world, mode, packed, str(ckpt), degrees, stages, device, backend=backend, timeout=300.0
+        _model_rank,
+        world,
+        mode,
+        packed,
+        padded,
+        pooling,
+        str(ckpt),
+        degrees,
+        stages,
+        device,
+        backend=backend,
+        timeout=300.0,
     )
     for rank, res in enumerate(results):
         # The fused cross-entropy kernel and the router work in float32: fp32 tolerances.

@@ -1,4 +1,5 @@
-"""CUDA-only: attention backends agree in bf16 (FlashAttention when installed, FlexAttention, SDPA)."""
+"""CUDA-only: attention backends agree in bf16 (FlashAttention when installed, FlexAttention, SDPA),
+with and without packed documents and padding."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from plait.models.blocks.attention import attention, flash_attn_available
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-def test_backends_agree_on_cuda(packed):
+def test_backends_agree_on_cuda(packed, padded):
     torch.manual_seed(0)
     b, s, h, kv, d = 2, 256, 8, 2, 64
     dev = torch.device("cuda")
@@ -18,10 +20,17 @@ def test_backends_agree_on_cuda(packed):
     k = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
     docs = torch.cat([torch.zeros(b, 100), torch.ones(b, 156)], 1).long().to(dev) if packed else None
-    ref_mask = build_attention_mask(b, s, dev, torch.float32, document_ids=docs, implementation="sdpa")
+    pad = None
+    if padded:  # row 0 left-padded by 37 tokens, row 1 right-padded by 50
+        pad = torch.ones(b, s, dtype=torch.long, device=dev)
+        pad[0, :37] = 0
+        pad[1, -50:] = 0
+    kw = {"document_ids": docs, "attention_mask": pad}
+    ref_mask = build_attention_mask(b, s, dev, torch.float32, **kw, implementation="sdpa")
     ref = attention(q.float(), k.float(), v.float(), ref_mask, d**-0.5)
+    real = torch.ones(b, s, dtype=torch.bool, device=dev) if pad is None else pad.bool()
     backends = ["sdpa", "flex"] + (["flash"] if flash_attn_available() else [])
     for backend in backends:
-        mask = build_attention_mask(b, s, dev, q.dtype, document_ids=docs, implementation=backend)
+        mask = build_attention_mask(b, s, dev, q.dtype, **kw, implementation=backend)
         out = attention(q, k, v, mask, d**-0.5)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=backend)
+        torch.testing.assert_close(out.float()[real], ref[real], atol=2e-2, rtol=2e-2, msg=backend)

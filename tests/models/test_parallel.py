@@ -8,6 +8,8 @@ loop's convention: objective = local token-sum loss / global token count).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +22,11 @@ from plait.models import (
     parallelize,
     save_hf_checkpoint,
 )
+from plait.moe import AllToAllDispatcher, DeepEPDispatcher
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+
+from ..moe._fake_deep_ep import fake_deep_ep
 
 dist_testing = pytest.importorskip("plait.dist_core.testing")
 run_distributed = dist_testing.run_distributed
@@ -51,6 +56,7 @@ CFG = dict(
 LAYOUTS = {
     "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
+    "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
@@ -71,6 +77,17 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
+    if LAYOUTS[layout][3].get("expert_dispatch") != "deepep":
+        return _rank_run(layout, ckpt, tied)
+    # DeepEP cannot be built here: its Buffer API over gloo (tests/moe/_fake_deep_ep.py).
+    with fake_deep_ep() as buffer:
+        result = _rank_run(layout, ckpt, tied)
+    # 2 MoE layers: forward dispatch + combine each, then their backwards.
+    assert buffer.calls.count("dispatch") == buffer.calls.count("combine") == 4, buffer.calls
+    return result
+
+
+def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
     world, dshape, eshape, pkw = LAYOUTS[layout]
     assert dist.get_world_size() == world
     cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})
@@ -89,6 +106,9 @@ def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
         dense = init_device_mesh("cpu", dshape, mesh_dim_names=DENSE)
         expert = init_device_mesh("cpu", eshape, mesh_dim_names=EXPERT)
         parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig(**pkw))
+    dispatcher = DeepEPDispatcher if pkw.get("expert_dispatch") == "deepep" else AllToAllDispatcher
+    if eshape[2] > 1:
+        assert all(isinstance(moe.dispatcher, dispatcher) for moe in model.moe_layers())
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()
@@ -133,9 +153,7 @@ def _reference(tied: bool, tmp_path) -> tuple[float, dict[str, torch.Tensor], st
     return out["loss"].item(), {n: p.grad for n, p in model.named_parameters()}, str(ckpt)
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, tmp_path):
-    tied = layout == "tp2"
+def _run_and_check(layout: str, tied: bool, tmp_path) -> list[dict]:
     ref_loss, ref_grads, ckpt = _reference(tied, tmp_path)
     world = LAYOUTS[layout][0]
     results = run_distributed(_rank_main, world, layout, ckpt, tied, timeout=240.0)
@@ -145,3 +163,42 @@ def test_layout_matches_single_process(layout, tmp_path):
     assert set(grads) == set(ref_grads)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-4, msg=name)
+    return results
+
+
+@pytest.mark.parametrize("layout", sorted(k for k in LAYOUTS if not k.endswith("_deepep")))
+def test_layout_matches_single_process(layout, tmp_path):
+    _run_and_check(layout, layout == "tp2", tmp_path)
+
+
+def test_deepep_dispatch_matches_all_to_all(tmp_path):
+    """``ParallelConfig(expert_dispatch="deepep")`` routes EP=2 through DeepEPDispatcher (fake buffer)."""
+    deepep = _run_and_check("ctx_ep2_fsdp2_deepep", False, tmp_path / "deepep")
+    all_to_all = _run_and_check("ctx_ep2_fsdp2", False, tmp_path / "a2a")
+    assert [r["loss"] for r in deepep] == pytest.approx([r["loss"] for r in all_to_all], abs=1e-6)
+    for name, g in all_to_all[0]["grads"].items():
+        torch.testing.assert_close(deepep[0]["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _missing_deepep_worker() -> str:
+    cfg = Qwen3MoeConfig(**CFG)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    expert = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=EXPERT)
+    saved = sys.modules.get("deep_ep")
+    sys.modules["deep_ep"] = None  # type: ignore[assignment]  # `import deep_ep` fails, as when absent
+    try:
+        parallelize(model, expert_mesh=expert, config=ParallelConfig(expert_dispatch="deepep"))
+    except ImportError as e:
+        return str(e)
+    finally:
+        if saved is None:
+            del sys.modules["deep_ep"]
+        else:
+            sys.modules["deep_ep"] = saved
+    return "no error"
+
+
+def test_deepep_dispatch_without_deep_ep_names_the_extra():
+    for msg in run_distributed(_missing_deepep_worker, 2):
+        assert "plait-moe[deepep]" in msg

@@ -44,10 +44,12 @@ def _batch():
     return ids, labels
 
 
-def test_chained_stages_match_whole_model():
+@pytest.mark.parametrize("pooling", ["all_layers", "per_layer"])
+def test_chained_stages_match_whole_model(pooling):
     """Stage modules own disjoint parameters with the whole model's names; chaining their dict IO
-    reproduces the whole model's loss, MoE aux loss and gradients."""
-    cfg = Qwen3MoeConfig(**CFG, router_aux_loss_coef=0.1)
+    reproduces the whole model's loss, MoE aux loss (pooled over the layers of both stages or
+    summed per layer) and gradients."""
+    cfg = Qwen3MoeConfig(**CFG, router_aux_loss_coef=0.1, router_aux_loss_pooling=pooling)
     torch.manual_seed(0)
     full = Qwen3ForCausalLM(cfg)
     full.reset_parameters()
@@ -58,11 +60,14 @@ def test_chained_stages_match_whole_model():
     assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(sd)
     assert stages[0].lm_head is None and stages[1].model.embed_tokens is None
     ids, labels = _batch()
-    ref = full(input_ids=ids, labels=labels)
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0  # a left-padded row: padding is left out of attention, loss and aux loss
+    ref = full(input_ids=ids, labels=labels, attention_mask=mask)
     (ref["loss"] + ref["aux_loss"]).backward()
-    out0 = stages[0](input_ids=ids)
-    assert set(out0) == {"hidden_states", "aux_loss"}
-    out1 = stages[1](**out0, labels=labels)
+    out0 = stages[0](input_ids=ids, attention_mask=mask)
+    pooled = {"router_stats"} if pooling == "all_layers" else set()
+    assert set(out0) == {"hidden_states", "aux_loss"} | pooled
+    out1 = stages[1](**out0, labels=labels, attention_mask=mask)
     (out1["loss"] + out1["aux_loss"]).backward()
     torch.testing.assert_close(out1["loss"], ref["loss"])
     torch.testing.assert_close(out1["aux_loss"], ref["aux_loss"])

@@ -1,63 +1,24 @@
-"""DeepEPDispatcher's autograd wiring, with a single-rank stand-in for ``deep_ep.Buffer``.
+"""DeepEPDispatcher's autograd wiring, run on gloo through a stand-in for ``deep_ep.Buffer``.
 
-With one rank DeepEP's dispatch receives every token with its routing unchanged and combine is the
-identity, so the dispatcher must reproduce the local path exactly. (Real DeepEP needs CUDA+NVSHMEM.)
+Real DeepEP needs CUDA + NVSHMEM and cannot be built here; ``_fake_deep_ep.FakeBuffer`` follows its
+normal-mode API and semantics over ``all_to_all_single``. With it the dispatcher must reproduce the
+local path (one rank) and the single-process float64 reference (EP=2, EP=4 with dropping), values
+and gradients, exactly as the all-to-all backend does.
 """
 
 from __future__ import annotations
-
-import sys
-import types
-from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
 from plait.moe import DeepEPDispatcher, MoELayer, RouterConfig
 
-
-class _FakeConfig:
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, n: int) -> int:
-        return 0
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, n: int) -> int:
-        return 0
-
-
-class _FakeBuffer:
-    calls: ClassVar[list[str]] = []
-
-    def __init__(self, group: Any, nvl: int, rdma: int) -> None:
-        assert dist.get_world_size(group) == 1
-
-    @staticmethod
-    def get_dispatch_config(n: int) -> _FakeConfig:
-        return _FakeConfig()
-
-    get_combine_config = get_dispatch_config
-
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[Any, ...]:
-        counts = torch.zeros(num_experts, dtype=torch.int64).scatter_add_(
-            0, topk_idx[topk_idx >= 0], torch.ones_like(topk_idx[topk_idx >= 0])
-        )
-        return None, None, counts, None, None
-
-    def dispatch(self, x: torch.Tensor, handle: Any = None, **kw: Any) -> tuple[Any, ...]:
-        _FakeBuffer.calls.append("dispatch")
-        if handle is not None:  # backward of combine
-            return x, None, None, None, handle, None
-        return x.clone(), kw["topk_idx"], kw["topk_weights"], kw["num_tokens_per_expert"].tolist(), "h", None
-
-    def combine(
-        self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None = None
-    ) -> tuple[Any, ...]:
-        _FakeBuffer.calls.append("combine")
-        return x.clone(), topk_weights, None
+from ._fake_deep_ep import fake_deep_ep
+from .test_expert_parallel import _check
 
 
 def _worker() -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
-    sys.modules["deep_ep"] = types.SimpleNamespace(Buffer=_FakeBuffer)  # type: ignore[assignment]
-    try:
+    with fake_deep_ep() as buffer:
         torch.manual_seed(0)
         layer = MoELayer(8, 6, 4, RouterConfig(top_k=2, norm_topk_prob=True), capacity_factor=0.75)
         x = torch.randn(10, 8)
@@ -72,18 +33,34 @@ def _worker() -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
             results.append(
                 [y.detach(), xx.grad, layer.router.weight.grad.clone(), layer.experts.down_proj.grad.clone()]
             )
-        return results[0], results[1], _FakeBuffer.calls
-    finally:
-        del sys.modules["deep_ep"]
+        return results[0], results[1], list(buffer.calls)
 
 
 def test_deepep_dispatcher_wiring_single_rank() -> None:
     (local, deepep, calls) = run_distributed(_worker, 1)[0]
     for a, b in zip(deepep, local):
         torch.testing.assert_close(a, b)
-    assert calls == [
-        "dispatch",
-        "combine",
-        "dispatch",
-        "combine",
-    ]  # fwd dispatch, fwd combine, their backwards
+    # fwd dispatch, fwd combine, then their backwards (combine's backward is a cached dispatch)
+    assert calls == ["dispatch", "combine", "dispatch", "combine"]
+
+
+def test_deepep_ep2_matches_reference() -> None:
+    _check(
+        2,
+        seed=0,
+        layer_kwargs={"shared_expert_intermediate_size": 5, "shared_expert_gate": True},
+        router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
+        dispatch="deepep",
+    )
+    # Every token picks expert 5 (rank 1): rank 0 sends and receives nothing.
+    _check(2, seed=1, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, dispatch="deepep")
+
+
+def test_deepep_ep4_dropping_matches_reference() -> None:
+    _check(
+        4,
+        seed=3,
+        layer_kwargs={"capacity_factor": 1.0, "drop_policy": "position"},
+        router_kwargs={"top_k": 3, "aux_loss_coef": 0.1},
+        dispatch="deepep",
+    )

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
-from plait.moe import AllToAllDispatcher, MoELayer, RouterConfig, expert_parallel
+from plait.moe import (
+    AllToAllDispatcher,
+    DeepEPDispatcher,
+    LocalDispatcher,
+    MoELayer,
+    RouterConfig,
+    expert_parallel,
+    switch_aux_loss_from_stats,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._fake_deep_ep import fake_deep_ep
 from ._reference import reference_moe
 
 H, FFN, E, T = 8, 6, 8, 12
@@ -43,12 +52,31 @@ def _ep_worker(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str = "cpu",
+    backend: Literal["all_to_all", "deepep"] = "all_to_all",
+) -> dict[str, Any]:
+    if backend == "all_to_all":
+        return _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend)
+    with fake_deep_ep() as buffer:  # DeepEP's Buffer API over gloo (tests/moe/_fake_deep_ep.py)
+        result = _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend)
+    # forward dispatch and combine, then their backwards (combine's is a cached dispatch).
+    assert buffer.calls == ["dispatch", "combine", "dispatch", "combine"], buffer.calls
+    return result
+
+
+def _ep_run(
+    seed: int,
+    layer_kwargs: dict[str, Any],
+    router_kwargs: dict[str, Any],
+    one_hot_expert: int | None,
+    device: str,
+    backend: Literal["all_to_all", "deepep"],
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
-    expert_parallel(layer, mesh)
-    assert isinstance(layer.dispatcher, AllToAllDispatcher)
+    expert_parallel(layer, mesh, backend=backend)
+    expected = AllToAllDispatcher if backend == "all_to_all" else DeepEPDispatcher
+    assert isinstance(layer.dispatcher, expected)
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
@@ -75,10 +103,19 @@ def _check(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None = None,
     device: str = "cpu",
+    dispatch: Literal["all_to_all", "deepep"] = "all_to_all",
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
-        _ep_worker, world, seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend=backend
+        _ep_worker,
+        world,
+        seed,
+        layer_kwargs,
+        router_kwargs,
+        one_hot_expert,
+        device,
+        dispatch,
+        backend=backend,
     )
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
     params = {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
@@ -155,6 +192,77 @@ def test_ep2_nccl_matches_reference() -> None:
     )
 
 
+POOL_K, POOL_COEF = 2, 0.1
+
+
+def _pool_layers() -> list[MoELayer]:
+    cfg = RouterConfig(top_k=POOL_K, aux_loss_coef=POOL_COEF, aux_loss_pooling="all_layers")
+    torch.manual_seed(11)
+    return [MoELayer(H, FFN, E, cfg) for _ in range(2)]
+
+
+def _pool_inputs(world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, g = _inputs(world, 11, None)
+    mask = torch.ones(world, T, dtype=torch.bool)
+    for rank in range(world):
+        mask[rank, : 3 + rank] = False  # rank r: its first 3 + r tokens are padding
+    return x, g, mask
+
+
+def _pooled_ep_worker() -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = _pool_layers()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    for layer in layers:
+        expert_parallel(layer, mesh)
+    x_all, g_all, mask_all = _pool_inputs(world)
+    h, stats = x_all[rank], []
+    for layer in layers:
+        out = layer(h, token_mask=mask_all[rank])
+        h, stats = out.hidden_states, [*stats, out.switch_stats]
+    aux = POOL_COEF * switch_aux_loss_from_stats(stats[0] + stats[1])
+    ((h * g_all[rank]).sum() + aux).backward()
+    grads = {
+        f"{i}.{n}": (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for i, layer in enumerate(layers)
+        for n, p in layer.named_parameters()
+    }
+    return {"aux": aux.detach(), "grads": grads}
+
+
+def test_ep2_all_layers_pooling_with_padding() -> None:
+    """Two EP=2 layers pooling their Switch statistics over both layers, padding masked: each rank's
+    loss is the pooled loss of its own real tokens (nothing is reduced across ranks, as for the
+    per-layer loss) and the gradients match the float64 single-process reference."""
+    world = 2
+    results = run_distributed(_pooled_ep_worker, world)
+    params = [
+        {k: v.detach().double().requires_grad_() for k, v in layer.named_parameters()}
+        for layer in _pool_layers()
+    ]
+    x_all, g_all, mask_all = _pool_inputs(world)
+    for rank, res in enumerate(results):
+        h, real = x_all[rank].double(), mask_all[rank]
+        counts, prob_sums = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)
+        for p in params:
+            probs = torch.softmax(h @ p["router.weight"].T, dim=-1)
+            idx = torch.topk(probs, POOL_K, dim=-1).indices
+            counts = counts + torch.bincount(idx[real].flatten(), minlength=E)
+            prob_sums = prob_sums + probs[real].sum(0)
+            h = reference_moe(h, p, top_k=POOL_K)[0]
+        rows = 2 * int(real.sum())
+        aux = POOL_COEF * E * ((counts / rows) * (prob_sums / rows)).sum()
+        ((h * g_all[rank].double()).sum() + aux).backward()
+        torch.testing.assert_close(
+            res["aux"].double(), aux.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}"
+        )
+    for i, p in enumerate(params):
+        for name, ref in p.items():
+            parts = [r["grads"][f"{i}.{name}"] for r in results]
+            got = torch.cat(parts) if name.startswith("experts.") else sum(parts)
+            torch.testing.assert_close(got.double(), ref.grad, rtol=1e-4, atol=1e-5, msg=f"{i}.{name}")
+
+
 def _errors_worker() -> list[str]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     msgs = []
@@ -162,6 +270,7 @@ def _errors_worker() -> list[str]:
         ("deepep", E, False),
         ("all_to_all", 3, False),
         ("all_to_all", E, True),
+        ("nccl", E, False),
     ):
         layer = MoELayer(H, FFN, num_experts, RouterConfig(top_k=1))
         try:
@@ -170,6 +279,9 @@ def _errors_worker() -> list[str]:
                 expert_parallel(layer, mesh)
         except (ImportError, ValueError) as e:
             msgs.append(str(e))
+            if not twice:  # a refused backend or size leaves the layer as it was
+                assert not isinstance(layer.experts.gate_up_proj, DTensor)
+                assert isinstance(layer.dispatcher, LocalDispatcher)
         else:
             msgs.append("no error")
     return msgs
@@ -182,8 +294,9 @@ def test_expert_parallel_errors() -> None:
         has_deep_ep = False
     else:
         has_deep_ep = True
-    deepep_msg, divisible_msg, twice_msg = run_distributed(_errors_worker, 2)[0]
+    deepep_msg, divisible_msg, twice_msg, backend_msg = run_distributed(_errors_worker, 2)[0]
     if not has_deep_ep:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg
     assert "already a DTensor" in twice_msg
+    assert "backend must be 'all_to_all' or 'deepep', got 'nccl'" in backend_msg

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plait.moe import MoELayer, RouterConfig, TopKRouter, switch_aux_loss
+from plait.moe import (
+    MoELayer,
+    RouterConfig,
+    TopKRouter,
+    switch_aux_loss,
+    switch_aux_loss_from_stats,
+    switch_loss_stats,
+)
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
@@ -110,6 +117,50 @@ def test_switch_loss_matches_hf_load_balancing_loss_func() -> None:
     torch.testing.assert_close(out.aux_loss, expected, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.losses["switch"], expected / 0.01, rtol=1e-5, atol=1e-6)
     assert out.aux_loss.requires_grad
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_pooled_switch_statistics_match_hf_over_layers(padded: bool) -> None:
+    """Switch statistics of 3 layers, summed, give HF's load_balancing_loss_func of the 3 layers' logits
+    (it pools all layers into one loss), with HF's attention_mask leaving padding out; one layer's
+    masked switch_aux_loss is HF's loss of that layer alone."""
+    g = torch.Generator().manual_seed(9)
+    b, s = 3, 7
+    mask = torch.ones(b, s, dtype=torch.long)
+    if padded:
+        mask[0, :3] = 0  # left padding
+        mask[2, 5:] = 0  # right padding
+    hf_mask = mask if padded else None
+    token_mask = mask.flatten().bool()
+    logits = tuple(torch.randn(b * s, E, generator=g) * 2 for _ in range(3))
+    stats = []
+    for layer_logits in logits:
+        probs = torch.softmax(layer_logits, dim=-1)
+        idx = torch.topk(probs, K, dim=-1).indices
+        stats.append(switch_loss_stats(probs, idx, E, token_mask))
+        ref_one = load_balancing_loss_func((layer_logits,), num_experts=E, top_k=K, attention_mask=hf_mask)
+        torch.testing.assert_close(switch_aux_loss(probs, idx, E, token_mask), ref_one, rtol=1e-6, atol=1e-6)
+    ref = load_balancing_loss_func(logits, num_experts=E, top_k=K, attention_mask=hf_mask)
+    torch.testing.assert_close(switch_aux_loss_from_stats(sum(stats)), ref, rtol=1e-6, atol=1e-6)
+    # The pooled loss is not the sum (nor the mean) of the per-layer losses.
+    per_layer = sum(switch_aux_loss_from_stats(st) for st in stats)
+    assert abs(float(per_layer) - float(ref)) > 0.5
+
+    # Through MoE layers with aux_loss_pooling="all_layers": the routers return the statistics.
+    layers = [MoELayer(H, FFN, E, RouterConfig(top_k=K, aux_loss_coef=0.01, aux_loss_pooling="all_layers"))]
+    layers.append(
+        MoELayer(H, FFN, E, RouterConfig(top_k=K, aux_loss_coef=0.01, aux_loss_pooling="all_layers"))
+    )
+    x = torch.randn(b, s, H, generator=g)
+    outs, router_logits = [], []
+    for layer in layers:
+        router_logits.append(x.reshape(-1, H) @ layer.router.weight.T)
+        outs.append(layer(x, token_mask=mask.bool()))
+        x = outs[-1].hidden_states
+    assert all(float(o.aux_loss) == 0.0 for o in outs)
+    pooled = switch_aux_loss_from_stats(sum(o.switch_stats for o in outs))
+    expected = load_balancing_loss_func(tuple(router_logits), num_experts=E, top_k=K, attention_mask=hf_mask)
+    torch.testing.assert_close(pooled, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_close_to_hf() -> None:

@@ -214,3 +214,56 @@ def test_attach_aux_loss_equals_adding_it() -> None:
     attach_aux_loss(out.hidden_states, out.aux_loss, scale=0.5).square().sum().backward()
     for n, p in layer.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], msg=n)
+
+
+def test_padding_left_out_of_losses_and_statistics() -> None:
+    """A token mask removes padding from the seq / z losses (hand-computed over the real tokens
+    only, float64), the expert counts and the load statistics; padding is still routed and computed."""
+    torch.manual_seed(7)
+    k, coef_seq, coef_z = 2, 0.3, 0.05
+    layer = MoELayer(
+        H, 4, E, RouterConfig(score_func="sigmoid", top_k=k, seq_aux_loss_coef=coef_seq, z_loss_coef=coef_z)
+    )
+    x = torch.randn(3, 5, H)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    out = layer(x, token_mask=mask)
+    logits = (x.reshape(-1, H) @ layer.router.weight.T).detach().double()
+    scores = torch.sigmoid(logits)
+    idx = torch.topk(scores, k, dim=-1).indices
+    real = [t for t in range(15) if mask.flatten()[t]]
+    seq_losses = []
+    for b in range(3):
+        rows = [t for t in real if b * 5 <= t < (b + 1) * 5]
+        total = 0.0
+        for i in range(E):
+            f = E / (k * len(rows)) * sum(int((idx[t] == i).sum()) for t in rows)
+            p = sum(float(scores[t, i] / scores[t].sum()) for t in rows) / len(rows)
+            total += f * p
+        seq_losses.append(total)
+    seq_ref = sum(seq_losses) / 3
+    z_ref = sum(math.log(sum(math.exp(v) for v in logits[t].tolist())) ** 2 for t in real) / len(real)
+    for name, ref in (("seq", seq_ref), ("z", z_ref)):
+        torch.testing.assert_close(
+            out.losses[name].double(), torch.tensor(ref, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
+    counts = torch.bincount(idx[real].flatten(), minlength=E)
+    assert torch.equal(out.tokens_per_expert, counts)
+    assert torch.equal(layer.tokens_per_expert_stats(), counts)
+    torch.testing.assert_close(out.hidden_states, layer(x).hidden_states)  # padding still computed
+    with pytest.raises(ValueError, match="token_mask"):
+        layer(x, token_mask=mask[:, :4])
+
+
+def test_all_layers_pooling_returns_statistics_instead_of_the_switch_loss() -> None:
+    torch.manual_seed(8)
+    cfg = {"top_k": 2, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}
+    per_layer = MoELayer(H, 4, E, RouterConfig(**cfg))
+    pooled = MoELayer(H, 4, E, RouterConfig(**cfg, aux_loss_pooling="all_layers"))
+    pooled.load_state_dict(per_layer.state_dict())
+    x = torch.randn(2, 6, H)
+    a, b = per_layer(x), pooled(x)
+    torch.testing.assert_close(b.aux_loss, 0.01 * a.losses["z"])  # only the z-loss is left in aux_loss
+    torch.testing.assert_close(a.aux_loss, 0.1 * a.losses["switch"] + 0.01 * a.losses["z"])
+    assert b.switch_stats is not None and b.switch_stats.shape == (2 * E + 1,)
+    assert b.switch_stats.requires_grad and float(b.switch_stats[-1]) == 12.0
+    assert MoELayer(H, 4, E, RouterConfig(top_k=2))(x).switch_stats is None  # no Switch loss asked

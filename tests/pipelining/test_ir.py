@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 from plait.pipelining import (
@@ -29,6 +30,8 @@ from plait.pipelining import (
     validate,
     vshape_topology,
 )
+from plait.pipelining.schedules import round_sizes
+from torch.distributed.pipelining import schedules as torch_schedules
 
 
 def test_action_strings_round_trip() -> None:
@@ -70,18 +73,16 @@ def test_topologies() -> None:
 
 def _all_programs(pp: int, m: int) -> list[Program]:
     progs = [build_gpipe(pp, m), build_1f1b(pp, m), build_looped_bfs(pp, m, 2), build_inference(pp, m, 2)]
-    if m % pp == 0:
-        progs += [build_interleaved_1f1b(pp, m, 2), build_interleaved_1f1b(pp, m, 3)]
-        progs += [build_zb1p(pp, m, 1), build_zb1p(pp, m, 2)]
     if m >= pp:
-        progs.append(build_zbv(pp, m))
+        progs += [build_interleaved_1f1b(pp, m, 2), build_interleaved_1f1b(pp, m, 3)]
+        progs += [build_zb1p(pp, m, 1), build_zb1p(pp, m, 2), build_zbv(pp, m)]
     if m >= 2 * pp:
-        progs.append(build_dualpipev(pp, m))
+        progs += [build_dualpipev(pp, m), build_dualpipev(pp, m, "reference")]
     return progs
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11])
 def test_every_builder_lowers_to_a_valid_deadlock_free_program(pp: int, m: int) -> None:
     for prog in _all_programs(pp, m):
         low = lower(prog)
@@ -90,12 +91,20 @@ def test_every_builder_lowers_to_a_valid_deadlock_free_program(pp: int, m: int) 
 
 
 def test_builders_reject_unsupported_sizes() -> None:
-    with pytest.raises(ValueError, match="multiple of the pipeline size"):
-        build_interleaved_1f1b(4, 6, 2)
+    with pytest.raises(
+        ValueError, match=r"interleaved_1f1b: num_microbatches \(3\) must be >= the pipeline size \(4\)"
+    ):
+        build_interleaved_1f1b(4, 3, 2)
+    with pytest.raises(ValueError, match=r"zb1p: num_microbatches \(3\) must be >= the pipeline size \(4\)"):
+        build_zb1p(4, 3, 2)
     with pytest.raises(ValueError, match="stages_per_rank must be >= 2"):
         build_interleaved_1f1b(2, 4, 1)
     with pytest.raises(ValueError, match=r"must be >= 2 \* pipeline size"):
         build_dualpipev(4, 6)
+    with pytest.raises(ValueError, match=r"dualpipev: order must be 'greedy' or 'reference', got 'deepseek'"):
+        build_dualpipev(2, 4, "deepseek")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="order"):
+        build_program({"kind": "dualpipev", "num_microbatches": 4, "order": "deepseek"}, 2)
     with pytest.raises(ValueError, match="must be >= the pipeline size"):
         build_zbv(4, 3)
     with pytest.raises(ValueError, match="num_microbatches"):
@@ -255,3 +264,54 @@ def test_lowering_groups_messages_by_instant() -> None:
             assert f"{f.stage}SEND_F{f.microbatch}" in ops and f"{b.stage}SEND_B{b.microbatch}" not in ops
             checked += 1
     assert checked == 6
+
+
+def _torch_order(cls: type, rank: int, **attrs: int) -> list[str]:
+    """torch.distributed.pipelining's compute order for `rank` in plait's spelling (its idle slots dropped)."""
+    ops = cls._calculate_single_rank_operations(SimpleNamespace(**attrs), rank)
+    return [
+        "|".join(str(x) for x in a.sub_actions) if a.sub_actions else str(a) for a in ops if a is not None
+    ]
+
+
+@pytest.mark.parametrize(
+    "pp,m,v", [(2, 3, 2), (3, 5, 2), (4, 6, 2), (4, 10, 2), (3, 4, 3), (3, 8, 2), (4, 8, 2), (4, 12, 3)]
+)
+def test_interleaved_order_is_torchs_for_every_size_torch_takes(pp: int, m: int, v: int) -> None:
+    # torch's ScheduleInterleaved1F1B runs max(1, m // pp) rounds of m // rounds microbatches when the
+    # rounds divide m (pp=4, m=6: one round of 6; pp=4, m=10: two of 5), as Megatron's microbatch groups do.
+    rounds = max(1, m // pp)
+    assert m % rounds == 0 and round_sizes(pp, m) == [m // rounds] * rounds
+    prog = build_interleaved_1f1b(pp, m, v)
+    for r in range(pp):
+        theirs = _torch_order(
+            torch_schedules.ScheduleInterleaved1F1B,
+            r,
+            pp_group_size=pp,
+            _n_microbatches=m,
+            n_local_stages=v,
+            microbatches_per_round=m // rounds,
+        )
+        assert [str(a) for a in prog.actions[r]] == theirs, f"rank {r}"
+
+
+def test_interleaved_rounds_when_torch_rejects_the_size() -> None:
+    # pp=4, m=9: torch wants the 2 rounds to divide 9; plait runs a round of 5, then one of 4 (larger first:
+    # the warmup is sized by the first round).
+    assert round_sizes(4, 9) == [5, 4] and round_sizes(3, 11) == [4, 4, 3] and round_sizes(4, 3) == [3]
+    prog = build_interleaved_1f1b(4, 9, 2)
+    fwd = [str(a) for a in prog.actions[3] if a.kind is ActionKind.FORWARD]  # type: ignore[union-attr]
+    assert fwd[:10] == ["3F0", "3F1", "3F2", "3F3", "3F4", "7F0", "7F1", "7F2", "7F3", "7F4"]
+    validate(lower(prog))
+
+
+@pytest.mark.parametrize("pp,m", [(1, 2), (1, 5), (2, 4), (2, 5), (2, 9), (3, 6), (3, 10), (4, 8), (4, 13)])
+def test_dualpipev_reference_order_is_deepseeks(pp: int, m: int) -> None:
+    # torch's ScheduleDualPipeV writes DeepSeek's DualPipeV.step (github.com/deepseek-ai/DualPipe) as
+    # actions; plait's reference order must be the same action for action, overlapped pairs included.
+    prog = build_dualpipev(pp, m, "reference")
+    for r in range(pp):
+        theirs = _torch_order(torch_schedules.ScheduleDualPipeV, r, pp_group_size=pp, _n_microbatches=m)
+        assert [str(a) for a in prog.actions[r]] == theirs, f"rank {r}"
+    assert build_program({"kind": "dualpipev", "num_microbatches": m, "order": "reference"}, pp) == prog
+    validate(lower(prog))

@@ -25,10 +25,15 @@ def test_gpipe_and_1f1b_bubble_is_analytic(pp: int, m: int) -> None:
         assert sim.step_time == pytest.approx((m + pp - 1) * 3.0)
 
 
-@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (2, 6, 4)])
+@pytest.mark.parametrize(
+    "pp,m,v",
+    [(2, 4, 2), (4, 8, 2), (4, 4, 3), (2, 6, 4), (2, 3, 2), (3, 5, 2), (4, 6, 2), (4, 9, 2), (3, 11, 3)],
+)
 def test_interleaved_bubble_is_analytic(pp: int, m: int, v: int) -> None:
-    sim = simulate(lower(build_interleaved_1f1b(pp, m, v)), ActionCosts(forward=1.0, backward=1.0))
-    assert sim.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1))
+    # Also when m is not a multiple of pp (rounds of unequal size): the fill and drain stay pp - 1 slots.
+    for f, b in ((1.0, 1.0), (1.0, 2.0)):
+        sim = simulate(lower(build_interleaved_1f1b(pp, m, v)), ActionCosts(forward=f, backward=b))
+        assert sim.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1))
 
 
 def test_peak_activations_1f1b_vs_gpipe() -> None:
@@ -39,12 +44,30 @@ def test_peak_activations_1f1b_vs_gpipe() -> None:
     assert simulate(build_1f1b(pp, m), half).peak_activations == (2.0, 1.5, 1.0, 0.5)
 
 
-def test_zero_bubble_schedules_beat_1f1b_with_split_backward() -> None:
+@pytest.mark.parametrize("pp,m", [(4, 8), (2, 3), (3, 5), (4, 6)])
+def test_zero_bubble_schedules_beat_1f1b_with_split_backward(pp: int, m: int) -> None:
     costs = ActionCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
-    pp, m = 4, 8
     base = simulate(lower(build_1f1b(pp, m)), costs).bubble_fraction
-    for prog in (build_zb1p(pp, m, 1), build_zb1p(pp, m, 2), build_zbv(pp, m), build_dualpipev(pp, m)):
-        assert simulate(lower(prog), costs).bubble_fraction < base
+    progs = [build_zb1p(pp, m, 1), build_zb1p(pp, m, 2), build_zbv(pp, m)]
+    if m >= 2 * pp:
+        progs += [build_dualpipev(pp, m), build_dualpipev(pp, m, "reference")]
+    for prog in progs:
+        assert simulate(lower(prog), costs).bubble_fraction < base, prog.name
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (2, 9), (3, 6), (4, 8), (4, 16), (8, 16), (8, 33)])
+def test_dualpipev_reference_matches_deepseeks_table(pp: int, m: int) -> None:
+    # DeepSeek's README (github.com/deepseek-ai/DualPipe), with PP = 2 * pp stages and F = I = W: each rank
+    # idles (PP/2 - 1)(F&B + B - 3W) and holds PP + 1 stage activations. The simulator runs F|B as F + B.
+    f = i = w = 1.0
+    b = i + w
+    sim = simulate(lower(build_dualpipev(pp, m, "reference")), ActionCosts(forward=f, backward_input=i))
+    assert sim.busy == (2 * m * (f + b),) * pp
+    assert sim.step_time == pytest.approx(2 * m * (f + b) + (pp - 1) * ((f + b) + b - 3 * w))
+    assert sim.peak_activations == (2 * pp + 1.0,) * pp
+    # plait's greedy order holds more on every rank (its budget admits up to 2 * pp microbatches per rank).
+    greedy = simulate(lower(build_dualpipev(pp, m)), ActionCosts(forward=f, backward_input=i))
+    assert pp == 1 or all(p > 2 * pp + 1 for p in greedy.peak_activations)
 
 
 def test_comm_latency_adds_to_critical_path() -> None:

@@ -15,7 +15,15 @@ from plait.dist_core.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from plait.dist_core.domains import DOMAIN_DIMS, Domain, domain_coordinates, domain_groups, domain_layout
+from plait.dist_core.domains import (
+    DOMAIN_DIMS,
+    Domain,
+    domain_coordinates,
+    domain_groups,
+    domain_layout,
+    register_mesh_domain,
+    unregister_mesh_domain,
+)
 from plait.dist_core.mesh_params import DeviceMeshParameters
 from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
@@ -23,6 +31,7 @@ from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, s
 if TYPE_CHECKING:
     from plait.dist_core.grad_norm import clip_grad_norm_, global_grad_norm
     from plait.dist_core.parallelize import (
+        all_reduce_grads,
         data_parallel_mesh,
         fully_shard_module,
         replicate,
@@ -34,6 +43,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "clip_grad_norm_": "plait.dist_core.grad_norm",
     "global_grad_norm": "plait.dist_core.grad_norm",
+    "all_reduce_grads": "plait.dist_core.parallelize",
     "data_parallel_mesh": "plait.dist_core.parallelize",
     "fully_shard_module": "plait.dist_core.parallelize",
     "replicate": "plait.dist_core.parallelize",
@@ -60,6 +70,7 @@ __all__ = [
     "Split",
     "all_gather_object",
     "all_gather_uneven",
+    "all_reduce_grads",
     "clip_grad_norm_",
     "data_parallel_mesh",
     "domain_coordinates",
@@ -71,6 +82,7 @@ __all__ = [
     "global_grad_norm",
     "load_balanced_indices",
     "reduce_scalar",
+    "register_mesh_domain",
     "replicate",
     "seed_for",
     "seed_from_coordinates",
@@ -80,6 +92,7 @@ __all__ = [
     "shard_sequence",
     "shard_tree",
     "split_sizes",
+    "unregister_mesh_domain",
     "unshard_sequence",
     "unshard_tree",
 ]

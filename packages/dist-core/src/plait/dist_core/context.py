@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -35,6 +36,15 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _resolve(host: str | None) -> str | None:
+    if not host:
+        return None
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(f"MASTER_ADDR={host!r} does not resolve to an address: {e}") from None
+
+
 class DistributedContext:
     """Process groups and device meshes of one rank, built from :class:`DeviceMeshParameters`.
 
@@ -54,6 +64,8 @@ class DistributedContext:
         local_world_size: int,
         node_rank: int,
         owns_default_group: bool,
+        num_nodes: int = 1,
+        master_addr: str | None = None,
     ) -> None:
         """Use :meth:`from_env`; this constructor only stores what it is given."""
         self._params = params
@@ -63,6 +75,8 @@ class DistributedContext:
         self._local_rank = local_rank
         self._local_world_size = local_world_size
         self._node_rank = node_rank
+        self._num_nodes = num_nodes
+        self._master_addr = master_addr
         self._owns_default_group = owns_default_group
         self._host_group: dist.ProcessGroup | None = None
         self._owns_host_group = False
@@ -82,6 +96,7 @@ class DistributedContext:
         device: str | torch.device | None = None,
         *,
         timeout: float | None = None,
+        log_level: int | str | None = None,
     ) -> DistributedContext:
         """Build the context of this rank from torchrun's environment.
 
@@ -103,10 +118,16 @@ class DistributedContext:
                 default CUDA when available, else CPU.
             timeout: collective timeout in seconds for the groups created here (torch's default
                 when None).
+            log_level: level of the ``plait`` logger (e.g. ``"INFO"``, ``logging.DEBUG``); None leaves it.
 
         Raises:
-            ValueError: the degrees do not match the world size, or the device is unsupported.
+            ValueError: the degrees do not match the world size, the device is unsupported, or
+                ``MASTER_ADDR`` does not resolve.
         """
+        if log_level is not None:
+            logging.getLogger(_LOGGER_NAME).setLevel(
+                log_level.upper() if isinstance(log_level, str) else log_level
+            )
         local_rank = _env_int("LOCAL_RANK", 0)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,6 +156,7 @@ class DistributedContext:
 
         local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)  # without torchrun: one node
         node_rank = _env_int("GROUP_RANK", rank // max(local_world_size, 1))
+        num_nodes = _env_int("GROUP_WORLD_SIZE", -(-world_size // max(local_world_size, 1)))
         ctx = cls(
             params,
             dev,
@@ -144,6 +166,8 @@ class DistributedContext:
             local_world_size=local_world_size,
             node_rank=node_rank,
             owns_default_group=owns,
+            num_nodes=num_nodes,
+            master_addr=_resolve(os.environ.get("MASTER_ADDR")),
         )
         if dist.is_initialized():
             ctx._init_groups(pg_timeout)
@@ -161,11 +185,7 @@ class DistributedContext:
             self._owns_host_group = True
         # Same call order on every rank: DeviceMesh creation is collective.
         for domain in DOMAIN_DIMS:
-            self._meshes[domain] = DeviceMesh(
-                self._device.type,
-                domain_layout(self._params, domain),
-                mesh_dim_names=DOMAIN_DIMS[domain],
-            )
+            self._meshes[domain] = self._build_mesh(domain)
 
     # -- meshes ----------------------------------------------------------------------------------
     def mesh_for(self, domain: str) -> DeviceMesh:
@@ -186,7 +206,14 @@ class DistributedContext:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self._owns_default_group = True
             self._init_groups(None)
+        if domain not in self._meshes:  # registered after this context was built
+            self._meshes[domain] = self._build_mesh(domain)
         return self._meshes[domain]
+
+    def _build_mesh(self, domain: str) -> DeviceMesh:
+        return DeviceMesh(
+            self._device.type, domain_layout(self._params, domain), mesh_dim_names=DOMAIN_DIMS[domain]
+        )
 
     def coordinates(self, domain: str) -> dict[str, int]:
         """This rank's coordinates in ``domain``, e.g. ``{"pp": 0, "dp": 1, "cp": 0, "tp": 1}``."""
@@ -242,6 +269,16 @@ class DistributedContext:
         return self._node_rank
 
     @property
+    def num_nodes(self) -> int:
+        """Number of nodes (torchrun's ``GROUP_WORLD_SIZE``; else ``world_size / local_world_size``)."""
+        return self._num_nodes
+
+    @property
+    def master_addr(self) -> str | None:
+        """The rendezvous host's IP address (``MASTER_ADDR`` resolved at construction; None when unset)."""
+        return self._master_addr
+
+    @property
     def is_main_process(self) -> bool:
         """True on global rank 0."""
         return self._rank == 0
@@ -266,6 +303,17 @@ class DistributedContext:
         """Wait for all ranks (through the host group); a no-op in single-process mode."""
         if self._world_size > 1 and self.is_distributed:
             dist.barrier(group=self._host_group)
+
+    def wait_world(self) -> None:
+        """Wait until this rank's device has finished its queued work, then for all ranks (barrier).
+
+        The device sync first, so that "every rank passed" also means "every rank's kernels and
+        collectives issued so far have completed" (e.g. before timing, or before reading files other
+        ranks wrote from the device).
+        """
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self.barrier()
 
     @contextmanager
     def main_process_first(self) -> Iterator[None]:

@@ -1,13 +1,14 @@
-"""Generic parallelize applicators: DTensor replication with bucketed all-reduce, FSDP2 and HSDP.
+"""Generic parallelize applicators: DTensor replication with bucketed all-reduce, FSDP2 and HSDP,
+and the bucketed gradient all-reduce itself (:func:`all_reduce_grads`).
 
-Both take the gradient reduction explicitly: ``reduce="mean"`` divides the summed gradients by
+The applicators take the gradient reduction explicitly: ``reduce="mean"`` divides the summed gradients by
 the number of data-parallel ranks (the usual choice when every rank's loss is a mean over its own
 batch), ``reduce="sum"`` leaves the sum (when losses are already normalised by the global count).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,6 +26,86 @@ Reduce = Literal["mean", "sum"]
 def _check_reduce(reduce: str) -> None:
     if reduce not in ("mean", "sum"):
         raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# bucketed gradient all-reduce
+# --------------------------------------------------------------------------------------------------
+def _to_local(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _grad_buckets(params: Sequence[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
+    """``params`` in buckets of at most about ``cap_bytes`` (one dtype and device per bucket), in order."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        local = _to_local(p.data)
+        by_kind.setdefault((local.dtype, local.device), []).append(p)
+    buckets: list[list[nn.Parameter]] = []
+    for same in by_kind.values():
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in same:
+            nbytes = _to_local(p.data).numel() * p.element_size()
+            if current and size + nbytes > cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+def _flatten_grads(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The local gradients of ``params`` in one flat tensor (zeros for a parameter without one)."""
+    grads = [torch.zeros_like(_to_local(p.data)) if p.grad is None else _to_local(p.grad) for p in params]
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _unflatten_grads(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    """Write ``flat`` back into the gradients of ``params`` (creating the missing ones)."""
+    offset = 0
+    for p in params:
+        local = _to_local(p.data)
+        reduced = flat[offset : offset + local.numel()].view(local.shape)
+        offset += local.numel()
+        if p.grad is not None:
+            _to_local(p.grad).copy_(reduced)
+        elif isinstance(p, DTensor):
+            p.grad = DTensor.from_local(reduced.clone(), p.device_mesh, p.placements, run_check=False)
+        else:
+            p.grad = reduced.clone()
+
+
+def all_reduce_grads(
+    params: Iterable[nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    *,
+    bucket_cap_mb: float = 25.0,
+    reduce_dtype: torch.dtype | None = None,
+) -> None:
+    """Sum the gradients of ``params`` over ``group`` in flat buckets of about ``bucket_cap_mb`` MiB.
+
+    Only parameters that require a gradient take part. One without a gradient on this rank (unused
+    in this step) contributes zeros and receives the sum, so every rank issues the same collectives.
+    DTensor parameters reduce their local tensors. Collective: every rank of ``group`` calls it with
+    the same parameters in the same order. :func:`replicate` uses the same buckets, reduced while
+    backward runs.
+
+    Args:
+        params: the parameters whose gradients to sum.
+        group: the process group (default: the world).
+        bucket_cap_mb: bucket size in MiB.
+        reduce_dtype: dtype the buckets are summed in (e.g. float32 for bf16 gradients); None: the
+            gradients' own dtype.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    for bucket in _grad_buckets(trainable, bucket_cap_mb * 2**20):
+        flat = _flatten_grads(bucket)
+        wire = flat if reduce_dtype is None else flat.to(reduce_dtype)
+        dist.all_reduce(wire, group=group)
+        _unflatten_grads(bucket, wire.to(flat.dtype))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,10 +142,6 @@ def _to_dtensor(mesh: DeviceMesh) -> Callable[[Any], Any]:
     return convert
 
 
-def _to_local(x: Any) -> Any:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def _broadcast_from_first(t: torch.Tensor, mesh: DeviceMesh) -> None:
     # Along every mesh dim from coordinate 0: all replicas start from mesh rank 0's values.
     for dim in range(mesh.ndim):
@@ -73,12 +150,7 @@ def _broadcast_from_first(t: torch.Tensor, mesh: DeviceMesh) -> None:
 
 
 def _launch(bucket: _Bucket, state: _ReplicateState) -> None:
-    grads = []
-    for p in bucket.params:
-        g = p.grad
-        local = g.to_local() if isinstance(g, DTensor) else g
-        grads.append(torch.zeros_like(_to_local(p.data)) if local is None else local)
-    bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+    bucket.flat = _flatten_grads(bucket.params)
     # Overlap: the first mesh dim reduces asynchronously while backward continues.
     bucket.work = dist.all_reduce(bucket.flat, group=state.mesh.get_group(0), async_op=True)
 
@@ -97,17 +169,7 @@ def _finish(state: _ReplicateState) -> None:
             dist.all_reduce(bucket.flat, group=state.mesh.get_group(dim))
         if state.reduce == "mean":
             bucket.flat.div_(size)
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            reduced = bucket.flat[offset : offset + n].view(_to_local(p.data).shape)
-            offset += n
-            if p.grad is None:
-                p.grad = DTensor.from_local(
-                    reduced.clone(), state.mesh, _replicated(state.mesh), run_check=False
-                )
-            else:
-                _to_local(p.grad).copy_(reduced)
+        _unflatten_grads(bucket.params, bucket.flat)
         bucket.ready, bucket.work, bucket.flat = 0, None, None
 
 
@@ -168,18 +230,8 @@ def replicate(
             )
             seen[id(p)] = new
             setattr(sub, name, new)
-    cap = bucket_cap_mb * 2**20
     trainable = [p for p in reversed(list(seen.values())) if p.requires_grad]
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in trainable:
-        if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-            state.buckets.append(_Bucket(current))
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-    if current:
-        state.buckets.append(_Bucket(current))
+    state.buckets = [_Bucket(b) for b in _grad_buckets(trainable, bucket_cap_mb * 2**20)]
     hook = _make_hook(state)
     for bucket in state.buckets:
         for p in bucket.params:

@@ -128,7 +128,7 @@ def _chunks(
     return max(1, nc), max(1, vb)
 
 
-def _vocab_offset(local_vocab: int, group: Any, device: torch.device) -> int:
+def _vocab_offset(local_vocab: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
     if group is None:
         return 0
     # Shards may differ in size: gather them (one tiny tensor collective, NCCL- and gloo-friendly).
@@ -237,7 +237,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
-    process_group: Any = None,
+    process_group: dist.ProcessGroup | None = None,
     backend: Literal["auto", "plait", "cce"] = "auto",
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,

@@ -135,7 +135,3 @@ class EventBus:
         for cls in type(event).__mro__:
             for fn in list(self._subs.get(cls, ())):
                 fn(event)
-
-    def has_subscribers(self, event_type: type[Event]) -> bool:
-        """Whether anything listens to ``event_type`` (lets the loop skip building costly events)."""
-        return any(self._subs.get(c) for c in self._subs if issubclass(event_type, c))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.dist_core import all_reduce_grads, clip_grad_norm_, global_grad_norm
+from plait.loop.config.sections import GradientConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -46,49 +46,27 @@ def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def all_reduce_plain_grads(params: Iterable[nn.Parameter], group: Any, bucket_size_mb: float = 25.0) -> None:
-    """Sum the gradients of non-DTensor parameters over ``group`` in flat buckets.
+def all_reduce_plain_grads(
+    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, settings: GradientConfig
+) -> None:
+    """Sum the gradients of the non-DTensor parameters over ``group`` in flat buckets of
+    ``settings.bucket_size_mb``, in ``settings.reduce_dtype`` (:func:`plait.dist_core.all_reduce_grads`;
+    DTensor parameters are reduced by their own parallelism, e.g. FSDP2 in its mixed-precision policy).
 
     A parameter without a gradient on this rank (unused this step) contributes zeros, so every rank
     issues the same collectives.
     """
-    plain = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
-    if not plain:
-        return
-    for p in plain:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = defaultdict(list)
-    for p in plain:
-        by_dtype[(p.grad.dtype, p.grad.device)].append(p)  # type: ignore[union-attr]
-    limit = max(int(bucket_size_mb * 2**20), 1)
-    for (dtype, _), ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in ps:
-            bucket.append(p)
-            size += p.numel() * dtype.itemsize
-            if size >= limit:
-                _reduce_bucket(bucket, group)
-                bucket, size = [], 0
-        if bucket:
-            _reduce_bucket(bucket, group)
-
-
-def _reduce_bucket(bucket: list[nn.Parameter], group: Any) -> None:
-    grads = [p.grad for p in bucket if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    dtype = None if settings.reduce_dtype is None else getattr(torch, settings.reduce_dtype)
+    all_reduce_grads(plain, group, bucket_cap_mb=settings.bucket_size_mb, reduce_dtype=dtype)
 
 
 @torch.no_grad()
 def clip_grad_norm(
-    params: Iterable[nn.Parameter], max_norm: float | None, norm_type: float = 2.0, pp_group: Any = None
+    params: Iterable[nn.Parameter],
+    max_norm: float | None,
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Global gradient norm over DTensor and plain gradients (and pipeline stages), then clip.
 
@@ -98,8 +76,6 @@ def clip_grad_norm(
     Returns:
         The total norm before clipping (a 0-d float32 tensor, equal on all ranks).
     """
-    from plait.dist_core import clip_grad_norm_, global_grad_norm
-
     params = list(params)
     if max_norm is None:
         return global_grad_norm(params, norm_type, pipeline_group=pp_group)

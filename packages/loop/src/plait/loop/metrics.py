@@ -113,7 +113,9 @@ class MetricCollection:
             e.g. ``mesh["dp"].get_group()`` to reduce over one mesh dimension.
     """
 
-    def __init__(self, metrics: Mapping[str, Metric | Derived] | None = None, group: Any = None) -> None:
+    def __init__(
+        self, metrics: Mapping[str, Metric | Derived] | None = None, group: dist.ProcessGroup | None = None
+    ) -> None:
         self.metrics: dict[str, Metric | Derived] = dict(metrics or {})
         self.group = group
 

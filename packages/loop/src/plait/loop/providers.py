@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from plait.model_state import materialize
 from torch import nn
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class ModuleProvider:
         return module if self.parallelize_fn is None else self.parallelize_fn(module, ctx, config)
 
     def materialize(self, module: nn.Module, device: torch.device) -> None:
-        module.to_empty(device=device)
+        materialize(module, device)  # to_empty, keeping tied parameters tied
         with torch.no_grad():
             self.init_fn(module)
 

@@ -386,9 +386,7 @@ class Trainer:
         else:
             loss_sum, loss_tokens = self._pipeline_step(mbs)
         if self.topology.dp_size > 1:
-            all_reduce_plain_grads(
-                self.parameters(), self.topology.dp_group, self.config.gradients.bucket_size_mb
-            )
+            all_reduce_plain_grads(self.parameters(), self.topology.dp_group, self.config.gradients)
         self.events.publish(AfterForwardBackward(self, self.step))
         return loss_sum, loss_tokens, global_tokens
 

@@ -1,9 +1,10 @@
 """plait.model_state: streaming safetensors IO through declarative mapper graphs.
 
-Depends on torch and safetensors only, so any framework can use its checkpoint mappers.
+Depends on torch only (the safetensors format is read and written here), so any framework can use
+its checkpoint mappers.
 """
 
-from .dtensor import local_region, local_shard, to_dtensor
+from .dtensor import full_tensor, is_meta, local_region, local_shard, local_view, to_dtensor
 from .errors import CheckpointFormatError, KeyMismatchError, MapperError, ModelStateError, SpecMismatchError
 from .mappers import (
     AddPrefix,
@@ -36,13 +37,14 @@ from .module_io import (
     convert_checkpoint,
     iter_groups,
     load_module,
+    materialize,
     read_state,
     save_module,
     state_specs,
 )
 from .reader import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from .specs import Region, TensorSpec
-from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, parse_size
+from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, parse_size, write_file_atomic
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -82,14 +84,19 @@ __all__ = [
     "Transpose",
     "Unstack",
     "convert_checkpoint",
+    "full_tensor",
+    "is_meta",
     "iter_groups",
     "load_module",
     "local_region",
     "local_shard",
+    "local_view",
+    "materialize",
     "parse_size",
     "plan_groups",
     "read_state",
     "save_module",
     "state_specs",
     "to_dtensor",
+    "write_file_atomic",
 ]

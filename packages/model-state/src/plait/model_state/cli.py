@@ -1,4 +1,8 @@
-"""``python -m plait.model_state inspect DIR`` and ``... diff A B``."""
+"""``python -m plait.model_state inspect DIR`` and ``... diff A B``.
+
+Exit codes: 0 success (``diff``: same), 1 ``diff``: the checkpoints differ, 2 an error (missing
+file, unreadable checkpoint: one line on stderr naming it).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import TextIO
 
 import torch
 
+from .errors import ModelStateError
 from .reader import CheckpointReader
 
 __all__ = ["main"]
@@ -57,6 +62,7 @@ def diff(a: str, b: str, atol: float = 0.0, out: TextIO | None = None) -> int:
             write(f"only in B: {k}\n")
         differs = bool(only_a or only_b)
         worst = 0.0
+        compared = 0
         for k in sorted(set(ra.specs) & set(rb.specs)):
             sa, sb = ra.specs[k], rb.specs[k]
             if sa.shape != sb.shape or sa.dtype != sb.dtype:
@@ -65,6 +71,7 @@ def diff(a: str, b: str, atol: float = 0.0, out: TextIO | None = None) -> int:
                 if sa.shape != sb.shape:
                     continue
             ta, tb = ra.read(k), rb.read(k)
+            compared += 1
             if ta.dtype == torch.bool or tb.dtype == torch.bool:
                 d = float((ta != tb).sum())
             else:
@@ -74,9 +81,12 @@ def diff(a: str, b: str, atol: float = 0.0, out: TextIO | None = None) -> int:
                 write(f"values differ: {k}: max abs diff {d:.6g}\n")
                 differs = True
         common = len(set(ra.specs) & set(rb.specs))
-        write(
-            f"{common} common tensors, {len(only_a)} only in A, {len(only_b)} only in B, max abs diff {worst:.6g}\n"
+        values = (
+            f"max abs diff {worst:.6g} over {compared} compared"
+            if compared
+            else "no tensors were comparable (no common key with the same shape): values not compared"
         )
+        write(f"{common} common tensors, {len(only_a)} only in A, {len(only_b)} only in B, {values}\n")
     write("DIFFERENT\n" if differs else "SAME\n")
     return 1 if differs else 0
 
@@ -92,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0, help="largest absolute difference still counted equal")
     args = parser.parse_args(argv)
-    if args.cmd == "inspect":
-        return inspect(args.path)
-    return diff(args.a, args.b, args.atol)
+    try:
+        if args.cmd == "inspect":
+            return inspect(args.path)
+        return diff(args.a, args.b, args.atol)
+    except (ModelStateError, OSError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,4 +1,10 @@
-"""Local-shard arithmetic for DTensors, computed without communication."""
+"""DTensor helpers: local views, meta checks and local-shard arithmetic (no communication but
+:func:`full_tensor`).
+
+They live here, in the package every other plait package that handles parameters may import
+(peft and models depend on model-state), and accept plain tensors too, so callers need no
+``isinstance(t, DTensor)`` branches of their own.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,22 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .specs import Region, slice_region
 
-__all__ = ["local_region", "local_shard", "to_dtensor"]
+__all__ = ["full_tensor", "is_meta", "local_region", "local_shard", "local_view", "to_dtensor"]
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (aliasing its storage), or ``t`` itself if plain."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole logical tensor (a collective on DTensors: every rank of the mesh must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    """Whether ``t`` (its local tensor, for a DTensor) lives on the meta device."""
+    return local_view(t).is_meta
 
 
 def local_region(

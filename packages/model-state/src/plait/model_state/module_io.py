@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .dtensor import local_region, local_shard
+from .dtensor import full_tensor, is_meta, local_region, local_shard, local_view
 from .errors import ModelStateError, SpecMismatchError, format_keys
 from .mappers import Identity, Mapper, MapperGroup, Plan, Shard
 from .reader import CheckpointReader
@@ -26,6 +26,7 @@ __all__ = [
     "convert_checkpoint",
     "iter_groups",
     "load_module",
+    "materialize",
     "read_state",
     "save_module",
     "state_specs",
@@ -85,8 +86,7 @@ def _copy_into(key: str, target: torch.Tensor, value: torch.Tensor, region: Regi
             value = local_shard(value, target.device_mesh, target.placements)
     else:
         local = target
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
+        value = full_tensor(value)
     if tuple(value.shape) != tuple(local.shape):
         raise SpecMismatchError(
             f"{key!r}: got a shard of shape {list(value.shape)}, the module's is {list(local.shape)}"
@@ -121,8 +121,29 @@ def _retie(module: nn.Module, aliases: Mapping[str, list[str]]) -> None:
                 sub._parameters[o_name] = tensor
 
 
-def _is_meta(t: torch.Tensor) -> bool:
-    return (t.to_local() if isinstance(t, DTensor) else t).device.type == "meta"
+def materialize(module: nn.Module, device: torch.device | str | None = None) -> bool:
+    """Allocate a module that holds meta tensors on ``device`` and re-tie its tied parameters.
+
+    ``to_empty`` gives every parameter name a tensor of its own, which separates tied weights (an LM
+    head sharing the embedding matrix); names that shared one parameter before share one again
+    after. The values are uninitialised: load or initialise them next.
+
+    Args:
+        module: the module (plain, FSDP2 or tensor-parallel parameters).
+        device: where to allocate; default: the device type of the DTensor parameters' mesh, else CPU.
+
+    Returns:
+        Whether anything was on the meta device (False: the module is left as it is).
+    """
+    targets = module.state_dict(keep_vars=True)
+    if not any(is_meta(v) for v in targets.values()):
+        return False
+    if device is None:
+        meshes = [v.device_mesh.device_type for v in targets.values() if isinstance(v, DTensor)]
+        device = meshes[0] if meshes else "cpu"
+    module.to_empty(device=device)
+    _retie(module, _aliases(targets))
+    return True
 
 
 def load_module(
@@ -172,12 +193,7 @@ def load_module(
             if k in plan.outputs or not any(a in plan.outputs for a in aliases.get(k, ()))
         }
         report = plan.check(effective, strict=strict, check_dtype=not allow_cast)
-        if any(_is_meta(v) for v in targets.values()):
-            if device is None:
-                meshes = [v.device_mesh.device_type for v in targets.values() if isinstance(v, DTensor)]
-                device = meshes[0] if meshes else "cpu"
-            module.to_empty(device=device)
-            _retie(module, aliases)
+        if materialize(module, device):
             targets = module.state_dict(keep_vars=True)
         start = reader.bytes_read
         stager = _Stager()
@@ -192,7 +208,7 @@ def load_module(
                     # Pure renames: read straight into the parameter (CPU) or via pinned memory (GPU).
                     for k in wanted:
                         src = group.renames[k]  # type: ignore[index]
-                        stager.read_into(reader, src, in_regions[src], _local(targets[k]))
+                        stager.read_into(reader, src, in_regions[src], local_view(targets[k]))
                     continue
                 outs = fn({k: reader.read(k, in_regions[k]) for k in group.inputs})
                 for k in wanted:
@@ -200,10 +216,6 @@ def load_module(
                 del outs
             stager.finish()
         return LoadResult(report.missing, report.unexpected, reader.bytes_read - start)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _direct(
@@ -218,7 +230,7 @@ def _direct(
         return False
     for k in wanted:
         t = targets[k]
-        local = _local(t)
+        local = local_view(t)
         if local.dtype != reader.specs[group.renames[k]].dtype or not local.is_contiguous():
             return False
         if local.device.type not in ("cpu", "cuda"):
@@ -294,10 +306,6 @@ def read_state(
     return out
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _dist_info(group: dist.ProcessGroup | None, distributed: bool | None) -> tuple[bool, int]:
     if distributed is None:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -326,7 +334,8 @@ def save_module(
 
     Args:
         module: the source module (no meta tensors).
-        out_dir: checkpoint directory (created or replaced atomically).
+        out_dir: checkpoint directory (created if missing; only the writer's files are replaced, see
+            :class:`CheckpointWriter`).
         mapper: module keys -> checkpoint keys (default identity).
         max_shard_size: per-file bound (``int`` bytes or ``"5GB"``).
         metadata: string metadata for file headers and the index.
@@ -342,7 +351,7 @@ def save_module(
     if is_writer is None:
         is_writer = rank == 0
     state = module.state_dict()
-    meta = [k for k, v in state.items() if _is_meta(v)]
+    meta = [k for k, v in state.items() if is_meta(v)]
     if meta:
         raise ModelStateError(f"cannot save meta tensors (never materialised): {format_keys(meta)}")
     plan = (mapper or Identity()).plan({k: TensorSpec.of(v) for k, v in state.items()})
@@ -358,7 +367,7 @@ def save_module(
     needs_gather = any(isinstance(v, DTensor) for v in state.values())
     try:
         if is_writer or needs_gather:
-            _stream(plan, lambda k: _full(state[k]), writer if is_writer else None)
+            _stream(plan, lambda k: full_tensor(state[k]), writer if is_writer else None)
     except BaseException:
         writer.abort()
         raise
@@ -373,7 +382,7 @@ def _stream(plan: Plan, fetch: object, writer: CheckpointWriter | None) -> None:
         if writer is None:
             continue  # a non-writing rank only joins the gathers
         for k, v in group.fn(tensors).items():
-            writer.write(k, _full(v))
+            writer.write(k, full_tensor(v))
         del tensors
 
 

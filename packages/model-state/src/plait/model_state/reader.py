@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
@@ -10,7 +11,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -50,12 +51,40 @@ def _resolve(path: Path) -> tuple[list[Path], dict[str, str] | None, dict[str, A
             raise CheckpointFormatError(
                 f"{path}: not a valid safetensors index ({type(e).__name__}: {e})"
             ) from None
+        for key, name in weight_map.items():
+            _check_index_entry(path, key, name)
         names = sorted(set(weight_map.values()))
         absent = [n for n in names if not (path.parent / n).is_file()]
         if absent:
             raise CheckpointFormatError(f"{path}: index names files that do not exist: {format_keys(absent)}")
         return [path.parent / n for n in names], dict(weight_map), dict(index.get("metadata") or {})
     return [path], None, {}
+
+
+def _check_index_entry(index: Path, key: str, name: object) -> None:
+    """Refuse an index entry whose file lies outside the checkpoint directory.
+
+    The file must be a relative path without ``..`` below the index's directory, and must resolve
+    (symlinks followed) inside that directory; the one exception is the Hugging Face hub cache,
+    where ``snapshots/<revision>/<file>`` links to ``../../blobs/<hash>``.
+    """
+    root = index.parent
+    where = f"{index}: weight_map entry {key!r} -> {name!r}"
+    if not isinstance(name, str) or not name:
+        raise CheckpointFormatError(f"{where}: the file name must be a non-empty string")
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in rel.parts or "\\" in name:
+        raise CheckpointFormatError(
+            f"{where}: names a file outside the checkpoint directory {root} (only relative names below it are allowed)"
+        )
+    target = (root / rel).resolve()
+    allowed = [root.resolve()]
+    if root.parent.name == "snapshots":  # Hugging Face hub cache layout
+        allowed.append((root.parent.parent / "blobs").resolve())
+    if not any(target.is_relative_to(a) for a in allowed):
+        raise CheckpointFormatError(
+            f"{where}: resolves (through a symlink) to {target}, outside the checkpoint directory {root}"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,18 +114,32 @@ def _parse_header(f: Path, fd: int) -> tuple[dict[str, tuple[TensorSpec, int]], 
     base = 8 + n
     out: dict[str, tuple[TensorSpec, int]] = {}
     end_max = 0
+    spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
         try:
-            spec = TensorSpec(tuple(int(s) for s in info["shape"]), dtype_from_safetensors(info["dtype"]))
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape, offsets = info["shape"], info["data_offsets"]
+            if not all(_is_count(x) for x in (*shape, *offsets)) or len(offsets) != 2:
+                raise ValueError(
+                    f"shape {shape} and data_offsets {offsets} must be non-negative integers (2 offsets)"
+                )
+            spec = TensorSpec(tuple(shape), dtype_from_safetensors(info["dtype"]))
+            begin, end = offsets
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointFormatError(f"{f}: corrupted safetensors header entry for {key!r}: {e}") from None
-        if end - begin != spec.nbytes or begin < 0:
+        if end - begin != spec.nbytes:
             raise CheckpointFormatError(
                 f"{f}: tensor {key!r} {spec} has data_offsets {[begin, end]} of the wrong length"
             )
         end_max = max(end_max, end)
         out[key] = (spec, base + begin)
+        if end > begin:
+            spans.append((begin, end, key))
+    spans.sort()
+    for (_, prev_end, prev), (begin, end, key) in itertools.pairwise(spans):
+        if begin < prev_end:
+            raise CheckpointFormatError(
+                f"{f}: tensor {key!r} data_offsets {[begin, end]} overlap those of {prev!r} (ending at {prev_end})"
+            )
     if base + end_max > size:
         raise CheckpointFormatError(
             f"{f}: truncated safetensors file: data ends at byte {base + end_max}, file has {size}"
@@ -104,9 +147,25 @@ def _parse_header(f: Path, fd: int) -> tuple[dict[str, tuple[TensorSpec, int]], 
     return out, {str(k): str(v) for k, v in metadata.items()}
 
 
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def bytes_view(t: torch.Tensor) -> memoryview:
-    """Writable byte view of a contiguous CPU tensor's memory (no copy)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    """Writable byte view of a contiguous CPU tensor's memory (no copy, no numpy).
+
+    The view keeps ``t`` alive, so a temporary tensor may be passed.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"bytes_view needs a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}"
+        )
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    buf._tensor = t  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
+    return memoryview(buf).cast("B")
 
 
 def _pread_parallel(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import json
 import os
 import re
-import shutil
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +19,11 @@ from .errors import KeyMismatchError, ModelStateError, SpecMismatchError, format
 from .reader import INDEX_NAME, SINGLE_NAME, bytes_view
 from .specs import TensorSpec, dtype_to_safetensors
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "CheckpointWriter", "parse_size"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "CheckpointWriter", "parse_size", "write_file_atomic"]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_TMP_PREFIX = ".plait-tmp-"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -67,56 +68,74 @@ def _header(entries: Mapping[str, tuple[TensorSpec, int]], metadata: Mapping[str
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+def write_file_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
+    """Replace the file ``path`` by ``data`` atomically.
+
+    ``data`` goes to a hidden temporary file in the same directory, is fsynced (``fsync=True``) and
+    renamed over ``path`` (``os.replace``): a reader sees the old file or the new one, never a part.
+    Nothing else in the directory is touched.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex[:12]}-{path.name}.tmp")
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Make the finished ``tmp`` directory visible as ``out`` in one step."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    if not out.is_dir():
-        raise ModelStateError(f"{out} exists and is not a directory")
-    if _exchange(tmp, out):
-        shutil.rmtree(tmp)  # now holds the previous checkpoint
-        return
-    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(out, old)  # the previous checkpoint stays whole under `old` until the new one is in place
-    os.rename(tmp, out)
-    shutil.rmtree(old)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _old_shards(out: Path) -> set[str]:
+    """Shard files of the checkpoint already in ``out``: those its index lists with the writer's names."""
+    try:
+        weight_map = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+        names = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()  # no index, or one that cannot say which files are its shards: remove none
+    return {n for n in names if isinstance(n, str) and _SHARD_NAME.fullmatch(n)}
 
 
 class CheckpointWriter:
-    """Writes tensors into a sharded safetensors checkpoint as they arrive, atomically.
+    """Writes tensors into a sharded safetensors checkpoint as they arrive, atomically per file.
 
     The file layout (which key goes to which file, at which offset) is fixed from ``specs`` up
     front, so each tensor is written straight to its place and dropped: memory stays at one tensor,
-    not one shard. Files go to a hidden temporary directory next to ``out_dir``; :meth:`commit`
-    renames them to Hugging Face names (``model.safetensors`` or ``model-0000k-of-0000N.safetensors``
-    plus ``model.safetensors.index.json`` with ``weight_map``, ``metadata.total_size`` and ``metadata``)
-    and then publishes the directory in one rename. A crash before that leaves any previous
-    checkpoint at ``out_dir`` untouched and the new one invisible.
+    not one shard. Files go to hidden temporary names (``.plait-tmp-*``) inside ``out_dir``;
+    :meth:`commit` fsyncs them and renames each over its Hugging Face name (``model.safetensors``
+    or ``model-0000k-of-0000N.safetensors``), then replaces ``model.safetensors.index.json``
+    (``weight_map``, ``metadata.total_size``, ``metadata``) the same way. A crash before the
+    commit leaves any previous checkpoint at ``out_dir`` untouched (plus hidden temporaries).
+
+    Only the writer's own files change: every other file or folder in ``out_dir`` (tokenizer,
+    ``config.json``, README, subfolders) stays. Of a previous checkpoint in ``out_dir``, the writer
+    removes what would otherwise shadow or mix with the new one: ``model.safetensors`` when the new
+    checkpoint is sharded, the index when it is one file, and the ``model-*-of-*.safetensors``
+    shards that the previous index listed and the new one does not.
 
     Distributed: every rank of ``group`` creates the writer with the specs *it* writes (possibly
     none: e.g. only one rank per pipeline stage writes); :meth:`commit` is collective, the group's
     first rank merges the index. Files of different ranks never share keys.
 
     Args:
-        out_dir: the checkpoint directory to create or replace.
+        out_dir: the checkpoint directory (created if missing; its other files are kept).
         specs: key -> spec of every tensor this rank will write, in write order.
         max_shard_size: upper bound per file (a bigger single tensor gets its own file).
         metadata: string metadata stored in every file header and the index.
         group: process group of the writing job (default: the world when torch.distributed is
             initialised). ``distributed=False`` forces a single-process writer.
-        fsync: fsync files before publishing.
+        fsync: fsync files (and the directory) before and after publishing.
     """
 
     def __init__(
@@ -139,13 +158,20 @@ class CheckpointWriter:
         self.rank = dist.get_rank(group) if distributed else 0
         self.fsync = fsync
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        self._created = self.rank == 0 and not self.out_dir.exists()  # before any rank creates it
         if distributed:
             dist.broadcast_object_list(token, src=self._src(), group=group)
-        self.tmp_dir = self.out_dir.with_name(f".{self.out_dir.name}.tmp-{token[0]}")
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._make_out_dir()
+        self._tmp_prefix = f"{_TMP_PREFIX}{token[0]}"
         self._files = self._layout(dict(specs), parse_size(max_shard_size))
         self._key_file = {k: f for f in self._files for k in f.entries}
         self._done = False
+
+    def _make_out_dir(self) -> None:
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ModelStateError(f"{self.out_dir} exists and is not a directory") from None
 
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -164,7 +190,7 @@ class CheckpointWriter:
             data = sum(s.nbytes for s, _ in entries.values())
             files.append(
                 _File(
-                    f"part-r{self.rank:05d}-{i:05d}.safetensors",
+                    f"{self._tmp_prefix}-r{self.rank:05d}-{i:05d}.safetensors.tmp",
                     entries,
                     _header(entries, self.metadata),
                     data,
@@ -195,7 +221,7 @@ class CheckpointWriter:
         if isinstance(tensor, torch.distributed.tensor.DTensor):
             raise ModelStateError(f"tensor {key!r} is a DTensor: gather it (full_tensor()) before writing")
         if f.fd is None:
-            f.fd = os.open(self.tmp_dir / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            f.fd = os.open(self.out_dir / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.write(f.fd, f.header)
         view = bytes_view(tensor.detach().to("cpu").contiguous())
         pos = len(f.header) + off
@@ -257,6 +283,14 @@ class CheckpointWriter:
 
     def _finish(self, manifests: list[list[tuple[str, list[str], int]]]) -> None:
         files = [f for m in manifests for f in m]
+        try:
+            self._publish(files)
+        except BaseException:
+            self._discard(name for name, _, _ in files)
+            raise
+
+    def _publish(self, files: list[tuple[str, list[str], int]]) -> None:
+        """Rename the parts over their final names, replace the index, drop the previous save's leftovers."""
         seen: dict[str, str] = {}
         clash = set()
         for name, keys, _ in files:
@@ -268,36 +302,51 @@ class CheckpointWriter:
             raise KeyMismatchError(
                 f"keys written by more than one rank: {format_keys(clash)}", unexpected=clash
             )
+        out = self.out_dir
+        old_shards = _old_shards(out)
         if not files:
-            (self.tmp_dir / SINGLE_NAME).write_bytes(_header({}, self.metadata))
+            write_file_atomic(out / SINGLE_NAME, _header({}, self.metadata), fsync=self.fsync)
+            stale = {INDEX_NAME, *old_shards}
         elif len(files) == 1:
-            os.rename(self.tmp_dir / files[0][0], self.tmp_dir / SINGLE_NAME)
+            os.replace(out / files[0][0], out / SINGLE_NAME)
+            stale = {INDEX_NAME, *old_shards}
         else:
             n = len(files)
             weight_map: dict[str, str] = {}
             for i, (name, keys, _) in enumerate(files):
                 final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                os.rename(self.tmp_dir / name, self.tmp_dir / final)
+                os.replace(out / name, out / final)
                 weight_map.update(dict.fromkeys(keys, final))
             index = {
                 "metadata": {**self.metadata, "total_size": sum(size for _, _, size in files)},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            (self.tmp_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
-        _publish(self.tmp_dir, self.out_dir)
+            # The index goes last: until it is replaced, readers see the previous checkpoint's index.
+            write_file_atomic(out / INDEX_NAME, json.dumps(index, indent=2).encode(), fsync=self.fsync)
+            stale = {SINGLE_NAME, *(old_shards - set(weight_map.values()))}
+        for name in sorted(stale):
+            (out / name).unlink(missing_ok=True)
+        if self.fsync:
+            _fsync_dir(out)
+
+    def _discard(self, names: Iterable[str]) -> None:
+        for name in names:
+            (self.out_dir / name).unlink(missing_ok=True)
 
     def abort(self) -> None:
-        """Discard everything this rank wrote (the group's first rank removes the temporary dir)."""
+        """Discard the temporary files this rank wrote; nothing else in ``out_dir`` changes.
+
+        The directory itself is removed only when this writer created it and it is still empty.
+        """
         for f in self._files:
             if f.fd is not None:
                 os.close(f.fd)
                 f.fd = None
         self._done = True
-        if self.rank == 0 or not self.distributed:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        else:
-            for f in self._files:
-                (self.tmp_dir / f.name).unlink(missing_ok=True)
+        self._discard(f.name for f in self._files)
+        if self._created:
+            with contextlib.suppress(OSError):  # not empty: other ranks' temporaries, or others' files
+                self.out_dir.rmdir()
 
     def __enter__(self) -> CheckpointWriter:
         return self

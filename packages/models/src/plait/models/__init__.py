@@ -35,6 +35,7 @@ from plait.models.qwen3 import (
     Qwen3ForCausalLM,
     Qwen3ForSequenceClassification,
     Qwen3Model,
+    Qwen3Stage,
     stage_layer_ids,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "Qwen3Model",
     "Qwen3MoeConfig",
     "Qwen3Provider",
+    "Qwen3Stage",
     "RMSNorm",
     "RopeParameters",
     "RotaryEmbedding",

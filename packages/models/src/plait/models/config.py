@@ -2,7 +2,7 @@
 
 Field names follow the Hugging Face configs so a ``config.json`` maps onto them key for key
 (see :mod:`plait.models.hf.config` for the conversion). Fields that only plait uses
-(``attn_implementation``) are never written to ``config.json``.
+(``attn_implementation``, ``router_aux_loss_pooling``) are never written to ``config.json``.
 """
 
 from __future__ import annotations
@@ -156,6 +156,10 @@ class Qwen3MoeConfig(Qwen3Config):
         decoder_sparse_step: Layer ``i`` is sparse when ``(i + 1) % decoder_sparse_step == 0``.
         mlp_only_layers: Layers that always use a dense MLP.
         router_aux_loss_coef: Load-balancing loss coefficient.
+        router_aux_loss_pooling: plait-only: ``"all_layers"`` (default, transformers'
+            ``load_balancing_loss_func``): one Switch loss of the router statistics pooled over all
+            MoE layers of the model; ``"per_layer"`` (Megatron-style): the sum of one Switch loss
+            per MoE layer (about L times larger for L MoE layers at the same coefficient).
         output_router_logits: Accepted for compatibility (HF only adds the aux loss when set);
             plait always adds ``router_aux_loss_coef`` times the aux loss through the gradient.
     """
@@ -172,6 +176,7 @@ class Qwen3MoeConfig(Qwen3Config):
     decoder_sparse_step: int = Field(default=1, gt=0)
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    router_aux_loss_pooling: Literal["all_layers", "per_layer"] = "all_layers"
     output_router_logits: bool = False
 
     @model_validator(mode="after")

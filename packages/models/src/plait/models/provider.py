@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from plait.dist_core import DistributedContext
+from plait.model_state import materialize
 from plait.models.config import Qwen3Config
 from plait.models.flops import flops_per_token
 from plait.models.hf.io import load_hf_checkpoint, save_hf_checkpoint
@@ -54,8 +56,13 @@ class Qwen3Provider:
             model.to(self.dtype)
         return model
 
-    def parallelize(self, module: nn.Module, ctx: Any, config: Any = None) -> nn.Module:
-        """TP / EP / checkpointing / compile / FSDP from ``ctx`` (a ``DistributedContext``; None = single process)."""
+    def parallelize(
+        self, module: nn.Module, ctx: DistributedContext | None, config: object = None
+    ) -> nn.Module:
+        """TP / EP / checkpointing / compile / FSDP from ``ctx`` (None = single process).
+
+        ``config`` (the loop's trainer config) is not read: the plan comes from ``parallel``.
+        """
         del config
         if ctx is None:
             return module
@@ -63,10 +70,10 @@ class Qwen3Provider:
         return parallelize(module, context=ctx, config=self.parallel)
 
     def materialize(self, module: nn.Module, device: torch.device | str) -> None:
-        """Allocate on ``device`` and initialise (seeded, so every rank draws the same numbers)."""
-        module.to_empty(device=device)
+        """Allocate on ``device`` (tied weights stay tied) and initialise (seeded, so every rank draws
+        the same numbers)."""
         assert isinstance(module, Qwen3ForCausalLM)
-        module.tie_weights()  # to_empty may separate tied parameters
+        materialize(module, device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + module.stage_index)
             module.reset_parameters()

@@ -13,7 +13,13 @@ from plait.moe.dispatch import (
 )
 from plait.moe.experts import GroupedExperts, SharedExpert
 from plait.moe.layer import MoELayer, MoEOutput
-from plait.moe.losses import router_z_loss, seq_aux_loss, switch_aux_loss
+from plait.moe.losses import (
+    router_z_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+    switch_aux_loss_from_stats,
+    switch_loss_stats,
+)
 from plait.moe.parallel import expert_parallel
 from plait.moe.router import RouterOutput, TopKRouter
 
@@ -39,5 +45,7 @@ __all__ = [
     "router_z_loss",
     "seq_aux_loss",
     "switch_aux_loss",
+    "switch_aux_loss_from_stats",
+    "switch_loss_stats",
     "update_expert_biases",
 ]

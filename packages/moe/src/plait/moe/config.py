@@ -20,6 +20,13 @@ class RouterConfig(BaseModel):
         group_score: How a group is scored: its best expert (``"max"``, DeepSeek-V2) or the sum of its
             two best (``"top2_sum"``, DeepSeek-V3).
         aux_loss_coef: Switch-Transformer load-balancing loss coefficient (0 = off).
+        aux_loss_pooling: Where the Switch loss is formed. ``"per_layer"``: the router adds
+            ``aux_loss_coef`` times its own layer's loss to ``aux_loss`` (a model sums them over its
+            layers, Megatron-style). ``"all_layers"``: the router leaves the Switch loss out of
+            ``aux_loss`` and returns its statistics (``RouterOutput.switch_stats``); the model adds
+            them up over all its MoE layers and takes one loss of the pooled statistics
+            (:func:`plait.moe.switch_aux_loss_from_stats`), which is transformers'
+            ``load_balancing_loss_func``.
         seq_aux_loss_coef: DeepSeek-V3 sequence-level balancing loss coefficient (0 = off).
         z_loss_coef: ST-MoE router z-loss coefficient (0 = off).
         bias_update_rate: Auxiliary-loss-free balancing: rate of the selection-only expert bias
@@ -36,6 +43,7 @@ class RouterConfig(BaseModel):
     topk_groups: int | None = Field(default=None, ge=1)
     group_score: Literal["max", "top2_sum"] = "max"
     aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    aux_loss_pooling: Literal["per_layer", "all_layers"] = "per_layer"
     seq_aux_loss_coef: float = Field(default=0.0, ge=0.0)
     z_loss_coef: float = Field(default=0.0, ge=0.0)
     bias_update_rate: float | None = Field(default=None, gt=0.0)

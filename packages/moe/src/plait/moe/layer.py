@@ -23,15 +23,18 @@ class MoEOutput:
         hidden_states: ``[..., H]``, same shape and dtype as the input.
         aux_loss: fp32 scalar: the coefficient-weighted balancing losses (0 when none are enabled).
             Add it to the training loss.
-        tokens_per_expert: ``[E]`` int64 assignments routed in this call, before capacity dropping
-            (detached, on device).
+        tokens_per_expert: ``[E]`` int64 assignments of real tokens routed in this call, before
+            capacity dropping (detached, on device).
         losses: Unweighted detached loss components (``"switch"``, ``"seq"``, ``"z"``) for logging.
+        switch_stats: The router's Switch-loss statistics (``RouterOutput.switch_stats``); with
+            ``aux_loss_pooling="all_layers"`` the model pools them over its layers.
     """
 
     hidden_states: Tensor
     aux_loss: Tensor
     tokens_per_expert: Tensor
     losses: dict[str, Tensor] = field(default_factory=dict)
+    switch_stats: Tensor | None = None
 
 
 class MoELayer(nn.Module):
@@ -86,19 +89,26 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         self.dispatcher: TokenDispatcher = LocalDispatcher()
 
-    def forward(self, x: Tensor) -> MoEOutput:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> MoEOutput:
         """Route, compute and combine.
 
         Args:
             x: ``[..., H]``. With 3+ dims the leading ones are sequences (``[B, S, H]``: B sequences
                 for the sequence-level loss); a 2-D input is one sequence.
+            token_mask: ``x.shape[:-1]`` bool (1 = real token, 0 = padding). Padding tokens go through
+                the experts like any other but are left out of the balancing losses and statistics.
         """
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer: input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
         shape = x.shape
+        if token_mask is not None and tuple(token_mask.shape) != tuple(shape[:-1]):
+            raise ValueError(
+                f"MoELayer: token_mask shape {tuple(token_mask.shape)} != input shape {tuple(shape[:-1])}"
+            )
         flat = x.reshape(-1, self.hidden_size)
         num_sequences = math.prod(shape[:-2]) if x.dim() >= 3 else 1
-        routed = self.router(flat, num_sequences=num_sequences)
+        mask = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
+        routed = self.router(flat, num_sequences=num_sequences, token_mask=mask)
         topk_idx = routed.topk_idx
         if self.capacity_factor is not None:
             topk_idx = apply_capacity(
@@ -112,7 +122,9 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        return MoEOutput(out.view(shape), routed.aux_loss, routed.tokens_per_expert, routed.losses)
+        return MoEOutput(
+            out.view(shape), routed.aux_loss, routed.tokens_per_expert, routed.losses, routed.switch_stats
+        )
 
     def reset_parameters(self) -> None:
         """Re-initialise every weight, zero the expert bias and load counters (e.g. after ``to_empty``)."""

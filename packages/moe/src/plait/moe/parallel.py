@@ -30,12 +30,25 @@ def expert_parallel(
 
     Returns:
         ``layer``.
+
+    Raises:
+        ImportError: ``backend="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
+        ValueError: a mesh that is not 1-D, experts not divisible by its size, or applied twice.
     """
     if ep_mesh.ndim != 1:
         raise ValueError(
             f"expert_parallel: ep_mesh must be 1-D (got dims {ep_mesh.mesh_dim_names}); pass the expert "
             "dimension, e.g. mesh['ep_shard']"
         )
+    group = ep_mesh.get_group()
+    # Before touching the layer, so a missing DeepEP or a bad backend leaves it unchanged.
+    dispatcher: AllToAllDispatcher | DeepEPDispatcher
+    if backend == "all_to_all":
+        dispatcher = AllToAllDispatcher(group)
+    elif backend == "deepep":
+        dispatcher = DeepEPDispatcher(group, layer.num_experts)
+    else:
+        raise ValueError(f"expert_parallel: backend must be 'all_to_all' or 'deepep', got {backend!r}")
     ep = ep_mesh.size()
     if layer.num_experts % ep:
         raise ValueError(
@@ -54,11 +67,5 @@ def expert_parallel(
         else:
             dt = distribute_tensor(param.data, ep_mesh, [Shard(0)])
         setattr(experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
-    group = ep_mesh.get_group()
-    if backend == "all_to_all":
-        layer.dispatcher = AllToAllDispatcher(group)
-    elif backend == "deepep":
-        layer.dispatcher = DeepEPDispatcher(group, layer.num_experts)
-    else:
-        raise ValueError(f"expert_parallel: backend must be 'all_to_all' or 'deepep', got {backend!r}")
+    layer.dispatcher = dispatcher
     return layer

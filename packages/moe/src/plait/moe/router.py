@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from plait.moe.config import RouterConfig
 from plait.moe.losses import (
@@ -13,7 +14,8 @@ from plait.moe.losses import (
     count_tokens_per_expert,
     router_z_loss,
     seq_aux_loss,
-    switch_aux_loss,
+    switch_aux_loss_from_stats,
+    switch_loss_stats,
 )
 from torch import Tensor, nn
 
@@ -26,9 +28,12 @@ class RouterOutput:
         logits: ``[T, E]`` router logits in the input dtype.
         topk_idx: ``[T, k]`` int64 chosen experts.
         topk_weights: ``[T, k]`` combine weights in the input dtype.
-        aux_loss: fp32 scalar, the coefficient-weighted sum of the enabled balancing losses.
-        tokens_per_expert: ``[E]`` int64 assignments in this call (detached).
+        aux_loss: fp32 scalar, the coefficient-weighted sum of the enabled balancing losses (without
+            the Switch loss when ``aux_loss_pooling="all_layers"``).
+        tokens_per_expert: ``[E]`` int64 assignments of real tokens in this call (detached).
         losses: unweighted, detached components (``"switch"``, ``"seq"``, ``"z"``) for logging.
+        switch_stats: fp32 ``[2E + 1]`` Switch-loss statistics (:func:`plait.moe.switch_loss_stats`)
+            when ``aux_loss_coef > 0``, else None; summed over the router's ``context_group`` (if set).
     """
 
     logits: Tensor
@@ -37,6 +42,7 @@ class RouterOutput:
     aux_loss: Tensor
     tokens_per_expert: Tensor
     losses: dict[str, Tensor] = field(default_factory=dict)
+    switch_stats: Tensor | None = None
 
 
 def in_recomputation() -> bool:
@@ -62,7 +68,8 @@ class TopKRouter(nn.Module):
 
     ``context_group`` (set by a context-parallel plan; default None): the ranks that hold the other
     tokens of the same sequences; the balancing losses are then those of the whole sequences (see
-    :mod:`plait.moe.losses`). Routing and the load counters stay per rank.
+    :mod:`plait.moe.losses`), and ``switch_stats`` are summed over the group, so statistics pooled
+    over layers are those of the whole sequences too. Routing and the load counters stay per rank.
     """
 
     expert_bias: Tensor | None
@@ -82,7 +89,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
         self.register_buffer("_bias_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("_stat_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.context_group: object = None
+        self.context_group: dist.ProcessGroup | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -111,12 +118,14 @@ class TopKRouter(nn.Module):
             sel = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(t, -1)
         return torch.topk(sel, cfg.top_k, dim=-1).indices
 
-    def forward(self, x: Tensor, num_sequences: int = 1) -> RouterOutput:
+    def forward(self, x: Tensor, num_sequences: int = 1, token_mask: Tensor | None = None) -> RouterOutput:
         """Route ``x`` ``[T, H]``.
 
         Args:
             x: Tokens, sequence-major when ``num_sequences > 1``.
             num_sequences: Sequences in ``x`` (for the sequence-level loss).
+            token_mask: ``[T]`` bool, False = padding: routed like any token, but left out of the
+                balancing losses and the load statistics.
         """
         cfg = self.config
         logits = F.linear(x, self.weight)
@@ -138,7 +147,7 @@ class TopKRouter(nn.Module):
             topk_w = topk_w * cfg.scaling_factor
         topk_w = topk_w.to(x.dtype)
 
-        counts = count_tokens_per_expert(topk_idx.detach(), self.num_experts)
+        counts = count_tokens_per_expert(topk_idx.detach(), self.num_experts, token_mask)
         if self.training and not in_recomputation():
             with torch.no_grad():
                 self._bias_counts.add_(counts)
@@ -146,21 +155,26 @@ class TopKRouter(nn.Module):
 
         aux = logits32.new_zeros(())
         losses: dict[str, Tensor] = {}
+        stats: Tensor | None = None
         if cfg.aux_loss_coef > 0 or cfg.seq_aux_loss_coef > 0:
             probs = balancing_probs(scores, cfg.score_func)
             if cfg.aux_loss_coef > 0:
-                sw = switch_aux_loss(probs, topk_idx, self.num_experts, self.context_group)
-                aux = aux + cfg.aux_loss_coef * sw
+                stats = switch_loss_stats(probs, topk_idx, self.num_experts, token_mask, self.context_group)
+                sw = switch_aux_loss_from_stats(stats)
+                if cfg.aux_loss_pooling == "per_layer":
+                    aux = aux + cfg.aux_loss_coef * sw
                 losses["switch"] = sw.detach()
             if cfg.seq_aux_loss_coef > 0:
-                sq = seq_aux_loss(probs, topk_idx, self.num_experts, num_sequences, self.context_group)
+                sq = seq_aux_loss(
+                    probs, topk_idx, self.num_experts, num_sequences, token_mask, self.context_group
+                )
                 aux = aux + cfg.seq_aux_loss_coef * sq
                 losses["seq"] = sq.detach()
         if cfg.z_loss_coef > 0:
-            z = router_z_loss(logits32, self.context_group)
+            z = router_z_loss(logits32, token_mask, self.context_group)
             aux = aux + cfg.z_loss_coef * z
             losses["z"] = z.detach()
-        return RouterOutput(logits, topk_idx, topk_w, aux, counts, losses)
+        return RouterOutput(logits, topk_idx, topk_w, aux, counts, losses, stats)
 
     def tokens_per_expert_stats(self, reset: bool = True) -> Tensor:
         """Assignments per expert summed over training forwards since the last read.
@@ -201,7 +215,6 @@ def all_reduce_sum(t: Tensor, group: object) -> None:
     """In-place SUM all-reduce over a process group or every dimension of a device mesh."""
     if group is None:
         return
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):

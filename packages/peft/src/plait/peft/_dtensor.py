@@ -12,25 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from plait.model_state import local_view
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["assign_full", "full_tensor", "is_dtensor", "local_chunk", "local_view", "simple_placements"]
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (FSDP2 / tensor-parallel parameter)."""
-    return isinstance(t, DTensor)
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole logical tensor (a collective on DTensors: every rank must call it)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def local_view(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor aliasing ``t``'s local storage, writable under ``torch.no_grad()``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+__all__ = ["assign_full", "local_chunk", "simple_placements"]
 
 
 def simple_placements(placements: Sequence[Placement]) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
-from plait.peft._dtensor import assign_full, full_tensor, local_view
+from plait.model_state import full_tensor, local_view
+from plait.peft._dtensor import assign_full
 from plait.peft.config import LoRAInit
 
 __all__ = ["init_factors", "pissa_factors"]

@@ -25,16 +25,12 @@ import math
 from collections.abc import Callable
 
 import torch
-from plait.peft._dtensor import (
-    full_tensor,
-    is_dtensor,
-    local_chunk,
-    local_view,
-    simple_placements,
-)
+from plait.model_state import full_tensor, local_view
+from plait.peft._dtensor import local_chunk, simple_placements
 from plait.peft._init import init_adapter
 from plait.peft.config import LoRAInit
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["EXPERT_ADAPTERS_ATTR", "EXPERT_HOOK_ATTR", "ExpertLoRA", "GroupedMM", "grouped_mm"]
 
@@ -185,12 +181,12 @@ class ExpertLoRA(nn.Module):
         a = full_tensor(self.lora_A.detach()).float()
         b = full_tensor(self.lora_B.detach()).float()
         w = weight
-        if is_dtensor(w):
-            if simple_placements(w.placements):  # type: ignore[attr-defined]
-                a = local_chunk(a, w, {0: 0, 2: 2})  # type: ignore[arg-type]
-                b = local_chunk(b, w, {0: 0, 1: 1})  # type: ignore[arg-type]
+        if isinstance(w, DTensor):
+            if simple_placements(w.placements):
+                a = local_chunk(a, w, {0: 0, 2: 2})
+                b = local_chunk(b, w, {0: 0, 1: 1})
             else:
-                return local_chunk(torch.bmm(b, a) * self.scaling, w)  # type: ignore[arg-type]
+                return local_chunk(torch.bmm(b, a) * self.scaling, w)
         return torch.bmm(b, a) * self.scaling
 
     @torch.no_grad()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from plait.peft._dtensor import assign_full, full_tensor
+from plait.model_state import full_tensor
+from plait.peft._dtensor import assign_full
 from plait.peft.apply import trainable_parameters
 from plait.peft.config import PeftConfig, PeftStackConfig
 from pydantic import TypeAdapter

@@ -15,17 +15,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from plait.peft._dtensor import (
-    assign_full,
-    full_tensor,
-    is_dtensor,
-    local_chunk,
-    local_view,
-    simple_placements,
-)
+from plait.model_state import full_tensor, local_view
+from plait.peft._dtensor import assign_full, local_chunk, simple_placements
 from plait.peft._init import init_adapter
 from plait.peft.config import LoRAInit
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["DoRALinear", "LoRALinear"]
 
@@ -137,13 +132,13 @@ class LoRALinear(nn.Module):
         a = full_tensor(self.lora_A.weight.detach()).float()
         b = full_tensor(self.lora_B.weight.detach()).float()
         w = self.base_layer.weight
-        if is_dtensor(w):
-            if simple_placements(w.placements):  # type: ignore[attr-defined]
+        if isinstance(w, DTensor):
+            if simple_placements(w.placements):
                 # rows of W live with rows of B, columns of W with columns of A
-                a = local_chunk(a, w, {1: 1})  # type: ignore[arg-type]
-                b = local_chunk(b, w, {0: 0})  # type: ignore[arg-type]
+                a = local_chunk(a, w, {1: 1})
+                b = local_chunk(b, w, {0: 0})
             else:
-                return local_chunk((b @ a) * self.scaling, w)  # type: ignore[arg-type]
+                return local_chunk((b @ a) * self.scaling, w)
         return (b @ a) * self.scaling
 
     @torch.no_grad()
@@ -239,13 +234,13 @@ class DoRALinear(LoRALinear):
         """(local float32 delta, local float32 magnitude) for this rank's rows of W."""
         w = self.base_layer.weight
         m = full_tensor(self.lora_magnitude_vector.detach()).float()
-        if is_dtensor(w):
-            if not all(getattr(p, "dim", 0) == 0 for p in w.placements):  # type: ignore[attr-defined]
+        if isinstance(w, DTensor):
+            if not all(getattr(p, "dim", 0) == 0 for p in w.placements):
                 raise NotImplementedError(
                     "DoRA merge on DTensors supports row sharding (Shard(0)/Replicate) only, got "
-                    f"{w.placements}"  # type: ignore[attr-defined]
+                    f"{w.placements}"
                 )
-            m = local_chunk(m, w, {0: 0})  # type: ignore[arg-type]
+            m = local_chunk(m, w, {0: 0})
         return self.delta_weight(), m
 
     @torch.no_grad()

@@ -13,7 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from plait.model_state import CheckpointReader, LoadResult, Mapper, MapperGroup, TensorSpec, load_module
+from plait.model_state import (
+    CheckpointReader,
+    LoadResult,
+    Mapper,
+    MapperGroup,
+    TensorSpec,
+    is_meta,
+    load_module,
+)
 from plait.model_state.errors import KeyMismatchError
 from plait.peft.apply import expert_adapters, linear_adapters
 from torch import nn
@@ -96,7 +104,7 @@ def load_base_checkpoint(
     full = rename if mapper is None else mapper >> rename
     adapters = adapter_keys(model)
     state = model.state_dict(keep_vars=True)
-    was_meta = any(state[k].device.type == "meta" for k in adapters if k in state)
+    was_meta = any(is_meta(state[k]) for k in adapters if k in state)
     result = load_module(model, source, full, strict=False, allow_cast=allow_cast)
     back = {v: k for k, v in rename.renames.items()}  # report base keys under their original names
     missing = sorted(back.get(k, k) for k in set(result.missing) - adapters)

@@ -78,7 +78,10 @@ class ZBVConfig(BaseScheduleConfig):
 
 
 class DualPipeVConfig(BaseScheduleConfig):
+    """DualPipeV; ``order`` picks plait's greedy list schedule or DeepSeek's reference step order."""
+
     kind: Literal["dualpipev"] = "dualpipev"
+    order: S.DualPipeVOrder = "greedy"
 
     def topology(self, pp_size: int) -> Topology:
         return vshape_topology(pp_size)
@@ -132,7 +135,9 @@ register_schedule(
 )
 register_schedule("zb1p", ZB1PConfig, lambda c, pp: S.build_zb1p(pp, c.num_microbatches, c.stages_per_rank))
 register_schedule("zbv", ZBVConfig, lambda c, pp: S.build_zbv(pp, c.num_microbatches))
-register_schedule("dualpipev", DualPipeVConfig, lambda c, pp: S.build_dualpipev(pp, c.num_microbatches))
+register_schedule(
+    "dualpipev", DualPipeVConfig, lambda c, pp: S.build_dualpipev(pp, c.num_microbatches, c.order)
+)
 register_schedule(
     "inference", InferenceConfig, lambda c, pp: S.build_inference(pp, c.num_microbatches, c.stages_per_rank)
 )

@@ -126,10 +126,16 @@ class GradClipConfig(_Section):
 
 
 class GradientConfig(_Section):
-    """Gradient reduction settings passed to the model's ``parallelize`` (FSDP2 reduce dtype, buckets)."""
+    """How the loop sums the data-parallel gradients of plain (non-DTensor) parameters.
 
-    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    bucket_size_mb: float = Field(default=25.0, gt=0)
+    FSDP2/DTensor parameters are reduced by the model's own parallel plan (for plait.models:
+    ``parallel.reduce_dtype``), not here.
+    """
+
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="dtype the buckets are summed in; None: the gradients' own dtype"
+    )
+    bucket_size_mb: float = Field(default=25.0, gt=0, description="flat all-reduce bucket size in MiB")
 
 
 class CheckpointConfig(_Section):

@@ -1,6 +1,17 @@
 """Declarative checkpoint mappers: each declares its dependency groups before any byte is read."""
 
-from .base import PASS_THROUGH, GroupFn, KeyReport, Mapper, MapperGroup, Plan, Slicer, plan_groups, rekey
+from .base import (
+    PASS_THROUGH,
+    GroupFn,
+    KeyReport,
+    Mapper,
+    MapperGroup,
+    Plan,
+    Slicer,
+    join_slicer,
+    plan_groups,
+    rekey,
+)
 from .chunk import Chunk, Concatenate
 from .composite import Parallel, Sequential, Shard
 from .distribute import Distribute, Gather
@@ -36,6 +47,7 @@ __all__ = [
     "Stack",
     "Transpose",
     "Unstack",
+    "join_slicer",
     "plan_groups",
     "rekey",
 ]

@@ -16,7 +16,17 @@ from .templates import as_templates, match_any
 if TYPE_CHECKING:
     from .composite import Sequential
 
-__all__ = ["GroupFn", "KeyReport", "Mapper", "MapperGroup", "Plan", "Slicer", "plan_groups", "rekey"]
+__all__ = [
+    "GroupFn",
+    "KeyReport",
+    "Mapper",
+    "MapperGroup",
+    "Plan",
+    "Slicer",
+    "join_slicer",
+    "plan_groups",
+    "rekey",
+]
 
 PASS_THROUGH = "pass-through"
 """Label of the identity groups a plan adds for keys no mapper claims."""
@@ -278,6 +288,56 @@ def rekey(
         renames,
         label or group.label,
     )
+
+
+def join_slicer(keys: Sequence[str], out: str, dim: int, sizes: Sequence[int] | None, fn: GroupFn) -> Slicer:
+    """The slicer of a group whose ``fn`` joins ``keys`` along ``dim`` into ``out``.
+
+    Args:
+        keys: the inputs, in joining order.
+        out: the output key.
+        dim: the joining dim of ``out``.
+        sizes: the inputs' lengths on ``dim`` when they are concatenated; None when they are stacked
+            on a new dim ``dim`` (one index each).
+        fn: the join of the whole inputs.
+
+    Each input is read only where it overlaps the region wanted of ``out``; an input outside that
+    region is read empty (and, when stacking, left out of the stack).
+    """
+    stacked = sizes is None
+    lengths = [1] * len(keys) if sizes is None else list(sizes)
+
+    def slicer(regions: Mapping[str, Region | None]) -> tuple[dict[str, Region | None], GroupFn]:
+        r = regions.get(out)
+        if r is None:
+            return dict.fromkeys(keys), fn
+        a, b = r[dim]
+        before, after = r[:dim], r[dim + 1 :]
+        in_regions: dict[str, Region | None] = {}
+        hit: list[str] = []
+        offset = 0
+        for k, n in zip(keys, lengths):
+            lo, hi = max(a - offset, 0), min(b - offset, n)
+            offset += n
+            if hi > lo:
+                hit.append(k)
+            else:
+                lo = hi = 0
+            if not stacked:
+                in_regions[k] = (*before, (lo, hi), *after)
+            elif hi > lo:
+                in_regions[k] = before + after
+            else:
+                in_regions[k] = tuple((0, 0) for _ in before + after)
+        if not stacked:
+            return in_regions, fn  # the empty parts add nothing to the concatenation
+
+        def part(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {out: torch.stack([t[k] for k in hit], dim)}
+
+        return in_regions, part
+
+    return slicer
 
 
 Keys = str | Sequence[str]

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import MapperError, format_keys
-from ..specs import Region, TensorSpec
-from .base import GroupFn, Mapper, MapperGroup
+from ..specs import TensorSpec
+from .base import Mapper, MapperGroup, join_slicer
 from .templates import KeyTemplate
 
 __all__ = ["Chunk", "Concatenate"]
@@ -140,20 +140,7 @@ class Concatenate(Mapper):
         def fn(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {out: torch.cat([t[k] for k in keys], dim)}
 
-        def slicer(regions: Mapping[str, Region | None]) -> tuple[dict[str, Region | None], GroupFn]:
-            r = regions.get(out)
-            if r is None:
-                return dict.fromkeys(keys), fn
-            a, b = r[dim]
-            in_regions: dict[str, Region | None] = {}
-            offset = 0
-            for k, n in zip(keys, sizes):
-                lo, hi = max(a, offset) - offset, min(b, offset + n) - offset
-                lo, hi = (0, 0) if hi <= lo else (lo, hi)
-                in_regions[k] = (*r[:dim], (lo, hi), *r[dim + 1 :])
-                offset += n
-            return in_regions, fn
-
+        slicer = join_slicer(keys, out, dim, sizes, fn)
         return MapperGroup(tuple(keys), {out: spec}, fn, slicer, None, repr(self))
 
     def inverse(self) -> Mapper:

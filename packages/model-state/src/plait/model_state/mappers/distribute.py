@@ -6,10 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..dtensor import local_region, local_shard, to_dtensor
+from ..dtensor import full_tensor, local_region, local_shard, to_dtensor
 from ..errors import MapperError
 from ..specs import Region, TensorSpec, is_full
 from .base import GroupFn, Keys, Mapper, MapperGroup, _PerTensor
@@ -97,8 +96,7 @@ class Gather(_PerTensor):
 
     def _group(self, key: str, spec: TensorSpec) -> MapperGroup:
         def fn(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            v = t[key]
-            return {key: v.full_tensor() if isinstance(v, DTensor) else v}
+            return {key: full_tensor(t[key])}
 
         return MapperGroup((key,), {key: spec}, fn, None, None, "Gather")
 

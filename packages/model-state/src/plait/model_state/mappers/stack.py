@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import MapperError, format_keys
-from ..specs import Region, TensorSpec
-from .base import GroupFn, Mapper, MapperGroup
+from ..specs import TensorSpec
+from .base import Mapper, MapperGroup, join_slicer
 from .templates import KeyTemplate
 
 __all__ = ["Stack", "Unstack"]
@@ -69,21 +69,7 @@ class Stack(Mapper):
         def fn(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {out_key: torch.stack([t[k] for k in keys], dim)}
 
-        def slicer(regions: Mapping[str, Region | None]) -> tuple[dict[str, Region | None], GroupFn]:
-            r = regions.get(out_key)
-            if r is None:
-                return dict.fromkeys(keys), fn
-            a, b = r[dim]
-            inner: Region = r[:dim] + r[dim + 1 :]
-            empty: Region = tuple((0, 0) for _ in inner)
-            wanted = keys[a:b]
-            in_regions: dict[str, Region | None] = {k: (inner if k in wanted else empty) for k in keys}
-
-            def part(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-                return {out_key: torch.stack([t[k] for k in wanted], dim)}
-
-            return in_regions, part
-
+        slicer = join_slicer(keys, out_key, dim, None, fn)
         return MapperGroup(tuple(keys), {out_key: out_spec}, fn, slicer, None, repr(self))
 
     def inverse(self) -> Mapper:

@@ -3,7 +3,9 @@
 Packed sequences are handled through *document ids*: token ``t`` of row ``b`` may attend to token
 ``s <= t`` only when both carry the same document id. :func:`build_attention_mask` turns document
 ids (or position ids that restart at 0 per document) into what the chosen backend needs, once per
-forward, and every layer reuses it.
+forward, and every layer reuses it. Padding (a transformers-style ``attention_mask``, 0 = padding,
+left or right) is one more document rule: every padding token is a document of its own, so real
+tokens never attend to padding and a padding token attends only to itself (no empty softmax row).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class AttentionMask:
         max_seqlen: Longest document (FlashAttention varlen).
         context: Context parallelism: the sequence is sharded over a group and attention crosses
             ranks (see :mod:`plait.models.blocks.context_parallel`).
+        padding_mask: ``[B, S]`` bool, False = padding token (None: no padding); MoE layers leave
+            padding out of their balancing losses.
     """
 
     backend: Backend
@@ -67,13 +71,14 @@ class AttentionMask:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     context: ContextParallelMask | None = None
+    padding_mask: torch.Tensor | None = None
 
 
 def _resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, packed: bool) -> Backend:
     if requested == "flash":
         if not flash_attn_available():
             raise ImportError(
-                "attn_implementation='flash' needs the 'flash-attn' package (pip install flash-attn)"
+                "attn_implementation='flash' needs flash-attn: pip install 'plait-models[flash]'"
             )
         return "flash"
     if requested in ("sdpa", "flex"):
@@ -96,9 +101,10 @@ def build_attention_mask(
     *,
     document_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     implementation: str = "auto",
 ) -> AttentionMask:
-    """Build the causal (optionally document) mask for one forward.
+    """Build the causal (optionally document, optionally padding) mask for one forward.
 
     Args:
         batch: Batch size.
@@ -108,6 +114,8 @@ def build_attention_mask(
         document_ids: ``[B, S]`` int ids; tokens attend only within their document.
         position_ids: If given without ``document_ids`` and they restart inside a row, documents
             are derived from the restarts (packed sequences).
+        attention_mask: ``[B, S]`` padding mask with transformers' meaning (1 = token, 0 = padding,
+            anywhere in the row); an all-ones mask is the same as none.
         implementation: ``auto``, ``sdpa``, ``flex`` or ``flash``.
 
     Returns:
@@ -119,6 +127,9 @@ def build_attention_mask(
             document_ids = document_ids_from_position_ids(pos)
     if document_ids is not None and tuple(document_ids.shape) != (batch, seq_len):
         raise ValueError(f"document_ids must have shape {(batch, seq_len)}, got {tuple(document_ids.shape)}")
+    padding = _padding_mask(attention_mask, batch, seq_len, device)
+    if padding is not None:
+        document_ids = _isolate_padding(document_ids, padding)
     packed = document_ids is not None
     backend = _resolve_backend(implementation, device, dtype, packed)
     if not packed:
@@ -127,7 +138,7 @@ def build_attention_mask(
     if backend == "sdpa":
         same = document_ids[:, :, None] == document_ids[:, None, :]
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        return AttentionMask(backend, document_ids, dense_mask=(same & causal)[:, None])
+        return AttentionMask(backend, document_ids, dense_mask=(same & causal)[:, None], padding_mask=padding)
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -137,7 +148,7 @@ def build_attention_mask(
             return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
         block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=device)
-        return AttentionMask(backend, document_ids, block_mask=block_mask)
+        return AttentionMask(backend, document_ids, block_mask=block_mask, padding_mask=padding)
     # flash varlen over the flattened batch: a new sequence starts at every document change or row start.
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
@@ -145,7 +156,35 @@ def build_attention_mask(
     total = torch.tensor([batch * seq_len], dtype=torch.int32, device=device)
     cu = torch.cat([idx, total])
     max_len = int((cu[1:] - cu[:-1]).max().item())
-    return AttentionMask(backend, document_ids, cu_seqlens=cu, max_seqlen=max_len)
+    return AttentionMask(backend, document_ids, cu_seqlens=cu, max_seqlen=max_len, padding_mask=padding)
+
+
+def _padding_mask(
+    attention_mask: torch.Tensor | None, batch: int, seq_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """``attention_mask`` as bool ``[B, S]``, or None when there is no padding (plain causal kernels)."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"attention_mask must have shape {(batch, seq_len)} (1 = token, 0 = padding), "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    padding = attention_mask.to(device=device, dtype=torch.bool)
+    # One host sync, like the position_ids check above (and transformers' own): no padding keeps
+    # the unmasked kernels.
+    return None if bool(padding.all()) else padding
+
+
+def _isolate_padding(document_ids: torch.Tensor | None, padding: torch.Tensor) -> torch.Tensor:
+    """Document ids where each padding token is a document of its own (an id no other token has)."""
+    docs = (
+        torch.zeros_like(padding, dtype=torch.int64)
+        if document_ids is None
+        else document_ids.to(padding.device, torch.int64)
+    )
+    own = docs.max() + 1 + torch.arange(padding.shape[1], device=padding.device)
+    return torch.where(padding, docs, own)
 
 
 _FLEX_COMPILED: Any = None

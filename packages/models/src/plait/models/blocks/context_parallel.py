@@ -19,7 +19,8 @@ only attention needs the other ranks' keys and values. Two ways, chosen by ``mod
 
 Packed documents: document ids (given, or derived from position ids that restart) are
 all-gathered once per forward, so a document that crosses chunk or rank boundaries is masked as
-in the single-process model.
+in the single-process model. Padding (``attention_mask``) is all-gathered the same way and every
+padding token of the full row becomes a one-token document, as in the single-process mask.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from plait.dist_core.context_parallel import gather_sequence, load_balanced_indices, unshard_sequence
-from plait.models.blocks.attention import AttentionMask, _flex, document_ids_from_position_ids
+from plait.models.blocks.attention import (
+    AttentionMask,
+    _flex,
+    _isolate_padding,
+    _padding_mask,
+    document_ids_from_position_ids,
+)
 
 __all__ = ["ContextParallel", "ContextParallelMask", "ContextParallelMode"]
 
@@ -80,6 +87,7 @@ class ContextParallel:
         *,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         implementation: str = "auto",
     ) -> AttentionMask:
         """The attention mask of one forward for this rank's shard (collective over the group).
@@ -91,6 +99,10 @@ class ContextParallel:
             document_ids: ``[B, local_len]`` sharded document ids.
             position_ids: ``[B or 1, local_len]`` sharded positions; restarts (in the full sequence)
                 mark packed documents when no ``document_ids`` are given. None: no documents.
+            attention_mask: ``[B, local_len]`` sharded padding mask (transformers' meaning, 1 =
+                token, 0 = padding). It is all-gathered, and each padding token of the full row
+                becomes a document of its own, as in :func:`build_attention_mask`; the returned
+                mask's ``padding_mask`` is this rank's part (MoE layers leave padding out).
             implementation: ``auto``, ``sdpa`` or ``flex`` (the ``allgather`` kernel; ``auto`` is
                 FlexAttention on CUDA, SDPA elsewhere). The ring has its own kernel.
 
@@ -115,10 +127,22 @@ class ContextParallel:
             pos = gather_sequence(position_ids.to(device).expand(batch, local_len).contiguous(), self.group)
             if bool((pos[:, 1:] <= pos[:, :-1]).any()):
                 docs = document_ids_from_position_ids(pos)
+        padding: torch.Tensor | None = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (batch, local_len):
+                raise ValueError(
+                    f"attention_mask must have shape {(batch, local_len)} (this rank's shard; 1 = "
+                    f"token, 0 = padding), got {tuple(attention_mask.shape)}"
+                )
+            full = gather_sequence(attention_mask.to(device).contiguous(), self.group)
+            full_padding = _padding_mask(full, batch, local_len * n, device)
+            if full_padding is not None:  # the same answer on every rank: the rows are the same
+                docs = _isolate_padding(docs, full_padding)
+                padding = attention_mask.to(device=device, dtype=torch.bool)
         q_pos = self.local_positions(local_len, device)
         cp = ContextParallelMask(self.group, self.mode, n, self.rank, local_len // 2, q_pos, docs)
         if self.mode == "ring":
-            return AttentionMask("sdpa", context=cp)
+            return AttentionMask("sdpa", context=cp, padding_mask=padding)
         backend = (
             implementation if implementation != "auto" else ("flex" if device.type == "cuda" else "sdpa")
         )
@@ -135,12 +159,12 @@ class ContextParallel:
                 return causal & (q_docs[b, q_idx] == docs[b, kv_idx])
 
             block = create_block_mask(mask_mod, batch, None, local_len, total, device=device)
-            return AttentionMask("flex", block_mask=block, context=cp)
+            return AttentionMask("flex", block_mask=block, context=cp, padding_mask=padding)
         kv_pos = torch.arange(total, device=device)
         dense = (q_pos[:, None] >= kv_pos[None, :]).expand(batch, local_len, total)
         if docs is not None:
             dense = dense & (docs[:, q_pos, None] == docs[:, None, :])
-        return AttentionMask("sdpa", dense_mask=dense[:, None], context=cp)
+        return AttentionMask("sdpa", dense_mask=dense[:, None], context=cp, padding_mask=padding)
 
 
 @dataclass(frozen=True)

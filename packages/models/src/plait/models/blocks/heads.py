@@ -7,8 +7,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from plait.kernels import linear_cross_entropy
+from plait.model_state import local_view
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["LMHead", "PoolingMethod", "TokenEmbedding", "pool_hidden_states"]
 
@@ -41,10 +41,6 @@ class LMHead(nn.Linear):
         super().__init__(hidden_size, vocab_size, bias=False)
         self.tp_group: dist.ProcessGroup | None = None
 
-    def _local_weight(self) -> torch.Tensor:
-        w = self.weight
-        return w.to_local() if isinstance(w, DTensor) else w
-
     def loss(
         self,
         hidden: torch.Tensor,
@@ -65,7 +61,7 @@ class LMHead(nn.Linear):
         h = hidden.reshape(-1, hidden.shape[-1])
         loss = linear_cross_entropy(
             h,
-            self._local_weight(),
+            local_view(self.weight),
             labels.reshape(-1),
             ignore_index=ignore_index,
             reduction=reduction,
@@ -76,7 +72,7 @@ class LMHead(nn.Linear):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., V]`` (gathered over the tensor-parallel group if sharded)."""
-        out = nn.functional.linear(hidden, self._local_weight())
+        out = nn.functional.linear(hidden, local_view(self.weight))
         if self.tp_group is not None:
             parts = [torch.empty_like(out) for _ in range(dist.get_world_size(self.tp_group))]
             dist.all_gather(parts, out.contiguous(), group=self.tp_group)

@@ -101,7 +101,7 @@ def config_from_hf(hf: dict[str, Any] | Any) -> Qwen3Config:
 
 def config_to_hf(config: Qwen3Config) -> dict[str, Any]:
     """The ``config.json`` dict (transformers 5.x layout) for a plait config."""
-    d = config.model_dump(exclude={"attn_implementation"})
+    d = config.model_dump(exclude={"attn_implementation", "router_aux_loss_pooling"})
     d["num_key_value_heads"] = config.kv_heads
     d["head_dim"] = config.resolved_head_dim
     rope = config.rope_parameters.model_dump(exclude_none=True)

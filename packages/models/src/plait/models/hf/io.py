@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.model_state import load_module, save_module
+from plait.model_state import load_module, materialize, save_module, write_file_atomic
 from plait.models.config import Qwen3Config
 from plait.models.hf.config import config_to_hf, load_hf_config
 from plait.models.hf.mappers import hf_to_plait_mapper, plait_to_hf_mapper
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["from_pretrained", "load_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -33,15 +32,6 @@ class _Stages(nn.Module):
             out.update(s.state_dict(*args, **kwargs))
         return out
 
-    def to_empty(self, *, device: Any, recurse: bool = True) -> _Stages:  # type: ignore[override]
-        for s in self._stages:
-            s.to_empty(device=device, recurse=recurse)
-        return self
-
-    def modules(self) -> Iterator[nn.Module]:  # type: ignore[override]
-        for s in self._stages:
-            yield from s.modules()
-
 
 def _as_module(modules: nn.Module | Sequence[nn.Module]) -> nn.Module:
     if isinstance(modules, nn.Module):
@@ -55,23 +45,6 @@ def _config_of(modules: nn.Module | Sequence[nn.Module]) -> Qwen3Config:
     if not isinstance(config, Qwen3Config):
         raise TypeError(f"{type(first).__name__} has no plait Qwen3Config at .config")
     return config
-
-
-def _is_meta(t: torch.Tensor) -> bool:
-    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
-
-
-def _materialize(module: nn.Module, device: torch.device | str | None) -> None:
-    """``to_empty`` a meta module (re-tying tied weights, which ``to_empty`` may separate)."""
-    if not any(_is_meta(t) for t in module.state_dict(keep_vars=True).values()):
-        return
-    if device is None:
-        meshes = [t.device_mesh.device_type for t in module.parameters() if isinstance(t, DTensor)]
-        device = meshes[0] if meshes else "cpu"
-    module.to_empty(device=device)
-    tie = getattr(module, "tie_weights", None)
-    if callable(tie):
-        tie()
 
 
 def load_hf_checkpoint(
@@ -99,9 +72,8 @@ def load_hf_checkpoint(
     Raises:
         KeyError: the checkpoint lacks parameters the module(s) need (listed).
     """
-    stages = [modules] if isinstance(modules, nn.Module) else list(modules)
-    for stage in stages:
-        _materialize(stage, device)
+    for stage in [modules] if isinstance(modules, nn.Module) else modules:
+        materialize(stage, device)  # each stage on its own: its tied names are its own keys
     module = _as_module(modules)
     result = load_module(
         module,
@@ -137,7 +109,7 @@ def save_hf_checkpoint(
 
     Args:
         modules: Stage module(s) on this rank.
-        out_dir: Output directory (replaced atomically).
+        out_dir: Output directory (its shards, index and ``config.json`` are replaced; other files stay).
         fused_experts: Write transformers 5.x fused expert tensors instead of per-expert keys.
         is_writer: Whether this rank writes its keys.
         group: Process group of the save (default: world).
@@ -162,7 +134,9 @@ def save_hf_checkpoint(
         dtypes = {v.dtype for v in module.state_dict().values() if v.is_floating_point()}
         if len(dtypes) == 1:
             hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-        (Path(out) / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        write_file_atomic(
+            Path(out) / "config.json", (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
+        )
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group)
     return Path(out)

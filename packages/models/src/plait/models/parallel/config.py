@@ -51,6 +51,11 @@ class ParallelConfig(BaseModel):
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
             :mod:`plait.models.blocks.context_parallel`.
+        expert_dispatch: How MoE tokens reach their experts when the expert mesh's ``ep_shard`` dim
+            is > 1: ``all_to_all`` (``torch.distributed``, NCCL or gloo) or ``deepep`` (DeepEP's
+            normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install "plait-moe[deepep]"``,
+            else applying the plan raises an ``ImportError`` naming that extra). Without expert
+            parallelism every expert is local and neither is used.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -62,3 +67,4 @@ class ParallelConfig(BaseModel):
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     compile: bool = False
     context_parallel_attention: Literal["ring", "allgather"] = "allgather"
+    expert_dispatch: Literal["all_to_all", "deepep"] = "all_to_all"

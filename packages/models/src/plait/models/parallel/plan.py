@@ -9,13 +9,14 @@ layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from plait.dist_core import DistributedContext
 from plait.models.blocks.context_parallel import ContextParallel, ContextParallelMode
 from plait.models.parallel.checkpointing import apply_activation_checkpointing
 from plait.models.parallel.config import ParallelConfig
-from plait.models.qwen3.model import Qwen3ForCausalLM, _Qwen3Stage
+from plait.models.qwen3.model import Qwen3ForCausalLM, Qwen3Stage
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +41,7 @@ def _dim_size(mesh: DeviceMesh | None, name: str) -> int:
     return int(mesh[name].size())
 
 
-def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: Qwen3Stage, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallelism over ``tp_mesh`` (1-D).
 
     Attention: q/k/v column-parallel (heads split), o row-parallel; q/k RMSNorm weights stay
@@ -97,7 +98,7 @@ def apply_tensor_parallel(model: _Qwen3Stage, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_context_parallel(
-    model: _Qwen3Stage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather"
+    model: Qwen3Stage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather"
 ) -> None:
     """Context parallelism over ``cp_mesh`` (1-D): the model takes sequence shards in the
     load-balanced layout (:func:`plait.dist_core.shard_batch`), attention crosses the group
@@ -120,25 +121,27 @@ def apply_context_parallel(
         moe.router.context_group = group
 
 
-def apply_expert_parallel(model: _Qwen3Stage, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``."""
+def apply_expert_parallel(
+    model: Qwen3Stage, ep_mesh: DeviceMesh, dispatch: Literal["all_to_all", "deepep"] = "all_to_all"
+) -> None:
+    """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``.
+
+    Args:
+        model: The stage, modified in place.
+        ep_mesh: The expert-parallel mesh dimension (``ep_shard``).
+        dispatch: Token dispatch backend (``ParallelConfig.expert_dispatch``).
+
+    Raises:
+        ImportError: ``dispatch="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
+    """
     from plait.moe import expert_parallel
 
     for moe in model.moe_layers():
-        expert_parallel(moe, ep_mesh)
-
-
-def _expert_params(model: _Qwen3Stage) -> list[nn.Parameter]:
-    out: list[nn.Parameter] = []
-    for moe in model.moe_layers():
-        experts = getattr(moe, "experts", None)
-        if experts is not None:
-            out.extend(experts.parameters())
-    return out
+        expert_parallel(moe, ep_mesh, backend=dispatch)
 
 
 def apply_fsdp(
-    model: _Qwen3Stage,
+    model: Qwen3Stage,
     dp_mesh: DeviceMesh,
     *,
     experts_sharded: bool = False,
@@ -172,17 +175,17 @@ def apply_fsdp(
 
 
 def parallelize(
-    model: _Qwen3Stage,
+    model: Qwen3Stage,
     *,
     dense_mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
     config: ParallelConfig | None = None,
-    context: Any = None,
+    context: DistributedContext | None = None,
     cp_mesh: DeviceMesh | None = None,
-) -> _Qwen3Stage:
+) -> Qwen3Stage:
     """Apply TP, CP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
 
-    Pass either the meshes or a ``plait.dist_core.DistributedContext`` (``context``), whose
+    Pass either the meshes or a :class:`~plait.dist_core.DistributedContext` (``context``), whose
     ``mesh_for("dense")`` (dims ``pp, dp_replicate, dp_cp_shard, cp_replicate, tp``),
     ``mesh_for("expert")`` (dims ``pp, ep_replicate, ep_shard``) and the ``cp`` dim of
     ``mesh_for("batch")`` are used. Dims of size 1 are skipped. Call on the meta-device model
@@ -193,7 +196,7 @@ def parallelize(
     over ``dp_cp_shard``, which sums the gradients over the context ranks too.
 
     Args:
-        model: A :class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification` stage.
+        model: A :class:`Qwen3Stage` (:class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification`).
         dense_mesh: Mesh of the dense domain.
         expert_mesh: Mesh of the expert domain.
         config: Parallel settings (default: FSDP, no checkpointing, no compile).
@@ -226,7 +229,7 @@ def parallelize(
     experts_sharded = _dim_size(expert_mesh, "ep_shard") > 1 and bool(model.moe_layers())
     if experts_sharded:
         assert expert_mesh is not None
-        apply_expert_parallel(model, expert_mesh["ep_shard"])
+        apply_expert_parallel(model, expert_mesh["ep_shard"], config.expert_dispatch)
     layers = {layer.layer_idx: layer for layer in model.decoder_layers()}
     apply_activation_checkpointing(dict(layers), config.activation_checkpointing)
     if config.compile:

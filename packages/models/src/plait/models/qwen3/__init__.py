@@ -5,6 +5,7 @@ from plait.models.qwen3.model import (
     Qwen3ForCausalLM,
     Qwen3ForSequenceClassification,
     Qwen3Model,
+    Qwen3Stage,
     stage_layer_ids,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "Qwen3ForCausalLM",
     "Qwen3ForSequenceClassification",
     "Qwen3Model",
+    "Qwen3Stage",
     "stage_layer_ids",
 ]

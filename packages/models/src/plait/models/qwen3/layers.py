@@ -20,6 +20,7 @@ def _moe_layer(config: Qwen3MoeConfig) -> nn.Module:
         top_k=config.num_experts_per_tok,
         norm_topk_prob=config.norm_topk_prob,
         aux_loss_coef=config.router_aux_loss_coef,
+        aux_loss_pooling=config.router_aux_loss_pooling,
     )
     return MoELayer(config.hidden_size, config.moe_intermediate_size, config.num_experts, router)
 
@@ -61,17 +62,19 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``hidden [B, S, H]`` -> ``(hidden [B, S, H], aux_loss)``; ``aux_loss`` is the MoE block's
-        coefficient-weighted balancing loss (None for dense layers)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``hidden [B, S, H]`` -> ``(hidden [B, S, H], aux_loss, switch_stats)``: the MoE block's
+        coefficient-weighted balancing loss and its Switch-loss statistics (to pool over layers with
+        ``router_aux_loss_pooling="all_layers"``); None for dense layers. Padding tokens
+        (``mask.padding_mask``) are left out of both."""
         attn = self.self_attn(self.input_layernorm(hidden), rope, mask)
         x, hidden = self.post_attention_layernorm.forward_residual(attn, hidden)
         if not self.is_moe:
-            return hidden + self.mlp(x), None
-        out = self.mlp(x)
+            return hidden + self.mlp(x), None, None
+        out = self.mlp(x, mask.padding_mask)
         self.last_aux_loss = out.aux_loss.detach()
         self.last_tokens_per_expert = out.tokens_per_expert
-        return hidden + out.hidden_states, out.aux_loss
+        return hidden + out.hidden_states, out.aux_loss, out.switch_stats
 
     def reset_parameters(self, std: float) -> None:
         """Hugging Face's init: normal(0, std) for projections, router and experts; unit norms."""

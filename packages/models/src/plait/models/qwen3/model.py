@@ -17,12 +17,18 @@ from plait.models.blocks.context_parallel import ContextParallel
 from plait.models.blocks.heads import LMHead, PoolingMethod, TokenEmbedding, pool_hidden_states
 from plait.models.blocks.norm import RMSNorm
 from plait.models.blocks.rope import RotaryEmbedding
-from plait.models.config import Qwen3Config
+from plait.models.config import Qwen3Config, Qwen3MoeConfig
 from plait.models.qwen3.layers import Qwen3DecoderLayer
-from plait.moe import MoELayer
+from plait.moe import MoELayer, switch_aux_loss_from_stats
 from torch import nn
 
-__all__ = ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model", "stage_layer_ids"]
+__all__ = [
+    "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
+    "Qwen3Model",
+    "Qwen3Stage",
+    "stage_layer_ids",
+]
 
 
 def stage_layer_ids(num_layers: int, stage_index: int, num_stages: int) -> list[int]:
@@ -49,7 +55,9 @@ class Qwen3Model(nn.Module):
     Attributes:
         context_parallel: Set by :func:`plait.models.parallelize` under context parallelism: the
             inputs are this rank's shard in the load-balanced layout, positions default to the
-            global ones and attention crosses the context group.
+            global ones and attention crosses the context group. ``attention_mask`` (padding) is
+            sharded like every other input; the mask is built from the full rows (all-gathered).
+            The routers' Switch-loss statistics are already summed over the context group.
     """
 
     def __init__(
@@ -75,19 +83,24 @@ class Qwen3Model(nn.Module):
         hidden_states: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Run this stage's part of the trunk.
 
         Returns:
-            ``(hidden [B, S, H], aux_loss)``: hidden states (normed on the last stage) and the sum
-            of this stage's MoE balancing losses (None without MoE layers).
+            ``(hidden [B, S, H], aux_loss, switch_stats)``: hidden states (normed on the last stage),
+            the sum of this stage's MoE balancing losses and the sum of its routers' Switch-loss
+            statistics (each None when no layer of this stage produces one).
 
         Args:
             input_ids: ``[B, S]`` tokens (first stage).
             hidden_states: ``[B, S, H]`` activations from the previous stage (other stages).
-            position_ids: ``[B, S]`` or ``[1, S]`` positions; default ``arange(S)``. Positions
-                that restart inside a row mark packed documents (attention is masked per document).
+            position_ids: ``[B, S]`` or ``[1, S]`` positions; default ``arange(S)`` (also with
+                padding, as transformers). Positions that restart inside a row mark packed
+                documents (attention is masked per document).
             document_ids: ``[B, S]`` explicit document ids for packed rows.
+            attention_mask: ``[B, S]`` 1 = token, 0 = padding (left or right): no token attends to
+                padding, and MoE balancing losses leave padding out.
         """
         if self.embed_tokens is not None:
             if input_ids is None:
@@ -106,6 +119,7 @@ class Qwen3Model(nn.Module):
                 h.device,
                 document_ids=document_ids,
                 position_ids=position_ids,
+                attention_mask=attention_mask,
                 implementation=self.config.attn_implementation,
             )
             if position_ids is None:
@@ -120,17 +134,19 @@ class Qwen3Model(nn.Module):
                 h.dtype,
                 document_ids=document_ids,
                 position_ids=position_ids,
+                attention_mask=attention_mask,
                 implementation=self.config.attn_implementation,
             )
         rope = self.rotary_emb(position_ids.to(h.device), h.dtype)
         aux: torch.Tensor | None = None
+        stats: torch.Tensor | None = None
         for layer in self.layers.values():
-            h, layer_aux = layer(h, rope, mask)
-            if layer_aux is not None:
-                aux = layer_aux if aux is None else aux + layer_aux
+            h, layer_aux, layer_stats = layer(h, rope, mask)
+            aux = _add(aux, layer_aux)
+            stats = _add(stats, layer_stats)
         if self.norm is not None:
             h = self.norm(h)
-        return h, aux
+        return h, aux, stats
 
     def reset_parameters(self) -> None:
         """Hugging Face's initialisation (normal(0, initializer_range), unit norms)."""
@@ -144,8 +160,18 @@ class Qwen3Model(nn.Module):
             self.norm.reset_parameters()
 
 
-class _Qwen3Stage(nn.Module):
-    """Shared stage plumbing of the causal LM and the classifier."""
+def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total + part.to(total.device)
+
+
+class Qwen3Stage(nn.Module):
+    """One pipeline stage of a Qwen3 model: the plumbing the causal LM and the classifier share.
+
+    The parallel plans (:func:`plait.models.parallelize` and the ``apply_*`` functions) take any
+    subclass: they need the stage's ``config``, its :meth:`decoder_layers` and :meth:`moe_layers`.
+    """
 
     config: Qwen3Config
     model: Qwen3Model
@@ -174,19 +200,41 @@ class _Qwen3Stage(nn.Module):
         """Whether stage outputs carry ``aux_loss`` (the model has MoE layers on any stage)."""
         return any(self.config.is_moe_layer(i) for i in range(self.config.num_hidden_layers))
 
-    def _chain_aux(
-        self, incoming: torch.Tensor | None, own: torch.Tensor | None, like: torch.Tensor
-    ) -> torch.Tensor:
-        total = like.new_zeros((), dtype=torch.float32) if incoming is None else incoming.to(like.device)
-        return total if own is None else total + own
+    def _aux_outputs(
+        self,
+        h: torch.Tensor,
+        own_aux: torch.Tensor | None,
+        own_stats: torch.Tensor | None,
+        aux_loss: torch.Tensor | None,
+        router_stats: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """This stage's MoE outputs: ``aux_loss``, the running sum of the per-layer losses (on the last
+        stage plus the pooled Switch loss) and, on the other stages of a model that pools the Switch
+        loss over its layers, ``router_stats``, the running sum of the routers' Switch statistics."""
+        if not self.has_aux_loss:
+            return {}
+        aux = _add(_add(h.new_zeros((), dtype=torch.float32), aux_loss), own_aux)
+        assert aux is not None
+        cfg = self.config
+        stats = _add(router_stats, own_stats)
+        if (
+            not isinstance(cfg, Qwen3MoeConfig)
+            or cfg.router_aux_loss_pooling != "all_layers"
+            or stats is None
+        ):
+            return {"aux_loss": aux}
+        if not self.is_last:
+            return {"aux_loss": aux, "router_stats": stats}
+        return {"aux_loss": aux + cfg.router_aux_loss_coef * switch_aux_loss_from_stats(stats)}
 
     def last_aux_loss(self) -> torch.Tensor | None:
-        """Sum of this stage's MoE aux losses in the last forward (detached), or None if none."""
+        """Sum of this stage's per-layer MoE aux losses in the last forward (detached), or None if
+        none (a Switch loss pooled over all layers is not a per-layer term and is not in it)."""
         losses = [layer.last_aux_loss for layer in self.decoder_layers() if layer.last_aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
 
-class Qwen3ForCausalLM(_Qwen3Stage):
+class Qwen3ForCausalLM(Qwen3Stage):
     """Qwen3 / Qwen3-MoE causal LM, or one pipeline stage of it.
 
     Build on the meta device, then materialise and initialise::
@@ -246,7 +294,9 @@ class Qwen3ForCausalLM(_Qwen3Stage):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         aux_loss: torch.Tensor | None = None,
+        router_stats: torch.Tensor | None = None,
         return_logits: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Stage forward with dict IO.
@@ -256,22 +306,31 @@ class Qwen3ForCausalLM(_Qwen3Stage):
             hidden_states: ``[B, S, H]`` from the previous stage (other stages).
             labels: ``[B, S]`` target token per position (already shifted; ``ignore_index`` to skip).
                 On the last stage the loss is computed without materialising logits.
-            position_ids: ``[B, S]`` positions (restarts mark packed documents).
+            position_ids: ``[B, S]`` positions (restarts mark packed documents); default
+                ``arange(S)``, with or without padding (transformers' rule).
             document_ids: ``[B, S]`` document ids for packed rows.
+            attention_mask: ``[B, S]`` transformers' padding mask (1 = token, 0 = padding, left or
+                right; give it to every stage): no token attends to padding, padding positions are
+                not scored (their labels count as ``ignore_index``) and MoE balancing losses leave
+                them out. Logits of real tokens equal transformers' for the same padded batch.
             aux_loss: Running MoE aux loss from the previous stage (MoE models).
+            router_stats: Running Switch-loss statistics from the previous stage (MoE models with
+                ``router_aux_loss_pooling="all_layers"``).
             return_logits: Last stage: also return ``logits`` when ``labels`` are given.
 
         Returns:
             Non-last stages: ``{"hidden_states"}``. Last stage: with labels ``{"loss_sum",
-            "loss", "num_tokens"}`` (sum and mean cross-entropy over non-ignored tokens; plus
+            "loss", "num_tokens"}`` (sum and mean cross-entropy over scored tokens; plus
             ``"logits"`` if asked), else ``{"logits"}``. MoE models add ``"aux_loss"`` on every
-            stage: the coefficient-weighted balancing losses of all layers so far (differentiable;
-            add it to the objective; the MoE layers pass it from stage to stage).
+            stage: on the last stage the coefficient-weighted balancing loss of the whole model
+            (differentiable; add it to the objective), before it the per-layer losses so far; with
+            ``router_aux_loss_pooling="all_layers"`` non-last stages also return ``"router_stats"``
+            (the Switch statistics so far, pooled into one loss on the last stage).
         """
-        h, own_aux = self.model(input_ids, hidden_states, position_ids, document_ids)
-        out: dict[str, torch.Tensor] = {}
-        if self.has_aux_loss:
-            out["aux_loss"] = self._chain_aux(aux_loss, own_aux, h)
+        h, own_aux, own_stats = self.model(
+            input_ids, hidden_states, position_ids, document_ids, attention_mask
+        )
+        out = self._aux_outputs(h, own_aux, own_stats, aux_loss, router_stats)
         if not self.is_last:
             out["hidden_states"] = h
             return out
@@ -280,6 +339,8 @@ class Qwen3ForCausalLM(_Qwen3Stage):
             out["logits"] = self.lm_head.logits(h)
             return out
         labels = labels.to(h.device)
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask.to(h.device) == 0, self.ignore_index)
         loss_sum = self.lm_head.loss(h, labels, ignore_index=self.ignore_index, reduction="sum")
         num_tokens = (labels != self.ignore_index).sum()
         out.update(loss_sum=loss_sum, loss=loss_sum / num_tokens.clamp(min=1), num_tokens=num_tokens)
@@ -299,7 +360,7 @@ class Qwen3ForCausalLM(_Qwen3Stage):
             self.lm_head.reset_parameters(self.config.initializer_range)
 
 
-class Qwen3ForSequenceClassification(_Qwen3Stage):
+class Qwen3ForSequenceClassification(Qwen3Stage):
     """Qwen3 / Qwen3-MoE with a ``score`` head on a pooled hidden state (HF's
     ``Qwen3ForSequenceClassification`` with ``pooling="last"``).
 
@@ -334,22 +395,25 @@ class Qwen3ForSequenceClassification(_Qwen3Stage):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         aux_loss: torch.Tensor | None = None,
+        router_stats: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Stage forward; the last stage returns ``{"logits" [B, num_labels]}`` (+ ``"loss"`` with labels).
 
-        ``attention_mask [B, S]`` (1 = token, 0 = right padding) selects the pooled tokens; with no
-        mask and a ``pad_token_id`` in the config, padding is found from ``input_ids`` like HF.
+        ``attention_mask [B, S]`` (1 = token, 0 = padding) masks attention like transformers and
+        selects the pooled tokens; with no mask and a ``pad_token_id`` in the config, the pooled
+        tokens are found from ``input_ids`` like HF (attention then sees every token, as in HF).
+        MoE outputs (``aux_loss``, ``router_stats``) as in :meth:`Qwen3ForCausalLM.forward`.
         """
-        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
-            attention_mask = (input_ids != self.config.pad_token_id).long()
-        h, own_aux = self.model(input_ids, hidden_states, position_ids)
-        out: dict[str, torch.Tensor] = {}
-        if self.has_aux_loss:
-            out["aux_loss"] = self._chain_aux(aux_loss, own_aux, h)
+        h, own_aux, own_stats = self.model(
+            input_ids, hidden_states, position_ids, attention_mask=attention_mask
+        )
+        out = self._aux_outputs(h, own_aux, own_stats, aux_loss, router_stats)
         if not self.is_last:
             out["hidden_states"] = h
             return out
         assert self.score is not None
+        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
+            attention_mask = (input_ids != self.config.pad_token_id).long()
         logits = self.score(pool_hidden_states(h, self.pooling, attention_mask=attention_mask))
         out["logits"] = logits
         if labels is not None:

@@ -53,30 +53,46 @@ def build_1f1b(pp: int, num_microbatches: int) -> Program:
     return Program.from_lists(loop_topology(pp), m, acts, name="1f1b")
 
 
+def round_sizes(pp: int, m: int) -> list[int]:
+    """Microbatches per round of the interleaved schedules: ``max(1, m // pp)`` rounds, larger ones first.
+
+    Each round runs its microbatches through one local stage, then the next (Megatron's microbatch groups,
+    torch's ``microbatches_per_round``). When `m` is not a multiple of the round count the first
+    ``m % rounds`` rounds take one microbatch more; a round is never smaller than `pp` when ``m >= pp``.
+    The warmup is sized by the first round, so a larger round after a smaller one would starve it (the
+    order would then have cyclic dependencies).
+    """
+    rounds = max(1, m // pp)
+    base, extra = divmod(m, rounds)
+    return [base + 1] * extra + [base] * (rounds - extra)
+
+
 def interleaved_order(pp: int, m: int, v: int, rank: int) -> tuple[list[Action], list[Action], int]:
-    """Megatron's interleaved forward/backward sequences for `rank` and its warmup length."""
-    n = v * m
+    """Megatron's interleaved forward/backward sequences for `rank` and its warmup length.
 
-    def fwd(k: int) -> Action:
-        chunk = (k // pp) % v
-        return Action(chunk * pp + rank, F, (k // (pp * v)) * pp + k % pp)
-
-    def bwd(k: int) -> Action:
-        chunk = v - 1 - (k // pp) % v
-        return Action(chunk * pp + rank, B, (k // (pp * v)) * pp + k % pp)
-
-    warm = min(n, (pp - rank - 1) * 2 + (v - 1) * pp)
-    return [fwd(k) for k in range(n)], [bwd(k) for k in range(n)], warm
+    Forwards go round by round (see :func:`round_sizes`), within a round local stage by local stage, within
+    a stage microbatch by microbatch; backwards take the same order with the local stages reversed. The
+    warmup is ``(v - 1) * first_round + 2 * (pp - 1 - rank)`` forwards (capped at ``v * m``).
+    """
+    table: list[tuple[int, int]] = []  # (local stage, microbatch) in forward order
+    start = 0
+    sizes = round_sizes(pp, m)
+    for size in sizes:
+        table += [(c, i) for c in range(v) for i in range(start, start + size)]
+        start += size
+    fw = [Action(c * pp + rank, F, i) for c, i in table]
+    bw = [Action((v - 1 - c) * pp + rank, B, i) for c, i in table]
+    return fw, bw, min(v * m, (v - 1) * sizes[0] + 2 * (pp - 1 - rank))
 
 
 def build_interleaved_1f1b(pp: int, num_microbatches: int, stages_per_rank: int = 2) -> Program:
-    """Interleaved 1F1B (Megatron virtual pipeline): requires num_microbatches % pp == 0."""
+    """Interleaved 1F1B (Megatron virtual pipeline): any num_microbatches >= pp, in rounds of ``round_sizes``."""
     _check("interleaved_1f1b", pp, num_microbatches)
     if stages_per_rank < 2:
         raise ValueError("interleaved_1f1b: stages_per_rank must be >= 2 (use 1f1b for one stage per rank)")
-    if num_microbatches % pp != 0:
+    if num_microbatches < pp:
         raise ValueError(
-            f"interleaved_1f1b: num_microbatches ({num_microbatches}) must be a multiple of the pipeline size ({pp})"
+            f"interleaved_1f1b: num_microbatches ({num_microbatches}) must be >= the pipeline size ({pp})"
         )
     m, v = num_microbatches, stages_per_rank
     acts: list[list[AnyAction]] = []

@@ -1,4 +1,4 @@
-"""Zero-bubble family (ZB1P, ZBV, DualPipeV), built by a greedy list scheduler on unit costs.
+"""Zero-bubble family (ZB1P, ZBV, DualPipeV's greedy order), built by a greedy list scheduler on unit costs.
 
 Each rank, whenever idle in a unit-cost simulation, picks the most urgent ready operation: a backward
 (input-gradient part) first, so gradients reach earlier stages quickly; then a forward, if the rank's
@@ -124,16 +124,12 @@ def _greedy(topo: Topology, m: int, policy: _Policy, name: str) -> Program:
 def build_zb1p(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> Program:
     """Interleaved zero bubble (ZB1P): loop topology, backward split into I and W, W delayed into bubbles.
 
-    Requires num_microbatches to be a multiple of pp (as Interleaved 1F1B).
+    Requires num_microbatches >= pp (as Interleaved 1F1B).
     """
-    if pp < 1 or num_microbatches < 1 or stages_per_rank < 1:
-        raise ValueError(
-            f"zb1p: need pp >= 1, num_microbatches >= 1, stages_per_rank >= 1; got {pp}, {num_microbatches}, {stages_per_rank}"
-        )
-    if num_microbatches % pp != 0:
-        raise ValueError(
-            f"zb1p: num_microbatches ({num_microbatches}) must be a multiple of the pipeline size ({pp})"
-        )
+    if pp < 1 or stages_per_rank < 1:
+        raise ValueError(f"zb1p: need pp >= 1 and stages_per_rank >= 1; got {pp}, {stages_per_rank}")
+    if num_microbatches < pp:
+        raise ValueError(f"zb1p: num_microbatches ({num_microbatches}) must be >= the pipeline size ({pp})")
     v = stages_per_rank
     # Same activation budget as Interleaved 1F1B's warmup on that rank.
     policy = _Policy(True, False, lambda r: (pp - 1 - r) * 2 + (v - 1) * pp + 1 if v > 1 else pp - r)
@@ -152,17 +148,8 @@ def build_zbv(pp: int, num_microbatches: int) -> Program:
     return _greedy(vshape_topology(pp), num_microbatches, policy, "zbv")
 
 
-def build_dualpipev(pp: int, num_microbatches: int) -> Program:
-    """DualPipeV: V-shape with overlapped forward+backward pairs in the steady state.
-
-    Standalone backwards are split into I and W with W filling bubbles. Requires num_microbatches >= 2*pp.
-    """
-    if pp < 1:
-        raise ValueError(f"dualpipev: pipeline size must be >= 1, got {pp}")
-    if num_microbatches < 2 * pp:
-        raise ValueError(
-            f"dualpipev: num_microbatches ({num_microbatches}) must be >= 2 * pipeline size ({2 * pp})"
-        )
+def greedy_dualpipev(pp: int, num_microbatches: int) -> Program:
+    """DualPipeV by the greedy list scheduler (see :func:`plait.pipelining.schedules.build_dualpipev`)."""
     # Twice ZBV's in-flight budget: the overlapped F|B steady state needs a forward ready whenever a
     # backward is (with ZBV's budget the greedy never finds a pair).
     policy = _Policy(True, True, lambda r: 2 * pp)
