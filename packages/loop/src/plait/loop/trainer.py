@@ -573,11 +573,18 @@ class Trainer:
     def _setup_checkpointing(self) -> None:
         ck = self.config.checkpoint
         root = Path(ck.dir) if ck.dir else self.run_dir / "checkpoints"
-        self.checkpointer = Checkpointer(
-            root, keep_last=ck.keep_last, async_mode=ck.async_mode, process_group=self._host_group()
+        self.checkpointer = ckpt = Checkpointer(
+            root,
+            keep_last=ck.keep_last,
+            async_mode=ck.async_mode,
+            process_group=self._host_group(),
+            checksums=ck.checksums,
+            on_damaged=ck.on_damaged,
         )
-        if ck.resume and (latest := self.checkpointer.latest()) is not None:
-            meta = self.checkpointer.load(latest, self.app_state())
+        # Finalise each save as soon as it is written; prepare the staging buffers after the first step.
+        self.events.subscribe(StepEnd, lambda e: ckpt.step_done(self.app_state))
+        if ck.resume and (resumed := ckpt.resume(self.app_state())) is not None:
+            latest, meta = resumed
             self.log.info(
                 "resumed from %s (step %d, saved by %s ranks)", latest, self.step, meta.get("world_size")
             )
