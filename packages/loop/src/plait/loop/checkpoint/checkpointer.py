@@ -47,6 +47,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner,
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -528,7 +529,7 @@ class Checkpointer:
         )
         try:
             dcp.load(expanded, checkpoint_id=str(path), process_group=self.pg, planner=_SafeLoadPlanner())
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise CheckpointDamagedError(
                 f"checkpoint {path} cannot be read: {type(e).__name__}: {str(e).strip()[-2000:]}"
             ) from e
