@@ -259,3 +259,30 @@ def test_process_mode_without_master_address_is_a_clear_error(monkeypatch, tmp_p
     monkeypatch.setattr(checkpointer, "_initialised", lambda: True)
     with pytest.raises(ValueError, match="async_mode='process' needs MASTER_ADDR"):
         Checkpointer(tmp_path, async_mode="process")
+
+
+# -- item 3: after a resume, metrics.jsonl has exactly one record per step --------------------------------
+class _Crash(RuntimeError):
+    pass
+
+
+def test_metrics_of_redone_steps_are_replaced_after_resume(tmp_path):
+    tr = _trainer(tmp_path, 8, "--checkpoint.interval=3")
+
+    def crash(e: StepEnd) -> None:
+        if e.step == 5:
+            raise _Crash
+
+    tr.subscribe(StepEnd, crash)
+    with pytest.raises(_Crash):
+        tr.fit()  # steps 1-5 logged, the last checkpoint is step 3
+    tr.close()
+    first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
+    resumed = _trainer(tmp_path, 8, "--checkpoint.interval=3")
+    assert resumed.step == 3
+    resumed.fit()
+    resumed.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[:3] == first[:3]  # the records up to the checkpoint are kept as they were

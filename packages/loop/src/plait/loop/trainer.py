@@ -475,6 +475,7 @@ class Trainer:
                     run_id=self.state.tracker_run_ids.get(tc.kind),
                     total_steps=self.config.run.steps,
                     write=self._write,
+                    start_step=self.step,
                     **tc.options,
                 )
                 if tracker.run_id is not None:
