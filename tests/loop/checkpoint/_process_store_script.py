@@ -1,7 +1,8 @@
 """Saves once with async_mode="process" in a one-rank gloo job and prints the writer process's
 listening TCP sockets as JSON (``[[address, port], ...]``); the loopback test drives it.
 
-Usage: python _process_store_script.py ROOT PORT
+Usage: python _process_store_script.py ROOT PORT|none. With ``none`` the job has no MASTER_ADDR /
+MASTER_PORT (a one-process group on an in-memory store, as a single-process plait job has).
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
 
 def main() -> None:
     root, port = sys.argv[1], sys.argv[2]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
+    if port == "none":
+        os.environ.pop("MASTER_ADDR", None)
+        os.environ.pop("MASTER_PORT", None)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
     ck = Checkpointer(root, async_mode="process")
     ck.save(1, {"w": torch.arange(8.0)})
     ck.finalize()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -204,8 +205,9 @@ class Checkpointer:
             :class:`CheckpointDamagedError`).
 
     In process mode the background writer process joins the job's own store (torchrun's
-    ``MASTER_ADDR``/``MASTER_PORT``) under a prefix instead of opening a store of its own, which
-    would listen on every network interface.
+    ``MASTER_ADDR``/``MASTER_PORT``; a one-process job without them gets a store on 127.0.0.1)
+    under a prefix instead of opening a store of its own, which would listen on every network
+    interface.
     """
 
     def __init__(
@@ -235,7 +237,7 @@ class Checkpointer:
         self.checksums = checksums
         self.on_damaged: OnDamaged = on_damaged
         if async_mode == "process":
-            _join_job_store()
+            _join_job_store(dist.get_world_size(process_group))
         # DCP's writes coordinate through collectives; a background thread must not interleave them
         # with the training thread's collectives on the same group, so it gets a group of its own.
         self._dcp_pg = process_group
@@ -261,6 +263,7 @@ class Checkpointer:
         self._reserve_error: BaseException | None = None
         self.last_stall_s = 0.0
         self.last_saved_s: float | None = None  # a save's start to complete, seconds
+        self.last_complete: Path | None = None  # the newest checkpoint this Checkpointer completed
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -410,7 +413,8 @@ class Checkpointer:
             for old in _layout.list_complete(self.root)[: -self.keep_last]:
                 _layout.remove(old.path)
         self._barrier()
-        log.info("checkpoint step %d complete at %s", pending.step, final)
+        log.info("checkpoint step %d complete at %s (%.2f s after the save started)", pending.step, final, self.last_saved_s)
+        self.last_complete = final
         return final
 
     def close(self) -> None:
@@ -569,23 +573,38 @@ class Checkpointer:
             )
 
 
-def _join_job_store() -> None:
-    """Make DCP's writer process join the job's store (a prefix of it) instead of hosting its own.
+_LOOPBACK_STORE: Any = None  # a one-process job's store for the writer process (lives as long as it)
+
+
+def _join_job_store(world_size: int) -> None:
+    """Make DCP's writer process join an existing store (under a prefix) instead of hosting its own.
 
     Without this, the writer process's rank 0 opens a fresh TCPStore, which listens on every
     network interface. With ``DCP_USE_PREFIX_STORE`` it connects to ``MASTER_ADDR``:``MASTER_PORT``
-    as a client and opens no listening socket of its own.
+    as a client: the job's store under torchrun, or for a one-process job without those variables
+    a store this process opens on the loopback interface (127.0.0.1).
 
     Raises:
-        ValueError: when ``MASTER_ADDR``/``MASTER_PORT`` are not set (use torchrun, or init the
-            process group with ``init_method="env://"``, or another async mode).
+        ValueError: several processes without ``MASTER_ADDR``/``MASTER_PORT`` (use torchrun, or
+            init the process group with ``init_method="env://"``, or another async mode).
     """
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-    if missing:
-        raise ValueError(
-            f"checkpoint async_mode='process' needs {' and '.join(missing)} in the environment (torchrun sets "
-            "them): the writer process joins the job's store; use async_mode='thread' otherwise"
-        )
+    global _LOOPBACK_STORE
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        if world_size > 1:
+            raise ValueError(
+                "checkpoint async_mode='process' needs MASTER_ADDR and MASTER_PORT in the environment "
+                "(torchrun sets them): the writer processes join the job's store; use async_mode='thread' otherwise"
+            )
+        if _LOOPBACK_STORE is None:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            port = sock.getsockname()[1]
+            _LOOPBACK_STORE = dist.TCPStore(
+                "127.0.0.1", port, None, True, master_listen_fd=sock.detach(), wait_for_workers=False
+            )
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_LOOPBACK_STORE.port)
     os.environ["DCP_USE_PREFIX_STORE"] = "1"
 
 
