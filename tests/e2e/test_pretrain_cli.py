@@ -43,15 +43,24 @@ def _fails(pretrain, capsys, argv: list[str]) -> str:
 # -- item 9: conflicts between sections name both fields ----------------------------------------------------
 def test_conflicting_sections_are_config_errors_naming_both_fields(pretrain):
     cls, cfg = pretrain.PretrainConfig, pretrain.DEFAULT_CONFIG
-    with pytest.raises(ConfigError, match=r"batching\.seq_len=2048 is larger than model\.max_position_embeddings=1024"):
+    with pytest.raises(
+        ConfigError, match=r"batching\.seq_len=2048 is larger than model\.max_position_embeddings=1024"
+    ):
         load_config(cfg, ["--batching.seq_len=2048"], cls=cls)
     with pytest.raises(ConfigError, match=r"model\.vocab_size=200 is smaller than the byte tokenizer's 259"):
         load_config(cfg, ["--model.vocab_size=200"], cls=cls)
-    with pytest.raises(ConfigError, match=r"model\.num_hidden_layers=2 is fewer than the 4 pipeline stages of mesh\.pipeline=2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.num_hidden_layers=2 is fewer than the 4 pipeline stages of mesh\.pipeline=2",
+    ):
         load_config(cfg, ["--model.num_hidden_layers=2", "--mesh.pipeline=2", "--pipeline.kind=zbv"], cls=cls)
-    with pytest.raises(ConfigError, match=r"model\.tie_word_embeddings=true cannot be split .* \(mesh\.pipeline=2\)"):
+    with pytest.raises(
+        ConfigError, match=r"model\.tie_word_embeddings=true cannot be split .* \(mesh\.pipeline=2\)"
+    ):
         load_config(cfg, ["--model.tie_word_embeddings=true", "--mesh.pipeline=2"], cls=cls)
-    ok = load_config(cfg, ["--model.num_hidden_layers=4", "--mesh.pipeline=2", "--pipeline.kind=zbv"], cls=cls)
+    ok = load_config(
+        cfg, ["--model.num_hidden_layers=4", "--mesh.pipeline=2", "--pipeline.kind=zbv"], cls=cls
+    )
     assert ok.num_pipeline_stages == 4
 
 
@@ -84,7 +93,9 @@ def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(PRETRAIN), "--steps", "10000", "--run-dir", str(run_dir), *TINY, *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _stop_after_first_step(proc: subprocess.Popen, signum: int) -> str:
@@ -116,7 +127,9 @@ def test_signal_saves_then_exits_128_plus_signum_without_export(tmp_path, signum
 
 def test_export_unfinished_writes_the_export_and_still_exits_143(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, "--checkpoint.enabled=true", "--checkpoint.async_mode=thread", "--export-unfinished")
+    proc = _start(
+        run_dir, "--checkpoint.enabled=true", "--checkpoint.async_mode=thread", "--export-unfinished"
+    )
     out = _stop_after_first_step(proc, signal.SIGTERM)
     assert proc.returncode == 143, out[-3000:]
     assert (run_dir / "hf" / "config.json").is_file()

@@ -185,6 +185,8 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 def test_num_pipeline_stages_follows_mesh_and_schedule():
     assert load_config().num_pipeline_stages == 1
-    assert load_config(overrides=["--mesh.pipeline=2", "--batching.microbatch_size=2"]).num_pipeline_stages == 2
+    assert (
+        load_config(overrides=["--mesh.pipeline=2", "--batching.microbatch_size=2"]).num_pipeline_stages == 2
+    )
     zbv = load_config(overrides=["--mesh.pipeline=2", "--pipeline.kind=zbv", "--batching.microbatch_size=2"])
     assert zbv.num_pipeline_stages == 4

@@ -11,12 +11,21 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from plait.loop import CausalLMTask, DatasetProvider, ModuleProvider, StepEnd, Trainer, load_config, pack_documents
+from plait.loop import (
+    CausalLMTask,
+    DatasetProvider,
+    ModuleProvider,
+    StepEnd,
+    Trainer,
+    load_config,
+    pack_documents,
+)
 from plait.loop.checkpoint import (
     CheckpointDamagedError,
     Checkpointer,
@@ -25,8 +34,8 @@ from plait.loop.checkpoint import (
     PerRankState,
     RngState,
     ValueState,
+    _codec,
 )
-from plait.loop.checkpoint import _codec
 from plait.loop.metrics import MetricCollection
 from torch import nn
 
@@ -46,7 +55,12 @@ def _setup(seed: int = 0):
 
 
 def _state(model, opt, step=0):
-    return {"model": ModelState(model), "optim": OptimizerState(model, opt), "rng": RngState(), "step": ValueState(step)}
+    return {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, opt),
+        "rng": RngState(),
+        "step": ValueState(step),
+    }
 
 
 def _trainer(run_dir, steps: int, *extra: str) -> Trainer:
@@ -115,15 +129,14 @@ def _two_checkpoints(root: Path, **kw):
     opt.step()
     ck.save(2, _state(model, opt, 2))
     data = sorted((root / "step_00000002").glob("*.distcp"))[0]
-    return ck, model, opt, data
+    return ck, data
 
 
 def test_marker_records_file_sizes_and_checksums(tmp_path):
-    ck, *_ = _two_checkpoints(tmp_path, checksums=True)
+    _two_checkpoints(tmp_path, checksums=True)
     files = json.loads((tmp_path / "step_00000002" / "plait_checkpoint.json").read_text())["files"]
     on_disk = {p.name: p for p in (tmp_path / "step_00000002").iterdir() if p.name != "plait_checkpoint.json"}
     assert sorted(files) == sorted(on_disk)
-    import zlib
 
     for name, rec in files.items():
         raw = on_disk[name].read_bytes()
@@ -131,19 +144,22 @@ def test_marker_records_file_sizes_and_checksums(tmp_path):
 
 
 def test_truncated_data_file_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
-    ck, *_ = _two_checkpoints(tmp_path)
-    raw = ck_data = sorted((tmp_path / "step_00000002").glob("*.distcp"))[0]
-    raw.write_bytes(ck_data.read_bytes()[:100])
+    ck, data = _two_checkpoints(tmp_path)
+    data.write_bytes(data.read_bytes()[:100])
     with caplog.at_level(logging.WARNING):
         assert ck.latest() == tmp_path / "step_00000001"
-    assert "step_00000002 is damaged" in caplog.text and raw.name in caplog.text and "truncated" in caplog.text
+    assert (
+        "step_00000002 is damaged" in caplog.text and data.name in caplog.text and "truncated" in caplog.text
+    )
     stop = Checkpointer(tmp_path, async_mode="off", on_damaged="stop")
-    with pytest.raises(CheckpointDamagedError, match=rf"step_00000002 is damaged: file {raw.name} has 100 bytes"):
+    with pytest.raises(
+        CheckpointDamagedError, match=rf"step_00000002 is damaged: file {data.name} has 100 bytes"
+    ):
         stop.latest()
 
 
 def test_corrupt_data_file_is_caught_by_checksum_or_at_load(tmp_path, caplog):
-    ck, model, opt, data = _two_checkpoints(tmp_path, checksums=True)
+    ck, data = _two_checkpoints(tmp_path, checksums=True)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2 :] = bytes(len(raw) - len(raw) // 2)  # same size, zeroed second half
     data.write_bytes(bytes(raw))
@@ -203,7 +219,9 @@ def test_planted_pickle_in_per_rank_state_is_not_executed(tmp_path):
     flag = tmp_path / "pwned"
     Checkpointer(tmp_path / "ck", async_mode="off").save(1, {"metrics": _RawBlob(pickle.dumps(_Plant(flag)))})
     with pytest.raises(CheckpointDamagedError, match=r"'metrics': not a plait per-rank state"):
-        Checkpointer(tmp_path / "ck").load(tmp_path / "ck" / "step_00000001", {"metrics": PerRankState(MetricCollection())})
+        Checkpointer(tmp_path / "ck").load(
+            tmp_path / "ck" / "step_00000001", {"metrics": PerRankState(MetricCollection())}
+        )
     assert not flag.exists()
 
 
@@ -224,7 +242,10 @@ def test_per_rank_state_codec_round_trips_rng_states():
     assert torch.equal(back["torch"], state["torch"]) and back["torch"].dtype == torch.uint8
     assert back["numpy"][0] == state["numpy"][0] and np.array_equal(back["numpy"][1], state["numpy"][1])
     assert back["numpy"][1].dtype == state["numpy"][1].dtype and back["numpy"][2:] == state["numpy"][2:]
-    nested = {"a": (1, 2.5, None, "s"), "b": [torch.zeros(0), torch.arange(6, dtype=torch.bfloat16).view(2, 3)]}
+    nested = {
+        "a": (1, 2.5, None, "s"),
+        "b": [torch.zeros(0), torch.arange(6, dtype=torch.bfloat16).view(2, 3)],
+    }
     out = _codec.decode(_codec.encode(nested))
     assert out["a"] == nested["a"] and out["b"][0].numel() == 0 and torch.equal(out["b"][1], nested["b"][1])
 
@@ -236,7 +257,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads listening sockets from Linux /proc")
+@pytest.mark.skipif(
+    not Path("/proc/self/net/tcp").exists(), reason="reads listening sockets from Linux /proc"
+)
 @pytest.mark.parametrize("job_store", ["torchrun", "none"])
 def test_process_writer_listens_on_no_wildcard_address(tmp_path, job_store):
     """The writer process joins the job's store (torchrun's MASTER_ADDR/PORT) or, in a one-process job

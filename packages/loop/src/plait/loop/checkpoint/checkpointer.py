@@ -108,7 +108,9 @@ class _KeepBuffers(StateDictStager):
             if storage in self._cached_storage_mapping:
                 continue
             kind = type(storage)
-            host = kind._new_shared(storage.size(), device="cpu") if self.share_memory else kind(storage.size())
+            host = (
+                kind._new_shared(storage.size(), device="cpu") if self.share_memory else kind(storage.size())
+            )
             if self.pin_memory and host.nbytes() >= self.pin_memory_min_bytes:
                 pin_memory_utils.pin_memory(host.data_ptr(), host.nbytes())
                 weakref.finalize(host, pin_memory_utils.unpin_memory, host.data_ptr()).atexit = False
@@ -405,7 +407,9 @@ class Checkpointer:
                 f.name: _file_record(f, self.checksums) for f in sorted(pending.path.iterdir()) if f.is_file()
             }
             marker = pending.path / _layout.MARKER
-            marker.write_text(json.dumps({**self._meta, "saved_s": round(self.last_saved_s, 3), "files": files}))
+            marker.write_text(
+                json.dumps({**self._meta, "saved_s": round(self.last_saved_s, 3), "files": files})
+            )
             _fsync(marker)
             _layout.remove(final)
             os.replace(pending.path, final)
@@ -413,7 +417,12 @@ class Checkpointer:
             for old in _layout.list_complete(self.root)[: -self.keep_last]:
                 _layout.remove(old.path)
         self._barrier()
-        log.info("checkpoint step %d complete at %s (%.2f s after the save started)", pending.step, final, self.last_saved_s)
+        log.info(
+            "checkpoint step %d complete at %s (%.2f s after the save started)",
+            pending.step,
+            final,
+            self.last_saved_s,
+        )
         self.last_complete = final
         return final
 

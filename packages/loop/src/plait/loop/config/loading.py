@@ -139,7 +139,9 @@ def _field_types(cls: type[BaseModel], path: Sequence[str]) -> list[Any]:
                     if (field := m.model_fields.get(part)) is not None:
                         found.append(field.annotation)
                 elif origin in (list, tuple) and args and part.lstrip("-").isdigit():
-                    found.append(args[0] if origin is list or args[-1] is Ellipsis else args[int(part) % len(args)])
+                    found.append(
+                        args[0] if origin is list or args[-1] is Ellipsis else args[int(part) % len(args)]
+                    )
                 elif origin is dict and len(args) == 2:
                     found.append(args[1])
                 elif m is Any or m is dict:

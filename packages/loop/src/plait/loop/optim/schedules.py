@@ -188,4 +188,10 @@ def plot_schedule(config: LRScheduleConfig, total_steps: int, path: str, base_lr
 
     resolved = config.resolve(total_steps)
     steps = list(range(total_steps))
-    plot_series(steps, [base_lr * _multiplier(resolved, s) for s in steps], path, xlabel="step", ylabel="learning rate")
+    plot_series(
+        steps,
+        [base_lr * _multiplier(resolved, s) for s in steps],
+        path,
+        xlabel="step",
+        ylabel="learning rate",
+    )

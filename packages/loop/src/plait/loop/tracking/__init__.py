@@ -17,9 +17,9 @@ from plait.loop.tracking.trackers import (
 __all__ = [
     "AimTracker",
     "ConsoleTracker",
+    "JSONLTracker",
     "RunSummary",
     "RunSummaryCollector",
-    "JSONLTracker",
     "TensorBoardTracker",
     "ThroughputMeter",
     "Tracker",

@@ -10,7 +10,9 @@ from pathlib import Path
 __all__ = ["plot_loss_curve", "plot_series"]
 
 
-def plot_series(xs: Sequence[float], ys: Sequence[float], path: str | Path, *, xlabel: str, ylabel: str) -> None:
+def plot_series(
+    xs: Sequence[float], ys: Sequence[float], path: str | Path, *, xlabel: str, ylabel: str
+) -> None:
     """Write a PNG of one line ``ys`` over ``xs``.
 
     Raises:
@@ -22,7 +24,9 @@ def plot_series(xs: Sequence[float], ys: Sequence[float], path: str | Path, *, x
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(f"plotting {Path(path).name} needs matplotlib: pip install 'plait-loop[viz]'") from e
+        raise ImportError(
+            f"plotting {Path(path).name} needs matplotlib: pip install 'plait-loop[viz]'"
+        ) from e
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.plot(list(xs), list(ys))
     ax.set_xlabel(xlabel)

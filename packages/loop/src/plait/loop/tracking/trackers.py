@@ -56,7 +56,9 @@ class JSONLTracker:
     exactly one record; ``start_step=None`` keeps every record.
     """
 
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl", start_step: int | None = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, filename: str = "metrics.jsonl", start_step: int | None = None
+    ) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / filename
@@ -89,7 +91,12 @@ def _drop_records_after(path: Path, step: int) -> None:
             kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) == len(lines):
         return
-    logger.info("%s: replacing the %d records after step %d (the resumed run redoes them)", path, len(lines) - len(kept), step)
+    logger.info(
+        "%s: replacing the %d records after step %d (the resumed run redoes them)",
+        path,
+        len(lines) - len(kept),
+        step,
+    )
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
