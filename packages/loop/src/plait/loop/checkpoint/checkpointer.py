@@ -25,6 +25,7 @@ checkpoints you trust.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -50,12 +51,21 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 log = logging.getLogger(__name__)
 
 AsyncMode = Literal["process", "thread", "off"]
+_PLAN_KEYS = itertools.count()
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
 OnDamaged = Literal["fall_back", "stop"]
 
 
@@ -258,8 +268,11 @@ class Checkpointer:
                 )
             )
         # One planner for the run: with plan caching, a save whose structure matches the previous
-        # one skips building the global plan (DCP keeps the cache per planner class).
+        # one skips building the global plan. DCP keys its (process-wide) cache by the planner's
+        # class name, so two Checkpointers in one process would mix their plans (a checkpoint of
+        # one state planned with another's chunks): each gets a key of its own.
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._planner._cached_plans_key = f"plait.Checkpointer/{next(_PLAN_KEYS)}"
         self._pending: _Pending | None = None
         self._reserving: threading.Thread | None = None
         self._reserve_error: BaseException | None = None
@@ -434,6 +447,8 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        for cache in _PLAN_CACHES:
+            getattr(SavePlanner, cache).pop(self._planner._cached_plans_key, None)
 
     # -- resuming --------------------------------------------------------------------------------
     def latest(self, *, clean: bool = True, exclude: frozenset[Path] = frozenset()) -> Path | None:
