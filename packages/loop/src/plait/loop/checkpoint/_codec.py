@@ -15,6 +15,7 @@ import torch
 __all__ = ["StateFormatError", "decode", "encode"]
 
 _MAGIC = "plait-state/1"
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class StateFormatError(ValueError):
@@ -44,6 +45,8 @@ def _to_json(obj: Any) -> Any:
         import numpy as np
 
         if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in "biuf":
+                raise TypeError(f"per-rank state cannot hold a NumPy array of dtype {obj.dtype}")
             return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape), "data": obj.tolist()}
         return obj.item()  # a NumPy scalar
     raise TypeError(f"per-rank state cannot hold a {type(obj).__name__} (only plain values and tensors)")
@@ -59,8 +62,8 @@ def _from_json(obj: Any) -> Any:
     if "__tuple__" in obj:
         return tuple(_from_json(x) for x in obj["__tuple__"])
     if "__tensor__" in obj:
-        dtype = getattr(torch, obj["__tensor__"], None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = _DTYPES.get(obj["__tensor__"])
+        if dtype is None:
             raise StateFormatError(f"unknown tensor dtype {obj['__tensor__']!r}")
         raw = bytearray(base64.b64decode(obj["data"]))
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -68,7 +71,10 @@ def _from_json(obj: Any) -> Any:
     if "__ndarray__" in obj:
         import numpy as np
 
-        return np.array(obj["data"], dtype=np.dtype(obj["__ndarray__"])).reshape(obj["shape"])
+        dtype = np.dtype(obj["__ndarray__"])
+        if dtype.kind not in "biuf":
+            raise StateFormatError(f"unsupported array dtype {obj['__ndarray__']!r}")
+        return np.array(obj["data"], dtype=dtype).reshape(obj["shape"])
     raise StateFormatError(f"unknown tagged object with keys {sorted(obj)}")
 
 
