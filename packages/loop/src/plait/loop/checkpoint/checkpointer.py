@@ -178,7 +178,7 @@ def _file_record(path: Path, checksum: bool) -> dict[str, int]:
     return record
 
 
-def damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
+def _damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
     """What is wrong with the files of checkpoint ``path`` against its marker ``meta``, or None.
 
     Checks that every file the marker lists exists with its recorded size, and (with
@@ -475,7 +475,7 @@ class Checkpointer:
         for info in reversed(_layout.list_complete(self.root)):
             if info.path in exclude:
                 continue
-            problem = damage(info.path, info.meta, checksums=self.checksums)
+            problem = _damage(info.path, info.meta, checksums=self.checksums)
             if problem is None:
                 return str(info.path)
             err = CheckpointDamagedError(f"checkpoint {info.path} is damaged: {problem}")
