@@ -287,3 +287,22 @@ def test_process_mode_of_several_ranks_without_master_address_is_a_clear_error(m
     monkeypatch.setattr(checkpointer.dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="async_mode='process' needs MASTER_ADDR and MASTER_PORT"):
         Checkpointer(tmp_path, async_mode="process")
+
+
+def test_tensorboard_tracker_purges_the_redone_steps(monkeypatch, tmp_path):
+    """A run resumed from step k asks TensorBoard to purge its events of steps > k (``purge_step=k+1``)."""
+    import types
+
+    from plait.loop.tracking import trackers
+
+    opened = []
+
+    class Writer:
+        def __init__(self, log_dir, purge_step=None):  # type: ignore[no-untyped-def]
+            opened.append((log_dir, purge_step))
+
+    monkeypatch.setattr(trackers, "_need", lambda *a: None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    trackers.build_tracker("tensorboard", tmp_path, start_step=3)
+    trackers.build_tracker("tensorboard", tmp_path, start_step=0)
+    assert opened == [(str(tmp_path / "tensorboard"), 4), (str(tmp_path / "tensorboard"), None)]
