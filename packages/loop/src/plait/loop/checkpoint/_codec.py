@@ -71,10 +71,10 @@ def _from_json(obj: Any) -> Any:
     if "__ndarray__" in obj:
         import numpy as np
 
-        dtype = np.dtype(obj["__ndarray__"])
-        if dtype.kind not in "biuf":
+        np_dtype = np.dtype(obj["__ndarray__"])
+        if np_dtype.kind not in "biuf":
             raise StateFormatError(f"unsupported array dtype {obj['__ndarray__']!r}")
-        return np.array(obj["data"], dtype=dtype).reshape(obj["shape"])
+        return np.array(obj["data"], dtype=np_dtype).reshape(obj["shape"])
     raise StateFormatError(f"unknown tagged object with keys {sorted(obj)}")
 
 
