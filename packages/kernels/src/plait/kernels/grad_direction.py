@@ -8,6 +8,13 @@ inside ``backward`` and return ``None`` for the kind of gradient that is switche
 
 The switch is process-wide (not thread-local) on purpose: CUDA backward runs in autograd's
 device threads, which would not see a thread-local or ``contextvars`` value set by the caller.
+
+Under ``torch.compile`` the switch is read where it can be: plait's backward *ops* (registered
+torch custom ops, opaque to the compiler) read it each time they run and write zeros for the kind
+of gradient that is switched off. A traced backward cannot return ``None`` for a gradient at run
+time, so a compiled region hands those zeros on: an inputs pass computes no weight gradient inside
+plait's ops but the compiled region still returns one (zeros) for its weights. Asked for the
+stage's inputs only, as plait.pipelining's split backward does, autograd drops them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import enum
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
 
 __all__ = ["GradDirection", "current_grad_direction", "grad_direction"]
 
@@ -68,9 +77,22 @@ def grad_direction(direction: GradDirection) -> Iterator[GradDirection]:
             _stack.pop()
 
 
-def _wants_inputs() -> bool:
-    return GradDirection.INPUTS in current_grad_direction()
+def _wanted(inputs: bool, weights: bool) -> tuple[bool, bool]:
+    """Which of a backward's (input, weight) gradients the current direction lets it compute.
+
+    Called inside plait's backward ops, i.e. when they run (also inside a compiled graph).
+    """
+    d = current_grad_direction()
+    return inputs and GradDirection.INPUTS in d, weights and GradDirection.WEIGHTS in d
 
 
-def _wants_weights() -> bool:
-    return GradDirection.WEIGHTS in current_grad_direction()
+def _returned(inputs: bool, weights: bool) -> tuple[bool, bool]:
+    """Which of (input, weight) gradients a plait backward function returns (the others are ``None``).
+
+    Eager: the current direction decides, so a switched-off gradient is ``None`` and nothing is
+    accumulated. While torch.compile traces the backward: the needs unchanged, because the traced
+    graph is fixed; its backward ops read the direction when they run (:func:`_wanted`).
+    """
+    if torch.compiler.is_compiling():
+        return inputs, weights
+    return _wanted(inputs, weights)
