@@ -106,7 +106,7 @@ def test_cuda_matches_cpu() -> None:
 
     def run(device: str) -> list[torch.Tensor]:
         layer.to(device).zero_grad()
-        xx = x.to(device).requires_grad_()
+        xx = x.to(device, copy=True).requires_grad_()  # a fresh leaf on each device (x stays grad-free)
         y = layer(xx).hidden_states
         (y * torch.arange(H, device=device)).sum().backward()
         return [t.cpu() for t in (y.detach(), xx.grad, layer.experts.down_proj.grad)]

@@ -52,6 +52,8 @@ def permuted_rows(num_tokens: int, top_k: int, num_experts: int, align: int = 1)
 
 
 def _gather_torch(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 0:  # every row is padding
+        return x.new_zeros((src.shape[0], x.shape[1]))
     rows = x.index_select(0, src.clamp(min=0))
     if w_rows is not None:
         rows = (rows.float() * w_rows.float().unsqueeze(1)).to(x.dtype)
@@ -59,7 +61,9 @@ def _gather_torch(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | Non
 
 
 def _combine_torch(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    rows = x.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, -1).float()
+    if x.shape[0] == 0:  # no copies anywhere
+        return x.new_zeros((dst.shape[0], x.shape[1]))
+    rows = x.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, x.shape[1]).float()
     if w is not None:
         rows = rows * w.float().unsqueeze(-1)
     # where, not a multiply: rows that no copy uses may hold anything (e.g. uncomputed gmm rows).
@@ -67,7 +71,9 @@ def _combine_torch(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -
 
 
 def _row_dots_torch(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    rows = x.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, -1).float()
+    if x.shape[0] == 0:
+        return dy.new_zeros(dst.shape, dtype=torch.float32)
+    rows = x.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, x.shape[1]).float()
     dots = (rows * dy.float().unsqueeze(1)).sum(-1)
     return torch.where(dst >= 0, dots, 0.0)
 
