@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from plait.kernels.grad_direction import _returned, _wanted
+from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["gmm", "gmm_reference"]
 
@@ -140,20 +140,20 @@ def _gmm_backward_op(
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dw)``; each is empty when not needed and zero when the grad-direction switch is off for it."""
+    """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
     backend = _resolve(backend, x, w)
-    want_dx, want_dw = _wanted(need_dx, need_dw)
+    want_dw = _weights_wanted(need_dw)
     dy = dy.contiguous()
     aux: Any = None
-    if want_dx or want_dw:
+    if need_dx or want_dw:
         if backend == "torch":
             aux = _offsets(tpe, x.device)
         elif backend == "nv":
             aux = tpe.to("cpu", torch.int64)
         else:
             aux = _counts(tpe, x.shape[0])
-    if not want_dx:
-        dx = torch.zeros_like(x) if need_dx else x.new_empty(0)
+    if not need_dx:
+        dx = x.new_empty(0)
     elif backend == "torch":
         # dx = dy @ w_e^T: the opposite transpose of the forward.
         dx = _torch_mm(dy, w, aux, not trans_w)

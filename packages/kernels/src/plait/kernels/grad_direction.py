@@ -9,12 +9,12 @@ inside ``backward`` and return ``None`` for the kind of gradient that is switche
 The switch is process-wide (not thread-local) on purpose: CUDA backward runs in autograd's
 device threads, which would not see a thread-local or ``contextvars`` value set by the caller.
 
-Under ``torch.compile`` the switch is read where it can be: plait's backward *ops* (registered
-torch custom ops, opaque to the compiler) read it each time they run and write zeros for the kind
-of gradient that is switched off. A traced backward cannot return ``None`` for a gradient at run
-time, so a compiled region hands those zeros on: an inputs pass computes no weight gradient inside
-plait's ops but the compiled region still returns one (zeros) for its weights. Asked for the
-stage's inputs only, as plait.pipelining's split backward does, autograd drops them.
+Under ``torch.compile`` a whole compiled region (a decoder layer) is one autograd node, so a
+weights pass has to carry activation gradients through the plait ops inside it to reach the
+weights upstream of them. There the switch is read by plait's backward *ops* (torch custom ops,
+opaque to the compiler) each time they run, and it switches off weight gradients only: an inputs
+pass writes zeros for them (autograd drops them when the stage's inputs alone are asked for, as
+plait.pipelining's split backward does); a weights pass computes everything inside the region.
 """
 
 from __future__ import annotations
@@ -77,22 +77,24 @@ def grad_direction(direction: GradDirection) -> Iterator[GradDirection]:
             _stack.pop()
 
 
-def _wanted(inputs: bool, weights: bool) -> tuple[bool, bool]:
-    """Which of a backward's (input, weight) gradients the current direction lets it compute.
+def _weights_wanted(weights: bool) -> bool:
+    """Whether a backward op computes the weight gradient it was asked for, read when it runs.
 
-    Called inside plait's backward ops, i.e. when they run (also inside a compiled graph).
+    Inside a compiled region only weight gradients can be skipped (an inputs pass); activation
+    gradients may be needed by the ops upstream in the same region, so a weights pass keeps them.
     """
-    d = current_grad_direction()
-    return inputs and GradDirection.INPUTS in d, weights and GradDirection.WEIGHTS in d
+    return weights and GradDirection.WEIGHTS in current_grad_direction()
 
 
 def _returned(inputs: bool, weights: bool) -> tuple[bool, bool]:
     """Which of (input, weight) gradients a plait backward function returns (the others are ``None``).
 
     Eager: the current direction decides, so a switched-off gradient is ``None`` and nothing is
-    accumulated. While torch.compile traces the backward: the needs unchanged, because the traced
-    graph is fixed; its backward ops read the direction when they run (:func:`_wanted`).
+    computed or accumulated for it. While torch.compile traces the backward: the needs unchanged,
+    because the traced graph is fixed; its backward ops read the switch when they run
+    (:func:`_weights_wanted`).
     """
     if torch.compiler.is_compiling():
         return inputs, weights
-    return _wanted(inputs, weights)
+    d = current_grad_direction()
+    return inputs and GradDirection.INPUTS in d, weights and GradDirection.WEIGHTS in d

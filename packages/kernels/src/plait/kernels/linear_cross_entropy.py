@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from plait.kernels._dispatch import use_triton
-from plait.kernels.grad_direction import _returned, _wanted
+from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
@@ -225,11 +225,11 @@ def _lce_backward_op(
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dw)``; each is empty when not needed and zero when the grad-direction switch is off for it."""
-    want_dx, want_dw = _wanted(need_dx, need_dw)
-    dx = torch.empty_like(hidden) if want_dx else None
+    """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
+    want_dw = _weights_wanted(need_dw)
+    dx = torch.empty_like(hidden) if need_dx else None
     dw = torch.empty_like(weight) if want_dw else None
-    if want_dx or want_dw:
+    if need_dx or want_dw:
         _, grad = _tile_ops(use_triton(hidden, weight))
         n, v = hidden.shape[0], weight.shape[0]
         g_t = torch.where(valid, dloss.float(), 0.0) if dloss is not None else torch.zeros_like(lse)
@@ -259,7 +259,7 @@ def _lce_backward_op(
         if dw is not None and n == 0:
             dw.zero_()
     if dx is None:
-        dx = torch.zeros_like(hidden) if need_dx else hidden.new_empty(0)
+        dx = hidden.new_empty(0)
     if dw is None:
         dw = torch.zeros_like(weight) if need_dw else weight.new_empty(0)
     return dx, dw

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from plait.kernels._dispatch import use_triton
-from plait.kernels.grad_direction import _returned, _wanted
+from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
@@ -113,19 +113,19 @@ def _rms_norm_backward_op(
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dw)``; each is empty when not needed and zero when the grad-direction switch is off for it."""
-    want_dx, want_dw = _wanted(need_dx, need_dw and weight is not None)
+    """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
+    want_dw = _weights_wanted(need_dw and weight is not None)
     dx = dw = None
-    if want_dx or want_dw:
+    if need_dx or want_dw:
         tensors = [dy, h] + [t for t in (weight, dh) if t is not None]
         if use_triton(*tensors):
             from plait.kernels._triton.rms_norm import rms_norm_backward
 
-            dx, dw = rms_norm_backward(dy, dh, h, weight, rstd, offset, want_dx, want_dw)
+            dx, dw = rms_norm_backward(dy, dh, h, weight, rstd, offset, need_dx, want_dw)
         else:
-            dx, dw = _backward_torch(dy, dh, h, weight, rstd, offset, want_dx, want_dw)
+            dx, dw = _backward_torch(dy, dh, h, weight, rstd, offset, need_dx, want_dw)
     if dx is None:
-        dx = torch.zeros_like(h) if need_dx else h.new_empty(0)
+        dx = h.new_empty(0)
     if dw is None:
         dw = torch.zeros_like(weight) if need_dw and weight is not None else h.new_empty(0)
     return dx, dw
