@@ -28,7 +28,9 @@ CONFIGS = sorted(p for ext in ("toml", "yaml", "yml", "json") for p in EXAMPLES.
 def _script_of(config: Path) -> Path:
     """The example script named in the config's leading comment lines."""
     lines = config.read_text().splitlines()
-    header = "\n".join(line for line in lines[: next((i for i, x in enumerate(lines) if not x.startswith("#")), 0)])
+    header = "\n".join(
+        line for line in lines[: next((i for i, x in enumerate(lines) if not x.startswith("#")), 0)]
+    )
     found = re.findall(r"(examples/\S+?\.py)", header)
     assert found, f"{config}: its leading comments must name the script that runs it (examples/.../x.py)"
     script = REPO / found[0]
@@ -52,7 +54,11 @@ def _config_class(script: Path) -> type[TrainerConfig]:
 
 def test_configs_are_found() -> None:
     names = {p.relative_to(EXAMPLES).as_posix() for p in CONFIGS}
-    assert {"qwen3_moe/configs/cpu.toml", "qwen3_moe/configs/gpu1.toml", "qwen3_moe/configs/gpu2.toml"} <= names
+    assert {
+        "qwen3_moe/configs/cpu.toml",
+        "qwen3_moe/configs/gpu1.toml",
+        "qwen3_moe/configs/gpu2.toml",
+    } <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.relative_to(EXAMPLES).as_posix())
@@ -79,7 +85,9 @@ def test_main_job_runs_with_gpu1_config(tmp_path: Path) -> None:
     cmd += ["--logging.progress_bar=false", "--checkpoint.enabled=false"]
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
-    assert proc.returncode == 0, f"pretrain.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"pretrain.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records)

@@ -87,16 +87,24 @@ def test_permute_is_sync_free_and_static():
     xp, pp, rmap, tpe = fn(x, idx, p)
     assert xp.shape == (7 * 2 + 5 * 3, 4)
     ref = permute(x, idx, 5, p, align=4)
-    assert torch.equal(xp, ref[0]) and torch.equal(tpe, ref[3]) and torch.equal(rmap.dst, ref[2].dst)
+    assert torch.equal(xp, ref[0]) and torch.equal(pp, ref[1]) and torch.equal(tpe, ref[3])
+    assert torch.equal(rmap.dst, ref[2].dst) and torch.equal(rmap.src, ref[2].src)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "t,h,e,k,align,empty,drop",
-    [(9, 12, 5, 2, 1, None, False), (6, 7, 4, 3, 4, 1, True), (1, 5, 3, 1, 8, None, False), (8, 6, 4, 2, 1, None, True)],
+    [
+        (9, 12, 5, 2, 1, None, False),
+        (6, 7, 4, 3, 4, 1, True),
+        (1, 5, 3, 1, 8, None, False),
+        (8, 6, 4, 2, 1, None, True),
+    ],
 )
 def test_permute_unpermute(run, dtype, t, h, e, k, align, empty, drop):
-    assert run(check_permute_roundtrip, dtype, t, h, e, k, align, empty, "cpu", drop) == (run.path == "triton")
+    assert run(check_permute_roundtrip, dtype, t, h, e, k, align, empty, "cpu", drop) == (
+        run.path == "triton"
+    )
 
 
 def test_permute_bad_input():

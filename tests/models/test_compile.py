@@ -58,7 +58,9 @@ def _grads(fn, layer, x, g, rope, mask):
     return h.detach(), aux.detach(), xx.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _check_compiled_matches_eager(device: str, dtype: torch.dtype, attn: str, backend: str, tol: dict) -> None:
+def _check_compiled_matches_eager(
+    device: str, dtype: torch.dtype, attn: str, backend: str, tol: dict
+) -> None:
     layer, x, g, rope, mask = _setup(device, dtype, attn)
     compiled_layer = copy.deepcopy(layer)
     counters.clear()

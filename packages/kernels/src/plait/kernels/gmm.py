@@ -183,7 +183,14 @@ def _gmm_backward_op(
 
 @_gmm_backward_op.register_fake
 def _(
-    dy: Any, x: torch.Tensor, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str, need_dx: bool, need_dw: bool
+    dy: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tpe: Any,
+    trans_w: bool,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
 ) -> Any:
     return (x.new_empty(x.shape) if need_dx else x.new_empty(0)), (
         w.new_empty(w.shape) if need_dw else w.new_empty(0)

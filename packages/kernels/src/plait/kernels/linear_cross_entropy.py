@@ -21,7 +21,7 @@ group travels as its name).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def _group(name: str | None) -> Any:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(cast(Any, name))  # a str; newer torch types it as GroupName
 
 
 def _vocab_offset(local_vocab: int, group: Any, device: torch.device) -> int:
@@ -243,7 +243,14 @@ def _lce_backward_op(
             for b in range(0, v, vb):
                 wb = weight[b : b + vb]
                 logits = xc @ wb.T
-                d = grad(logits, local_all[a : a + nc] - b, lse[a : a + nc], g_p[a : a + nc], g_t[a : a + nc], softcap)
+                d = grad(
+                    logits,
+                    local_all[a : a + nc] - b,
+                    lse[a : a + nc],
+                    g_p[a : a + nc],
+                    g_t[a : a + nc],
+                    softcap,
+                )
                 if acc is not None:
                     acc += d @ wb
                 if dw is not None:
@@ -282,7 +289,9 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) 
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, dloss: torch.Tensor | None, dlse: torch.Tensor | None, _dlocal: Any) -> tuple[Any, ...]:
+def _backward(
+    ctx: Any, dloss: torch.Tensor | None, dlse: torch.Tensor | None, _dlocal: Any
+) -> tuple[Any, ...]:
     hidden, weight, local_all, valid, lse = ctx.saved_tensors
     need_dx, need_dw = _returned(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
     if not (need_dx or need_dw) or (dloss is None and dlse is None):

@@ -127,7 +127,9 @@ def _(x: torch.Tensor, src: Any, dst: torch.Tensor, w: Any, w_rows: Any) -> torc
     return x.new_empty((dst.shape[0], x.shape[1]))
 
 
-@torch.library.custom_op("plait::row_dots", mutates_args=(), schema="(Tensor dy, Tensor x, Tensor dst) -> Tensor")
+@torch.library.custom_op(
+    "plait::row_dots", mutates_args=(), schema="(Tensor dy, Tensor x, Tensor dst) -> Tensor"
+)
 def _row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``out[t, j] = <dy[t], x[dst[t, j]]>`` in fp32 (0 where ``dst < 0``)."""
     if use_triton(dy, x, dst):
@@ -155,9 +157,7 @@ def _(x: torch.Tensor, src: torch.Tensor, w_rows: Any) -> torch.Tensor:
     return x.new_empty((src.shape[0], x.shape[1]))
 
 
-@torch.library.custom_op(
-    "plait::combine_rows", mutates_args=(), schema="(Tensor x, Tensor dst) -> Tensor"
-)
+@torch.library.custom_op("plait::combine_rows", mutates_args=(), schema="(Tensor x, Tensor dst) -> Tensor")
 def _combine_rows(x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_j x[dst[t, j]]`` over ``dst >= 0``; the backward of a permute."""
     return _combine(x, dst, None)
@@ -299,7 +299,9 @@ def unpermute(
         elif tuple(probs.shape) == tuple(dst.shape):
             w = torch.where(used, probs.float(), 0.0)
             w_rows = torch.zeros(src.shape[0] + 1, dtype=torch.float32, device=w.device)
-            w_rows = w_rows.scatter(0, torch.where(used, dst, src.shape[0]).reshape(-1), w.detach().reshape(-1))
+            w_rows = w_rows.scatter(
+                0, torch.where(used, dst, src.shape[0]).reshape(-1), w.detach().reshape(-1)
+            )
             w_rows = w_rows[: src.shape[0]]
         else:
             raise ValueError(

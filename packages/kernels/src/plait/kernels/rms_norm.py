@@ -132,7 +132,9 @@ def _rms_norm_backward_op(
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy: Any, dh: Any, h: torch.Tensor, weight: Any, rstd: Any, offset: float, need_dx: bool, need_dw: bool) -> Any:
+def _(
+    dy: Any, dh: Any, h: torch.Tensor, weight: Any, rstd: Any, offset: float, need_dx: bool, need_dw: bool
+) -> Any:
     dx = h.new_empty(h.shape) if need_dx else h.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw and weight is not None else h.new_empty(0)
     return dx, dw

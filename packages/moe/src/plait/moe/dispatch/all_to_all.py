@@ -67,6 +67,7 @@ class AllToAllDispatcher:
         # Expert-major order over the global experts is also destination-rank order (experts are
         # contiguous per rank); dropped slots (sentinel E) are left in the buffer's unused tail.
         rows, row_w, row_map, send_counts = permute(x, topk_idx, num_experts, topk_weights)
+        assert row_w is not None
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src, local expert]
         # The one host sync of a forward: split sizes for the token all-to-all.
@@ -84,7 +85,9 @@ class AllToAllDispatcher:
             torch.arange(ep * n_local, device=x.device), recv_counts, output_size=sum(output_splits)
         )
         local_idx = (seg % n_local).unsqueeze(1)
-        local_rows, local_w, local_map, local_counts = permute(recv_rows, local_idx, n_local, recv_w.unsqueeze(1))
+        local_rows, local_w, local_map, local_counts = permute(
+            recv_rows, local_idx, n_local, recv_w.unsqueeze(1)
+        )
         out = unpermute(experts(local_rows, local_counts, local_w), local_map)
         back = all_to_all(out, input_splits, output_splits, self.group)
         # Back into the full permuted buffer (the dropped tail is never read by unpermute).

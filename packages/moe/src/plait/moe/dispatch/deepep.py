@@ -120,6 +120,7 @@ class DeepEPDispatcher:
         )
         # recv_idx holds local expert ids, -1 for experts of other ranks: permute skips those.
         rows, row_w, row_map, counts = permute(recv_x, recv_idx, n_local, recv_w)
+        assert row_w is not None
         partial = unpermute(experts(rows, counts, row_w.to(x.dtype)), row_map)
         return _Combine.apply(partial, handle, self)  # type: ignore[no-any-return]
 
