@@ -94,7 +94,9 @@ def _returned(inputs: bool, weights: bool) -> tuple[bool, bool]:
     because the traced graph is fixed; its backward ops read the switch when they run
     (:func:`_weights_wanted`).
     """
-    if torch.compiler.is_compiling():
+    # is_compiling() covers AOTAutograd's trace of the backward only in newer torch; a TracingContext
+    # is active during every torch.compile session (Dynamo through AOTAutograd), torch 2.11 included.
+    if torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None:
         return inputs, weights
     d = current_grad_direction()
     return inputs and GradDirection.INPUTS in d, weights and GradDirection.WEIGHTS in d

@@ -227,8 +227,8 @@ def _lce_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
     want_dw = _weights_wanted(need_dw)
-    dx = torch.empty_like(hidden) if need_dx else None
-    dw = torch.empty_like(weight) if want_dw else None
+    dx = hidden.new_empty(hidden.shape) if need_dx else None
+    dw = weight.new_empty(weight.shape) if want_dw else None
     if need_dx or want_dw:
         _, grad = _tile_ops(use_triton(hidden, weight))
         n, v = hidden.shape[0], weight.shape[0]

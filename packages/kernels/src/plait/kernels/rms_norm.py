@@ -46,7 +46,9 @@ def _forward_torch(
     y = hf * rstd.unsqueeze(-1)
     if weight is not None:
         y = y * (weight.float() + offset)
-    return y.to(x.dtype), (h if residual is not None else x.new_empty(0)), rstd
+    # Contiguous like the fake implementation (and the Triton path), whatever x's strides.
+    h_out = h.contiguous() if residual is not None else x.new_empty(0)
+    return y.to(x.dtype).contiguous(), h_out, rstd.contiguous()
 
 
 def _backward_torch(
@@ -68,7 +70,7 @@ def _backward_torch(
         dxf = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
         if dh is not None:
             dxf = dxf + dh.float()
-        dx = dxf.to(h.dtype)
+        dx = dxf.to(h.dtype).contiguous()
     if need_dw and weight is not None:
         dw = (dyf * xhat).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
     return dx, dw

@@ -46,7 +46,7 @@ def _check(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None
 
 def _forward_torch(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
     gate, up = a.chunk(2, dim=-1) if b is None else (a, b)
-    return swiglu_reference(gate, up, w)
+    return swiglu_reference(gate, up, w).contiguous()
 
 
 def _backward_torch(
@@ -64,7 +64,7 @@ def _backward_torch(
     du = dyf * silu
     if b is None:
         return torch.cat([dg, du], dim=-1).to(a.dtype), None, dw
-    return dg.to(a.dtype), du.to(b.dtype), dw
+    return dg.to(a.dtype).contiguous(), du.to(b.dtype).contiguous(), dw
 
 
 @torch.library.custom_op(
