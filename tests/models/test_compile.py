@@ -58,25 +58,33 @@ def _grads(fn, layer, x, g, rope, mask):
     return h.detach(), aux.detach(), xx.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _check_compiled_matches_eager(
-    device: str, dtype: torch.dtype, attn: str, backend: str, tol: dict
+def _check_compiled(
+    device: str, dtype: torch.dtype, attn: str, backend: str, tol: dict, vs_eager: bool
 ) -> None:
+    """Compile with ``fullgraph=True`` (a graph break is an error), run forward + backward.
+
+    ``vs_eager``: the compiled layer equals the eager one. Otherwise (bf16 under Inductor, whose fused
+    rounding can flip a near-tied top-k choice of the router) only the split backward is checked,
+    against the compiled layer's own full backward.
+    """
     layer, x, g, rope, mask = _setup(device, dtype, attn)
     compiled_layer = copy.deepcopy(layer)
     counters.clear()
     torch._dynamo.reset()
-    # fullgraph=True: any graph break is an error.
     compiled = torch.compile(compiled_layer, fullgraph=True, backend=backend)
-    ref = _grads(layer, layer, x, g, rope, mask)
     got = _grads(compiled, compiled_layer, x, g, rope, mask)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    for name, a, b in zip(("hidden", "aux_loss", "dx"), got[:3], ref[:3]):
-        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
-    for name, grad in ref[3].items():
-        torch.testing.assert_close(got[3][name].float(), grad.float(), **tol, msg=name)
-    # The router's load counters advanced once per training forward, in both.
-    assert torch.equal(compiled_layer.mlp.router._stat_counts, layer.mlp.router._stat_counts)
-    assert int(layer.mlp.router._stat_counts.sum()) == x.shape[0] * x.shape[1] * 2
+    assert all(bool(torch.isfinite(t).all()) for t in (*got[:3], *got[3].values()))
+    ref = got
+    if vs_eager:
+        ref = _grads(layer, layer, x, g, rope, mask)
+        for name, a, b in zip(("hidden", "aux_loss", "dx"), got[:3], ref[:3]):
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+        for name, grad in ref[3].items():
+            torch.testing.assert_close(got[3][name].float(), grad.float(), **tol, msg=name)
+        # The router's load counters advanced once per training forward, in both.
+        assert torch.equal(compiled_layer.mlp.router._stat_counts, layer.mlp.router._stat_counts)
+    assert int(compiled_layer.mlp.router._stat_counts.sum()) == x.shape[0] * x.shape[1] * 2
 
     # Split backward through the compiled layer: inputs pass, then weights pass, equals the full one.
     params = list(compiled_layer.parameters())
@@ -95,7 +103,7 @@ def _check_compiled_matches_eager(
 def test_moe_decoder_layer_compiles_fullgraph_on_cpu() -> None:
     # Reference (PyTorch) kernel paths; aot_eager runs Dynamo and AOTAutograd (forward and backward
     # graphs, fake tensors) without Inductor's C++ build, which would dominate the test's time.
-    _check_compiled_matches_eager("cpu", torch.float32, "sdpa", "aot_eager", {"atol": 1e-5, "rtol": 1e-4})
+    _check_compiled("cpu", torch.float32, "sdpa", "aot_eager", {"atol": 1e-5, "rtol": 1e-4}, vs_eager=True)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -121,6 +129,14 @@ def test_flex_document_mask_inside_compiled_layer_on_cpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attn", ["sdpa", "flex"])
-def test_moe_decoder_layer_compiles_fullgraph_on_cuda(attn: str) -> None:
-    # Triton kernels, torch._grouped_mm, FlexAttention's document mask: all inside one Inductor graph.
-    _check_compiled_matches_eager("cuda", torch.bfloat16, attn, "inductor", {"atol": 3e-2, "rtol": 3e-2})
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_decoder_layer_compiles_fullgraph_on_cuda(attn: str, dtype: torch.dtype) -> None:
+    # Triton kernels, torch._grouped_mm (bf16), FlexAttention's document mask: one Inductor graph.
+    if dtype == torch.float32:
+        _check_compiled("cuda", dtype, attn, "inductor", {"atol": 1e-4, "rtol": 1e-3}, vs_eager=True)
+    else:
+        _check_compiled("cuda", dtype, attn, "inductor", {"atol": 2e-2, "rtol": 2e-2}, vs_eager=False)
+        if attn == "sdpa":
+            # bf16 numerics against eager: the same graph without Inductor's fusions (with flex the
+            # eager HOP differs from the eager path's compiled kernel, which can flip a routing tie).
+            _check_compiled("cuda", dtype, attn, "aot_eager", {"atol": 2e-2, "rtol": 2e-2}, vs_eager=True)
