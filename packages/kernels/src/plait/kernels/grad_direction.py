@@ -1,10 +1,11 @@
-"""The split-backward switch: which gradients plait's autograd Functions compute.
+"""The split-backward switch: which gradients plait's ops compute in their backward.
 
 A pipeline schedule with split backward (zero-bubble style) first runs an *inputs* pass, which
 only needs gradients w.r.t. the activations flowing back to the previous stage, and later a
 *weights* pass. PyTorch's custom ``autograd.Function``s compute every gradient they are asked
-for, whatever the pass (pytorch issue 174017). plait's Functions read :func:`current_grad_direction`
-inside ``backward`` and return ``None`` for the kind of gradient that is switched off.
+for, whatever the pass (pytorch issue 174017). plait's ops (torch custom ops with registered
+autograd) read :func:`current_grad_direction` in their backward and return ``None`` for the kind of
+gradient that is switched off.
 
 The switch is process-wide (not thread-local) on purpose: CUDA backward runs in autograd's
 device threads, which would not see a thread-local or ``contextvars`` value set by the caller.
