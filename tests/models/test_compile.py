@@ -140,3 +140,16 @@ def test_moe_decoder_layer_compiles_fullgraph_on_cuda(attn: str, dtype: torch.dt
             # bf16 numerics against eager: the same graph without Inductor's fusions (with flex the
             # eager HOP differs from the eager path's compiled kernel, which can flip a routing tie).
             _check_compiled("cuda", dtype, attn, "aot_eager", {"atol": 2e-2, "rtol": 2e-2}, vs_eager=True)
+
+
+def test_compiled_layer_under_checkpointing_counts_each_forward_once() -> None:
+    # The recomputation in backward replays the compiled graph; the router's counting op checks for
+    # it when it runs, so the load statistics see the microbatch once.
+    layer, x, g, rope, mask = _setup("cpu", torch.float32, "sdpa")
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    xx = x.clone().requires_grad_()
+    h, aux = torch.utils.checkpoint.checkpoint(compiled, xx, rope, mask, use_reentrant=False)
+    torch.autograd.backward([h, aux], [g, torch.ones_like(aux)])
+    assert int(layer.mlp.router._stat_counts.sum()) == x.shape[0] * x.shape[1] * 2
+    assert int(layer.mlp.router._bias_counts.sum()) == x.shape[0] * x.shape[1] * 2
