@@ -34,7 +34,6 @@ from plait.kernels import (
     permute,
     rms_norm,
     swiglu,
-    topk_to_routing_map,
 )
 
 ROWS: list[dict[str, Any]] = []
@@ -223,9 +222,8 @@ def bench_permute(quick: bool) -> None:
     x = torch.randn(t, h, dtype=torch.bfloat16, device=DEV, requires_grad=True)
     logits = torch.randn(t, e, device=DEV)
     probs, idx = logits.softmax(-1).topk(k, -1)
-    rm, dense = topk_to_routing_map(idx, probs, e)
     m = t * k
-    xp, pp, rmap, _ = permute(x, rm, dense)
+    xp, pp, rmap, _ = permute(x, idx, e, probs)
     rows = rmap.src
     # plait: gather kernel (indices built once, reused as an MoE layer would reuse them)
     from plait.kernels._triton.permute import combine_rows, gather_rows
@@ -248,11 +246,11 @@ def bench_permute(quick: bool) -> None:
         "permute (full op, incl. index build)",
         shape,
         "plait",
-        lambda: lambda: permute(x, rm, dense),
+        lambda: lambda: permute(x, idx, e, probs),
         nbytes=2 * m * h * 2,
     )
     y = xp.detach()
-    w_ts = torch.where(rmap.dst >= 0, dense.gather(1, rmap.experts.clamp(min=0)), 0.0)
+    w_ts = probs.float()
     attempt(
         "unpermute (weighted combine)",
         shape,

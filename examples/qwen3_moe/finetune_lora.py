@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from plait.loop import TrainerConfig, load_config
+from plait.loop import TrainerConfig, load_config, split_cli_overrides
 from plait.models import Qwen3Provider, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
 from pretrain import DataConfig, build_trainer
@@ -58,12 +58,15 @@ class LoRAProvider(Qwen3Provider):
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--base", type=Path, required=True, help="Hugging Face checkpoint directory to fine-tune")
     ap.add_argument("--config", type=Path, help="TOML/YAML/JSON config file (defaults are built in)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--run-dir")
-    args, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    overrides, rest = split_cli_overrides(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(rest)  # unknown or misspelt flags are errors
     if args.steps is not None:
         overrides.append(f"--run.steps={args.steps}")
     if args.run_dir is not None:

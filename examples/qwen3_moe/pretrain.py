@@ -8,22 +8,38 @@
 Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
 attention masking. The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
 ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
-checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
+summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
+
+Bad flags, config files or paths stop it with one message and exit status 2 before anything is
+built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
+Hugging Face export of the unfinished run unless ``--export-unfinished`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Literal
 
 import torch
-from plait.loop import CausalLMTask, DatasetProvider, ModelProvider, Trainer, TrainerConfig, load_config
+from plait.loop import (
+    CausalLMTask,
+    ConfigError,
+    DatasetProvider,
+    ModelProvider,
+    Trainer,
+    TrainerConfig,
+    load_config,
+    split_cli_overrides,
+)
 from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
 from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "cpu.toml"
@@ -49,6 +65,33 @@ class PretrainConfig(TrainerConfig):
     model_dtype: Literal["float32", "bfloat16"] = "float32"
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _check_model_against_run(self) -> PretrainConfig:
+        """Conflicts between the model section and the others, each naming both fields."""
+        m = self.model
+        if self.batching.seq_len > m.max_position_embeddings:
+            raise ValueError(
+                f"batching.seq_len={self.batching.seq_len} is larger than "
+                f"model.max_position_embeddings={m.max_position_embeddings}"
+            )
+        if m.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's "
+                f"{ByteTokenizer.vocab_size} token ids (data: byte-level tokens)"
+            )
+        stages = self.num_pipeline_stages
+        if stages > m.num_hidden_layers:
+            raise ValueError(
+                f"model.num_hidden_layers={m.num_hidden_layers} is fewer than the {stages} pipeline stages of "
+                f"mesh.pipeline={self.mesh.pipeline} x the schedule's stages per rank (pipeline.kind)"
+            )
+        if stages > 1 and m.tie_word_embeddings:
+            raise ValueError(
+                "model.tie_word_embeddings=true cannot be split over pipeline stages "
+                f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
+            )
+        return self
 
 
 def corpus_files(cfg: DataConfig) -> list[Path]:
@@ -78,12 +121,29 @@ def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvid
     )
 
 
+class StartupError(Exception):
+    """A flag, file or path that keeps the job from starting; the message says which and why."""
+
+
 def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Flags and dotted ``--section.field=value`` overrides -> the config and the flags.
+
+    Raises:
+        ConfigError: a missing or bad config file, or an override that does not validate.
+        SystemExit: an unknown or misspelt flag (argparse's message, status 2).
+    """
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML/YAML/JSON config file")
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
     ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
     ap.add_argument("--no-export", action="store_true", help="skip the final Hugging Face export")
+    ap.add_argument(
+        "--export-unfinished",
+        action="store_true",
+        help="write the Hugging Face export also when a signal stops the run before run.steps",
+    )
     ap.add_argument(
         "--init-from", type=Path, help="start from this Hugging Face checkpoint (e.g. a seed checkpoint)"
     )
@@ -94,7 +154,8 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
         help="write the freshly initialised model as a Hugging Face checkpoint to DIR and exit; every "
         "parallel layout that starts from it (--init-from DIR) starts from the same weights",
     )
-    args, overrides = ap.parse_known_args(argv)
+    overrides, rest = split_cli_overrides(argv)
+    args = ap.parse_args(rest)  # anything else, e.g. "--step 3" for "--steps 3", is an error
     if args.steps is not None:
         overrides.append(f"--run.steps={args.steps}")
     if args.run_dir is not None:
@@ -102,9 +163,47 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     return load_config(args.config, overrides, cls=PretrainConfig), args
 
 
+def check_paths(config: PretrainConfig, args: argparse.Namespace) -> None:
+    """Fail before anything is built: ``--init-from`` must hold safetensors, the run directory (and
+    the checkpoint directory) must be writable.
+
+    Raises:
+        StartupError: naming the flag or field and the path.
+    """
+    if args.init_from is not None:
+        if not args.init_from.is_dir():
+            raise StartupError(f"--init-from: {args.init_from} is not a directory")
+        if not any(args.init_from.glob("*.safetensors")):
+            raise StartupError(
+                f"--init-from: {args.init_from} holds no *.safetensors files (expected a Hugging Face checkpoint)"
+            )
+    dirs = {"run.run_dir": config.run.run_dir}
+    if config.checkpoint.enabled and config.checkpoint.dir:
+        dirs["checkpoint.dir"] = config.checkpoint.dir
+    if args.write_seed_checkpoint is not None:
+        dirs = {"--write-seed-checkpoint": str(args.write_seed_checkpoint)}
+    for name, path in dirs.items():
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test"):
+                pass
+        except OSError as e:
+            raise StartupError(f"{name}: cannot write to {path}: {e.strerror or e}") from None
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    config, args = parse_args(sys.argv[1:] if argv is None else argv)
-    assert config.model.vocab_size >= ByteTokenizer.vocab_size, "model.vocab_size must cover the byte tokens"
+    """Run the job; returns the last logged metrics.
+
+    Raises:
+        SystemExit: 2 on a bad flag, config or path (one message on stderr, nothing built); 128 +
+            the signal number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped the run.
+    """
+    try:
+        config, args = parse_args(sys.argv[1:] if argv is None else argv)
+        check_paths(config, args)
+    except (ConfigError, StartupError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     provider = Qwen3Provider(
         config.model,
         parallel=config.parallel,
@@ -119,12 +218,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = build_trainer(config, config.data, provider)
     try:
         summary = trainer.fit()
-        if not args.no_export:
+        if args.no_export:
+            pass
+        elif trainer.stop_signal is not None and not args.export_unfinished:
+            if trainer.topology.is_main:
+                print(
+                    f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}: "
+                    "no Hugging Face export of the unfinished run (--export-unfinished writes it)",
+                    file=sys.stderr,
+                )
+        else:
             out = provider.export_hf(trainer.model_parts, trainer.run_dir / "hf")
+            trainer.run_summary.export = out
             if trainer.topology.is_main:
                 print(f"Hugging Face checkpoint: {out}")
+    except KeyboardInterrupt:  # Ctrl-C with checkpointing (and so the signal handler) off
+        trainer.stop_signal = signal.SIGINT
+        summary = {}
     finally:
         trainer.close()
+    if trainer.stop_signal is not None:
+        sys.stdout.flush()
+        raise SystemExit(128 + trainer.stop_signal)
     return summary
 
 

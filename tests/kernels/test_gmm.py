@@ -79,7 +79,7 @@ def test_gmm_errors():
     with pytest.raises(ValueError, match="tokens_per_expert"):
         gmm(x, w, torch.tensor([5]))
     with pytest.raises(ValueError, match="sums to"):
-        gmm(x, w, torch.tensor([2, 2]))
+        gmm(x, w, torch.tensor([2, 4]))
     with pytest.raises(ValueError, match="K="):
         gmm(x, w, torch.tensor([2, 3]), trans_w=True)
     with pytest.raises(ValueError, match="backend"):

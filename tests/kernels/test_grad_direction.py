@@ -100,3 +100,35 @@ def test_per_op_split_equals_full(op):
         y.backward(dy)
     torch.testing.assert_close(x.grad, gx)
     torch.testing.assert_close(w.grad, gw)
+
+
+def test_compiled_backward_reads_the_switch_when_it_runs():
+    """A compiled graph's backward is traced once; plait's backward ops read the switch each run.
+
+    The graph is traced while the switch says INPUTS: a switch read at trace time would freeze
+    "no weight grads" into it. Inside a compiled graph only weight grads are switched off (a weights
+    pass needs the activation grads inside the graph), so inputs + weights still equals the full pass.
+    """
+    forward, x, ws = _ops()
+    forward().backward()
+    full_x, full_ws = x.grad.clone(), [w.grad.clone() for w in ws]
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    with grad_direction(GradDirection.INPUTS):
+        loss = compiled()  # traced (forward and backward graphs) under INPUTS
+    got = torch.autograd.grad(loss, [x, *ws])  # runs under BOTH
+    torch.testing.assert_close(got[0], full_x)
+    for g, ref in zip(got[1:], full_ws):
+        torch.testing.assert_close(g, ref)
+    torch._dynamo.reset()
+    # The inputs pass keeps the graph for the weights pass: no donated buffers (as plait.loop sets).
+    with torch._functorch.config.patch(donated_buffer=False):
+        compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+        loss = compiled()
+        with grad_direction(GradDirection.INPUTS):
+            got_in = torch.autograd.grad(loss, [x, *ws], retain_graph=True)
+        with grad_direction(GradDirection.WEIGHTS):
+            got_w = torch.autograd.grad(loss, ws)
+    torch.testing.assert_close(got_in[0], full_x)
+    assert all(g.abs().sum() == 0 for g in got_in[1:])  # plait's weight grads skipped (zeros)
+    for g, ref in zip(got_w, full_ws):
+        torch.testing.assert_close(g, ref)

@@ -1,10 +1,10 @@
-"""MoE routing map / permute / unpermute vs an independent per-expert loop in float64."""
+"""MoE permute / unpermute vs an independent per-expert loop in float64; no host sync."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from plait.kernels import permute, topk_to_routing_map, unpermute
+from plait.kernels import permute, permuted_rows, unpermute
 from plait.kernels._dispatch import use_triton
 
 
@@ -17,97 +17,113 @@ def _routing(t, e, k, seed=0, device="cpu", empty_expert=None):
     return idx.to(device), probs.to(device)
 
 
-def test_topk_to_routing_map_and_expert_offset():
-    idx = torch.tensor([[0, 3], [5, 1], [2, 4]])
-    p = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
-    rm, probs = topk_to_routing_map(idx, p, 6)
-    assert rm.dtype == torch.bool and probs.dtype == torch.float32
-    assert rm.sum().item() == 6 and probs[1, 5].item() == pytest.approx(0.7)
-    # local experts 2..4 of an EP rank
-    rm_l, probs_l = topk_to_routing_map(idx, p, 3, expert_offset=2)
-    assert rm_l.tolist() == [[False, True, False], [False, False, False], [True, False, True]]
-    assert probs_l[0, 1].item() == pytest.approx(0.4)
-
-
-def check_permute_roundtrip(dtype, t, h, e, k, align, empty_expert=None, device="cpu"):
+def check_permute_roundtrip(dtype, t, h, e, k, align, empty_expert=None, device="cpu", drop=False):
     idx, topk_p = _routing(t, e, k, device=device, empty_expert=empty_expert)
+    if drop:  # skipped choices: the capacity sentinel E and another rank's expert (-1)
+        idx[0, 0] = e
+        if t > 1:
+            idx[t - 1, k - 1] = -1
     topk_p = topk_p.requires_grad_()
     torch.manual_seed(0)
     x = torch.randn(t, h, dtype=dtype, device=device, requires_grad=True)
-    rm, probs = topk_to_routing_map(idx, topk_p, e)
-    xp, pp, row_map, tpe = permute(x, rm, probs, align=align)
+    xp, pp, row_map, tpe = permute(x, idx, e, topk_p, align=align)
 
-    # Independent expected layout: per expert, its tokens in token order, zero padded.
+    # Independent expected layout: per expert, its tokens in token order, zero padded; then a zero tail.
     exp_rows, exp_probs, exp_counts = [], [], []
     for j in range(e):
-        toks = rm[:, j].nonzero().flatten().tolist()
+        toks = [tt for tt in range(t) if j in idx[tt].tolist()]
         pad = (-len(toks)) % align
         exp_rows += toks + [-1] * pad
-        exp_probs += [probs[tt, j].item() for tt in toks] + [0.0] * pad
+        exp_probs += [topk_p[tt, idx[tt].tolist().index(j)].item() for tt in toks] + [0.0] * pad
         exp_counts.append(len(toks) + pad)
+    m = t * k + e * (align - 1)
+    assert permuted_rows(t, k, e, align) == m
+    exp_rows += [-1] * (m - len(exp_rows))
+    exp_probs += [0.0] * (m - len(exp_probs))
     assert tpe.tolist() == exp_counts and tpe.dtype == torch.int64
-    assert xp.shape == (len(exp_rows), h)
+    assert xp.shape == (m, h)
+    assert row_map.src.tolist() == exp_rows
     for r, tt in enumerate(exp_rows):
         want = x[tt] if tt >= 0 else torch.zeros(h, dtype=dtype, device=device)
         assert torch.equal(xp[r], want)
     torch.testing.assert_close(pp.detach().cpu(), torch.tensor(exp_probs))
 
-    # Unpermute weighted: an "expert" that scales its rows; compare with a float64 loop.
+    # Unpermute weighted: an "expert" that scales its rows; compare with a float64 loop. The tail
+    # rows hold NaN, as uncomputed grouped-GEMM rows may: unpermute must never read them.
     scale = torch.linspace(0.5, 1.5, xp.shape[0], device=device).to(dtype)[:, None]
-    y = unpermute(xp * scale, row_map, t, pp)
+    tail = torch.zeros(m, 1, dtype=dtype, device=device)
+    tail[sum(exp_counts) :] = float("nan")
+    y = unpermute(xp * scale + tail, row_map, pp)
     dy = torch.randn_like(y)
     (y.float() * dy.float()).sum().backward()
     x64 = x.detach().double().requires_grad_()
     p64 = topk_p.detach().double().requires_grad_()
     y64 = torch.zeros(t, h, dtype=torch.float64, device=device)
-    row = 0
-    rows_of = {}
-    for j in range(e):
-        for tt in rm[:, j].nonzero().flatten().tolist():
-            rows_of[(tt, j)] = row
-            row += 1
-        row += (-int(rm[:, j].sum())) % align
-    for (tt, j), r in rows_of.items():
-        slot = (idx[tt] == j).nonzero().item()
-        y64[tt] = y64[tt] + x64[tt] * scale[r].double() * p64[tt, slot]
+    for r, tt in enumerate(exp_rows):
+        if tt >= 0:
+            j = next(jj for jj in range(e) if sum(exp_counts[: jj + 1]) > r)
+            slot = idx[tt].tolist().index(j)
+            y64[tt] = y64[tt] + x64[tt] * scale[r].double() * p64[tt, slot]
     (y64 * dy.double()).sum().backward()
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     torch.testing.assert_close(y.double(), y64, **tol)
     torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
     torch.testing.assert_close(topk_p.grad.double(), p64.grad, atol=tol["atol"] * 10, rtol=tol["rtol"])
 
-    # Dense [T, E] probabilities and no weights give the same combine.
-    y_dense = unpermute(xp.detach() * scale, row_map, t, probs.detach())
-    torch.testing.assert_close(y_dense, y.detach())
-    y_plain = unpermute(xp.detach(), row_map, t)
-    torch.testing.assert_close(
-        y_plain.double(), x.detach().double() * rm.sum(1, keepdim=True).double(), **tol
-    )
+    # [T, k] probabilities in topk order and no weights give the same combine.
+    y_topk = unpermute(xp.detach() * scale, row_map, topk_p.detach())
+    torch.testing.assert_close(y_topk, y.detach())
+    y_plain = unpermute(xp.detach(), row_map)
+    kept = ((idx >= 0) & (idx < e)).sum(1, keepdim=True).double()
+    torch.testing.assert_close(y_plain.double(), x.detach().double() * kept, **tol)
     return use_triton(x)
+
+
+def test_permute_is_sync_free_and_static():
+    # No host sync: the output shape comes from the shapes alone, and torch.compile traces it whole.
+    idx, p = _routing(7, 5, 2)
+    x = torch.randn(7, 4)
+    fn = torch.compile(lambda x, i, p: permute(x, i, 5, p, align=4), fullgraph=True, backend="eager")
+    xp, pp, rmap, tpe = fn(x, idx, p)
+    assert xp.shape == (7 * 2 + 5 * 3, 4)
+    ref = permute(x, idx, 5, p, align=4)
+    assert torch.equal(xp, ref[0]) and torch.equal(pp, ref[1]) and torch.equal(tpe, ref[3])
+    assert torch.equal(rmap.dst, ref[2].dst) and torch.equal(rmap.src, ref[2].src)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "t,h,e,k,align,empty", [(9, 12, 5, 2, 1, None), (6, 7, 4, 3, 4, 1), (1, 5, 3, 1, 8, None)]
+    "t,h,e,k,align,empty,drop",
+    [
+        (9, 12, 5, 2, 1, None, False),
+        (6, 7, 4, 3, 4, 1, True),
+        (1, 5, 3, 1, 8, None, False),
+        (8, 6, 4, 2, 1, None, True),
+    ],
 )
-def test_permute_unpermute(run, dtype, t, h, e, k, align, empty):
-    assert run(check_permute_roundtrip, dtype, t, h, e, k, align, empty) == (run.path == "triton")
+def test_permute_unpermute(run, dtype, t, h, e, k, align, empty, drop):
+    assert run(check_permute_roundtrip, dtype, t, h, e, k, align, empty, "cpu", drop) == (
+        run.path == "triton"
+    )
 
 
 def test_permute_bad_input():
     x = torch.randn(4, 3)
-    with pytest.raises(ValueError, match="bool"):
-        permute(x, torch.ones(4, 2))
+    idx = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="integer"):
+        permute(x, torch.ones(4, 2), 2)
     with pytest.raises(ValueError, match="align"):
-        permute(x, torch.ones(4, 2, dtype=torch.bool), align=0)
-    _, _, rmap, _ = permute(x, torch.ones(4, 2, dtype=torch.bool))
-    with pytest.raises(ValueError, match="num_tokens"):
-        unpermute(torch.randn(8, 3), rmap, 5)
+        permute(x, idx, 2, align=0)
+    with pytest.raises(ValueError, match="topk_idx"):
+        permute(x, idx[:3], 2)
+    _, _, rmap, _ = permute(x, idx, 2)
+    with pytest.raises(ValueError, match="permuted"):
+        unpermute(torch.randn(7, 3), rmap)
     with pytest.raises(ValueError, match="probs"):
-        unpermute(torch.randn(8, 3), rmap, 4, torch.ones(3))
+        unpermute(torch.randn(8, 3), rmap, torch.ones(3))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_permute_gpu(dtype):
-    assert check_permute_roundtrip(dtype, 64, 256, 8, 2, 16, 3, "cuda")
+    assert check_permute_roundtrip(dtype, 64, 256, 8, 2, 16, 3, "cuda", True)

@@ -156,3 +156,37 @@ def test_pipeline_section_uses_the_schedule_union():
         )
     with pytest.raises(ConfigError, match=r"pipeline"):
         load_config(overrides=["--pipeline.kind=nope"])
+
+
+def test_overrides_are_read_by_the_field_type():
+    """A string field keeps the text (a numeric run name), other fields decode JSON; none/null is None only
+    where the field takes None."""
+    cfg = load_config(
+        overrides=[
+            "--run.name=2024",
+            "--checkpoint.dir=007",
+            "--logging.peak_flops=null",
+            "--gc.generation=2",
+            "--extras.n=3",
+            "--extras.s=abc",
+        ]
+    )
+    assert cfg.run.name == "2024" and cfg.checkpoint.dir == "007"
+    assert cfg.logging.peak_flops is None and cfg.gc.generation == 2
+    assert cfg.extras == {"n": 3, "s": "abc"}
+    assert load_config(overrides=["--run.name=null"]).run.name == "null"  # run.name does not take None
+    assert load_config(overrides=["--checkpoint.dir=none"]).checkpoint.dir is None
+
+
+def test_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path / 'nope.toml'} does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_num_pipeline_stages_follows_mesh_and_schedule():
+    assert load_config().num_pipeline_stages == 1
+    assert (
+        load_config(overrides=["--mesh.pipeline=2", "--batching.microbatch_size=2"]).num_pipeline_stages == 2
+    )
+    zbv = load_config(overrides=["--mesh.pipeline=2", "--pipeline.kind=zbv", "--batching.microbatch_size=2"])
+    assert zbv.num_pipeline_stages == 4

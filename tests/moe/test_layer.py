@@ -106,7 +106,7 @@ def test_cuda_matches_cpu() -> None:
 
     def run(device: str) -> list[torch.Tensor]:
         layer.to(device).zero_grad()
-        xx = x.to(device).requires_grad_()
+        xx = x.to(device, copy=True).requires_grad_()  # a fresh leaf on each device (x stays grad-free)
         y = layer(xx).hidden_states
         (y * torch.arange(H, device=device)).sum().backward()
         return [t.cpu() for t in (y.detach(), xx.grad, layer.experts.down_proj.grad)]
@@ -114,6 +114,33 @@ def test_cuda_matches_cpu() -> None:
     ref = run("cpu")
     for a, b in zip(run("cuda"), ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_cuda_forward_backward_has_no_host_sync(capacity_factor: float | None) -> None:
+    """Router, permute, grouped GEMM (torch._grouped_mm), SwiGLU, unpermute: no device-to-host sync,
+    dropless or with capacity dropping (the permuted buffer has a static size)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sync-free grouped GEMM is torch._grouped_mm, Hopper or newer")
+    torch.manual_seed(5)
+    layer = MoELayer(64, 32, 8, RouterConfig(top_k=2), capacity_factor=capacity_factor)
+    layer = layer.to(device="cuda", dtype=torch.bfloat16).train()
+    x = torch.randn(4, 96, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        out = layer(x)
+        (out.hidden_states.float().square().sum() + out.aux_loss).backward()
+
+    step()  # warm-up: Triton compiles its kernels on first use
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(layer.experts.down_proj.grad).all()
 
 
 def test_meta_init_then_reset_parameters() -> None:

@@ -140,9 +140,10 @@ def test_corrupted_checkpoint_is_reported(tmp_path):
     model, opt = _setup()
     ck = Checkpointer(tmp_path, async_mode="off")
     ck.save(1, _state(model, opt, 1))
-    (ck.latest() / ".metadata").write_bytes(b"garbage")
+    path = ck.latest()
+    (path / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointMismatchError, match="cannot read checkpoint metadata"):
-        ck.load(ck.latest(), _state(model, opt, 0))
+        ck.load(path, _state(model, opt, 0))
     with pytest.raises(CheckpointMismatchError, match="not a complete plait checkpoint"):
         ck.load(tmp_path, _state(model, opt, 0))
 

@@ -80,3 +80,12 @@ def test_fsdp4_checkpoint_resumes_on_fsdp2_and_fsdp4(tmp_path):
     assert same_layout == reference[3:]  # bit for bit on the same layout
     resharded = run_distributed(_resume, 2, str(tmp_path), 6, timeout=400)[0]
     torch.testing.assert_close(resharded, reference[3:], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpointers_in_the_same_processes_do_not_share_cached_plans(tmp_path):
+    """DCP caches save plans process-wide by the planner's class name: a 2-rank save followed by a 4-rank
+    save on the same (pooled) processes planned the second with the first's chunks and failed ("invalid
+    fill"). Each Checkpointer now has its own cache key."""
+    run_distributed(_train_and_save, 2, str(tmp_path / "two"), 1, 1, timeout=400)
+    reference = run_distributed(_train_and_save, 4, str(tmp_path / "four"), 1, 2, timeout=400)[0]
+    assert run_distributed(_resume, 4, str(tmp_path / "four"), 2, timeout=400)[0] == reference[1:]

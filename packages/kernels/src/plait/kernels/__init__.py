@@ -2,13 +2,15 @@
 stochastic-rounding AdamW, grouped GEMM) and the split-backward switch.
 
 Every op dispatches to Triton for CUDA tensors (and for CPU tensors under ``TRITON_INTERPRET=1``)
-and to a plain-PyTorch implementation otherwise, so callers work on any device.
+and to a plain-PyTorch implementation otherwise, so callers work on any device. The ops are torch
+custom ops (namespace ``plait``) with fake implementations and registered autograd, so
+``torch.compile`` traces models that use them without graph breaks.
 """
 
 from plait.kernels.gmm import gmm, gmm_reference
 from plait.kernels.grad_direction import GradDirection, current_grad_direction, grad_direction
 from plait.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from plait.kernels.permute import RowIdMap, permute, topk_to_routing_map, unpermute
+from plait.kernels.permute import RowIdMap, permute, permuted_rows, unpermute
 from plait.kernels.rms_norm import rms_norm, rms_norm_reference
 from plait.kernels.stochastic_rounding import StochasticAdamW, stochastic_round
 from plait.kernels.swiglu import swiglu, swiglu_fused, swiglu_reference
@@ -24,12 +26,12 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "permute",
+    "permuted_rows",
     "rms_norm",
     "rms_norm_reference",
     "stochastic_round",
     "swiglu",
     "swiglu_fused",
     "swiglu_reference",
-    "topk_to_routing_map",
     "unpermute",
 ]

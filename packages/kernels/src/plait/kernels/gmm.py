@@ -7,17 +7,20 @@ Backends:
 * ``"nv"``: nv-grouped-gemm (``pip install 'plait-kernels[gmm]'``), imported lazily.
 * ``"loop"``: one matmul per expert; works for every dtype/device (the CPU default).
 
-All backends share one autograd Function whose backward honours
-:func:`plait.kernels.grad_direction`: the inputs pass computes only ``dx``, the weights pass only
-``dw``. Experts with zero tokens get a zero weight gradient.
+All backends share one torch custom op (``plait::gmm``, traced by ``torch.compile`` without a graph
+break) whose backward honours :func:`plait.kernels.grad_direction`: the inputs pass computes only
+``dx``, the weights pass only ``dw``. Experts with zero tokens get a zero weight gradient.
+``tokens_per_expert`` may sum to fewer than ``M`` rows (a buffer sized by a static upper bound, as
+:func:`plait.kernels.permute` returns): the rows past the last group are not computed and their
+output values are unspecified (zero on the ``"loop"`` backend).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from plait.kernels.grad_direction import _wants_inputs, _wants_weights
+from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["gmm", "gmm_reference"]
 
@@ -49,6 +52,7 @@ def _loop_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], trans_b: bool)
         if cnt:
             torch.mm(a[start : start + cnt], b[e].T if trans_b else b[e], out=out[start : start + cnt])
         start += cnt
+    out[start:] = 0  # rows past the groups (uncomputed, like the other backends; zero here)
     return out
 
 
@@ -87,56 +91,128 @@ def _nv():  # type: ignore[no-untyped-def]
     return nv_backend
 
 
-class _GMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, tpe, trans_w, backend):  # type: ignore[override]
-        if backend == "torch":
-            offs = _offsets(tpe, x.device)
-            y = _torch_mm(x, w, offs, trans_w)
-            ctx.aux = offs
-        elif backend == "nv":
-            sizes = tpe.to("cpu", torch.int64)
-            y = _nv().gmm(x, w, sizes, trans_a=False, trans_b=trans_w)
-            ctx.aux = sizes
-        else:
-            counts = [int(c) for c in tpe.tolist()]
-            y = _loop_mm(x, w, counts, trans_w)
-            ctx.aux = counts
-        ctx.save_for_backward(x, w)
-        ctx.trans_w, ctx.backend = trans_w, backend
-        return y
+def _resolve(backend: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    if backend == "auto":
+        return "torch" if _torch_fast_path(x, w) else "loop"
+    return backend
 
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        x, w = ctx.saved_tensors
-        trans_w, backend, aux = ctx.trans_w, ctx.backend, ctx.aux
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0] and _wants_inputs():
-            # dx = dy @ w_e^T: the opposite transpose of the forward.
-            if backend == "torch":
-                dx = _torch_mm(dy, w, aux, not trans_w)
-            elif backend == "nv":
-                dx = _nv().gmm(dy, w, aux, trans_a=False, trans_b=not trans_w)
-            else:
-                dx = _loop_mm(dy, w, aux, not trans_w)
-        if ctx.needs_input_grad[1] and _wants_weights():
-            if backend == "torch":
-                dw = _torch_dw(x, dy, aux, trans_w)
-                if not dw.is_cuda:
-                    # The CPU kernel's handling of empty groups is not documented: zero them here
-                    # (free on CPU). The CUDA (CUTLASS) kernel writes zeros for K=0 groups (checked on
-                    # torch 2.11 / H100 and by the gpu test); a sync or a masked pass there would
-                    # cost a stall or ~2x the GEMM's bytes.
-                    empty = torch.nonzero(torch.diff(aux, prepend=aux.new_zeros(1)) == 0).flatten()
-                    if empty.numel():
-                        dw.index_fill_(0, empty, 0)
-            elif backend == "nv":
-                nv = _nv()
-                dw = nv.gmm(dy, x, aux, trans_a=True) if trans_w else nv.gmm(x, dy, aux, trans_a=True)
-            else:
-                dw = _loop_dw(x, dy, aux, trans_w)
-        return dx, dw, None, None, None
+
+def _counts(tpe: torch.Tensor, rows: int) -> list[int]:
+    counts = [int(c) for c in tpe.tolist()]
+    if sum(counts) > rows:
+        raise ValueError(f"gmm: tokens_per_expert sums to {sum(counts)} but x has only {rows} rows")
+    return counts
+
+
+@torch.library.custom_op(
+    "plait::gmm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend) -> Tensor",
+)
+def _gmm_op(x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str) -> torch.Tensor:
+    """``[M, N]``; rows past ``tokens_per_expert.sum()`` are not computed."""
+    backend = _resolve(backend, x, w)
+    if backend == "torch":
+        return _torch_mm(x, w, _offsets(tpe, x.device), trans_w)
+    if backend == "nv":
+        return _nv().gmm(x, w, tpe.to("cpu", torch.int64), trans_a=False, trans_b=trans_w)
+    return _loop_mm(x, w, _counts(tpe, x.shape[0]), trans_w)
+
+
+@_gmm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[1] if trans_w else w.shape[2]))
+
+
+@torch.library.custom_op(
+    "plait::gmm_backward",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend, "
+    "bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+)
+def _gmm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tpe: torch.Tensor,
+    trans_w: bool,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
+    backend = _resolve(backend, x, w)
+    want_dw = _weights_wanted(need_dw)
+    dy = dy.contiguous()
+    aux: Any = None
+    if need_dx or want_dw:
+        if backend == "torch":
+            aux = _offsets(tpe, x.device)
+        elif backend == "nv":
+            aux = tpe.to("cpu", torch.int64)
+        else:
+            aux = _counts(tpe, x.shape[0])
+    if not need_dx:
+        dx = x.new_empty(0)
+    elif backend == "torch":
+        # dx = dy @ w_e^T: the opposite transpose of the forward.
+        dx = _torch_mm(dy, w, aux, not trans_w)
+    elif backend == "nv":
+        dx = _nv().gmm(dy, w, aux, trans_a=False, trans_b=not trans_w)
+    else:
+        dx = _loop_mm(dy, w, aux, not trans_w)
+    if not want_dw:
+        dw = torch.zeros_like(w) if need_dw else w.new_empty(0)
+    elif backend == "torch":
+        dw = _torch_dw(x, dy, aux, trans_w)
+        if not dw.is_cuda:
+            # The CPU kernel's handling of empty groups is not documented: zero them here
+            # (free on CPU). The CUDA (CUTLASS) kernel writes zeros for K=0 groups (checked on
+            # torch 2.11 / H100 and by the gpu test); a sync or a masked pass there would
+            # cost a stall or ~2x the GEMM's bytes.
+            empty = torch.nonzero(torch.diff(aux, prepend=aux.new_zeros(1)) == 0).flatten()
+            if empty.numel():
+                dw.index_fill_(0, empty, 0)
+    elif backend == "nv":
+        nv = _nv()
+        dw = nv.gmm(dy, x, aux, trans_a=True) if trans_w else nv.gmm(x, dy, aux, trans_a=True)
+    else:
+        dw = _loop_dw(x, dy, aux, trans_w)
+    return dx, dw
+
+
+@_gmm_backward_op.register_fake
+def _(
+    dy: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tpe: Any,
+    trans_w: bool,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> Any:
+    return (x.new_empty(x.shape) if need_dx else x.new_empty(0)), (
+        w.new_empty(w.shape) if need_dw else w.new_empty(0)
+    )
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, w, tpe, trans_w, backend = inputs
+    ctx.save_for_backward(x, w, tpe)
+    ctx.trans_w, ctx.backend = trans_w, backend
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    x, w, tpe = ctx.saved_tensors
+    need_dx, need_dw = _returned(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    if not (need_dx or need_dw):
+        return None, None, None, None, None
+    dx, dw = _gmm_backward_op(dy, x, w, tpe, ctx.trans_w, ctx.backend, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
+
+
+_gmm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _torch_fast_path(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -165,7 +241,8 @@ def gmm(
     Args:
         x: ``[M, K]``, rows grouped contiguously by expert (expert 0's rows first).
         w: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_w=True`` (the ``nn.Linear`` layout).
-        tokens_per_expert: ``[E]`` integer row counts summing to ``M`` (zeros allowed).
+        tokens_per_expert: ``[E]`` integer row counts summing to at most ``M`` (zeros allowed; rows
+            past the sum are not computed). The ``"loop"`` backend reads them on the host.
         trans_w: whether ``w`` is stored ``[E, N, K]``.
         backend: ``"auto"`` (``torch._grouped_mm`` on Hopper+ bf16 with 16-byte-aligned dims, else
             ``"loop"``), ``"torch"``, ``"nv"`` (extra ``plait-kernels[gmm]``) or ``"loop"``.
@@ -188,18 +265,12 @@ def gmm(
         raise ValueError(f"gmm: tokens_per_expert must be an integer tensor, got {tokens_per_expert.dtype}")
     if x.dtype != w.dtype:
         raise ValueError(f"gmm: x dtype {x.dtype} != w dtype {w.dtype}")
-    if backend == "auto":
-        backend = "torch" if _torch_fast_path(x, w) else "loop"
     if backend == "nv":
         _nv()
     elif backend == "torch" and not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(
             f"gmm(backend='torch') needs torch._grouped_mm (torch {torch.__version__} lacks it)"
         )
-    elif backend not in ("torch", "loop"):
+    elif backend not in ("auto", "torch", "loop"):
         raise ValueError(f"gmm: unknown backend {backend!r} (expected 'auto', 'torch', 'nv' or 'loop')")
-    if backend == "loop" and not tokens_per_expert.is_cuda and int(tokens_per_expert.sum()) != x.shape[0]:
-        raise ValueError(
-            f"gmm: tokens_per_expert sums to {int(tokens_per_expert.sum())} but x has {x.shape[0]} rows"
-        )
-    return _GMM.apply(x, w, tokens_per_expert, trans_w, backend)
+    return _gmm_op(x, w, tokens_per_expert, trans_w, backend)  # type: ignore[no-any-return]

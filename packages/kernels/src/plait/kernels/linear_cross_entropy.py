@@ -13,18 +13,20 @@ slice; slices may differ in size): per-token statistics are combined with two al
 hidden gradient is all-reduced in the backward.
 
 Matmuls run in the input dtype (cuBLAS on GPU); the softmax arithmetic is fp32 (Triton kernels on
-CUDA / under ``TRITON_INTERPRET=1``, PyTorch otherwise).
+CUDA / under ``TRITON_INTERPRET=1``, PyTorch otherwise). The op is the torch custom op
+``plait::linear_cross_entropy`` (traced by ``torch.compile`` without a graph break; the process
+group travels as its name).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from plait.kernels._dispatch import use_triton
-from plait.kernels.grad_direction import _wants_inputs, _wants_weights
+from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
@@ -128,6 +130,14 @@ def _chunks(
     return max(1, nc), max(1, vb)
 
 
+def _group(name: str | None) -> dist.ProcessGroup | None:
+    if name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(cast(Any, name))  # a str; newer torch types it as GroupName
+
+
 def _vocab_offset(local_vocab: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
     if group is None:
         return 0
@@ -139,92 +149,158 @@ def _vocab_offset(local_vocab: int, group: dist.ProcessGroup | None, device: tor
     return int(sizes[: dist.get_rank(group)].sum())
 
 
-class _LinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, z_loss, softcap, group, triton, nc, vb):  # type: ignore[override]
-        n, v = hidden.shape[0], weight.shape[0]
-        stats, _ = _tile_ops(triton)
-        v0 = _vocab_offset(v, group, hidden.device)
-        valid = targets != ignore_index
-        local_all = torch.where(valid, targets - v0, -1)
-        m = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
-        s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        tgt = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        with torch.no_grad():
-            for a in range(0, n, nc):
-                xc = hidden[a : a + nc]
-                for b in range(0, v, vb):
-                    logits = xc @ weight[b : b + vb].T
-                    stats(
-                        logits,
-                        local_all[a : a + nc] - b,
-                        m[a : a + nc],
-                        s[a : a + nc],
-                        tgt[a : a + nc],
-                        softcap,
-                    )
-            if group is None:
-                lse = m + torch.log(s)
-            else:
-                gm = m.clone()
-                dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
-                gm = torch.where(torch.isfinite(gm), gm, 0.0)
-                s = s * torch.exp(m - gm)
-                dist.all_reduce(s, group=group)
-                dist.all_reduce(tgt, group=group)
-                lse = gm + torch.log(s)
-            loss = torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0)
-        ctx.save_for_backward(hidden, weight, local_all, lse, valid)
-        ctx.cfg = (z_loss, softcap, group, triton, nc, vb)
-        ctx.mark_non_differentiable(valid)
-        return loss, lse, valid
+@torch.library.custom_op(
+    "plait::linear_cross_entropy",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, float z_loss, float? softcap, "
+    "str? group_name, int chunk_tokens, int chunk_vocab) -> (Tensor, Tensor, Tensor)",
+)
+def _lce_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    softcap: float | None,
+    group_name: str | None,
+    nc: int,
+    vb: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [N] fp32, lse [N] fp32, local_targets [N] int64)``: targets minus this shard's first id."""
+    n, v = hidden.shape[0], weight.shape[0]
+    group = _group(group_name)
+    stats, _ = _tile_ops(use_triton(hidden, weight))
+    v0 = _vocab_offset(v, group, hidden.device)
+    valid = targets != ignore_index
+    local_all = torch.where(valid, targets - v0, -1)
+    m = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
+    s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    tgt = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    for a in range(0, n, nc):
+        xc = hidden[a : a + nc]
+        for b in range(0, v, vb):
+            logits = xc @ weight[b : b + vb].T
+            stats(logits, local_all[a : a + nc] - b, m[a : a + nc], s[a : a + nc], tgt[a : a + nc], softcap)
+    if group is None:
+        lse = m + torch.log(s)
+    else:
+        gm = m.clone()
+        dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
+        gm = torch.where(torch.isfinite(gm), gm, 0.0)
+        s = s * torch.exp(m - gm)
+        dist.all_reduce(s, group=group)
+        dist.all_reduce(tgt, group=group)
+        lse = gm + torch.log(s)
+    loss = torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0)
+    return loss, lse, local_all
 
-    @staticmethod
-    def backward(ctx, dloss, dlse, _dvalid):  # type: ignore[override]
-        hidden, weight, local_all, lse, valid = ctx.saved_tensors
-        z_loss, softcap, group, triton, nc, vb = ctx.cfg
-        need_dx = ctx.needs_input_grad[0] and _wants_inputs()
-        need_dw = ctx.needs_input_grad[1] and _wants_weights()
-        if not (need_dx or need_dw):
-            return (None,) * 10
-        _, grad = _tile_ops(triton)
+
+@_lce_op.register_fake
+def _(hidden: torch.Tensor, weight: Any, targets: torch.Tensor, *args: Any) -> Any:
+    n = hidden.shape[0]
+    f32 = hidden.new_empty(n, dtype=torch.float32)
+    return f32, hidden.new_empty(n, dtype=torch.float32), targets.new_empty(n, dtype=torch.int64)
+
+
+@torch.library.custom_op(
+    "plait::linear_cross_entropy_backward",
+    mutates_args=(),
+    schema="(Tensor? dloss, Tensor? dlse, Tensor hidden, Tensor weight, Tensor local_targets, Tensor valid, "
+    "Tensor lse, float z_loss, float? softcap, str? group_name, int chunk_tokens, int chunk_vocab, bool need_dx, "
+    "bool need_dw) -> (Tensor, Tensor)",
+)
+def _lce_backward_op(
+    dloss: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    local_all: torch.Tensor,
+    valid: torch.Tensor,
+    lse: torch.Tensor,
+    z_loss: float,
+    softcap: float | None,
+    group_name: str | None,
+    nc: int,
+    vb: int,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
+    want_dw = _weights_wanted(need_dw)
+    dx = hidden.new_empty(hidden.shape) if need_dx else None
+    dw = weight.new_empty(weight.shape) if want_dw else None
+    if need_dx or want_dw:
+        _, grad = _tile_ops(use_triton(hidden, weight))
         n, v = hidden.shape[0], weight.shape[0]
         g_t = torch.where(valid, dloss.float(), 0.0) if dloss is not None else torch.zeros_like(lse)
         # d(loss)/d(lse) = 1 + 2 z lse on valid tokens, plus the caller's direct gradient on lse.
         g_p = g_t * (1.0 + 2.0 * z_loss * lse)
         if dlse is not None:
             g_p = g_p + dlse.float()
-        dx = torch.empty_like(hidden) if need_dx else None
-        dw = torch.empty_like(weight) if need_dw else None
-        with torch.no_grad():
-            for a in range(0, n, nc):
-                xc = hidden[a : a + nc]
-                acc = torch.zeros(xc.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
-                for b in range(0, v, vb):
-                    wb = weight[b : b + vb]
-                    logits = xc @ wb.T
-                    d = grad(
-                        logits,
-                        local_all[a : a + nc] - b,
-                        lse[a : a + nc],
-                        g_p[a : a + nc],
-                        g_t[a : a + nc],
-                        softcap,
-                    )
-                    if acc is not None:
-                        acc += d @ wb
-                    if dw is not None:
-                        if a == 0:
-                            torch.mm(d.T, xc, out=dw[b : b + vb])
-                        else:
-                            dw[b : b + vb].addmm_(d.T, xc)
-                if dx is not None:
-                    dx[a : a + nc] = acc
-            if dx is not None and group is not None:
-                dist.all_reduce(dx, group=group)
+        for a in range(0, n, nc):
+            xc = hidden[a : a + nc]
+            acc = torch.zeros(xc.shape, dtype=torch.float32, device=hidden.device) if dx is not None else None
+            for b in range(0, v, vb):
+                wb = weight[b : b + vb]
+                logits = xc @ wb.T
+                d = grad(
+                    logits,
+                    local_all[a : a + nc] - b,
+                    lse[a : a + nc],
+                    g_p[a : a + nc],
+                    g_t[a : a + nc],
+                    softcap,
+                )
+                if acc is not None:
+                    acc += d @ wb
+                if dw is not None:
+                    if a == 0:
+                        torch.mm(d.T, xc, out=dw[b : b + vb])
+                    else:
+                        dw[b : b + vb].addmm_(d.T, xc)
+            if dx is not None and acc is not None:
+                dx[a : a + nc] = acc
+        group = _group(group_name)
+        if dx is not None and group is not None:
+            dist.all_reduce(dx, group=group)
         if dw is not None and n == 0:
             dw.zero_()
-        return dx, dw, None, None, None, None, None, None, None, None
+    if dx is None:
+        dx = hidden.new_empty(0)
+    if dw is None:
+        dw = torch.zeros_like(weight) if need_dw else weight.new_empty(0)
+    return dx, dw
+
+
+@_lce_backward_op.register_fake
+def _(dloss: Any, dlse: Any, hidden: torch.Tensor, weight: torch.Tensor, *args: Any) -> Any:
+    need_dx, need_dw = args[-2], args[-1]
+    return (hidden.new_empty(hidden.shape) if need_dx else hidden.new_empty(0)), (
+        weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
+    )
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, targets, ignore_index, z_loss, softcap, group_name, nc, vb = inputs
+    _loss, lse, local_all = output
+    ctx.save_for_backward(hidden, weight, local_all, targets != ignore_index, lse)
+    ctx.cfg = (z_loss, softcap, group_name, nc, vb)
+    ctx.mark_non_differentiable(local_all)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(
+    ctx: Any, dloss: torch.Tensor | None, dlse: torch.Tensor | None, _dlocal: Any
+) -> tuple[Any, ...]:
+    hidden, weight, local_all, valid, lse = ctx.saved_tensors
+    need_dx, need_dw = _returned(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    if not (need_dx or need_dw) or (dloss is None and dlse is None):
+        return (None,) * 9
+    dx, dw = _lce_backward_op(dloss, dlse, hidden, weight, local_all, valid, lse, *ctx.cfg, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None, None, None
+
+
+_lce_op.register_autograd(_backward, setup_context=_setup)
 
 
 def linear_cross_entropy(
@@ -300,9 +376,18 @@ def linear_cross_entropy(
             f"linear_cross_entropy: unknown backend {backend!r} (expected 'auto', 'plait' or 'cce')"
         )
     nc, vb = _chunks(hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_tokens, chunk_vocab)
-    triton = use_triton(hidden, weight)
-    loss, lse, valid = _LinearCE.apply(
-        hidden, weight, targets.long(), ignore_index, float(z_loss), softcap, process_group, triton, nc, vb
+    group_name = process_group.group_name if process_group is not None else None
+    targets = targets.long()
+    loss, lse, _local = _lce_op(
+        hidden,
+        weight,
+        targets,
+        ignore_index,
+        float(z_loss),
+        None if softcap is None else float(softcap),
+        group_name,
+        nc,
+        vb,
     )
-    loss = _reduce(loss, valid, reduction)
+    loss = _reduce(loss, targets != ignore_index, reduction)
     return (loss, lse) if return_lse else loss

@@ -1,21 +1,29 @@
-"""MoE token permutation: routing maps, expert-contiguous permute, weighted unpermute.
+"""MoE token permutation: expert-contiguous permute and weighted unpermute, without a host sync.
 
-``permute`` lays the routed copies of the tokens out expert by expert (expert 0's tokens first),
-stable in token order inside each expert, each expert's group zero-padded to a multiple of
-``align`` (grouped-GEMM kernels like 8/16/128-row aligned groups). ``unpermute`` sums each token's
-copies back, optionally weighted by the routing probabilities. Both are gathers (no atomics), so
-they are deterministic; their backwards are the opposite gathers. Index bookkeeping is PyTorch;
-the row movement is a Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``).
+``permute`` lays the routed copies of the tokens (``topk_idx [T, k]``) out expert by expert (expert
+0's copies first), stable in token order inside each expert, each expert's group zero-padded to a
+multiple of ``align`` (grouped-GEMM kernels like 8/16/128-row aligned groups). Choices outside
+``[0, num_experts)`` (the dropped-slot sentinel of capacity limits, or another rank's experts) are
+skipped. The output has a size known from the shapes alone, ``T * k + E * (align - 1)`` rows: the
+groups come first and the rows after them are zero padding. So nothing is read on the host and
+``torch.compile`` sees static shapes. ``unpermute`` sums each token's copies back, optionally
+weighted by the routing probabilities.
+
+Index bookkeeping is PyTorch (a stable sort, scatters, cumsums). The row movement is the torch
+custom ops ``plait::permute_rows`` / ``plait::unpermute_rows`` (Triton on CUDA or under
+``TRITON_INTERPRET=1``, PyTorch otherwise); both are gathers (no atomics), so they are
+deterministic, and their backwards are the opposite gathers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from plait.kernels._dispatch import use_triton
 
-__all__ = ["RowIdMap", "permute", "topk_to_routing_map", "unpermute"]
+__all__ = ["RowIdMap", "permute", "permuted_rows", "unpermute"]
 
 
 @dataclass(frozen=True)
@@ -24,176 +32,253 @@ class RowIdMap:
 
     Attributes:
         src: ``[M]`` int64 source token of each permuted row, ``-1`` for padding rows.
-        dst: ``[T, K]`` int64 permuted row of each of a token's copies, ``-1`` for unused slots
-            (``K`` = most experts any token is routed to).
-        experts: ``[T, K]`` int64 expert of each copy (``-1`` for unused slots).
+        dst: ``[T, k]`` int64 permuted row of each of a token's copies, ``-1`` for skipped choices.
     """
 
     src: torch.Tensor
     dst: torch.Tensor
-    experts: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
         return self.dst.shape[0]
 
 
-def topk_to_routing_map(
-    topk_idx: torch.Tensor, topk_probs: torch.Tensor, num_experts: int, expert_offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn top-k expert choices into a multi-hot routing map and a dense probability matrix.
-
-    Args:
-        topk_idx: ``[T, k]`` integer expert ids.
-        topk_probs: ``[T, k]`` routing weights (differentiable).
-        num_experts: number of (local) experts ``E``.
-        expert_offset: id of the first local expert; choices outside
-            ``[expert_offset, expert_offset + E)`` are dropped (expert parallelism).
-
-    Returns:
-        ``routing_map`` bool ``[T, E]`` and ``probs`` fp32 ``[T, E]`` (zero where not routed).
-    """
-    if topk_idx.shape != topk_probs.shape or topk_idx.dim() != 2:
-        raise ValueError(
-            f"topk_to_routing_map: topk_idx {tuple(topk_idx.shape)} and topk_probs {tuple(topk_probs.shape)} must both be [T, k]"
-        )
-    if num_experts < 1:
-        raise ValueError(f"topk_to_routing_map: num_experts must be >= 1, got {num_experts}")
-    local = topk_idx.long() - expert_offset
-    inside = (local >= 0) & (local < num_experts)
-    idx = torch.where(inside, local, 0)
-    t = topk_idx.shape[0]
-    hits = torch.zeros((t, num_experts), dtype=torch.int32, device=topk_idx.device).scatter_add_(
-        1, idx, inside.int()
-    )
-    routing_map = hits > 0
-    probs = torch.zeros((t, num_experts), dtype=torch.float32, device=topk_idx.device).scatter_add(
-        1, idx, torch.where(inside, topk_probs.float(), 0.0)
-    )
-    return routing_map, probs
+def permuted_rows(num_tokens: int, top_k: int, num_experts: int, align: int = 1) -> int:
+    """Rows of :func:`permute`'s output: ``T * k + E * (align - 1)``, an upper bound of the padded groups."""
+    return num_tokens * top_k + num_experts * (align - 1)
 
 
-def _row_id_map(routing_map: torch.Tensor, align: int) -> tuple[RowIdMap, torch.Tensor]:
-    t, _e = routing_map.shape
-    dev = routing_map.device
-    counts = routing_map.sum(0)
-    padded = (counts + align - 1) // align * align
-    e_idx, t_idx = routing_map.T.nonzero(as_tuple=True)  # expert-major, token order inside (stable)
-    start_real = torch.cumsum(counts, 0) - counts
-    start_pad = torch.cumsum(padded, 0) - padded
-    rows = start_pad[e_idx] + (torch.arange(e_idx.numel(), device=dev) - start_real[e_idx])
-    m = int(padded.sum())
-    src = torch.full((m,), -1, dtype=torch.long, device=dev)
-    src[rows] = t_idx
-    per_token = routing_map.sum(1)
-    k = int(per_token.max()) if t else 0
-    slot = torch.cumsum(routing_map.long(), 1) - 1
-    dst = torch.full((t, max(k, 1)), -1, dtype=torch.long, device=dev)
-    experts = torch.full_like(dst, -1)
-    s = slot[t_idx, e_idx]
-    dst[t_idx, s] = rows
-    experts[t_idx, s] = e_idx
-    return RowIdMap(src=src, dst=dst, experts=experts), padded.long()
+# --- row movement: custom ops (Triton or PyTorch inside) -------------------------------------------
 
 
-class _PermuteRows(torch.autograd.Function):
-    """Triton row gather ``out[m] = x[src[m]]`` (0 for padding); backward sums copies via ``dst``."""
+def _gather_torch(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 0:  # every row is padding
+        return x.new_zeros((src.shape[0], x.shape[1]))
+    rows = x.index_select(0, src.clamp(min=0))
+    if w_rows is not None:
+        rows = (rows.float() * w_rows.float().unsqueeze(1)).to(x.dtype)
+    return torch.where((src >= 0).unsqueeze(1), rows, 0)
 
-    @staticmethod
-    def forward(ctx, x, src, dst):  # type: ignore[override]
+
+def _combine_torch(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 0:  # no copies anywhere
+        return x.new_zeros((dst.shape[0], x.shape[1]))
+    rows = x.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, x.shape[1]).float()
+    if w is not None:
+        rows = rows * w.float().unsqueeze(-1)
+    # where, not a multiply: rows that no copy uses may hold anything (e.g. uncomputed gmm rows).
+    return torch.where((dst >= 0).unsqueeze(-1), rows, 0.0).sum(1).to(x.dtype)
+
+
+def _row_dots_torch(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return dy.new_zeros(dst.shape, dtype=torch.float32)
+    rows = x.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, x.shape[1]).float()
+    dots = (rows * dy.float().unsqueeze(1)).sum(-1)
+    return torch.where(dst >= 0, dots, 0.0)
+
+
+def _gather(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
+    if use_triton(x, src):
         from plait.kernels._triton.permute import gather_rows
 
-        ctx.save_for_backward(src, dst)
-        return gather_rows(x, src, None)
+        return gather_rows(x, src, w_rows)
+    return _gather_torch(x, src, w_rows)
 
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
+
+def _combine(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    if use_triton(x, dst):
         from plait.kernels._triton.permute import combine_rows
 
-        _src, dst = ctx.saved_tensors
-        return combine_rows(dy.contiguous(), dst, None), None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    """Triton ``out[t] = sum_j w[t, j] * x[dst[t, j]]``; backward gathers ``dout`` back per row."""
-
-    @staticmethod
-    def forward(ctx, x, src, dst, w, w_rows):  # type: ignore[override]
-        from plait.kernels._triton.permute import combine_rows
-
-        ctx.save_for_backward(x, src, dst, w, w_rows)
         return combine_rows(x.contiguous(), dst, w)
+    return _combine_torch(x, dst, w)
 
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        from plait.kernels._triton.permute import gather_rows, row_dots
 
-        x, src, dst, w, w_rows = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = gather_rows(dy, src, w_rows) if ctx.needs_input_grad[0] else None
-        dw = None
-        if w is not None and ctx.needs_input_grad[3]:
-            dw = row_dots(dy, x.contiguous(), dst).to(w.dtype)
-        return dx, None, None, dw, None
+@torch.library.custom_op(
+    "plait::permute_rows", mutates_args=(), schema="(Tensor x, Tensor src, Tensor dst) -> Tensor"
+)
+def _permute_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``out[m] = x[src[m]]`` (0 where ``src[m] < 0``); ``dst`` is the inverse map, for the backward."""
+    return _gather(x, src, None)
+
+
+@_permute_rows.register_fake
+def _(x: torch.Tensor, src: torch.Tensor, dst: Any) -> torch.Tensor:
+    return x.new_empty((src.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op(
+    "plait::unpermute_rows",
+    mutates_args=(),
+    schema="(Tensor x, Tensor src, Tensor dst, Tensor? w, Tensor? w_rows) -> Tensor",
+)
+def _unpermute_rows(
+    x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None, w_rows: torch.Tensor | None
+) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * x[dst[t, j]]`` over ``dst >= 0`` (fp32 accumulation).
+
+    ``src`` and ``w_rows`` (each row's weight, 0 on padding) serve the backward.
+    """
+    return _combine(x, dst, w)
+
+
+@_unpermute_rows.register_fake
+def _(x: torch.Tensor, src: Any, dst: torch.Tensor, w: Any, w_rows: Any) -> torch.Tensor:
+    return x.new_empty((dst.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op(
+    "plait::row_dots", mutates_args=(), schema="(Tensor dy, Tensor x, Tensor dst) -> Tensor"
+)
+def _row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``out[t, j] = <dy[t], x[dst[t, j]]>`` in fp32 (0 where ``dst < 0``)."""
+    if use_triton(dy, x, dst):
+        from plait.kernels._triton.permute import row_dots
+
+        return row_dots(dy.contiguous(), x.contiguous(), dst)
+    return _row_dots_torch(dy, x, dst)
+
+
+@_row_dots.register_fake
+def _(dy: torch.Tensor, x: Any, dst: torch.Tensor) -> torch.Tensor:
+    return dy.new_empty(dst.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "plait::gather_rows", mutates_args=(), schema="(Tensor x, Tensor src, Tensor? w_rows) -> Tensor"
+)
+def _gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
+    """``out[m] = x[src[m]] * w_rows[m]`` (0 where ``src[m] < 0``); the backward of a combine."""
+    return _gather(x, src, w_rows)
+
+
+@_gather_rows.register_fake
+def _(x: torch.Tensor, src: torch.Tensor, w_rows: Any) -> torch.Tensor:
+    return x.new_empty((src.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("plait::combine_rows", mutates_args=(), schema="(Tensor x, Tensor dst) -> Tensor")
+def _combine_rows(x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j x[dst[t, j]]`` over ``dst >= 0``; the backward of a permute."""
+    return _combine(x, dst, None)
+
+
+@_combine_rows.register_fake
+def _(x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((dst.shape[0], x.shape[1]))
+
+
+def _permute_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    _x, _src, dst = inputs
+    ctx.save_for_backward(dst)
+
+
+def _permute_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    (dst,) = ctx.saved_tensors
+    return _combine_rows(dy.contiguous(), dst), None, None
+
+
+def _unpermute_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, src, dst, w, w_rows = inputs
+    ctx.save_for_backward(x if w is not None else None, src, dst, w_rows)
+    ctx.has_w = w is not None
+
+
+def _unpermute_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    x, src, dst, w_rows = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = _gather_rows(dy, src, w_rows) if ctx.needs_input_grad[0] else None
+    dw = None
+    if ctx.has_w and ctx.needs_input_grad[3]:
+        dw = _row_dots(dy, x.contiguous(), dst)
+    return dx, None, None, dw, None
+
+
+_permute_rows.register_autograd(_permute_backward, setup_context=_permute_setup)
+_unpermute_rows.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# --- public API ------------------------------------------------------------------------------------
 
 
 def permute(
-    tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None, align: int = 1
+    tokens: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    probs: torch.Tensor | None = None,
+    align: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, RowIdMap, torch.Tensor]:
-    """Copy tokens into expert-contiguous order.
+    """Copy tokens into expert-contiguous order (no device-to-host synchronisation).
 
     Args:
         tokens: ``[T, H]``.
-        routing_map: bool ``[T, E]``: token t goes to expert e.
-        probs: optional ``[T, E]`` routing weights; returned in permuted order (differentiable).
+        topk_idx: ``[T, k]`` integer expert of each of a token's copies; values outside
+            ``[0, num_experts)`` are skipped (dropped slots, other ranks' experts).
+        num_experts: ``E``.
+        probs: optional ``[T, k]`` routing weights (same layout as ``topk_idx``); returned in
+            permuted order (differentiable).
         align: pad each expert's group with zero rows to a multiple of this.
 
     Returns:
-        ``(permuted [M, H], permuted_probs [M] | None (0 on padding rows), row_id_map,
-        tokens_per_expert [E] int64)``, where ``tokens_per_expert`` counts each expert's rows in
-        ``permuted`` *including padding* (what :func:`plait.kernels.gmm` needs). This synchronises
-        with the device once (``M`` is data-dependent).
+        ``(permuted [M, H], permuted_probs [M] | None, row_id_map, tokens_per_expert [E] int64)``
+        with ``M = permuted_rows(T, k, E, align)``. ``tokens_per_expert`` counts each expert's rows
+        *including* alignment padding (what :func:`plait.kernels.gmm` needs); it sums to at most
+        ``M``: the rows after the groups, and the padding rows, are zero with ``permuted_probs == 0``.
     """
-    if tokens.dim() != 2 or routing_map.dim() != 2 or routing_map.shape[0] != tokens.shape[0]:
+    if tokens.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != tokens.shape[0]:
         raise ValueError(
-            f"permute: tokens {tuple(tokens.shape)} must be [T, H] and routing_map {tuple(routing_map.shape)} [T, E]"
+            f"permute: tokens {tuple(tokens.shape)} must be [T, H] and topk_idx {tuple(topk_idx.shape)} [T, k]"
         )
-    if routing_map.dtype != torch.bool:
-        raise ValueError(f"permute: routing_map must be bool, got {routing_map.dtype}")
-    if probs is not None and probs.shape != routing_map.shape:
-        raise ValueError(
-            f"permute: probs {tuple(probs.shape)} must match routing_map {tuple(routing_map.shape)}"
-        )
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+        raise ValueError(f"permute: topk_idx must be an integer tensor, got {topk_idx.dtype}")
+    if probs is not None and probs.shape != topk_idx.shape:
+        raise ValueError(f"permute: probs {tuple(probs.shape)} must match topk_idx {tuple(topk_idx.shape)}")
+    if num_experts < 1:
+        raise ValueError(f"permute: num_experts must be >= 1, got {num_experts}")
     if align < 1:
         raise ValueError(f"permute: align must be >= 1, got {align}")
-    row_map, tpe = _row_id_map(routing_map, align)
-    src = row_map.src
-    valid = src >= 0
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    m = permuted_rows(t, k, num_experts, align)
+    flat = topk_idx.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # skipped -> E, sorts last
+    order = torch.sort(key, stable=True).indices  # sorted position -> choice (expert-major, token order)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
+    padded = (counts[:num_experts] + align - 1) // align * align
+    start_pad = torch.cumsum(padded, 0) - padded
+    start_real = torch.cumsum(counts, 0) - counts
+    e_sorted = key[order]
+    kept = e_sorted < num_experts
+    rank_in_expert = torch.arange(t * k, device=dev) - start_real[e_sorted]
+    # Row of each sorted choice; skipped ones go to a scratch row m, cut off below.
+    row = torch.where(kept, start_pad[e_sorted.clamp(max=num_experts - 1)] + rank_in_expert, m)
+    choice_of_row = torch.full((m + 1,), -1, dtype=torch.long, device=dev).scatter_(0, row, order)[:m]
+    row_of_choice = torch.empty_like(row).scatter_(0, order, row)
+    used = choice_of_row >= 0
+    src = torch.where(used, choice_of_row // k, -1)
+    dst = torch.where(row_of_choice < m, row_of_choice, -1).view(t, k)
+    row_map = RowIdMap(src=src, dst=dst)
     permuted_probs = None
     if probs is not None:
-        e_of_row = torch.repeat_interleave(
-            torch.arange(tpe.numel(), device=tpe.device), tpe, output_size=src.numel()
-        )
-        flat = probs.reshape(-1)
-        permuted_probs = torch.where(valid, flat[src.clamp(min=0) * probs.shape[1] + e_of_row], 0.0)
-    if use_triton(tokens):
-        permuted = _PermuteRows.apply(tokens, src, row_map.dst)
-    else:
-        permuted = tokens.index_select(0, src.clamp(min=0)) * valid.unsqueeze(1).to(tokens.dtype)
-    return permuted, permuted_probs, row_map, tpe
+        permuted_probs = torch.where(used, probs.reshape(-1)[choice_of_row.clamp(min=0)], 0)
+    permuted = _permute_rows(tokens, src, dst)
+    return permuted, permuted_probs, row_map, padded
 
 
 def unpermute(
-    permuted: torch.Tensor, row_id_map: RowIdMap, num_tokens: int, probs: torch.Tensor | None = None
+    permuted: torch.Tensor, row_id_map: RowIdMap, probs: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Sum each token's expert outputs back into token order, optionally weighted.
+
+    Rows that no copy maps to (padding, the tail of :func:`permute`'s buffer) are never read.
 
     Args:
         permuted: ``[M, H]`` rows in the order produced by :func:`permute`.
         row_id_map: the :class:`RowIdMap` from :func:`permute`.
-        num_tokens: ``T`` (checked against the map).
-        probs: optional weights: ``[M]`` in permuted order (``permuted_probs``) or ``[T, E]``
-            dense routing probabilities. Weighting happens in fp32 (differentiable).
+        probs: optional weights, fp32 math (differentiable): ``[M]`` in permuted order
+            (``permuted_probs``) or ``[T, k]`` in ``topk_idx`` order.
 
     Returns:
         ``[T, H]`` in ``permuted.dtype``.
@@ -202,34 +287,25 @@ def unpermute(
         raise TypeError(
             f"unpermute: row_id_map must be the RowIdMap returned by permute, got {type(row_id_map).__name__}"
         )
-    if num_tokens != row_id_map.num_tokens:
-        raise ValueError(
-            f"unpermute: num_tokens={num_tokens} but row_id_map was built for {row_id_map.num_tokens} tokens"
-        )
-    if permuted.dim() != 2 or permuted.shape[0] != row_id_map.src.shape[0]:
-        raise ValueError(
-            f"unpermute: permuted {tuple(permuted.shape)} must be [{row_id_map.src.shape[0]}, H]"
-        )
     dst, src = row_id_map.dst, row_id_map.src
+    if permuted.dim() != 2 or permuted.shape[0] != src.shape[0]:
+        raise ValueError(f"unpermute: permuted {tuple(permuted.shape)} must be [{src.shape[0]}, H]")
     used = dst >= 0
-    w = None  # [T, K] weight of each copy
+    w = w_rows = None  # [T, k] weight of each copy; [M] weight of each row (for the backward)
     if probs is not None:
         if probs.dim() == 1 and probs.shape[0] == src.shape[0]:
             w = torch.where(used, probs[dst.clamp(min=0)].float(), 0.0)
-        elif probs.dim() == 2 and probs.shape[0] == num_tokens:
-            e = row_id_map.experts
-            w = torch.where(used, probs.float().gather(1, e.clamp(min=0)), 0.0)
+            w_rows = torch.where(src >= 0, probs.detach().float(), 0.0)
+        elif tuple(probs.shape) == tuple(dst.shape):
+            w = torch.where(used, probs.float(), 0.0)
+            w_rows = torch.zeros(src.shape[0] + 1, dtype=torch.float32, device=w.device)
+            w_rows = w_rows.scatter(
+                0, torch.where(used, dst, src.shape[0]).reshape(-1), w.detach().reshape(-1)
+            )
+            w_rows = w_rows[: src.shape[0]]
         else:
             raise ValueError(
-                f"unpermute: probs {tuple(probs.shape)} must be [M={src.shape[0]}] (permuted order) or [T={num_tokens}, E]"
+                f"unpermute: probs {tuple(probs.shape)} must be [M={src.shape[0]}] (permuted order) or "
+                f"[T, k]={tuple(dst.shape)}"
             )
-    if use_triton(permuted):
-        w_rows = None
-        if w is not None:
-            # Per permuted row weight for the backward gather (0 on padding rows).
-            w_rows = torch.zeros(src.shape[0], dtype=torch.float32, device=w.device)
-            w_rows[dst[used]] = w.detach()[used]
-        return _CombineRows.apply(permuted, src, dst, w, w_rows)
-    rows = permuted.index_select(0, dst.clamp(min=0).reshape(-1)).view(*dst.shape, -1).float()
-    scale = used.float() if w is None else w
-    return (rows * scale.unsqueeze(-1)).sum(1).to(permuted.dtype)
+    return _unpermute_rows(permuted, src, dst, w, w_rows)  # type: ignore[no-any-return]

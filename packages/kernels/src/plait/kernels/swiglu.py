@@ -3,10 +3,13 @@
 Two layouts: separate ``gate``/``up`` tensors, or one fused ``gate_up [..., 2I]`` tensor (gate half
 first, the layout of a fused gate/up projection). Math is done in fp32 and the result is cast to the
 input dtype. On CUDA (or under ``TRITON_INTERPRET=1``) a Triton kernel recomputes ``silu`` in the
-backward instead of saving it, so the op saves only its inputs.
+backward instead of saving it, so the op saves only its inputs. The op is the torch custom op
+``plait::swiglu`` (traced by ``torch.compile`` without a graph break).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +44,91 @@ def _check(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None
         )
 
 
+def _forward_torch(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
+    gate, up = a.chunk(2, dim=-1) if b is None else (a, b)
+    return swiglu_reference(gate, up, w).contiguous()
+
+
+def _backward_torch(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, need_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    gate, up = a.chunk(2, dim=-1) if b is None else (a, b)
+    g, u = gate.float(), up.float()
+    s = torch.sigmoid(g)
+    silu = g * s
+    dyf = dy.float()
+    dw = (dyf * silu * u).sum(-1).to(w.dtype) if need_dw and w is not None else None
+    if w is not None:
+        dyf = dyf * w.float().unsqueeze(-1)
+    dg = dyf * u * s * (1.0 + g * (1.0 - s))
+    du = dyf * silu
+    if b is None:
+        return torch.cat([dg, du], dim=-1).to(a.dtype), None, dw
+    return dg.to(a.dtype).contiguous(), du.to(b.dtype).contiguous(), dw
+
+
+@torch.library.custom_op(
+    "plait::swiglu", mutates_args=(), schema="(Tensor a, Tensor? b, Tensor? row_weight) -> Tensor"
+)
+def _swiglu_op(a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None) -> torch.Tensor:
+    """``silu(gate) * up (* row_weight)``; ``b is None`` means ``a`` is the fused ``[..., 2I]`` tensor."""
+    tensors = [t for t in (a, b, row_weight) if t is not None]
+    if use_triton(*tensors):
+        from plait.kernels._triton.swiglu import swiglu_forward
+
+        return swiglu_forward(a, b, row_weight)
+    return _forward_torch(a, b, row_weight)
+
+
+@_swiglu_op.register_fake
+def _(a: torch.Tensor, b: Any, row_weight: Any) -> torch.Tensor:
+    n = a.shape[-1] if b is not None else a.shape[-1] // 2
+    return a.new_empty((*a.shape[:-1], n))
+
+
+@torch.library.custom_op(
+    "plait::swiglu_backward",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor a, Tensor? b, Tensor? row_weight, bool need_dw) -> (Tensor, Tensor, Tensor)",
+)
+def _swiglu_backward_op(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None, need_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(da, db, d_row_weight)``; ``db`` empty when fused, ``d_row_weight`` empty when not needed."""
+    tensors = [t for t in (dy, a, b, row_weight) if t is not None]
+    if use_triton(*tensors):
+        from plait.kernels._triton.swiglu import swiglu_backward
+
+        da, db, dw = swiglu_backward(dy, a, b, row_weight, need_dw)
+    else:
+        da, db, dw = _backward_torch(dy, a, b, row_weight, need_dw)
+    return da, (db if db is not None else a.new_empty(0)), (dw if dw is not None else a.new_empty(0))
+
+
+@_swiglu_backward_op.register_fake
+def _(dy: Any, a: torch.Tensor, b: Any, row_weight: Any, need_dw: bool) -> Any:
+    db = b.new_empty(b.shape) if b is not None else a.new_empty(0)
+    dw = row_weight.new_empty(row_weight.shape) if need_dw and row_weight is not None else a.new_empty(0)
+    return a.new_empty(a.shape), db, dw
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a, b, w = inputs
+    ctx.save_for_backward(a, b, w)
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    a, b, w = ctx.saved_tensors
+    need_dw = w is not None and ctx.needs_input_grad[2]
+    da, db, dw = _swiglu_backward_op(dy, a, b, w, need_dw)
+    return da, (db if b is not None else None), (dw if need_dw else None)
+
+
+_swiglu_op.register_autograd(_backward, setup_context=_setup)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up (* row_weight[..., None])``.
+    """``silu(gate) * up (* row_weight[..., None])`` (torch custom op ``plait::swiglu``).
 
     Args:
         gate: ``[..., I]``.
@@ -54,12 +140,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None
         ``[..., I]`` in ``gate.dtype``.
     """
     _check(gate, up, row_weight)
-    tensors = [gate, up] + ([row_weight] if row_weight is not None else [])
-    if use_triton(*tensors):
-        from plait.kernels._triton.swiglu import swiglu_triton
-
-        return swiglu_triton(gate, up, row_weight, fused=False)
-    return swiglu_reference(gate, up, row_weight)
+    return _swiglu_op(gate, up, row_weight)
 
 
 def swiglu_fused(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,9 +157,4 @@ def swiglu_fused(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None) 
         raise ValueError(f"swiglu_fused: last dim of gate_up {tuple(gate_up.shape)} must be even (2 * I)")
     gate, up = gate_up.chunk(2, dim=-1)
     _check(gate, up, row_weight)
-    tensors = [gate_up] + ([row_weight] if row_weight is not None else [])
-    if use_triton(*tensors):
-        from plait.kernels._triton.swiglu import swiglu_triton
-
-        return swiglu_triton(gate_up, None, row_weight, fused=True)
-    return swiglu_reference(gate, up, row_weight)
+    return _swiglu_op(gate_up, None, row_weight)

@@ -59,7 +59,15 @@ from plait.loop.providers import (
     Task,
 )
 from plait.loop.topology import Topology
-from plait.loop.tracking import ConsoleTracker, JSONLTracker, Tracker, build_tracker, register_tracker
+from plait.loop.tracking import (
+    ConsoleTracker,
+    JSONLTracker,
+    RunSummary,
+    Tracker,
+    build_tracker,
+    plot_loss_curve,
+    register_tracker,
+)
 from plait.loop.trainer import StepResult, Trainer, TrainerState
 
 __all__ = [
@@ -97,6 +105,7 @@ __all__ = [
     "PackedTokens",
     "PadCollator",
     "PiecewiseLR",
+    "RunSummary",
     "StepEnd",
     "StepResult",
     "StepSkipped",
@@ -119,6 +128,7 @@ __all__ = [
     "load_config",
     "pack_documents",
     "param_groups",
+    "plot_loss_curve",
     "plot_schedule",
     "read_hf_texts",
     "read_jsonl_texts",

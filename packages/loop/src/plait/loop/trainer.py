@@ -50,7 +50,14 @@ from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collecti
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
 from plait.loop.topology import Topology
-from plait.loop.tracking import ThroughputMeter, Tracker, build_tracker, device_memory_stats, peak_flops_for
+from plait.loop.tracking import (
+    RunSummaryCollector,
+    ThroughputMeter,
+    Tracker,
+    build_tracker,
+    device_memory_stats,
+    peak_flops_for,
+)
 from torch import nn
 
 __all__ = ["StepResult", "Trainer", "TrainerState"]
@@ -214,6 +221,8 @@ class Trainer:
             self._setup_checkpointing()
         self._bar: Any = None
         self._last_lr = math.nan
+        self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
+        self.run_summary = RunSummaryCollector(self)  # printed and written by close()
 
     # ------------------------------------------------------------------ setup helpers
     def _pick_device(self, device: torch.device | str | None) -> torch.device:
@@ -473,6 +482,7 @@ class Trainer:
                     run_id=self.state.tracker_run_ids.get(tc.kind),
                     total_steps=self.config.run.steps,
                     write=self._write,
+                    start_step=self.step,
                     **tc.options,
                 )
                 if tracker.run_id is not None:
@@ -555,6 +565,7 @@ class Trainer:
             self.events.publish(TrainingEnd(self, self.step, stopped_early=self.step < total))
         finally:
             if preemption is not None:
+                self.stop_signal = preemption.received
                 preemption.restore()
             self.profiler.stop()
             self.gc.stop()
@@ -571,11 +582,18 @@ class Trainer:
     def _setup_checkpointing(self) -> None:
         ck = self.config.checkpoint
         root = Path(ck.dir) if ck.dir else self.run_dir / "checkpoints"
-        self.checkpointer = Checkpointer(
-            root, keep_last=ck.keep_last, async_mode=ck.async_mode, process_group=self._host_group()
+        self.checkpointer = ckpt = Checkpointer(
+            root,
+            keep_last=ck.keep_last,
+            async_mode=ck.async_mode,
+            process_group=self._host_group(),
+            checksums=ck.checksums,
+            on_damaged=ck.on_damaged,
         )
-        if ck.resume and (latest := self.checkpointer.latest()) is not None:
-            meta = self.checkpointer.load(latest, self.app_state())
+        # Finalise each save as soon as it is written; prepare the staging buffers after the first step.
+        self.events.subscribe(StepEnd, lambda e: ckpt.step_done(self.app_state))
+        if ck.resume and (resumed := ckpt.resume(self.app_state())) is not None:
+            latest, meta = resumed
             self.log.info(
                 "resumed from %s (step %d, saved by %s ranks)", latest, self.step, meta.get("world_size")
             )
@@ -589,12 +607,14 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Finish pending checkpoint writes and close the trackers (call once after the last :meth:`fit`)."""
+        """Finish pending checkpoint writes, close the trackers, print and write the run summary
+        (``summary.json``, ``loss_curve.png``; call once after the last :meth:`fit`)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
         for t in self.trackers:
             t.close()
         self.trackers = []
+        self.run_summary.write(self.run_dir)
 
 
 def _concat_padded(mbs: Sequence[Batch]) -> Batch:

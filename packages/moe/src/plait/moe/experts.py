@@ -47,7 +47,8 @@ class GroupedExperts(nn.Module):
         """Apply the local experts to expert-contiguous rows.
 
         Args:
-            x: ``[M, H]`` rows grouped by (local) expert, ``M == tokens_per_expert.sum()``.
+            x: ``[M, H]`` rows grouped by (local) expert, ``M >= tokens_per_expert.sum()`` (rows
+                past the groups are not computed and their output is unspecified).
             tokens_per_expert: ``[E_local]`` int64 rows per local expert.
             row_weight: ``[M]`` optional routing weight per row, fused into the SwiGLU (by linearity,
                 ``down(w * h) == w * down(h)``).

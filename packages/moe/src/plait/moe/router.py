@@ -55,6 +55,27 @@ def in_recomputation() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@torch.library.custom_op(
+    "plait::moe_count_assignments",
+    mutates_args=("bias_counts", "stat_counts"),
+    schema="(Tensor(a!) bias_counts, Tensor(b!) stat_counts, Tensor counts) -> ()",
+)
+def _count_assignments(bias_counts: Tensor, stat_counts: Tensor, counts: Tensor) -> None:
+    """Add ``counts`` to both accumulators unless this forward is a recomputation.
+
+    A custom op so that the recomputation check runs when the op runs: a compiled forward replays
+    its graph in a recomputation, and a check made while tracing would be frozen into it.
+    """
+    if not in_recomputation():
+        bias_counts.add_(counts)
+        stat_counts.add_(counts)
+
+
+@_count_assignments.register_fake
+def _(bias_counts: Tensor, stat_counts: Tensor, counts: Tensor) -> None:
+    return None
+
+
 class TopKRouter(nn.Module):
     """Linear router ``[E, H]`` with top-k selection and load-balancing machinery.
 
@@ -148,10 +169,8 @@ class TopKRouter(nn.Module):
         topk_w = topk_w.to(x.dtype)
 
         counts = count_tokens_per_expert(topk_idx.detach(), self.num_experts, token_mask)
-        if self.training and not in_recomputation():
-            with torch.no_grad():
-                self._bias_counts.add_(counts)
-                self._stat_counts.add_(counts)
+        if self.training:
+            _count_assignments(self._bias_counts, self._stat_counts, counts)
 
         aux = logits32.new_zeros(())
         losses: dict[str, Tensor] = {}

@@ -59,7 +59,8 @@ def _warps(block: int) -> int:
 
 def gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
     """``out[m] = x[src[m]] * w_rows[m]`` (``0`` where ``src[m] < 0``)."""
-    x = x.contiguous()
+    x, src = x.contiguous(), src.contiguous()
+    w_rows = w_rows.contiguous() if w_rows is not None else None
     m, h = src.shape[0], x.shape[1]
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     if m and h:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from plait.kernels.grad_direction import _wants_inputs, _wants_weights
 
 
 @triton.jit
@@ -80,63 +79,61 @@ def _num_programs(rows: int, device: torch.device) -> int:
     return max(1, min(rows, 4))
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, residual, eps, offset):  # type: ignore[override]
-        n = x.shape[-1]
-        x2 = x.contiguous().view(-1, n)
-        rows = x2.shape[0]
-        y = torch.empty_like(x2)
-        has_res = residual is not None
-        h = torch.empty_like(x2) if has_res else x2
-        r2 = residual.contiguous().view(-1, n) if has_res else x2
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block, warps = _cfg(n)
-        if rows:
-            _rms_fwd[(rows,)](
-                x2, r2, weight if weight is not None else x2, y, h, rstd, n, eps, offset,
-                HAS_RES=has_res, HAS_W=weight is not None, BLOCK=block, num_warps=warps,
-            )  # fmt: skip
-        ctx.save_for_backward(h, weight, rstd)
-        ctx.offset, ctx.has_res, ctx.shape = offset, has_res, x.shape
-        y = y.view(x.shape)
-        if has_res:
-            return y, h.view(x.shape)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy, dh_out=None):  # type: ignore[override]
-        h, weight, rstd = ctx.saved_tensors
-        n = h.shape[-1]
-        rows = h.shape[0]
-        need_dx = (ctx.needs_input_grad[0] or ctx.needs_input_grad[2]) and _wants_inputs()
-        need_dw = weight is not None and ctx.needs_input_grad[1] and _wants_weights()
-        if not (need_dx or need_dw):
-            return None, None, None, None, None
-        dy2 = dy.contiguous().view(-1, n)
-        has_dres = ctx.has_res and dh_out is not None
-        dres = dh_out.contiguous().view(-1, n) if has_dres else dy2
-        dh = torch.empty_like(h) if need_dx else None
-        progs = _num_programs(rows, h.device)
-        rpp = triton.cdiv(rows, progs) if rows else 1
-        dwp = torch.empty((progs, n), dtype=torch.float32, device=h.device) if need_dw else None
-        block, warps = _cfg(n)
-        if rows:
-            _rms_bwd[(progs,)](
-                dy2, h, weight if weight is not None else h, rstd, dh if dh is not None else h, dres,
-                dwp if dwp is not None else rstd, rows, n, rpp, ctx.offset,
-                HAS_W=weight is not None, HAS_DRES=has_dres, NEED_DX=need_dx, NEED_DW=need_dw,
-                BLOCK=block, num_warps=warps,
-            )  # fmt: skip
-        dw = None
-        if need_dw:
-            assert dwp is not None
-            dw = dwp.sum(0).to(weight.dtype) if rows else torch.zeros_like(weight)
-        dx = dh.view(ctx.shape) if dh is not None else None
-        dr = dx if (ctx.has_res and ctx.needs_input_grad[2]) else None
-        return (dx if ctx.needs_input_grad[0] else None), dw, dr, None, None
+def rms_norm_forward(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, h, rstd)`` like ``plait::rms_norm`` (``h`` empty without a residual)."""
+    n = x.shape[-1]
+    x2 = x.contiguous().view(-1, n)
+    rows = x2.shape[0]
+    y = torch.empty_like(x2)
+    has_res = residual is not None
+    h = torch.empty_like(x2) if has_res else x2
+    r2 = residual.contiguous().view(-1, n) if residual is not None else x2
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block, warps = _cfg(n)
+    if rows:
+        _rms_fwd[(rows,)](
+            x2, r2, weight if weight is not None else x2, y, h, rstd, n, eps, offset,
+            HAS_RES=has_res, HAS_W=weight is not None, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    h_out = h.view(x.shape) if has_res else x.new_empty(0)
+    return y.view(x.shape), h_out, rstd.view(x.shape[:-1])
 
 
-def rms_norm_triton(x, weight, eps, offset, residual):  # type: ignore[no-untyped-def]
-    """Triton RMSNorm; returns ``y`` or ``(y, h)`` like :func:`plait.kernels.rms_norm`."""
-    return _RMSNorm.apply(x, weight, residual, eps, offset)
+def rms_norm_backward(
+    dy: torch.Tensor,
+    dh_out: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dw)`` (``None`` where not needed); ``dx`` includes ``dh_out``, the gradient of ``h``."""
+    n = h.shape[-1]
+    h2 = h.contiguous().view(-1, n)
+    rows = h2.shape[0]
+    need_dw = need_dw and weight is not None
+    dy2 = dy.contiguous().view(-1, n)
+    has_dres = dh_out is not None
+    dres = dh_out.contiguous().view(-1, n) if dh_out is not None else dy2
+    dh = torch.empty_like(h2) if need_dx else None
+    progs = _num_programs(rows, h.device)
+    rpp = triton.cdiv(rows, progs) if rows else 1
+    dwp = torch.empty((progs, n), dtype=torch.float32, device=h.device) if need_dw else None
+    block, warps = _cfg(n)
+    rstd = rstd.contiguous().view(-1)
+    if rows:
+        _rms_bwd[(progs,)](
+            dy2, h2, weight if weight is not None else h2, rstd, dh if dh is not None else h2, dres,
+            dwp if dwp is not None else rstd, rows, n, rpp, offset,
+            HAS_W=weight is not None, HAS_DRES=has_dres, NEED_DX=need_dx, NEED_DW=need_dw,
+            BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    dw = None
+    if need_dw:
+        assert dwp is not None and weight is not None
+        dw = dwp.sum(0).to(weight.dtype) if rows else torch.zeros_like(weight)
+    return (dh.view(h.shape) if dh is not None else None), dw

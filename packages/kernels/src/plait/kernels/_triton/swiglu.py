@@ -57,77 +57,67 @@ def _warps(block: int) -> int:
     return 16 if block >= 8192 else (8 if block >= 2048 else 4)
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, w, fused):  # type: ignore[override]
-        a = a.contiguous()
-        if fused:
-            n = a.shape[-1] // 2
-            a2 = a.view(-1, 2 * n)
-            gate, up = a2, a2[:, n:]
-            in_stride = 2 * n
-        else:
-            b = b.contiguous()
-            n = a.shape[-1]
-            gate, up = a.view(-1, n), b.view(-1, n)
-            in_stride = n
-        rows = gate.shape[0]
-        y = torch.empty((*a.shape[:-1], n), dtype=a.dtype, device=a.device)
-        wf = w.contiguous().view(-1) if w is not None else None
-        block = _block(n)
-        if rows and n:
-            _swiglu_fwd[(rows, triton.cdiv(n, block))](
-                gate, up, wf if wf is not None else gate, y, n, in_stride, n,
-                HAS_W=wf is not None, BLOCK=block, num_warps=_warps(block),
-            )  # fmt: skip
-        ctx.save_for_backward(a, b if not fused else None, wf)
-        ctx.fused, ctx.n, ctx.w_shape, ctx.w_dtype = (
-            fused,
-            n,
-            (w.shape if w is not None else None),
-            (w.dtype if w is not None else None),
-        )
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        a, b, wf = ctx.saved_tensors
-        n, fused = ctx.n, ctx.fused
-        dy = dy.contiguous().view(-1, n)
-        if fused:
-            a2 = a.view(-1, 2 * n)
-            gate, up = a2, a2[:, n:]
-            dgu = torch.empty_like(a)
-            d2 = dgu.view(-1, 2 * n)
-            dgate, dup = d2, d2[:, n:]
-            in_stride = 2 * n
-        else:
-            gate, up = a.view(-1, n), b.view(-1, n)
-            dga, dgb = torch.empty_like(a), torch.empty_like(b)
-            dgate, dup = dga.view(-1, n), dgb.view(-1, n)
-            in_stride = n
-        rows = gate.shape[0]
-        block = _block(n)
-        ncb = triton.cdiv(n, block) if n else 1
-        need_dw = wf is not None and ctx.needs_input_grad[2]
-        dwp = torch.empty((rows, ncb), dtype=torch.float32, device=a.device) if need_dw else None
-        if rows and n:
-            _swiglu_bwd[(rows, ncb)](
-                dy, gate, up, wf if wf is not None else gate, dgate, dup, dwp if dwp is not None else dy,
-                n, in_stride, n, ncb,
-                HAS_W=wf is not None, NEED_DW=need_dw, BLOCK=block, num_warps=_warps(block),
-            )  # fmt: skip
-        dw = None
-        if need_dw:
-            assert dwp is not None
-            dw = dwp.sum(1).view(ctx.w_shape).to(ctx.w_dtype)
-        if fused:
-            return dgu, None, dw, None
-        return dga, dgb, dw, None
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
+    """Triton SwiGLU; ``b is None`` means ``a`` is the fused ``[..., 2I]`` tensor."""
+    a = a.contiguous()
+    if b is None:
+        n = a.shape[-1] // 2
+        a2 = a.view(-1, 2 * n)
+        gate, up = a2, a2[:, n:]
+        in_stride = 2 * n
+    else:
+        b = b.contiguous()
+        n = a.shape[-1]
+        gate, up = a.view(-1, n), b.view(-1, n)
+        in_stride = n
+    rows = gate.shape[0]
+    y = torch.empty((*a.shape[:-1], n), dtype=a.dtype, device=a.device)
+    wf = w.contiguous().view(-1) if w is not None else None
+    block = _block(n)
+    if rows and n:
+        _swiglu_fwd[(rows, triton.cdiv(n, block))](
+            gate, up, wf if wf is not None else gate, y, n, in_stride, n,
+            HAS_W=wf is not None, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return y
 
 
-def swiglu_triton(
-    a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, fused: bool
-) -> torch.Tensor:
-    """Triton SwiGLU; ``fused`` means ``a`` is ``[..., 2I]`` and ``b`` is unused."""
-    return _SwiGLU.apply(a, b, w, fused)
+def swiglu_backward(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor | None, need_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(da, db, dw)``: ``db`` is None when fused, ``dw`` None unless ``need_dw`` and ``w`` is given."""
+    a = a.contiguous()
+    fused = b is None
+    n = a.shape[-1] // 2 if fused else a.shape[-1]
+    dy = dy.contiguous().view(-1, n)
+    dgb = None
+    if b is None:
+        a2 = a.view(-1, 2 * n)
+        gate, up = a2, a2[:, n:]
+        dga = torch.empty_like(a)
+        d2 = dga.view(-1, 2 * n)
+        dgate, dup = d2, d2[:, n:]
+        in_stride = 2 * n
+    else:
+        b = b.contiguous()
+        gate, up = a.view(-1, n), b.view(-1, n)
+        dga, dgb = torch.empty_like(a), torch.empty_like(b)
+        dgate, dup = dga.view(-1, n), dgb.view(-1, n)
+        in_stride = n
+    rows = gate.shape[0]
+    block = _block(n)
+    ncb = triton.cdiv(n, block) if n else 1
+    wf = w.contiguous().view(-1) if w is not None else None
+    need_dw = need_dw and wf is not None
+    dwp = torch.empty((rows, ncb), dtype=torch.float32, device=a.device) if need_dw else None
+    if rows and n:
+        _swiglu_bwd[(rows, ncb)](
+            dy, gate, up, wf if wf is not None else gate, dgate, dup, dwp if dwp is not None else dy,
+            n, in_stride, n, ncb,
+            HAS_W=wf is not None, NEED_DW=need_dw, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    dw = None
+    if need_dw:
+        assert dwp is not None and w is not None
+        dw = dwp.sum(1).view(w.shape).to(w.dtype)
+    return dga, dgb, dw

@@ -1,15 +1,23 @@
 """Async, atomic, resumable checkpoints of the whole training state (DCP underneath)."""
 
-from plait.loop.checkpoint.checkpointer import AsyncMode, Checkpointer, CheckpointMismatchError
+from plait.loop.checkpoint.checkpointer import (
+    AsyncMode,
+    CheckpointDamagedError,
+    Checkpointer,
+    CheckpointMismatchError,
+    OnDamaged,
+)
 from plait.loop.checkpoint.export import export_checkpoint
 from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.state import ModelState, OptimizerState, PerRankState, RngState, ValueState
 
 __all__ = [
     "AsyncMode",
+    "CheckpointDamagedError",
     "CheckpointMismatchError",
     "Checkpointer",
     "ModelState",
+    "OnDamaged",
     "OptimizerState",
     "PerRankState",
     "PreemptionHandler",

@@ -9,15 +9,32 @@ Follows Megatron-Core's split of a save into phases:
    global plan instead of planning again.
 3. **finalise**: every rank's write is done, a barrier, then the main rank writes the marker and
    renames ``.step_N.partial`` to ``step_N``: the checkpoint becomes visible atomically. The
-   previous save is finalised before the next starts and before exit.
+   previous save is finalised before the next starts and before exit; :meth:`Checkpointer.poll`
+   (called by the trainer after every step) finalises it as soon as every rank's write is done,
+   so a checkpoint is complete on disk promptly instead of when the next save starts.
+
+The marker records every file's size (and with ``checksums`` a CRC32); :meth:`Checkpointer.latest`
+verifies them and skips a damaged checkpoint, naming it, for the previous complete one.
+:meth:`Checkpointer.reserve` allocates the (pinned, shared) staging buffers and starts the
+background process ahead of the first save, off the critical path.
+
+Loading never unpickles plait's own values: non-tensor items are read with
+``torch.load(weights_only=True)``. DCP's ``.metadata`` file itself is a pickle, so only load
+checkpoints you trust.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import socket
+import threading
 import time
+import weakref
+import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,21 +43,39 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from plait.loop.checkpoint import _layout
+from plait.loop.checkpoint import _codec, _layout
 from plait.loop.checkpoint.state import PerRankState
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 log = logging.getLogger(__name__)
 
 AsyncMode = Literal["process", "thread", "off"]
+_PLAN_KEYS = itertools.count()
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
+OnDamaged = Literal["fall_back", "stop"]
 
 
 class CheckpointMismatchError(RuntimeError):
     """The checkpoint on disk does not fit the state it is loaded into; the message lists what differs."""
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint's files are missing, truncated or corrupt, or hold data plait will not load;
+    the message names the checkpoint and the file."""
 
 
 @dataclass
@@ -66,6 +101,31 @@ class _KeepBuffers(StateDictStager):
     def release(self) -> None:
         super().close()
 
+    def reserve(self, tensors: list[torch.Tensor]) -> None:
+        """Allocate (share, pin) the host buffer of each tensor's storage now, without copying.
+
+        The same buffers the first :meth:`stage` would allocate, in the same cache, so that the
+        first save only copies.
+        """
+        import torch.cuda._pin_memory_utils as pin_memory_utils
+        from torch.distributed.tensor import DTensor
+
+        for t in tensors:
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            if local.device.type == "meta" or local.data_ptr() == 0:
+                continue
+            storage = local.untyped_storage()
+            if storage in self._cached_storage_mapping:
+                continue
+            kind = type(storage)
+            host = (
+                kind._new_shared(storage.size(), device="cpu") if self.share_memory else kind(storage.size())
+            )
+            if self.pin_memory and host.nbytes() >= self.pin_memory_min_bytes:
+                pin_memory_utils.pin_memory(host.data_ptr(), host.nbytes())
+                weakref.finalize(host, pin_memory_utils.unpin_memory, host.data_ptr()).atexit = False
+            self._cached_storage_mapping[storage] = host
+
 
 class _Stager(DefaultStager):
     """DefaultStager (pinned/shared host copies in a background thread) that reuses its buffers."""
@@ -87,10 +147,54 @@ def _initialised() -> bool:
 
 def _flatten(expanded: dict[str, Any]) -> dict[str, Any]:
     """Flatten a state dict whose Stateful objects are expanded the way DCP does (nested keys joined by '.')."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
     flat, _ = flatten_state_dict(expanded)
     return flat
+
+
+def _expand(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that non-tensor items load with ``torch.load(weights_only=True)``
+    (plain data and tensors only; DCP's own planner unpickles them without restriction)."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _file_record(path: Path, checksum: bool) -> dict[str, int]:
+    record = {"size": path.stat().st_size}
+    if checksum:
+        crc = 0
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        record["crc32"] = crc
+    return record
+
+
+def _damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
+    """What is wrong with the files of checkpoint ``path`` against its marker ``meta``, or None.
+
+    Checks that every file the marker lists exists with its recorded size, and (with
+    ``checksums``, where the marker has them) its CRC32. A marker without a file list (written
+    before plait recorded one) is not checked.
+    """
+    for name, want in (meta.get("files") or {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"file {name} is missing"
+        size = f.stat().st_size
+        if size != want.get("size"):
+            return f"file {name} has {size} bytes, the marker recorded {want.get('size')} (truncated or overwritten)"
+        if checksums and "crc32" in want and _file_record(f, True)["crc32"] != want["crc32"]:
+            return f"file {name} does not match its recorded CRC32 (corrupt)"
+    return None
 
 
 class Checkpointer:
@@ -105,6 +209,17 @@ class Checkpointer:
         process_group: a CPU (gloo) group for DCP's coordination; defaults to the default group,
             which must then have a CPU backend.
         pin_memory: stage into pinned host memory (CUDA only).
+        checksums: also record a CRC32 of every file in the marker and verify it in
+            :meth:`latest` (reads the checkpoint once more at save and at resume); file sizes are
+            always recorded and verified.
+        on_damaged: what :meth:`latest` does with a damaged newest checkpoint: ``"fall_back"``
+            (warn, naming it, and use the previous complete one) or ``"stop"`` (raise
+            :class:`CheckpointDamagedError`).
+
+    In process mode the background writer process joins the job's own store (torchrun's
+    ``MASTER_ADDR``/``MASTER_PORT``; a one-process job without them gets a store on 127.0.0.1)
+    under a prefix instead of opening a store of its own, which would listen on every network
+    interface.
     """
 
     def __init__(
@@ -115,7 +230,11 @@ class Checkpointer:
         async_mode: AsyncMode = "process",
         process_group: dist.ProcessGroup | None = None,
         pin_memory: bool | None = None,
+        checksums: bool = False,
+        on_damaged: OnDamaged = "fall_back",
     ) -> None:
+        if on_damaged not in ("fall_back", "stop"):
+            raise ValueError(f"on_damaged must be 'fall_back' or 'stop', got {on_damaged!r}")
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if async_mode not in ("process", "thread", "off"):
@@ -127,6 +246,10 @@ class Checkpointer:
             log.info("no process group: checkpoints are written from a background thread, not a process")
             async_mode = "thread"
         self.async_mode: AsyncMode = async_mode
+        self.checksums = checksums
+        self.on_damaged: OnDamaged = on_damaged
+        if async_mode == "process":
+            _join_job_store(dist.get_world_size(process_group))
         # DCP's writes coordinate through collectives; a background thread must not interleave them
         # with the training thread's collectives on the same group, so it gets a group of its own.
         self._dcp_pg = process_group
@@ -145,10 +268,17 @@ class Checkpointer:
                 )
             )
         # One planner for the run: with plan caching, a save whose structure matches the previous
-        # one skips building the global plan (DCP keeps the cache per planner class).
+        # one skips building the global plan. DCP keys its (process-wide) cache by the planner's
+        # class name, so two Checkpointers in one process would mix their plans (a checkpoint of
+        # one state planned with another's chunks): each gets a key of its own.
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._planner._cached_plans_key = f"plait.Checkpointer/{next(_PLAN_KEYS)}"
         self._pending: _Pending | None = None
+        self._reserving: threading.Thread | None = None
+        self._reserve_error: BaseException | None = None
         self.last_stall_s = 0.0
+        self.last_saved_s: float | None = None  # a save's start to complete, seconds
+        self.last_complete: Path | None = None  # the newest checkpoint this Checkpointer completed
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -177,6 +307,7 @@ class Checkpointer:
         """
         self.finalize()
         t0 = time.perf_counter()
+        self._wait_reserved()
         path = _layout.partial_dir(self.root, step)
         if self.rank == 0:
             _layout.remove(path)
@@ -205,6 +336,67 @@ class Checkpointer:
             self._pending = _Pending(step, path, response, t0)
         self.last_stall_s = time.perf_counter() - t0
 
+    def reserve(self, state: dict[str, Any]) -> None:
+        """Prepare the first async save off the critical path: in a background thread, allocate the
+        (pinned, shared) host buffers of every tensor in ``state`` and, in process mode, start the
+        writer process. The next :meth:`save` waits for this to finish (no stall if it has).
+
+        Call it once the state has its final structure (after the first optimizer step, which
+        creates the optimizer's moments). A no-op with ``async_mode="off"``.
+        """
+        if self._stager is None or self._reserving is not None:
+            return
+        flat = _flatten(_expand(state))
+        tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
+        start_process = None
+        if self.async_mode == "process":
+            from torch.distributed.checkpoint import _async_process_executor as ape
+
+            if ape._CHECKPOINT_PROCESS is None:
+                info = ape._ProcessGroupInitInfo(self._dcp_pg)  # a collective: here, on every rank
+
+                def start_process() -> None:
+                    ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
+
+        stager = self._stager._state_dict_stager
+
+        def work() -> None:
+            try:
+                if start_process is not None:
+                    start_process()
+                stager.reserve(tensors)
+            except BaseException as e:  # re-raised by the next save
+                self._reserve_error = e
+
+        self._reserving = threading.Thread(target=work, name="plait-checkpoint-reserve", daemon=True)
+        self._reserving.start()
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+        if self._reserve_error is not None:
+            err, self._reserve_error = self._reserve_error, None
+            raise RuntimeError(f"preparing the checkpoint staging buffers failed: {err}") from err
+
+    def poll(self) -> Path | None:
+        """Finalise the pending save if every rank's write is done (does not wait for it).
+
+        A collective over ``process_group`` while a save is pending; call it on every rank at the
+        same point (the trainer calls it after every step). Returns the path it made visible.
+        """
+        if self._pending is None:
+            return None
+        response = self._pending.response
+        done = response is None or getattr(response, "upload_completion", response).done()
+        return None if self._any(not done) else self.finalize()
+
+    def step_done(self, state: Callable[[], dict[str, Any]]) -> None:
+        """Call on every rank after every training step: the first call reserves the staging buffers
+        for ``state()`` (:meth:`reserve`), every call finalises a finished save (:meth:`poll`)."""
+        if self._reserving is None:
+            self.reserve(state())
+        self.poll()
+
     def wait_for_staging(self) -> None:
         """Block until the pending save has copied the tensors out; call before mutating them."""
         response = self._pending.response if self._pending else None
@@ -222,10 +414,14 @@ class Checkpointer:
             future.result()
         self._barrier()
         final = _layout.final_dir(self.root, pending.step)
+        self.last_saved_s = time.perf_counter() - pending.started
         if self.rank == 0:
+            files = {
+                f.name: _file_record(f, self.checksums) for f in sorted(pending.path.iterdir()) if f.is_file()
+            }
             marker = pending.path / _layout.MARKER
             marker.write_text(
-                json.dumps({**self._meta, "saved_s": round(time.perf_counter() - pending.started, 3)})
+                json.dumps({**self._meta, "saved_s": round(self.last_saved_s, 3), "files": files})
             )
             _fsync(marker)
             _layout.remove(final)
@@ -234,30 +430,89 @@ class Checkpointer:
             for old in _layout.list_complete(self.root)[: -self.keep_last]:
                 _layout.remove(old.path)
         self._barrier()
-        log.info("checkpoint step %d complete at %s", pending.step, final)
+        log.info(
+            "checkpoint step %d complete at %s (%.2f s after the save started)",
+            pending.step,
+            final,
+            self.last_saved_s,
+        )
+        self.last_complete = final
         return final
 
     def close(self) -> None:
         """Finalise any pending save and release the staging buffers."""
         self.finalize()
+        if self._reserving is not None:
+            self._reserving.join()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        for cache in _PLAN_CACHES:
+            getattr(SavePlanner, cache).pop(self._planner._cached_plans_key, None)
 
     # -- resuming --------------------------------------------------------------------------------
-    def latest(self, *, clean: bool = True) -> Path | None:
-        """The newest complete checkpoint (same answer on every rank); incomplete ones are reported
-        and, with ``clean``, deleted by the main rank."""
+    def latest(self, *, clean: bool = True, exclude: frozenset[Path] = frozenset()) -> Path | None:
+        """The newest complete, intact checkpoint (same answer on every rank).
+
+        Incomplete ones are reported and, with ``clean``, deleted by the main rank. A damaged one
+        (a file missing, of the wrong size or, with ``checksums``, the wrong CRC32) is named in a
+        warning and the previous one is tried, or with ``on_damaged="stop"`` raises
+        :class:`CheckpointDamagedError`.
+        """
         path = None
         if self.rank == 0:
             for bad in _layout.list_incomplete(self.root):
                 log.warning("ignoring incomplete checkpoint %s%s", bad, " (deleting it)" if clean else "")
                 if clean:
                     _layout.remove(bad)
-            complete = _layout.list_complete(self.root)
-            path = str(complete[-1].path) if complete else None
+            path = self._newest_intact(exclude)
         path = self._broadcast(path)
+        if isinstance(path, BaseException):
+            raise path
         return Path(path) if path else None
+
+    def _newest_intact(self, exclude: frozenset[Path]) -> str | CheckpointDamagedError | None:
+        for info in reversed(_layout.list_complete(self.root)):
+            if info.path in exclude:
+                continue
+            problem = _damage(info.path, info.meta, checksums=self.checksums)
+            if problem is None:
+                return str(info.path)
+            err = CheckpointDamagedError(f"checkpoint {info.path} is damaged: {problem}")
+            if self.on_damaged == "stop":
+                return err
+            log.warning("%s; falling back to the previous complete checkpoint", err)
+        return None
+
+    def resume(self, state: dict[str, Any]) -> tuple[Path, dict] | None:
+        """Load the newest intact checkpoint into ``state``; returns its path and marker metadata.
+
+        A checkpoint that fails to load on any rank (corrupt data, a per-rank state that is not
+        plait's format) is handled like a damaged one (see :meth:`latest`): named in a warning and
+        the previous one tried, or with ``on_damaged="stop"`` raised. None when there is none.
+        """
+        tried: frozenset[Path] = frozenset()
+        while (path := self.latest(exclude=tried)) is not None:
+            error: CheckpointDamagedError | None = None
+            try:
+                meta = self.load(path, state)
+            except CheckpointDamagedError as e:
+                error = e
+            if not self._any(error is not None):
+                return path, meta
+            error = error or CheckpointDamagedError(f"checkpoint {path} failed to load on another rank")
+            if self.on_damaged == "stop":
+                raise error
+            log.warning("%s; falling back to the previous complete checkpoint", error)
+            tried |= {path}
+        return None
+
+    def _any(self, flag: bool) -> bool:
+        if not _initialised():
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return bool(t.item())
 
     def load(self, path: str | Path, state: dict[str, Any], *, strict: bool = True) -> dict:
         """Restore ``state`` in place from checkpoint ``path``; returns the checkpoint's marker metadata.
@@ -292,7 +547,7 @@ class Checkpointer:
                 del state[key]
         # Expand each Stateful once: the same dicts are checked, loaded into in place, then handed back
         # (what dcp.load does itself, which would call every state_dict() a second time).
-        expanded = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+        expanded = _expand(state)
         self._verify(
             path,
             saved,
@@ -300,10 +555,18 @@ class Checkpointer:
             strict=strict,
             rank_keyed=[k for k, v in state.items() if isinstance(v, PerRankState)],
         )
-        dcp.load(expanded, checkpoint_id=str(path), process_group=self.pg)
+        try:
+            dcp.load(expanded, checkpoint_id=str(path), process_group=self.pg, planner=_SafeLoadPlanner())
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise CheckpointDamagedError(
+                f"checkpoint {path} cannot be read: {type(e).__name__}: {str(e).strip()[-2000:]}"
+            ) from e
         for k, v in state.items():
             if hasattr(v, "load_state_dict"):
-                v.load_state_dict(expanded[k])
+                try:
+                    v.load_state_dict(expanded[k])
+                except _codec.StateFormatError as e:
+                    raise CheckpointDamagedError(f"checkpoint {path}: {k!r}: {e}") from e
         return meta
 
     def _verify(
@@ -332,6 +595,41 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not match the training state:\n  " + "\n  ".join(problems)
             )
+
+
+_LOOPBACK_STORE: Any = None  # a one-process job's store for the writer process (lives as long as it)
+
+
+def _join_job_store(world_size: int) -> None:
+    """Make DCP's writer process join an existing store (under a prefix) instead of hosting its own.
+
+    Without this, the writer process's rank 0 opens a fresh TCPStore, which listens on every
+    network interface. With ``DCP_USE_PREFIX_STORE`` it connects to ``MASTER_ADDR``:``MASTER_PORT``
+    as a client: the job's store under torchrun, or for a one-process job without those variables
+    a store this process opens on the loopback interface (127.0.0.1).
+
+    Raises:
+        ValueError: several processes without ``MASTER_ADDR``/``MASTER_PORT`` (use torchrun, or
+            init the process group with ``init_method="env://"``, or another async mode).
+    """
+    global _LOOPBACK_STORE
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        if world_size > 1:
+            raise ValueError(
+                "checkpoint async_mode='process' needs MASTER_ADDR and MASTER_PORT in the environment "
+                "(torchrun sets them): the writer processes join the job's store; use async_mode='thread' otherwise"
+            )
+        if _LOOPBACK_STORE is None:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            port = sock.getsockname()[1]
+            _LOOPBACK_STORE = dist.TCPStore(
+                "127.0.0.1", port, None, True, master_listen_fd=sock.detach(), wait_for_workers=False
+            )
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_LOOPBACK_STORE.port)
+    os.environ["DCP_USE_PREFIX_STORE"] = "1"
 
 
 def _fsync(path: Path) -> None:

@@ -7,12 +7,12 @@ so FSDP2/DTensor parameters are saved as global tensors and reshard on load to a
 
 from __future__ import annotations
 
-import pickle
 import random
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.loop.checkpoint import _codec
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -76,8 +76,9 @@ class PerRankState:
     """Wraps a Stateful whose state differs per rank (RNGs, local metric accumulators).
 
     Each rank writes its own key ``rank<N>`` (DCP would otherwise keep one copy of identically named
-    objects), as a pickled blob so that a structure that grows during training (metrics created on
-    first use) still loads into a fresh object. On a world size the checkpoint did not have, the
+    objects), as one blob so that a structure that grows during training (metrics created on first
+    use) still loads into a fresh object. The blob is JSON with tagged tensors and tuples
+    (:mod:`plait.loop.checkpoint._codec`), not a pickle: loading it cannot run code. On a world size the checkpoint did not have, the
     :class:`~plait.loop.checkpoint.Checkpointer` skips ranks without a saved state, with a warning.
     """
 
@@ -85,10 +86,10 @@ class PerRankState:
         self.inner = inner
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"rank{_rank()}": pickle.dumps(self.inner.state_dict())}
+        return {f"rank{_rank()}": _codec.encode(self.inner.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(pickle.loads(state_dict[f"rank{_rank()}"]))
+        self.inner.load_state_dict(_codec.decode(state_dict[f"rank{_rank()}"]))
 
 
 class _Generators:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import tomllib
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from plait.loop.config.trainer_config import TrainerConfig
 from pydantic import BaseModel, ValidationError
@@ -34,12 +35,18 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file into a plain dict.
 
     Raises:
-        ConfigError: unknown suffix, unparsable file, or a top level that is not a table.
+        ConfigError: a missing or unreadable file, unknown suffix, unparsable file, or a top level
+            that is not a table.
         ImportError: a YAML file without pyyaml (``pip install 'plait-loop[yaml]'``).
     """
     path = Path(path)
     suffix = path.suffix.lower()
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     try:
         if suffix == ".toml":
             data: Any = tomllib.loads(text)
@@ -76,30 +83,88 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``"--optimizer.lr=3e-4"`` -> ``(["optimizer", "lr"], 3e-4)``.
-
-    Raises:
-        ConfigError: when there is no ``=`` or the key is empty.
-    """
+def _split(item: str) -> tuple[list[str], str]:
     body = item[2:] if item.startswith("--") else item
     key, sep, value = body.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"bad override {item!r}: expected --section.field=value")
-    return key.split("."), _parse_value(value)
+    return key.split("."), value
+
+
+def parse_override(item: str, cls: type[BaseModel] | None = None) -> tuple[list[str], Any]:
+    """``"--optimizer.lr=3e-4"`` -> ``(["optimizer", "lr"], 3e-4)``.
+
+    With ``cls`` the value is read by the type of the field it sets: a field that takes strings
+    keeps the text as it is (``--run.name=2024`` is the name ``"2024"``; ``none``/``null`` is None
+    where the field also takes None); other fields (numbers, booleans, lists) decode it as JSON.
+    Without ``cls``, or for a key the config does not declare, the value is JSON-decoded when it
+    parses and kept as text otherwise.
+
+    Raises:
+        ConfigError: when there is no ``=`` or the key is empty.
+    """
+    path, text = _split(item)
+    targets = _field_types(cls, path) if cls is not None else []
+    members = [m for t in targets for m in _members(t)]
+    if members and Any not in members and any(_takes_str(m) for m in members):
+        if text.lower() in ("none", "null") and type(None) in members:
+            return path, None
+        return path, text
+    return path, _parse_value(text)
+
+
+def _members(tp: Any) -> list[Any]:
+    """The alternatives of a (possibly Annotated / Optional / Union) type."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _members(get_args(tp)[0])
+    if origin is Union or origin is types.UnionType:
+        return [m for a in get_args(tp) for m in _members(a)]
+    return [tp]
+
+
+def _takes_str(tp: Any) -> bool:
+    return tp is str or (get_origin(tp) is Literal and any(isinstance(a, str) for a in get_args(tp)))
+
+
+def _field_types(cls: type[BaseModel], path: Sequence[str]) -> list[Any]:
+    """The declared types a dotted ``path`` may point to in ``cls`` (several through unions); [] if unknown."""
+    current: list[Any] = [cls]
+    for part in path:
+        found: list[Any] = []
+        for tp in current:
+            for m in _members(tp):
+                origin, args = get_origin(m), get_args(m)
+                if isinstance(m, type) and issubclass(m, BaseModel):
+                    if (field := m.model_fields.get(part)) is not None:
+                        found.append(field.annotation)
+                elif origin in (list, tuple) and args and part.lstrip("-").isdigit():
+                    found.append(
+                        args[0] if origin is list or args[-1] is Ellipsis else args[int(part) % len(args)]
+                    )
+                elif origin is dict and len(args) == 2:
+                    found.append(args[1])
+                elif m is Any or m is dict:
+                    found.append(Any)
+        current = found
+    return current
 
 
 def apply_overrides(
-    data: dict[str, Any], overrides: Sequence[str], defaults: Mapping[str, Any] | None = None
+    data: dict[str, Any],
+    overrides: Sequence[str],
+    defaults: Mapping[str, Any] | None = None,
+    cls: type[BaseModel] | None = None,
 ) -> dict[str, Any]:
     """Return a copy of ``data`` with dotted overrides applied (lists are indexed by integers).
 
     ``defaults`` (the dumped config without overrides) supplies lists that ``data`` does not spell
-    out, so ``--logging.trackers.0.kind=console`` edits the default tracker list.
+    out, so ``--logging.trackers.0.kind=console`` edits the default tracker list. ``cls`` (the
+    config class) reads each value by the type of its field (see :func:`parse_override`).
     """
     out = json.loads(json.dumps(data))  # deep copy of plain data
     for item in overrides:
-        path, value = parse_override(item)
+        path, value = parse_override(item, cls)
         node: Any = out
         dnode: Any = defaults or {}
         for i, part in enumerate(path[:-1]):
@@ -180,7 +245,7 @@ def load_config(
             defaults: dict[str, Any] | None = cls.model_validate(data).model_dump(mode="json")
         except ValidationError:
             defaults = None
-        data = apply_overrides(data, overrides, defaults)
+        data = apply_overrides(data, overrides, defaults, cls)
         source += " + overrides " + " ".join(overrides)
     try:
         return cls.model_validate(data)

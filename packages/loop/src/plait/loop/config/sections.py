@@ -144,7 +144,8 @@ class CheckpointConfig(_Section):
     Saves every ``interval`` steps, at the last step, and on SIGTERM/SIGINT (``save_on_signal``:
     the current step finishes, a final checkpoint is written, the process exits within
     ``grace_period_s``). With ``resume`` the newest complete checkpoint in ``dir`` is loaded when the
-    trainer is built.
+    trainer is built; a damaged one (a file missing, truncated, or with ``checksums`` corrupt) is
+    named and skipped for the previous one (``on_damaged="fall_back"``) or stops the run.
     """
 
     enabled: bool = False
@@ -157,6 +158,14 @@ class CheckpointConfig(_Section):
     resume: bool = True
     save_on_signal: bool = True
     grace_period_s: float = Field(default=120.0, gt=0)
+    checksums: bool = Field(
+        default=False,
+        description="Record a CRC32 of every checkpoint file and verify it at resume (sizes are always checked).",
+    )
+    on_damaged: Literal["fall_back", "stop"] = Field(
+        default="fall_back",
+        description="A damaged newest checkpoint at resume: warn and use the previous one, or stop with an error.",
+    )
 
 
 class TrackerConfig(_Section):

@@ -91,6 +91,19 @@ class TrainerConfig(BaseModel):
         return dp_size_of(self.mesh)
 
     @property
+    def num_pipeline_stages(self) -> int:
+        """Model stages over the whole pipeline: ``mesh.pipeline`` x the schedule's stages per rank
+        (1 without pipeline parallelism). Config classes that know the model check it against the
+        model's layers."""
+        pp = int(self.mesh.pipeline)
+        if pp == 1:
+            return 1
+        from plait.pipelining import OneFOneBConfig
+
+        schedule = self.pipeline or OneFOneBConfig(num_microbatches=self.grad_accum_steps)
+        return int(schedule.topology(pp).num_stages)
+
+    @property
     def grad_accum_steps(self) -> int:
         """Microbatches per rank per optimizer step."""
         return self.batching.grad_accum_steps(self.dp_size)

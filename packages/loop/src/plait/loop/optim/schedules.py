@@ -184,21 +184,14 @@ class PiecewiseLR:
 
 def plot_schedule(config: LRScheduleConfig, total_steps: int, path: str, base_lr: float = 1.0) -> None:
     """Write a PNG of the schedule over ``total_steps`` (needs matplotlib: ``pip install plait-loop[viz]``)."""
-    try:
-        import matplotlib
+    from plait.loop.tracking.plots import plot_series
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("plot_schedule needs matplotlib: pip install 'plait-loop[viz]'") from e
     resolved = config.resolve(total_steps)
     steps = list(range(total_steps))
-    lrs = [base_lr * _multiplier(resolved, s) for s in steps]
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.plot(steps, lrs)
-    ax.set_xlabel("step")
-    ax.set_ylabel("learning rate")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    plot_series(
+        steps,
+        [base_lr * _multiplier(resolved, s) for s in steps],
+        path,
+        xlabel="step",
+        ylabel="learning rate",
+    )

@@ -1,5 +1,7 @@
 """Experiment tracking, throughput/MFU and memory statistics."""
 
+from plait.loop.tracking.plots import plot_loss_curve, plot_series
+from plait.loop.tracking.summary import RunSummary, RunSummaryCollector
 from plait.loop.tracking.throughput import ThroughputMeter, device_memory_stats, peak_flops_for
 from plait.loop.tracking.trackers import (
     AimTracker,
@@ -16,6 +18,8 @@ __all__ = [
     "AimTracker",
     "ConsoleTracker",
     "JSONLTracker",
+    "RunSummary",
+    "RunSummaryCollector",
     "TensorBoardTracker",
     "ThroughputMeter",
     "Tracker",
@@ -23,5 +27,7 @@ __all__ = [
     "build_tracker",
     "device_memory_stats",
     "peak_flops_for",
+    "plot_loss_curve",
+    "plot_series",
     "register_tracker",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,13 +51,19 @@ def _clean(v: float) -> float | None:
 class JSONLTracker:
     """Appends one JSON object per logged step to ``<run_dir>/metrics.jsonl`` (``config.json`` beside it).
 
-    Non-finite values are written as ``null``. Appending makes a resumed run continue the same file.
+    Non-finite values are written as ``null``. A run that resumes from step ``start_step`` continues
+    the same file after dropping its records of later steps (they are redone), so each step has
+    exactly one record; ``start_step=None`` keeps every record.
     """
 
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl") -> None:
+    def __init__(
+        self, run_dir: str | Path, filename: str = "metrics.jsonl", start_step: int | None = None
+    ) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / filename
+        if start_step is not None and self.path.exists():
+            _drop_records_after(self.path, start_step)
         self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
         self.run_id: str | None = None
 
@@ -69,6 +76,30 @@ class JSONLTracker:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite a metrics file atomically without its records of steps after ``step``."""
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record_step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            record_step = None  # an unreadable (e.g. half-written) line is not kept either
+        if isinstance(record_step, int) and record_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) == len(lines):
+        return
+    logger.info(
+        "%s: replacing the %d records after step %d (the resumed run redoes them)",
+        path,
+        len(lines) - len(kept),
+        step,
+    )
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 class ConsoleTracker:
@@ -110,13 +141,18 @@ def _need(module: str, extra: str, tracker: str) -> Any:
 
 
 class TensorBoardTracker:
-    """Scalars to TensorBoard event files under ``<run_dir>/tensorboard`` (extra ``tensorboard``)."""
+    """Scalars to TensorBoard event files under ``<run_dir>/tensorboard`` (extra ``tensorboard``).
 
-    def __init__(self, run_dir: str | Path) -> None:
+    A run resumed from step ``start_step`` purges the events of later steps (TensorBoard's
+    ``purge_step``), so the redone steps are not shown twice.
+    """
+
+    def __init__(self, run_dir: str | Path, start_step: int | None = None) -> None:
         _need("tensorboard", "tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        purge = start_step + 1 if start_step else None
+        self._w = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
         self.run_id: str | None = None
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -197,19 +233,23 @@ def build_tracker(
     run_id: str | None = None,
     total_steps: int | None = None,
     write: Callable[[str], None] | None = None,
+    start_step: int | None = None,
     **options: Any,
 ) -> Tracker:
     """Build a tracker by kind (``jsonl``, ``console``, ``tensorboard``, ``aim``, ``wandb`` or registered).
+
+    ``start_step`` is the step the run starts (or resumes) from: ``jsonl`` and ``tensorboard``
+    replace what they recorded after it; ``aim`` and ``wandb`` continue the run ``run_id``.
 
     Raises:
         ValueError: naming an unknown kind.
     """
     if kind == "jsonl":
-        return JSONLTracker(run_dir, **options)
+        return JSONLTracker(run_dir, start_step=start_step, **options)
     if kind == "console":
         return ConsoleTracker(write, total_steps)
     if kind == "tensorboard":
-        return TensorBoardTracker(run_dir)
+        return TensorBoardTracker(run_dir, start_step=start_step)
     if kind == "aim":
         return AimTracker(run_dir, experiment=project, run_id=run_id)
     if kind == "wandb":

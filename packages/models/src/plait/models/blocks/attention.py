@@ -195,8 +195,10 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
     from torch.nn.attention.flex_attention import flex_attention
 
     fn: Any = flex_attention
-    if q.device.type == "cuda":
-        # FlexAttention is only fast compiled; compile once per process.
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        # FlexAttention is only fast compiled; eager callers get a compiled copy (once per process).
+        # Inside a compiled region (a compiled decoder layer) the call is traced into that graph,
+        # document mask included, so no nested compile and no graph break.
         if _FLEX_COMPILED is None:
             _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
         fn = _FLEX_COMPILED

@@ -1,7 +1,7 @@
 """Expert-parallel dispatch over ``torch.distributed`` all-to-all (NCCL on GPUs, gloo on CPUs).
 
-Per forward: (1) sort local assignments by global expert (experts are contiguous per EP rank, so this
-also groups them by destination rank); (2) exchange per-expert counts (``all_to_all_single`` of
+Per forward: (1) permute local assignments by global expert (``plait.kernels.permute``; experts are
+contiguous per EP rank, so this also groups them by destination rank); (2) exchange per-expert counts (``all_to_all_single`` of
 ``[E]`` int64), one host copy of the split sizes; (3) send rows and their routing weights; (4)
 regroup received rows from ``[source rank][local expert]`` to ``[local expert][source rank]``; (5)
 grouped GEMM; then everything in reverse. Every step is differentiable.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from plait.moe.permute import combine_rows, dispatch_rows, sort_by_expert
+from plait.kernels import permute, unpermute
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -62,11 +62,12 @@ class AllToAllDispatcher:
         experts: GroupedExperts,
         has_dropped: bool = False,
     ) -> Tensor:
-        num_tokens, top_k = topk_idx.shape
         num_experts, ep = experts.num_experts, self.ep_size
         n_local = num_experts // ep
-        perm, counts = sort_by_expert(topk_idx, num_experts)
-        send_counts = counts[:num_experts].contiguous()
+        # Expert-major order over the global experts is also destination-rank order (experts are
+        # contiguous per rank); dropped slots (sentinel E) are left in the buffer's unused tail.
+        rows, row_w, row_map, send_counts = permute(x, topk_idx, num_experts, topk_weights)
+        assert row_w is not None
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src, local expert]
         # The one host sync of a forward: split sizes for the token all-to-all.
@@ -74,24 +75,24 @@ class AllToAllDispatcher:
             [send_counts.view(ep, n_local).sum(1), recv_counts.view(ep, n_local).sum(1)]
         ).tolist()
         input_splits, output_splits = splits[:ep], splits[ep:]
-        perm = perm[: sum(input_splits)]
+        n_send = sum(input_splits)
+        recv_rows = all_to_all(rows[:n_send], output_splits, input_splits, self.group)
+        recv_w = all_to_all(row_w[:n_send], output_splits, input_splits, self.group)
 
-        rows = dispatch_rows(x, perm, top_k)
-        row_w = topk_weights.reshape(-1)[perm]
-        recv_rows = all_to_all(rows, output_splits, input_splits, self.group)
-        recv_w = all_to_all(row_w, output_splits, input_splits, self.group)
-
-        # Received order is [source rank][local expert]; the experts need [local expert][source rank].
+        # Received order is [source rank][local expert]; the experts need [local expert][source rank]:
+        # a stable permute by local expert.
         seg = torch.repeat_interleave(
             torch.arange(ep * n_local, device=x.device), recv_counts, output_size=sum(output_splits)
         )
-        order = torch.sort((seg % n_local) * ep + seg // n_local, stable=True).indices
-        local_rows = dispatch_rows(recv_rows, order)
-        local_w = recv_w[order]
-        out = experts(local_rows, recv_counts.view(ep, n_local).sum(0), local_w)
-        out = combine_rows(out, order, out.shape[0])
+        local_idx = (seg % n_local).unsqueeze(1)
+        local_rows, local_w, local_map, local_counts = permute(
+            recv_rows, local_idx, n_local, recv_w.unsqueeze(1)
+        )
+        out = unpermute(experts(local_rows, local_counts, local_w), local_map)
         back = all_to_all(out, input_splits, output_splits, self.group)
-        return combine_rows(back, perm, num_tokens, top_k)
+        # Back into the full permuted buffer (the dropped tail is never read by unpermute).
+        back = torch.nn.functional.pad(back, (0, 0, 0, rows.shape[0] - n_send))
+        return unpermute(back, row_map)
 
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(ep_size={self.ep_size})"

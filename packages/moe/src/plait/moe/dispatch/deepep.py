@@ -2,8 +2,8 @@
 
 DeepEP sends each token once per destination rank (not once per expert) over NVLink/RDMA and returns,
 per received token, the routing restricted to this rank's experts (local ids, -1 elsewhere). The rank
-then sorts its received assignments by local expert, runs the grouped GEMM, sums each token's local
-expert outputs, and DeepEP's ``combine`` sums the per-rank partial results back on the source rank.
+then permutes its received assignments by local expert (``plait.kernels.permute``), runs the grouped
+GEMM, sums each token's local expert outputs, and DeepEP's ``combine`` sums the per-rank partial results back on the source rank.
 Backward is the mirror image: ``combine`` of the gradients for dispatch, ``dispatch`` for combine.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from plait.moe.permute import combine_rows, dispatch_rows, sort_by_expert
+from plait.kernels import permute, unpermute
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -115,18 +115,13 @@ class DeepEPDispatcher:
         num_experts = experts.num_experts
         n_local = num_experts // self.ep_size
         idx = topk_idx.masked_fill(topk_idx >= num_experts, -1) if has_dropped else topk_idx
-        recv_x, recv_w, recv_idx, handle, recv_counts = _Dispatch.apply(
+        recv_x, recv_w, recv_idx, handle, _recv_counts = _Dispatch.apply(
             x, topk_weights.float(), idx.to(torch.int64), self
         )
-        n_recv, top_k = recv_idx.shape
-        local_idx = recv_idx.masked_fill(recv_idx < 0, n_local)
-        perm, _ = sort_by_expert(local_idx, n_local)
-        perm = perm[: sum(recv_counts)]
-        rows = dispatch_rows(recv_x, perm, top_k)
-        row_w = recv_w.reshape(-1)[perm].to(x.dtype)
-        counts = torch.tensor(recv_counts, dtype=torch.int64, device=x.device)
-        out = experts(rows, counts, row_w)
-        partial = combine_rows(out, perm, n_recv, top_k)
+        # recv_idx holds local expert ids, -1 for experts of other ranks: permute skips those.
+        rows, row_w, row_map, counts = permute(recv_x, recv_idx, n_local, recv_w)
+        assert row_w is not None
+        partial = unpermute(experts(rows, counts, row_w.to(x.dtype)), row_map)
         return _Combine.apply(partial, handle, self)  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:

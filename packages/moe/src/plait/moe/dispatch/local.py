@@ -1,10 +1,10 @@
-"""Dispatch without expert parallelism: sort by expert, grouped GEMM, unsort."""
+"""Dispatch without expert parallelism: permute by expert, grouped GEMM, unpermute."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plait.moe.permute import combine_rows, dispatch_rows, sort_by_expert
+from plait.kernels import permute, unpermute
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 
 class LocalDispatcher:
-    """All experts on this rank. Dropless routing needs no device sync; dropping needs one (kept rows)."""
+    """All experts on this rank. No device sync, dropped slots included: the permuted buffer has a
+    static size (``T * k`` rows) and dropped slots leave its tail unused."""
 
     def __call__(
         self,
@@ -22,15 +23,9 @@ class LocalDispatcher:
         experts: GroupedExperts,
         has_dropped: bool = False,
     ) -> Tensor:
-        num_tokens, top_k = topk_idx.shape
-        num_experts = experts.num_experts
-        perm, counts = sort_by_expert(topk_idx, num_experts)
-        if has_dropped:
-            perm = perm[: num_tokens * top_k - int(counts[num_experts].item())]
-        rows = dispatch_rows(x, perm, top_k)
-        row_w = topk_weights.reshape(-1)[perm]
-        out = experts(rows, counts[:num_experts], row_w)
-        return combine_rows(out, perm, num_tokens, top_k)
+        # Dropped slots carry the sentinel E, outside [0, E): permute skips them (has_dropped or not).
+        rows, row_w, row_map, tokens_per_expert = permute(x, topk_idx, experts.num_experts, topk_weights)
+        return unpermute(experts(rows, tokens_per_expert, row_w), row_map)
 
     def __repr__(self) -> str:
         return "LocalDispatcher()"

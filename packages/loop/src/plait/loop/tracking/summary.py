@@ -1,0 +1,159 @@
+"""The end-of-run summary: what a run did, printed and written to ``<run_dir>/summary.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from plait.loop.events import MetricsLogged, TrainingEnd, TrainingStart
+from plait.loop.tracking.plots import plot_loss_curve
+
+__all__ = ["RunSummary", "RunSummaryCollector"]
+
+logger = logging.getLogger("plait.loop")
+
+# Peak memory keys of plait.loop.tracking.device_memory_stats (CUDA, then CPU).
+_MEMORY_KEYS = ("mem_allocated_gib", "max_rss_gib")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a training run did (over the :meth:`~plait.loop.Trainer.fit` calls of this process).
+
+    ``steps`` and ``tokens`` are the run's totals (a resumed run includes what was done before the
+    resume); ``steps_this_session``, ``wall_time_s``, ``mean_tokens_per_s`` and ``mean_mfu`` cover
+    this process's training loop only.
+    """
+
+    steps: int
+    total_steps: int
+    stopped_early: bool
+    steps_this_session: int
+    tokens: int
+    wall_time_s: float
+    final_loss: float | None
+    mean_tokens_per_s: float
+    mean_mfu: float | None
+    peak_memory_gib: float | None
+    checkpoint: str | None
+    export: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (what ``summary.json`` holds)."""
+        return asdict(self)
+
+    def format(self) -> str:
+        """A few human-readable lines."""
+
+        def opt(value: float | None, fmt: str) -> str:
+            return "n/a" if value is None else format(value, fmt)
+
+        state = "stopped early" if self.stopped_early else "finished"
+        return "\n".join(
+            [
+                f"run {state}: step {self.steps}/{self.total_steps} ({self.steps_this_session} this session), "
+                f"{self.tokens:,} tokens, {self.wall_time_s:.1f} s",
+                f"  final loss {opt(self.final_loss, '.4f')} | mean {self.mean_tokens_per_s:,.0f} tok/s | "
+                f"mean MFU {'n/a' if self.mean_mfu is None else format(100 * self.mean_mfu, '.2f') + '%'} | "
+                f"peak memory {opt(self.peak_memory_gib, '.2f')} GiB",
+                f"  checkpoint: {self.checkpoint or 'none'}",
+                f"  export: {self.export or 'none'}",
+            ]
+        )
+
+
+class RunSummaryCollector:
+    """Follows a trainer's events (start, logged metrics, end) and builds its :class:`RunSummary`.
+
+    Args:
+        trainer: the :class:`~plait.loop.Trainer` (its ``events``, ``state``, ``throughput``,
+            ``topology``, ``checkpointer`` and ``config`` are read).
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.export: str | Path | None = None  # set by the script that writes an export
+        self._t0: float | None = None
+        self._t1: float | None = None
+        self._start_step = 0
+        self._start_tokens = 0
+        self._stopped_early = False
+        self._final_loss: float | None = None
+        self._peak_memory: float | None = None
+        trainer.events.subscribe(TrainingStart, self._on_start)
+        trainer.events.subscribe(MetricsLogged, self._on_metrics)
+        trainer.events.subscribe(TrainingEnd, self._on_end)
+
+    def _on_start(self, e: TrainingStart) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+            self._start_step = e.step
+            self._start_tokens = self.trainer.state.tokens_seen
+
+    def _on_metrics(self, e: MetricsLogged) -> None:
+        loss = e.metrics.get("loss")
+        if loss is not None and math.isfinite(loss):
+            self._final_loss = float(loss)
+        for key in _MEMORY_KEYS:
+            if key in e.metrics:
+                self._peak_memory = max(self._peak_memory or 0.0, float(e.metrics[key]))
+
+    def _on_end(self, e: TrainingEnd) -> None:
+        self._t1 = time.perf_counter()
+        self._stopped_early = e.stopped_early
+
+    def summary(self) -> RunSummary:
+        """The summary so far (a run without a :class:`TrainingEnd` counts as stopped early)."""
+        tr = self.trainer
+        now = time.perf_counter()
+        wall = (self._t1 or now) - (self._t0 or now)
+        tokens = tr.state.tokens_seen - self._start_tokens
+        tps = tokens / wall if wall > 0 else 0.0
+        meter = tr.throughput
+        mfu = None
+        if meter.flops_per_token and meter.peak_flops:
+            mfu = meter.flops_per_token * tps / (meter.peak_flops * meter.world_size)
+        last = getattr(tr.checkpointer, "last_complete", None)
+        return RunSummary(
+            steps=tr.step,
+            total_steps=tr.config.run.steps,
+            stopped_early=self._stopped_early or self._t1 is None,
+            steps_this_session=tr.step - self._start_step,
+            tokens=tr.state.tokens_seen,
+            wall_time_s=wall,
+            final_loss=self._final_loss,
+            mean_tokens_per_s=tps,
+            mean_mfu=mfu,
+            peak_memory_gib=self._peak_memory,
+            checkpoint=str(last) if last is not None else None,
+            export=str(self.export) if self.export is not None else None,
+        )
+
+    def write(self, run_dir: str | Path) -> RunSummary | None:
+        """On the main rank: print the summary, write ``summary.json`` and ``loss_curve.png`` (from
+        ``metrics.jsonl``, when there is one) into ``run_dir``. Returns the summary (None elsewhere,
+        or before training started)."""
+        if not self.trainer.topology.is_main or self._t0 is None:
+            return None
+        summary = self.summary()
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary.to_dict(), indent=2))
+        os.replace(tmp, run_dir / "summary.json")
+        text = summary.format() + f"\n  summary: {run_dir / 'summary.json'}"
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            try:
+                if plot_loss_curve(metrics, run_dir / "loss_curve.png"):
+                    text += f"\n  loss curve: {run_dir / 'loss_curve.png'}"
+            except ImportError as e:
+                text += f"\n  loss curve not plotted: {e}"
+        print(text, flush=True)
+        return summary

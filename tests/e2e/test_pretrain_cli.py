@@ -1,0 +1,168 @@
+"""The main job's command line: errors before anything is built, signal exits, the run summary, the
+README's parameter count."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from plait.loop import ConfigError, load_config
+
+from tests.e2e._pretrain_runner import FAST, PRETRAIN, REPO, _import_pretrain
+
+TINY = [*FAST, "--batching.global_batch_size=4", "--batching.microbatch_size=4", "--checkpoint.enabled=false"]
+
+
+@pytest.fixture
+def pretrain(monkeypatch):
+    """The example module, with model construction forbidden: errors must come before it."""
+    module = _import_pretrain()
+
+    def no_model(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("the model was built before the error was reported")
+
+    monkeypatch.setattr(module, "Qwen3Provider", no_model)
+    return module
+
+
+def _fails(pretrain, capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        pretrain.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+# -- item 9: conflicts between sections name both fields ----------------------------------------------------
+def test_conflicting_sections_are_config_errors_naming_both_fields(pretrain):
+    cls, cfg = pretrain.PretrainConfig, pretrain.DEFAULT_CONFIG
+    with pytest.raises(
+        ConfigError, match=r"batching\.seq_len=2048 is larger than model\.max_position_embeddings=1024"
+    ):
+        load_config(cfg, ["--batching.seq_len=2048"], cls=cls)
+    with pytest.raises(ConfigError, match=r"model\.vocab_size=200 is smaller than the byte tokenizer's 259"):
+        load_config(cfg, ["--model.vocab_size=200"], cls=cls)
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.num_hidden_layers=2 is fewer than the 4 pipeline stages of mesh\.pipeline=2",
+    ):
+        load_config(cfg, ["--model.num_hidden_layers=2", "--mesh.pipeline=2", "--pipeline.kind=zbv"], cls=cls)
+    with pytest.raises(
+        ConfigError, match=r"model\.tie_word_embeddings=true cannot be split .* \(mesh\.pipeline=2\)"
+    ):
+        load_config(cfg, ["--model.tie_word_embeddings=true", "--mesh.pipeline=2"], cls=cls)
+    ok = load_config(
+        cfg, ["--model.num_hidden_layers=4", "--mesh.pipeline=2", "--pipeline.kind=zbv"], cls=cls
+    )
+    assert ok.num_pipeline_stages == 4
+
+
+# -- item 10: overrides by field type; no abbreviated or unknown flags ----------------------------------------
+def test_numeric_run_name_and_unknown_or_abbreviated_flags(pretrain, capsys, tmp_path):
+    config, _ = pretrain.parse_args(["--run.name=2024", "--run-dir", str(tmp_path)])
+    assert config.run.name == "2024"
+    assert "unrecognized arguments: --step 3" in _fails(pretrain, capsys, ["--step", "3"])
+    assert "unrecognized arguments: --bogus" in _fails(pretrain, capsys, ["--bogus"])
+    assert "unrecognized arguments: --run.steps 3" in _fails(pretrain, capsys, ["--run.steps", "3"])
+
+
+# -- item 11: one message, exit 2, nothing built ----------------------------------------------------------------
+def test_startup_errors_are_one_message_before_anything_is_built(pretrain, capsys, tmp_path):
+    err = _fails(pretrain, capsys, ["--config", str(tmp_path / "missing.toml")])
+    assert f"error: config file {tmp_path / 'missing.toml'} does not exist" in err
+    err = _fails(pretrain, capsys, ["--optimizer.lr=-1", "--run-dir", str(tmp_path)])
+    assert "optimizer.lr: Input should be greater than 0" in err
+    (tmp_path / "empty").mkdir()
+    err = _fails(pretrain, capsys, ["--init-from", str(tmp_path / "empty"), "--run-dir", str(tmp_path / "r")])
+    assert f"--init-from: {tmp_path / 'empty'} holds no *.safetensors files" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    err = _fails(pretrain, capsys, ["--run-dir", str(blocker / "run")])
+    assert f"run.run_dir: cannot write to {blocker / 'run'}" in err
+
+
+# -- item 12: signals exit 128 + signum after the final checkpoint, without the export --------------------------
+def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(PRETRAIN), "--steps", "10000", "--run-dir", str(run_dir), *TINY, *extra]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _stop_after_first_step(proc: subprocess.Popen, signum: int) -> str:
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if re.search(r"step 1/10000", line):
+            proc.send_signal(signum)
+            break
+    out, _ = proc.communicate(timeout=300)
+    return "".join(seen) + out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_then_exits_128_plus_signum_without_export(tmp_path, signum):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--checkpoint.enabled=true", "--checkpoint.async_mode=thread")
+    out = _stop_after_first_step(proc, signum)
+    assert proc.returncode == 128 + signum, out[-3000:]
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints and (checkpoints[-1] / "plait_checkpoint.json").is_file(), out[-3000:]
+    assert not (run_dir / "hf").exists()
+    assert "no Hugging Face export of the unfinished run" in out and "Traceback" not in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] is True and summary["export"] is None
+    assert summary["checkpoint"] == str(checkpoints[-1])
+
+
+def test_export_unfinished_writes_the_export_and_still_exits_143(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(
+        run_dir, "--checkpoint.enabled=true", "--checkpoint.async_mode=thread", "--export-unfinished"
+    )
+    out = _stop_after_first_step(proc, signal.SIGTERM)
+    assert proc.returncode == 143, out[-3000:]
+    assert (run_dir / "hf" / "config.json").is_file()
+
+
+# -- item 13: the end-of-run summary and loss curve; the README's parameter count -------------------------------
+def test_run_writes_summary_and_loss_curve(tmp_path):
+    run_dir = tmp_path / "run"
+    _import_pretrain().main(["--steps", "3", "--run-dir", str(run_dir), *TINY, "--no-export"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 3 and summary["stopped_early"] is False and summary["steps_this_session"] == 3
+    assert summary["tokens"] == 3 * 4 * 64  # steps x global batch x seq_len
+    assert summary["final_loss"] == records[-1]["loss"]
+    assert summary["mean_tokens_per_s"] == pytest.approx(summary["tokens"] / summary["wall_time_s"])
+    assert summary["peak_memory_gib"] == max(r["max_rss_gib"] for r in records)
+    assert summary["checkpoint"] is None and summary["export"] is None
+    png = (run_dir / "loss_curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_readme_parameter_count_matches_the_default_model():
+    import torch
+    from plait.models import Qwen3ForCausalLM
+
+    pretrain = _import_pretrain()
+    config = load_config(pretrain.DEFAULT_CONFIG, cls=pretrain.PretrainConfig).model
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * config.num_experts_per_tok // config.num_experts
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r"~(\d+\.\d)M-parameter Qwen3-MoE \((\d+\.\d+)M active per token", readme)
+    assert m, "README: the main job's parameter count"
+    assert float(m.group(1)) == round(total / 1e6, 1) and float(m.group(2)) == round(active / 1e6, 2)
