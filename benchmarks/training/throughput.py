@@ -376,13 +376,8 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if args.profile:
-        print(
-            f"--- {row} profile\n"
-            + "\n".join(
-                ln for ln in proc.stdout.splitlines() if ln.startswith(("PROFILE", "-", " ", "Name", "Self"))
-            ),
-            flush=True,
-        )
+        body = [ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")]
+        print(f"--- {row} profile\n" + "\n".join(body), flush=True)
     if proc.returncode != 0 or not results:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         print(f"--- {row} failed (rc {proc.returncode}):\n" + "\n".join(tail), flush=True)
