@@ -116,19 +116,19 @@ def _batches(
 
 
 class _Profile:
-    """``--profile``: a torch.profiler window of 3 steps right after the warm-up; prints where GPU time goes.
+    """``--profile``: a torch.profiler window of 3 steps after ``skip`` + 1 steps; prints where GPU time goes.
 
     ``tick()`` is called after every step (by the timed loop, or by the Trainer's ``StepEnd`` event).
     """
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, skip: int) -> None:
         self.prof = None
         if args.profile and int(os.environ.get("RANK", "0")) == 0:
             from torch.profiler import ProfilerActivity, profile, schedule
 
             self.prof = profile(
                 activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                schedule=schedule(wait=max(args.warmup - 1, 0), warmup=1, active=3, repeat=1),
+                schedule=schedule(wait=skip, warmup=1, active=3, repeat=1),
             )
             self.prof.__enter__()
 
@@ -141,7 +141,8 @@ class _Profile:
             return
         self.prof.__exit__(None, None, None)
         events = self.prof.key_averages()
-        busy = sum(e.self_device_time_total for e in events) / 1e6 / 3  # seconds of kernels per step
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3  # seconds of kernels per step
         print(events.table(sort_by="self_device_time_total", row_limit=30), flush=True)
         print(f"PROFILE kernel time {busy * 1e3:.1f} ms/step of {s_per_step * 1e3:.1f} ms/step wall "
               f"({busy / s_per_step:.0%} busy)", flush=True)  # fmt: skip
@@ -150,26 +151,29 @@ class _Profile:
 def _timed(
     step: Callable[[int], None], warmup: int, steps: int, device: str, prof: _Profile | None = None
 ) -> tuple[float, float]:
-    # The profiler's window (if any) opens after the warm-up and the timed steps: ticks skip the timed loop.
-    """Seconds per step over ``steps`` after ``warmup``, and peak allocated GiB."""
+    """Seconds per step over ``steps`` after ``warmup``, and peak allocated GiB.
+
+    With ``prof`` (which skips warmup + steps), 4 more steps run after the timing for its window.
+    """
+    tick = prof.tick if prof is not None else (lambda: None)
     for i in range(warmup):
         step(i)
-        if prof is not None:
-            prof.tick()
+        tick()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for i in range(steps):
         step(warmup + i)
+        tick()
     if device == "cuda":
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    if prof is not None:  # after the timing, so that it does not slow the timed steps
+    if prof is not None:
         for i in range(4):
             step(warmup + steps + i)
-            prof.tick()
+            tick()
         prof.report(dt)
     return dt, peak
 
@@ -264,8 +268,8 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
             f"--batching.microbatch_size={args.batch}", f"--batching.seq_len={args.seq}",
             "--checkpoint.enabled=false", "--logging.progress_bar=false", f"--logging.interval={args.warmup}",
             f"--parallel.compile={str(compiled).lower()}", "--data.max_files=4000"]  # fmt: skip
-    if args.device == "cuda":
-        argv += ["--model_dtype=bfloat16", "--optimizer.name=stochastic_adamw"]
+    if args.device == "cuda":  # the shipped GPU config: bf16 parameters, StochasticAdamW
+        argv += ["--config", str(ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml")]
     argv += [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in args.model.items()]
     return argv + extra
 
@@ -275,7 +279,7 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
     import pretrain  # examples/qwen3_moe/pretrain.py
     from plait.loop.events import StepEnd
 
-    prof = _Profile(args)
+    prof = _Profile(args, skip=args.warmup - 1)
     if prof.prof is not None:  # profile Trainer steps warmup+1 .. warmup+3 (ticked at each step's end)
         build = pretrain.build_trainer
 
@@ -337,7 +341,8 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _result(args, *_timed(step, args.warmup, args.steps, args.device, _Profile(args)))
+    prof = _Profile(args, skip=args.warmup + args.steps)
+    return _result(args, *_timed(step, args.warmup, args.steps, args.device, prof))
 
 
 def _result(args: argparse.Namespace, s_per_step: float, peak_gib: float) -> dict[str, float]:
