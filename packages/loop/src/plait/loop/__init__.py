@@ -1,6 +1,7 @@
 """plait.loop: the training loop — config, data, gradients, optimizers, LR schedules, metrics, trackers,
 profiling (and, in ``plait.loop.checkpoint``, checkpointing)."""
 
+from plait.loop.batch_plan import BatchPlan
 from plait.loop.config import (
     ConfigError,
     TrainerConfig,
@@ -37,7 +38,9 @@ from plait.loop.events import (
     TrainingEnd,
     TrainingStart,
 )
+from plait.loop.evaluation import Evaluator
 from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm
+from plait.loop.loss import LossStats, StepLoss
 from plait.loop.metrics import Derived, Max, Mean, Metric, MetricCollection, Min, Sum
 from plait.loop.optim import (
     LRScheduleConfig,
@@ -66,6 +69,7 @@ __all__ = [
     "AfterBackward",
     "AfterForwardBackward",
     "AfterOptimizerStep",
+    "BatchPlan",
     "BeforeForwardBackward",
     "BeforeOptimizerStep",
     "ByteTokenizer",
@@ -76,6 +80,7 @@ __all__ = [
     "DatasetProvider",
     "Derived",
     "DistributedDataLoader",
+    "Evaluator",
     "Event",
     "EventBus",
     "GlobalBatchPlan",
@@ -85,6 +90,7 @@ __all__ = [
     "LRSchedulerProvider",
     "LRSegment",
     "LossOutput",
+    "LossStats",
     "Max",
     "Mean",
     "Metric",
@@ -98,6 +104,7 @@ __all__ = [
     "PadCollator",
     "PiecewiseLR",
     "StepEnd",
+    "StepLoss",
     "StepResult",
     "StepSkipped",
     "StepStart",

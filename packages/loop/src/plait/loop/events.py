@@ -58,7 +58,9 @@ class BeforeForwardBackward(Event):
 
 @dataclass(frozen=True)
 class AfterBackward(Event):
-    """After one microbatch's backward (pp=1 only; the pipelined executor owns its own order)."""
+    """After the backward of ``microbatch`` on this rank's first stage (its weight gradients are complete).
+
+    Under pipeline parallelism the schedule decides the order of the microbatches."""
 
     microbatch: int
 
@@ -135,7 +137,3 @@ class EventBus:
         for cls in type(event).__mro__:
             for fn in list(self._subs.get(cls, ())):
                 fn(event)
-
-    def has_subscribers(self, event_type: type[Event]) -> bool:
-        """Whether anything listens to ``event_type`` (lets the loop skip building costly events)."""
-        return any(self._subs.get(c) for c in self._subs if issubclass(event_type, c))
