@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from plait.dist_core import DistributedContext
 from plait.models.config import Qwen3Config
 from plait.models.flops import flops_per_token
 from plait.models.hf.io import load_hf_checkpoint, save_hf_checkpoint
@@ -54,8 +55,8 @@ class Qwen3Provider:
             model.to(self.dtype)
         return model
 
-    def parallelize(self, module: nn.Module, ctx: Any, config: Any = None) -> nn.Module:
-        """TP / EP / checkpointing / compile / FSDP from ``ctx`` (a ``DistributedContext``; None = single process)."""
+    def parallelize(self, module: nn.Module, ctx: DistributedContext | None, config: object = None) -> nn.Module:
+        """TP / EP / checkpointing / compile / FSDP from ``ctx`` (None = single process); ``config`` is unused."""
         del config
         if ctx is None:
             return module

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plait.dist_core import DistributedContext
 from plait.models.parallel.checkpointing import apply_activation_checkpointing
 from plait.models.parallel.config import ParallelConfig
 from plait.models.qwen3.model import Qwen3ForCausalLM, _Qwen3Stage
@@ -145,7 +146,7 @@ def parallelize(
     dense_mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
     config: ParallelConfig | None = None,
-    context: Any = None,
+    context: DistributedContext | None = None,
 ) -> _Qwen3Stage:
     """Apply TP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
 
