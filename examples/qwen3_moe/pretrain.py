@@ -116,16 +116,21 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     return load_config(args.config, overrides, cls=PretrainConfig), args
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    config, args = parse_args(sys.argv[1:] if argv is None else argv)
+def build_provider(config: PretrainConfig, init_from: Path | None = None) -> Qwen3Provider:
+    """The Qwen3-MoE provider of ``config`` (weights from ``init_from``, a Hugging Face checkpoint, if given)."""
     assert config.model.vocab_size >= ByteTokenizer.vocab_size, "model.vocab_size must cover the byte tokens"
-    provider = Qwen3Provider(
+    return Qwen3Provider(
         config.model,
         parallel=config.parallel,
-        init_from=args.init_from,
+        init_from=init_from,
         dtype=getattr(torch, config.model_dtype),
         seed=config.run.seed,
     )
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    config, args = parse_args(sys.argv[1:] if argv is None else argv)
+    provider = build_provider(config, args.init_from)
     if args.write_seed_checkpoint is not None:
         model = provider.build_stage(0, 1)
         provider.materialize(model, "cpu")
