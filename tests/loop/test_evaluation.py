@@ -87,7 +87,7 @@ def test_evaluates_every_interval_and_at_the_end(tmp_path):
 
 
 def test_evaluation_needs_validation_data(tmp_path):
-    with pytest.raises(ValueError, match="evaluation.enabled is true but the data provider"):
+    with pytest.raises(ValueError, match=r"evaluation\.enabled is true but the data provider"):
         Trainer(_config(tmp_path), _provider(), DatasetProvider(_train_data()), CausalLMTask())
 
 

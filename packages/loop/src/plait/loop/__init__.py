@@ -23,6 +23,7 @@ from plait.loop.data import (
     read_token_file,
     write_token_file,
 )
+from plait.loop.evaluation import Evaluator
 from plait.loop.events import (
     AfterBackward,
     AfterForwardBackward,
@@ -38,7 +39,6 @@ from plait.loop.events import (
     TrainingEnd,
     TrainingStart,
 )
-from plait.loop.evaluation import Evaluator
 from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm
 from plait.loop.loss import LossStats, StepLoss
 from plait.loop.metrics import Derived, Max, Mean, Metric, MetricCollection, Min, Sum
@@ -61,9 +61,10 @@ from plait.loop.providers import (
     OptimizerProvider,
     Task,
 )
+from plait.loop.records import StepResult, TrainerState
 from plait.loop.topology import Topology
 from plait.loop.tracking import ConsoleTracker, JSONLTracker, Tracker, build_tracker, register_tracker
-from plait.loop.trainer import StepResult, Trainer, TrainerState
+from plait.loop.trainer import Trainer
 
 __all__ = [
     "AfterBackward",

@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from plait.loop.config import EvaluationConfig
 from plait.loop.data import DistributedDataLoader
 from plait.loop.loss import LOSS_KEY, StepLoss
@@ -69,11 +68,8 @@ class Evaluator:
         finally:
             for m, mode in zip(self.modules, modes):
                 m.train(mode)
-        totals = torch.stack([self.loss.stats.loss_sum, self.loss.stats.num_tokens])
-        if dist.is_initialized():
-            dist.all_reduce(totals)  # every rank: the last stage's sums once per dp replica
-        loss_sum, tokens = totals.tolist()
-        if tokens == 0:
+        reading = self.loss.stats.read()  # token-weighted over every rank's batches
+        if reading.tokens == 0:
             raise ValueError("evaluation: the validation batches have no loss tokens")
-        val_loss = loss_sum / tokens
+        val_loss = reading.loss
         return {"val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss < 700 else math.inf}

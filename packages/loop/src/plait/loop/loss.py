@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from plait.loop.providers import Task
 from plait.pipelining import MicrobatchView
 
-__all__ = ["LOSS_KEY", "LossStats", "StepLoss", "batch_of"]
+__all__ = ["LOSS_KEY", "LossStats", "StepLoss", "StepReading", "batch_of"]
 
 LOSS_KEY = "loss"  # where the executor stores each microbatch's loss in the step's PipelineState
 
@@ -32,6 +34,53 @@ class LossStats:
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
     metrics: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def read(self, grad_norm: torch.Tensor | None = None) -> StepReading:
+        """The step's one host read: the loss sums all-reduced over the world, with ``grad_norm``
+        (NaN when None)."""
+        return _read(self, grad_norm)
+
+
+@dataclass(frozen=True)
+class StepReading:
+    """A step's statistics on the host (see :meth:`LossStats.read`).
+
+    Attributes:
+        loss: the token-weighted loss over all ranks (NaN without loss tokens).
+        tokens: the loss tokens over all ranks.
+        grad_norm: the global gradient norm.
+        local_loss_sum: this rank's loss sum.
+        local_tokens: this rank's loss tokens.
+        metrics: this rank's task metrics as ``name -> (weighted mean, weight)``.
+    """
+
+    loss: float
+    tokens: float
+    grad_norm: float
+    local_loss_sum: float
+    local_tokens: float
+    metrics: dict[str, tuple[float, float]]
+
+
+def _read(stats: LossStats, grad_norm: torch.Tensor | None) -> StepReading:
+    local = torch.stack([stats.loss_sum, stats.num_tokens])
+    world = local.clone()
+    if dist.is_initialized():
+        dist.all_reduce(world)  # every rank holding a last stage adds its sums (replicas scale both alike)
+    names = sorted(stats.metrics)
+    extra = [torch.stack(stats.metrics[n]) for n in names]
+    norm = (grad_norm if grad_norm is not None else torch.full((), math.nan)).detach()
+    norm = norm.to(local.device, torch.float64).reshape(1)
+    g_sum, g_tokens, l_sum, l_tokens, norm_value, *rest = torch.cat([world, local, norm, *extra]).tolist()
+    pairs = {n: (rest[2 * i], rest[2 * i + 1]) for i, n in enumerate(names)}
+    return StepReading(
+        g_sum / g_tokens if g_tokens else math.nan,
+        g_tokens,
+        norm_value,
+        l_sum,
+        l_tokens,
+        {n: (v / w if w else 0.0, w) for n, (v, w) in pairs.items()},
+    )
 
 
 class StepLoss:

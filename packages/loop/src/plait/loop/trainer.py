@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,9 @@ from plait.loop.metrics import Max, Mean, MetricCollection
 from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
+from plait.loop.records import StepResult, TrainerState
 from plait.loop.topology import Topology
-from plait.loop.tracking import ThroughputMeter, Tracker, build_tracker, device_memory_stats, peak_flops_for
+from plait.loop.tracking import RunReporter, ThroughputMeter, Tracker, device_memory_stats, peak_flops_for
 from plait.pipelining import (
     MicrobatchView,
     OfflineExecutor,
@@ -63,7 +64,7 @@ from plait.pipelining import (
     PipelineState,
     Stack,
     build_forward_program,
-    build_pipeline,
+    build_program,
 )
 from torch import nn
 
@@ -72,48 +73,6 @@ __all__ = ["StepResult", "Trainer", "TrainerState"]
 logger = logging.getLogger("plait.loop")
 Batch = dict[str, torch.Tensor]
 Executor = OfflineExecutor | PipelineExecutor
-
-
-class TrainerState:
-    """The trainer's own counters, as a ``Stateful`` (step, skipped steps, tokens, tracker run ids)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.skipped_steps = 0
-        self.tokens_seen = 0
-        self.tracker_run_ids: dict[str, str] = {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain values."""
-        return {
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-            "tokens_seen": self.tokens_seen,
-            "tracker_run_ids": dict(self.tracker_run_ids),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the counters."""
-        self.step = int(state["step"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.tracker_run_ids = dict(state.get("tracker_run_ids", {}))
-
-
-class StepResult:
-    """What one :meth:`Trainer.train_step` did (global values, identical on every rank)."""
-
-    __slots__ = ("global_tokens", "grad_norm", "loss", "lr", "skipped")
-
-    def __init__(self, loss: float, grad_norm: float, lr: float, global_tokens: int, skipped: bool) -> None:
-        self.loss, self.grad_norm, self.lr = loss, grad_norm, lr
-        self.global_tokens, self.skipped = global_tokens, skipped
-
-    def __repr__(self) -> str:
-        return (
-            f"StepResult(loss={self.loss:.6g}, grad_norm={self.grad_norm:.6g}, lr={self.lr:.3g}, "
-            f"global_tokens={self.global_tokens}, skipped={self.skipped})"
-        )
 
 
 class Trainer:
@@ -157,13 +116,14 @@ class Trainer:
         self.state = TrainerState()
         self.run_dir = Path(config.run.run_dir)
         self._stop_requested = False
-        self._given_trackers = list(trackers) if trackers is not None else None
-        self.trackers: list[Tracker] = []
 
         self.device = self._pick_device(device)
         self.ctx, self.topology = self._build_topology(ctx)
         topo = self.topology
         self.log = setup_logging(mesh_prefix(topo.rank, topo.coords, topo.sizes), config.logging.level)
+        self.reporter = RunReporter(
+            config, self.run_dir, is_main=topo.is_main, trackers=trackers, run_ids=self.state.tracker_run_ids
+        )
         self.batch_plan = BatchPlan.from_config(config)
         if topo.dp_size != self.batch_plan.dp_size:
             raise ValueError(
@@ -176,8 +136,8 @@ class Trainer:
 
         # Model: build on meta, parallelize, materialise, load weights.
         torch.manual_seed(config.run.seed)
-        schedule = self.batch_plan.schedule(config) if topo.pp_size > 1 else None
-        stage_topology = schedule.topology(topo.pp_size) if schedule is not None else None
+        self.schedule = self.batch_plan.schedule(config) if topo.pp_size > 1 else None
+        stage_topology = self.schedule.topology(topo.pp_size) if self.schedule is not None else None
         self.num_stages = stage_topology.num_stages if stage_topology is not None else 1
         self.stage_indices = sorted(stage_topology.stages_of(topo.pp_rank)) if stage_topology else [0]
         self.model_parts: list[nn.Module] = []
@@ -205,7 +165,7 @@ class Trainer:
 
         # One executor runs every step; the loss object collects the step's statistics.
         self.loss = StepLoss(task, self.device)
-        self.executor = self._build_executor(schedule)
+        self.executor = self._build_executor(self.loss)
         self.data_loader = data.build_loader(config, self.batch_plan, topo.dp_rank)
         self.evaluator = self._build_evaluator(data) if config.evaluation.enabled else None
 
@@ -223,7 +183,6 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint.enabled:
             self._setup_checkpointing()
-        self._bar: Any = None
         self._last_lr = math.nan
 
     # ------------------------------------------------------------------ setup helpers
@@ -253,28 +212,26 @@ class Trainer:
         if stage == self.stage_indices[0]:
             self.events.publish(AfterBackward(self, self.step, microbatch))
 
-    def _build_executor(self, schedule: Any) -> Executor:
+    def _build_executor(self, loss: StepLoss, *, forward_only: bool = False) -> Executor:
+        """The training executor, or a forward-only one on the same stages (for evaluation)."""
         stages = dict(zip(self.stage_indices, self.model_parts))
-        if schedule is None:
+        hook = None if forward_only else self._after_backward
+        if self.schedule is None:
+            m = self.batch_plan.num_microbatches
             return OfflineExecutor(
-                stages,
-                self.loss,
-                self.batch_plan.num_microbatches,
-                forward_kwargs_fn=self._stage_inputs,
-                loss_reduction="sum",
-                on_backward=self._after_backward,
-            )
-        executor = build_pipeline(
-            schedule,
-            pp_group=self.topology.pp_group,
-            stage_modules=stages,
-            loss_fn=self.loss,
-            forward_kwargs_fn=self._stage_inputs,
-            on_backward=self._after_backward,
-        )
+                stages, loss, m, forward_kwargs_fn=self._stage_inputs, loss_reduction="sum",
+                forward_only=forward_only, on_backward=hook,
+            )  # fmt: skip
+        program = build_program(self.schedule, self.topology.pp_size)
+        assert self.topology.pp_group is not None
+        executor = PipelineExecutor(
+            build_forward_program(program) if forward_only else program,
+            stages, self.topology.pp_group, loss, forward_kwargs_fn=self._stage_inputs,
+            loss_reduction="sum", device=self.device, on_backward=hook,
+        )  # fmt: skip
         import torch._functorch.config as functorch_config
 
-        if getattr(executor, "splits_backward", False) and functorch_config.donated_buffer:
+        if executor.splits_backward and functorch_config.donated_buffer:
             # The I pass keeps the autograd graph for the W pass (retain_graph); a torch.compile'd backward
             # with donated buffers refuses that (seen with the compiled FlexAttention on GPU). The compiled
             # parts (FlexAttention, per-layer compile) compile at their first forward, after this.
@@ -289,27 +246,7 @@ class Trainer:
                 "evaluation.enabled is true but the data provider's build_validation_loader gave no loader"
             )
         loss = StepLoss(self.task, self.device)
-        stages = dict(zip(self.stage_indices, self.model_parts))
-        executor: Executor
-        if isinstance(self.executor, PipelineExecutor):
-            assert self.topology.pp_group is not None
-            executor = PipelineExecutor(
-                build_forward_program(self.executor.program),
-                stages,
-                self.topology.pp_group,
-                loss,
-                forward_kwargs_fn=self._stage_inputs,
-                loss_reduction="sum",
-            )
-        else:
-            executor = OfflineExecutor(
-                stages,
-                loss,
-                self.batch_plan.num_microbatches,
-                forward_kwargs_fn=self._stage_inputs,
-                loss_reduction="sum",
-                forward_only=True,
-            )
+        executor = self._build_executor(loss, forward_only=True)
         return Evaluator(self.config.evaluation, executor, loss, loader, self.model_parts, self.device)
 
     def _set_timeout(self, seconds: float) -> None:
@@ -406,7 +343,10 @@ class Trainer:
         norm = clip_grad_norm(
             self.parameters(), cfg.grad_clip.max_norm, cfg.grad_clip.norm_type, self.topology.pp_group
         )
-        loss, grad_norm, local_loss, local_tokens = self._read_step(stats, norm)
+        reading = stats.read(norm)
+        loss, grad_norm = reading.loss, reading.grad_norm
+        for name, (value, weight) in reading.metrics.items():
+            self.metrics.update(name, value, weight)
         lr = self.lr_scheduler.get_last_lr()[0] if hasattr(self.lr_scheduler, "get_last_lr") else math.nan
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
@@ -422,7 +362,8 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         if not skipped:
             self.events.publish(AfterOptimizerStep(self, step))
-            self.metrics.update("loss", local_loss / local_tokens if local_tokens else 0.0, local_tokens)
+            tokens = reading.local_tokens
+            self.metrics.update("loss", reading.local_loss_sum / tokens if tokens else 0.0, tokens)
             self.metrics.update("grad_norm", grad_norm)
             self.metrics["grad_norm_max"].update(grad_norm)  # type: ignore[union-attr]
         self._last_lr = lr
@@ -430,22 +371,6 @@ class Trainer:
         self.state.tokens_seen += positions
         self.throughput.add(positions)
         return StepResult(loss, grad_norm, lr, global_tokens, skipped)
-
-    def _read_step(self, stats: LossStats, grad_norm: torch.Tensor) -> tuple[float, float, float, float]:
-        """The step's one host read: global loss, grad norm, local loss sum and tokens; task metrics logged."""
-        local = torch.stack([stats.loss_sum, stats.num_tokens])
-        world = local.clone()
-        if dist.is_initialized():
-            dist.all_reduce(world)
-        names = sorted(stats.metrics)
-        extra = [torch.stack(stats.metrics[n]) for n in names]
-        norm = grad_norm.detach().to(local.device, torch.float64).reshape(1)
-        g_sum, g_tokens, l_sum, l_tokens, norm_value, *rest = torch.cat([world, local, norm, *extra]).tolist()
-        for i, name in enumerate(names):
-            self.metrics.update(
-                name, rest[2 * i] / rest[2 * i + 1] if rest[2 * i + 1] else 0.0, rest[2 * i + 1]
-            )
-        return (g_sum / g_tokens if g_tokens else math.nan), norm_value, l_sum, l_tokens
 
     def _skip(self, step: int, what: str, loss: float) -> None:
         if self.config.determinism.nonfinite_loss == "raise":
@@ -468,34 +393,6 @@ class Trainer:
         return [float(x) for x in t.tolist()]
 
     # ------------------------------------------------------------------ the run
-    def _open_trackers(self) -> None:
-        if not self.topology.is_main:
-            return
-        if self._given_trackers is not None:
-            self.trackers = list(self._given_trackers)
-        else:
-            for tc in self.config.logging.trackers:
-                tracker = build_tracker(
-                    tc.kind,
-                    self.run_dir,
-                    project=tc.project or self.config.run.name,
-                    run_id=self.state.tracker_run_ids.get(tc.kind),
-                    total_steps=self.config.run.steps,
-                    write=self._write,
-                    **tc.options,
-                )
-                if tracker.run_id is not None:
-                    self.state.tracker_run_ids[tc.kind] = tracker.run_id
-                self.trackers.append(tracker)
-        for t in self.trackers:
-            t.log_config(self.config.model_dump(mode="json"))
-
-    def _write(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.write(line)
-        else:
-            logger.info(line)
-
     def _log(self, *, train: bool, evaluate: bool) -> None:
         values: dict[str, float] = {}
         if train:
@@ -510,9 +407,7 @@ class Trainer:
             t0 = time.perf_counter()
             values.update(self.evaluate())
             self.throughput.exclude(time.perf_counter() - t0)
-        if self.topology.is_main:
-            for t in self.trackers:
-                t.log(values, self.step)
+        self.reporter.log(values, self.step)
         self.events.publish(MetricsLogged(self, self.step, values))
 
     def fit(self, steps: int | None = None) -> dict[str, float]:
@@ -524,11 +419,7 @@ class Trainer:
         total = steps if steps is not None else self.config.run.steps
         last_logged: dict[str, float] = {}
         unsub = self.events.subscribe(MetricsLogged, lambda e: last_logged.update(e.metrics))
-        self._open_trackers()
-        if self.topology.is_main and self.config.logging.progress_bar:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=self.step, dynamic_ncols=True, desc=self.config.run.name)
+        self.reporter.open(total, self.step)
         self.gc.start()
         self.profiler.start()
         self._set_timeout(self.config.timeouts.init_s)
@@ -554,11 +445,7 @@ class Trainer:
                 evaluate = self.evaluator is not None and self.evaluator.due(self.step, total)
                 if log or evaluate:
                     self._log(train=log, evaluate=evaluate)
-                if self._bar is not None:
-                    self._bar.update(1)
-                    self._bar.set_postfix(
-                        loss=f"{result.loss:.4f}", s_per_step=f"{time.perf_counter() - t0:.2f}"
-                    )
+                self.reporter.step_done(result.loss, time.perf_counter() - t0)
                 self.events.publish(
                     StepEnd(self, self.step, {"loss": result.loss, "grad_norm": result.grad_norm})
                 )
@@ -575,9 +462,7 @@ class Trainer:
             self.profiler.stop()
             self.gc.stop()
             unsub()
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
+            self.reporter.close_bar()
         return last_logged
 
     # ------------------------------------------------------------------ checkpoints
@@ -608,6 +493,4 @@ class Trainer:
         """Finish pending checkpoint writes and close the trackers (call once after the last :meth:`fit`)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
-        for t in self.trackers:
-            t.close()
-        self.trackers = []
+        self.reporter.close()

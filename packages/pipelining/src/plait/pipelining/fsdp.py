@@ -71,9 +71,9 @@ class GradientSync:
         """Before the step's first backward: accumulate unreduced gradients."""
         if not self.active:
             return
-        for m in self.roots.values() if self.manual else ():
-            m.set_manual_backward_finalization(True)
-            m.set_reshard_after_backward(False)
+        for root in self.roots.values() if self.manual else ():
+            root.set_manual_backward_finalization(True)
+            root.set_reshard_after_backward(False)
         for subs in self.switched.values():
             for m in subs:
                 set_gradient_sync(m, False)

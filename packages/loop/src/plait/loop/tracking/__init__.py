@@ -1,5 +1,6 @@
 """Experiment tracking, throughput/MFU and memory statistics."""
 
+from plait.loop.tracking.reporter import RunReporter
 from plait.loop.tracking.throughput import ThroughputMeter, device_memory_stats, peak_flops_for
 from plait.loop.tracking.trackers import (
     AimTracker,
@@ -16,6 +17,7 @@ __all__ = [
     "AimTracker",
     "ConsoleTracker",
     "JSONLTracker",
+    "RunReporter",
     "TensorBoardTracker",
     "ThroughputMeter",
     "Tracker",
