@@ -39,7 +39,9 @@ class DataConfig(BaseModel):
         "stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files"
     )
     pattern: str = "*.py"
-    max_files: int | None = Field(400, ge=1, description="Cap on training files (sorted by path), None for all")
+    max_files: int | None = Field(
+        400, ge=1, description="Cap on training files (sorted by path), None for all"
+    )
     validation_files: int = Field(
         8, ge=1, description="The corpus's last files (sorted by path), held out for evaluation"
     )
@@ -70,7 +72,9 @@ def corpus_files(cfg: DataConfig, split: Literal["train", "validation"] = "train
     return files[:n][: cfg.max_files] if split == "train" else files[n:]
 
 
-def build_dataset(cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train") -> PackedTokens:
+def build_dataset(
+    cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
+) -> PackedTokens:
     """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
     tok = ByteTokenizer()
     docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg, split))

@@ -64,7 +64,15 @@ LAYOUTS = {  # name: (world size, arguments)
 def test_validation_loss_matches_single_process(seed_checkpoint: Path, tmp_path: Path) -> None:
     want = _reference(seed_checkpoint)
     for layout, (world, extra) in LAYOUTS.items():
-        argv = [*FAST, *BATCH, *EVAL, "--init-from", str(seed_checkpoint), "--run-dir", str(tmp_path / layout)]
+        argv = [
+            *FAST,
+            *BATCH,
+            *EVAL,
+            "--init-from",
+            str(seed_checkpoint),
+            "--run-dir",
+            str(tmp_path / layout),
+        ]
         argv += extra
         results = [evaluate(argv)] if world == 1 else run_distributed(evaluate, world, argv, timeout=200)
         for rank, got in enumerate(results):

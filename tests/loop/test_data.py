@@ -85,7 +85,10 @@ class _Ids(torch.utils.data.Dataset):
 
 
 def _loaders(n: int, gb: int, dp: int, **kw) -> list[DistributedDataLoader]:
-    return [DistributedDataLoader(_Ids(n), global_batch_size=gb, dp_rank=r, dp_size=dp, seed=3, **kw) for r in range(dp)]
+    return [
+        DistributedDataLoader(_Ids(n), global_batch_size=gb, dp_rank=r, dp_size=dp, seed=3, **kw)
+        for r in range(dp)
+    ]
 
 
 def _step(loaders: list[DistributedDataLoader]) -> list[int]:

@@ -117,7 +117,9 @@ def _distributed_eval(run_dir: str, layout: str) -> float:
         tr = Trainer(cfg, provider, data, CausalLMTask(), ctx=_MeshContext(2, 1))
     else:
         cfg = _config(run_dir, "--mesh.data_shard=2")
-        tr = Trainer(cfg, _provider(parallelize_fn=_fsdp if layout == "fsdp2" else None), data, CausalLMTask())
+        tr = Trainer(
+            cfg, _provider(parallelize_fn=_fsdp if layout == "fsdp2" else None), data, CausalLMTask()
+        )
     out = [tr.evaluate()["val_loss"] for _ in range(2)]  # batches 0-1, then 2-3
     tr.close()
     return out

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from plait.dist_core import DistributedContext
 
 __all__ = ["Topology"]
 
@@ -27,14 +30,14 @@ class Topology:
     world_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
-    dp_group: Any = None
+    dp_group: dist.ProcessGroup | None = None
     pp_rank: int = 0
     pp_size: int = 1
-    pp_group: Any = None
+    pp_group: dist.ProcessGroup | None = None
     cp_size: int = 1
     coords: dict[str, int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
-    groups: tuple[Any, ...] = ()
+    groups: tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -42,7 +45,7 @@ class Topology:
         return self.rank == 0
 
     @classmethod
-    def from_context(cls, ctx: Any) -> Topology:
+    def from_context(cls, ctx: DistributedContext) -> Topology:
         """From a ``plait.dist_core.DistributedContext`` (its ``batch`` mesh: pp, dp, cp, tp)."""
         mesh = ctx.mesh_for("batch")
         names = tuple(mesh.mesh_dim_names or ())

@@ -466,7 +466,7 @@ class Trainer:
         return last_logged
 
     # ------------------------------------------------------------------ checkpoints
-    def _host_group(self) -> Any:
+    def _host_group(self) -> dist.ProcessGroup | None:
         return getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
 
     def _setup_checkpointing(self) -> None:

@@ -55,7 +55,9 @@ class Qwen3Provider:
             model.to(self.dtype)
         return model
 
-    def parallelize(self, module: nn.Module, ctx: DistributedContext | None, config: object = None) -> nn.Module:
+    def parallelize(
+        self, module: nn.Module, ctx: DistributedContext | None, config: object = None
+    ) -> nn.Module:
         """TP / EP / checkpointing / compile / FSDP from ``ctx`` (None = single process); ``config`` is unused."""
         del config
         if ctx is None:
