@@ -118,8 +118,8 @@ class PipelineExecutor:
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.FORWARD: self._forward,
             ActionKind.BACKWARD: self._backward,
-            ActionKind.BACKWARD_INPUT: self._backward,
-            ActionKind.BACKWARD_WEIGHT: self._backward,
+            ActionKind.BACKWARD_INPUT: self._backward_input,
+            ActionKind.BACKWARD_WEIGHT: self._backward_weight,
         }
         self._steps = 0
         self._lockstep = True
@@ -191,7 +191,7 @@ class PipelineExecutor:
         if nxt is not None and nxt.is_comm and not self._lockstep and self.link.ready(nxt):
             self.link.issue(nxt.sub_actions())
             self._posted_early.add(idx + 1)
-        self._backward(act.backward)
+        self._handlers[act.backward.kind](act.backward)
 
     def _forward(self, a: Action) -> None:
         s, k, r = a.stage, a.microbatch, self.runner
@@ -209,20 +209,28 @@ class PipelineExecutor:
         if s > 0 and self.topology.is_local_edge(s - 1) and not r.has_backward:
             r.outputs.pop((s - 1, k), None)
 
-    def _backward(self, a: Action) -> None:
-        s, k, r = a.stage, a.microbatch, self.runner
-        if s < self.topology.num_stages - 1 and a.kind is not ActionKind.BACKWARD_WEIGHT:
-            if self.topology.is_local_edge(s):
-                r.output_grads[(s, k)] = r.input_grads.pop((s + 1, k))
-            else:
-                self.link.wait_output_grads(s, k)
-        self.grad_sync.before_backward(s, self._last_backward.get(s) == a)
-        if a.kind is ActionKind.BACKWARD:
-            r.backward(s, k, self.num_microbatches)
-        elif a.kind is ActionKind.BACKWARD_INPUT:
-            r.backward_input(s, k, self.num_microbatches)
+    def _output_grads(self, a: Action) -> None:
+        """Make the gradients of stage ``a.stage``'s outputs available (from the next stage or the link)."""
+        s, k = a.stage, a.microbatch
+        if s == self.topology.num_stages - 1:
+            return
+        if self.topology.is_local_edge(s):
+            self.runner.output_grads[(s, k)] = self.runner.input_grads.pop((s + 1, k))
         else:
-            r.backward_weight(s, k)
+            self.link.wait_output_grads(s, k)
+
+    def _backward(self, a: Action) -> None:
+        self._output_grads(a)
+        self.grad_sync.before_backward(a.stage, self._last_backward.get(a.stage) == a)
+        self.runner.backward(a.stage, a.microbatch, self.num_microbatches)
+
+    def _backward_input(self, a: Action) -> None:
+        self._output_grads(a)
+        self.runner.backward_input(a.stage, a.microbatch, self.num_microbatches)
+
+    def _backward_weight(self, a: Action) -> None:
+        self.grad_sync.before_backward(a.stage, self._last_backward.get(a.stage) == a)
+        self.runner.backward_weight(a.stage, a.microbatch)
 
 
 class OfflineExecutor:
