@@ -115,20 +115,66 @@ def _batches(
     return out
 
 
-def _timed(step: Callable[[int], None], warmup: int, steps: int, device: str) -> tuple[float, float]:
-    """Seconds per step over ``steps`` after ``warmup``, and peak allocated GiB."""
+class _Profile:
+    """``--profile``: a torch.profiler window of 3 steps after ``skip`` + 1 steps; prints where GPU time goes.
+
+    ``tick()`` is called after every step (by the timed loop, or by the Trainer's ``StepEnd`` event).
+    """
+
+    def __init__(self, args: argparse.Namespace, skip: int) -> None:
+        self.prof = None
+        if args.profile and int(os.environ.get("RANK", "0")) == 0:
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            self.prof = profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                schedule=schedule(wait=skip, warmup=1, active=3, repeat=1),
+            )
+            self.prof.__enter__()
+
+    def tick(self, *_: object) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def report(self, s_per_step: float) -> None:
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        events = self.prof.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3  # seconds of kernels per step
+        print(events.table(sort_by="self_device_time_total", row_limit=30), flush=True)
+        print(f"PROFILE kernel time {busy * 1e3:.1f} ms/step of {s_per_step * 1e3:.1f} ms/step wall "
+              f"({busy / s_per_step:.0%} busy)", flush=True)  # fmt: skip
+
+
+def _timed(
+    step: Callable[[int], None], warmup: int, steps: int, device: str, prof: _Profile | None = None
+) -> tuple[float, float]:
+    """Seconds per step over ``steps`` after ``warmup``, and peak allocated GiB.
+
+    With ``prof`` (which skips warmup + steps), 4 more steps run after the timing for its window.
+    """
+    tick = prof.tick if prof is not None else (lambda: None)
     for i in range(warmup):
         step(i)
+        tick()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for i in range(steps):
         step(warmup + i)
+        tick()
     if device == "cuda":
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    if prof is not None:
+        for i in range(4):
+            step(warmup + steps + i)
+            tick()
+        prof.report(dt)
     return dt, peak
 
 
@@ -222,8 +268,8 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
             f"--batching.microbatch_size={args.batch}", f"--batching.seq_len={args.seq}",
             "--checkpoint.enabled=false", "--logging.progress_bar=false", f"--logging.interval={args.warmup}",
             f"--parallel.compile={str(compiled).lower()}", "--data.max_files=4000"]  # fmt: skip
-    if args.device == "cuda":
-        argv += ["--model_dtype=bfloat16", "--optimizer.name=stochastic_adamw"]
+    if args.device == "cuda":  # the shipped GPU config: bf16 parameters, StochasticAdamW
+        argv += ["--config", str(ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml")]
     argv += [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in args.model.items()]
     return argv + extra
 
@@ -231,7 +277,18 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
 def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]) -> dict[str, float]:
     _src_path()
     import pretrain  # examples/qwen3_moe/pretrain.py
+    from plait.loop.events import StepEnd
 
+    prof = _Profile(args, skip=args.warmup - 1)
+    if prof.prof is not None:  # profile Trainer steps warmup+1 .. warmup+3 (ticked at each step's end)
+        build = pretrain.build_trainer
+
+        def build_and_tick(*a: Any, **k: Any) -> Any:
+            trainer = build(*a, **k)
+            trainer.subscribe(StepEnd, prof.tick)
+            return trainer
+
+        pretrain.build_trainer = build_and_tick
     with tempfile.TemporaryDirectory() as run_dir:
         pretrain.main(_pretrain_argv(args, run_dir, compiled, extra))
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -241,6 +298,7 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
     peak = max((r.get("mem_allocated_gib") or float("nan")) for r in timed)
+    prof.report(args.batch * args.seq * world / tps)
     return _result(args, args.batch * args.seq * world / tps, peak)
 
 
@@ -283,7 +341,8 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _result(args, *_timed(step, args.warmup, args.steps, args.device))
+    prof = _Profile(args, skip=args.warmup + args.steps)
+    return _result(args, *_timed(step, args.warmup, args.steps, args.device, prof))
 
 
 def _result(args: argparse.Namespace, s_per_step: float, peak_gib: float) -> dict[str, float]:
@@ -311,6 +370,7 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
 def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common = ["--row", row, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common += ["--smoke"] if args.smoke else []
+    common += ["--profile"] if args.profile else []
     if row in ROWS_2GPU:
         if torch.cuda.device_count() < 2:
             return {"row": row, "skipped": "needs 2 GPUs"}
@@ -320,6 +380,9 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if args.profile:
+        body = [ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")]
+        print(f"--- {row} profile\n" + "\n".join(body), flush=True)
     if proc.returncode != 0 or not results:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         print(f"--- {row} failed (rc {proc.returncode}):\n" + "\n".join(tail), flush=True)
@@ -361,6 +424,7 @@ def main() -> None:
     ap.add_argument("--row-timeout", type=float, default=900)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
+    ap.add_argument("--profile", action="store_true", help="plait rows: print a kernel-time table of 3 steps")
     args = ap.parse_args()
     args.model = SMOKE_MODEL if args.smoke else MODEL
     args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"

@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 2 examples/qwen3_moe/pretrain.py --config examples/qwen3_moe/configs/cpu_fsdp2.toml
 
 Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
-attention masking. The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
+attention masking. The last ``data.validation_files`` files of the corpus are held out (never trained
+on) for the validation loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
 ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
 checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
 summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
@@ -54,7 +55,12 @@ class DataConfig(BaseModel):
         "stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files"
     )
     pattern: str = "*.py"
-    max_files: int | None = Field(400, ge=1, description="Cap on files read (sorted by path), None for all")
+    max_files: int | None = Field(
+        400, ge=1, description="Cap on training files (sorted by path), None for all"
+    )
+    validation_files: int = Field(
+        8, ge=1, description="The corpus's last files (sorted by path), held out for evaluation"
+    )
 
 
 class PretrainConfig(TrainerConfig):
@@ -94,29 +100,41 @@ class PretrainConfig(TrainerConfig):
         return self
 
 
-def corpus_files(cfg: DataConfig) -> list[Path]:
+def corpus_files(cfg: DataConfig, split: Literal["train", "validation"] = "train") -> list[Path]:
+    """The training files (the first ``max_files``) or the held-out validation files (the last ones)."""
     root = Path(sysconfig.get_paths()["stdlib"]) if cfg.source == "stdlib" else Path(cfg.source)
     if not root.is_dir():
         raise FileNotFoundError(f"data.source: {root} is not a directory")
     files = sorted(p for p in root.rglob(cfg.pattern) if p.is_file() and "site-packages" not in p.parts)
-    if not files:
-        raise FileNotFoundError(f"data.source: no files matching {cfg.pattern!r} under {root}")
-    return files[: cfg.max_files]
+    if len(files) <= cfg.validation_files:
+        raise FileNotFoundError(
+            f"data.source: {len(files)} files matching {cfg.pattern!r} under {root}, not more than "
+            f"data.validation_files={cfg.validation_files}"
+        )
+    n = len(files) - cfg.validation_files
+    return files[:n][: cfg.max_files] if split == "train" else files[n:]
 
 
-def build_dataset(cfg: DataConfig, seq_len: int) -> PackedTokens:
+def build_dataset(
+    cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
+) -> PackedTokens:
     """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
     tok = ByteTokenizer()
-    docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg))
+    docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg, split))
     return pack_documents(docs, seq_len, tok.eos_id)
 
 
 def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
-    """The causal-LM trainer on the packed corpus (also used by ``finetune_lora.py``)."""
+    """The causal-LM trainer on the packed corpus, validated on the held-out files (also used by
+    ``finetune_lora.py``)."""
+    seq_len = config.batching.seq_len
     return Trainer(
         config,
         provider,
-        DatasetProvider(lambda: build_dataset(data, config.batching.seq_len)),
+        DatasetProvider(
+            lambda: build_dataset(data, seq_len),
+            validation=lambda: build_dataset(data, seq_len, "validation"),
+        ),
         CausalLMTask(labels_to_model=True),
     )
 
@@ -191,6 +209,17 @@ def check_paths(config: PretrainConfig, args: argparse.Namespace) -> None:
             raise StartupError(f"{name}: cannot write to {path}: {e.strerror or e}") from None
 
 
+def build_provider(config: PretrainConfig, init_from: Path | None = None) -> Qwen3Provider:
+    """The Qwen3-MoE provider of ``config`` (weights from ``init_from``, a Hugging Face checkpoint, if given)."""
+    return Qwen3Provider(
+        config.model,
+        parallel=config.parallel,
+        init_from=init_from,
+        dtype=getattr(torch, config.model_dtype),
+        seed=config.run.seed,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the job; returns the last logged metrics.
 
@@ -204,13 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     except (ConfigError, StartupError) as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    provider = Qwen3Provider(
-        config.model,
-        parallel=config.parallel,
-        init_from=args.init_from,
-        dtype=getattr(torch, config.model_dtype),
-        seed=config.run.seed,
-    )
+    provider = build_provider(config, args.init_from)
     if args.write_seed_checkpoint is not None:
         model = provider.build_stage(0, 1)
         provider.materialize(model, "cpu")

@@ -34,6 +34,17 @@ def run(argv: list[str]) -> dict[str, float]:
     return _import_pretrain().main(list(argv))
 
 
+def evaluate(argv: list[str]) -> dict[str, float]:
+    """The main job's trainer built from ``argv`` on this rank, evaluated before any training step."""
+    pretrain = _import_pretrain()
+    config, args = pretrain.parse_args(list(argv))
+    trainer = pretrain.build_trainer(config, config.data, pretrain.build_provider(config, args.init_from))
+    try:
+        return dict(trainer.evaluate())
+    finally:
+        trainer.close()
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The run's ``metrics.jsonl`` records that carry a training step and a loss, in file order."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from plait.loop import ConfigError, TrainerConfig, config_json_schema, dump_config, load_config
+from plait.loop import BatchPlan, ConfigError, TrainerConfig, config_json_schema, dump_config, load_config
 from plait.loop.config import SGDConfig, read_config_file
 
 TOML = """
@@ -41,7 +41,7 @@ def test_toml_yaml_json_agree(tmp_path):
     from_toml = load_config(tmp_path / "c.toml")
     assert isinstance(from_toml.optimizer, SGDConfig)
     assert from_toml.optimizer.momentum == 0.9
-    assert from_toml.grad_accum_steps == 4  # 16 / (2 * dp 2)
+    assert BatchPlan.from_config(from_toml).num_microbatches == 4  # 16 / (2 * dp 2)
     assert from_toml.lr_schedule.segments[1].kind == "cosine"
     dump_config(from_toml, tmp_path / "c.json")
     dump_config(from_toml, tmp_path / "c.yaml")
@@ -145,7 +145,8 @@ def test_pipeline_section_uses_the_schedule_union():
             "--batching.microbatch_size=2",
         ]
     )
-    assert isinstance(cfg.pipeline, ZBVConfig) and cfg.pipeline.num_microbatches == 4
+    schedule = BatchPlan.from_config(cfg).schedule(cfg)
+    assert isinstance(schedule, ZBVConfig) and schedule.num_microbatches == 4
     with pytest.raises(ConfigError, match=r"pipeline.num_microbatches=3 must equal .* steps 4"):
         load_config(
             overrides=[

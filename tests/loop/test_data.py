@@ -84,33 +84,33 @@ class _Ids(torch.utils.data.Dataset):
         return {"input_ids": [i], "labels": [i]}
 
 
-def _loaders(n: int, gb: int, mb: int, dp: int, **kw) -> list[DistributedDataLoader]:
+def _loaders(n: int, gb: int, dp: int, **kw) -> list[DistributedDataLoader]:
     return [
-        DistributedDataLoader(
-            _Ids(n), global_batch_size=gb, microbatch_size=mb, dp_rank=r, dp_size=dp, seed=3, **kw
-        )
+        DistributedDataLoader(_Ids(n), global_batch_size=gb, dp_rank=r, dp_size=dp, seed=3, **kw)
         for r in range(dp)
     ]
 
 
 def _step(loaders: list[DistributedDataLoader]) -> list[int]:
-    """Sample ids of one global step, in rank-then-microbatch order."""
-    return [i for ld in loaders for mb in next(ld) for i in mb["input_ids"][:, 0].tolist()]
+    """Sample ids of one global step, in rank order (each rank's step batch holds gb / dp samples)."""
+    batches = [next(ld) for ld in loaders]
+    assert all(b["input_ids"].shape == (8 // len(loaders), 1) for b in batches)
+    return [i for b in batches for i in b["input_ids"][:, 0].tolist()]
 
 
-@pytest.mark.parametrize("new_dp,new_mb", [(2, 2), (1, 4), (4, 1)])
-def test_resume_yields_exactly_the_unseen_samples(new_dp, new_mb):
+@pytest.mark.parametrize("new_dp", [2, 1, 4])
+def test_resume_yields_exactly_the_unseen_samples(new_dp):
     n, gb = 40, 8  # 5 steps per epoch: the run crosses an epoch boundary
-    reference = _loaders(n, gb, 2, 2)
+    reference = _loaders(n, gb, 2)
     expected = [_step(reference) for _ in range(9)]
     # Each epoch is a permutation of all samples.
     assert sorted(i for s in expected[:5] for i in s) == list(range(n))
 
-    first = _loaders(n, gb, 2, 2)
+    first = _loaders(n, gb, 2)
     seen = [_step(first) for _ in range(3)]
     state = first[0].state_dict()
     assert all(ld.state_dict() == state for ld in first)  # global, identical on all ranks
-    resumed = _loaders(n, gb, new_mb, new_dp)
+    resumed = _loaders(n, gb, new_dp)
     for ld in resumed:
         ld.load_state_dict(state)
     rest = [_step(resumed) for _ in range(6)]
@@ -118,21 +118,21 @@ def test_resume_yields_exactly_the_unseen_samples(new_dp, new_mb):
 
 
 def test_resume_with_worker_processes_matches():
-    ref = _loaders(24, 4, 2, 1)[0]
+    ref = _loaders(24, 4, 1)[0]
     expected = [next(ref) for _ in range(4)]
-    ld = _loaders(24, 4, 2, 1, num_workers=1)[0]
+    ld = _loaders(24, 4, 1, num_workers=1)[0]
     got = [next(ld), next(ld)]
     state = ld.state_dict()
-    ld2 = _loaders(24, 4, 2, 1, num_workers=1)[0]
+    ld2 = _loaders(24, 4, 1, num_workers=1)[0]
     ld2.load_state_dict(state)
     got += [next(ld2), next(ld2)]
     for a, b in zip(got, expected):
-        assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+        assert torch.equal(a["input_ids"], b["input_ids"])
 
 
 def test_resume_rejects_a_different_global_order():
-    ld = _loaders(40, 8, 2, 2)[0]
-    other = _loaders(40, 16, 2, 2)[0]
+    ld = _loaders(40, 8, 2)[0]
+    other = _loaders(40, 16, 2)[0]
     with pytest.raises(ValueError, match="global_batch_size=8 was saved"):
         other.load_state_dict(ld.state_dict())
 

@@ -77,23 +77,23 @@ def test_trains_on_one_process_and_writes_metrics(tmp_path):
 
 def _grads_after_forward_backward(
     tmp_path, microbatch_size: int
-) -> tuple[dict[str, torch.Tensor], Trainer, list]:
+) -> tuple[dict[str, torch.Tensor], Trainer, dict[str, torch.Tensor]]:
     cfg = _config(tmp_path, f"--batching.microbatch_size={microbatch_size}")
     tr = _trainer(cfg)
-    mbs = next(tr.data_loader)
-    tr.forward_backward(mbs)
-    return {n: p.grad.clone() for n, p in tr.model_parts[0].named_parameters()}, tr, mbs
+    batch = next(tr.data_loader)
+    tr.forward_backward(batch)
+    return {n: p.grad.clone() for n, p in tr.model_parts[0].named_parameters()}, tr, batch
 
 
 def test_grad_accumulation_equivalence(tmp_path):
-    g_accum, tr, mbs = _grads_after_forward_backward(tmp_path, 2)  # 4 microbatches x 2
-    assert len(mbs) == 4
-    g_one, _, mbs1 = _grads_after_forward_backward(tmp_path, 8)  # 1 microbatch x 8
-    assert len(mbs1) == 1
+    g_accum, tr, batch = _grads_after_forward_backward(tmp_path, 2)  # 4 microbatches x 2
+    assert tr.batch_plan.num_microbatches == 4 and tr.executor.num_microbatches == 4
+    g_one, tr1, batch1 = _grads_after_forward_backward(tmp_path, 8)  # 1 microbatch x 8
+    assert tr1.batch_plan.num_microbatches == 1
+    assert all(torch.equal(batch[k], batch1[k]) for k in batch)
     # Independent reference: plain PyTorch, float64, mean cross-entropy over the whole global batch.
     ref = copy.deepcopy(tr.model_parts[0]).double()
     ref.zero_grad(set_to_none=True)
-    batch = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
     logits = ref(batch["input_ids"])["logits"]
     F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).backward()
     for name, p in ref.named_parameters():
@@ -185,8 +185,8 @@ class _NaNAt:
         self.calls = 0
         self.bad_step, self.mbs = bad_step, microbatches
 
-    def model_inputs(self, batch):
-        return self.inner.model_inputs(batch)
+    def stage_inputs(self, batch, stage_index, num_stages):
+        return self.inner.stage_inputs(batch, stage_index, num_stages)
 
     def num_loss_tokens(self, batch):
         return self.inner.num_loss_tokens(batch)

@@ -109,7 +109,8 @@ def test_cuda_matches_cpu() -> None:
         xx = x.to(device, copy=True).requires_grad_()  # a fresh leaf on each device (x stays grad-free)
         y = layer(xx).hidden_states
         (y * torch.arange(H, device=device)).sum().backward()
-        return [t.cpu() for t in (y.detach(), xx.grad, layer.experts.down_proj.grad)]
+        # Copies: the next layer.to(device) moves the parameters' .grad tensors in place.
+        return [t.detach().to("cpu", copy=True) for t in (y, xx.grad, layer.experts.down_proj.grad)]
 
     ref = run("cpu")
     for a, b in zip(run("cuda"), ref):

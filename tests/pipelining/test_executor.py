@@ -185,3 +185,57 @@ def test_offline_executor_matches_whole_batch(m: int) -> None:
         for n, p in mod.named_parameters():
             torch.testing.assert_close(p.grad, ref_grads[s][n], atol=ATOL, rtol=0)
     assert state.global_view["loss"].shape == (m,)
+
+
+def _run_forward_program(schedule: dict, m: int, batch: int) -> torch.Tensor | None:
+    """Forward-only program of a training schedule's placement, with a loss: the per-microbatch losses."""
+    from plait.pipelining import PipelineExecutor, build_forward_program, build_program
+
+    torch.set_num_threads(1)
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    cfg = parse_schedule_config({**schedule, "num_microbatches": m})
+    topo = cfg.topology(pp)
+    mine = M.copies(M.make_stages(topo.num_stages), topo.stages_of(rank))
+    program = build_forward_program(build_program(cfg, pp))
+    assert not program.has_backward and program.topology == topo
+    ex = PipelineExecutor(program, mine, dist.group.WORLD, M.loss_fn, loss_reduction="sum")
+    ids, labels = M.make_batch(batch)
+    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+    state.global_view["labels"] = labels
+    res = ex.step({"input_ids": ids}, state)
+    assert all(p.grad is None for mod in mine.values() for p in mod.parameters())
+    return state.global_view["loss"] if res.loss is not None else None
+
+
+@pytest.mark.parametrize("schedule", [{"kind": "zbv"}, {"kind": "interleaved_1f1b", "stages_per_rank": 2}])
+def test_forward_program_on_a_training_placement(schedule: dict) -> None:
+    # ZBV places stages in a V (rank 0 holds the first and the last stage): the evaluation program must
+    # run on that placement, forward only, and give each microbatch's loss.
+    m, batch = 4, 8
+    stages = M.make_stages(4)
+    ids, labels = M.make_batch(batch)
+    want = []
+    with torch.no_grad():
+        for mb_ids, mb_labels in zip(ids.chunk(m), labels.chunk(m)):
+            out = {"input_ids": mb_ids}
+            for s in range(4):
+                out = stages[s](**out)
+            want.append(M.loss_fn(out, {"labels": mb_labels}))
+    results = run_distributed(_run_forward_program, 2, schedule, m, batch)
+    last_rank = 0 if schedule["kind"] == "zbv" else 1
+    assert results[1 - last_rank] is None
+    torch.testing.assert_close(results[last_rank], torch.stack(want), atol=ATOL, rtol=0)
+
+
+def test_offline_executor_forward_only_with_loss() -> None:
+    stages = M.make_stages(2)
+    ex = OfflineExecutor(stages, M.loss_fn, 2, loss_reduction="sum", forward_only=True)
+    ids, labels = M.make_batch(8)
+    state = PipelineState(2, specs={"labels": Split(0), "loss": Stack()})
+    state.global_view["labels"] = labels
+    res = ex.step({"input_ids": ids}, state)
+    with torch.no_grad():
+        out = stages[1](**stages[0](input_ids=ids[:4]))
+        want = M.loss_fn(out, {"labels": labels[:4]})
+    torch.testing.assert_close(state.global_view["loss"][0], want, atol=ATOL, rtol=0)
+    assert res.loss is not None and all(p.grad is None for mod in stages.values() for p in mod.parameters())

@@ -50,3 +50,46 @@ def test_pipeline_with_fsdp2() -> None:
     for rank, per_rank in enumerate(run_distributed(_pp_fsdp, 4, cases, 8)):
         for case, err in per_rank:
             assert err <= 1e-6, f"rank {rank} {case}: grad err {err}"
+
+
+def _offline_fsdp(m: int, batch: int) -> tuple[float, list[bool]]:
+    """pp=1, dp=2: OfflineExecutor over FSDP2 stages; gradient sync per microbatch backward, grad error."""
+    from plait.pipelining import OfflineExecutor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    dp_rank = mesh.get_local_rank()
+    _, ref_grads = M.reference(2, batch)
+    stages = M.make_stages(2)
+    for mod in stages.values():
+        fully_shard(mod, mesh=mesh)
+    syncs: list[bool] = []
+    root = stages[0]
+    original = root.set_requires_gradient_sync
+
+    def record(flag: bool, **kw) -> None:  # type: ignore[no-untyped-def]
+        syncs.append(flag)
+        original(flag, **kw)
+
+    root.set_requires_gradient_sync = record  # type: ignore[method-assign]
+    ex = OfflineExecutor(stages, M.loss_fn, m)
+    ids, labels = M.make_batch(batch)
+    half = batch // 2
+    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+    state.global_view["labels"] = labels[dp_rank * half : (dp_rank + 1) * half]
+    ex.step({"input_ids": ids[dp_rank * half : (dp_rank + 1) * half]}, state)
+    err = 0.0
+    for s, mod in stages.items():
+        for n, p in mod.named_parameters():
+            # loss_reduction="mean" per rank, FSDP averages over dp: the global-batch mean gradient
+            err = max(err, (p.grad.full_tensor() - ref_grads[s][n]).abs().max().item())
+    return err, syncs
+
+
+def test_offline_executor_reduces_fsdp_gradients_in_the_last_microbatch_only() -> None:
+    for err, syncs in run_distributed(_offline_fsdp, 2, 4, 8):
+        assert err <= 1e-6
+        # off before the step, off for microbatches 0-2, on for the last one, on again after the step
+        assert syncs == [False, False, False, False, True, True], syncs

@@ -3,8 +3,8 @@
 Two layouts: separate ``gate``/``up`` tensors, or one fused ``gate_up [..., 2I]`` tensor (gate half
 first, the layout of a fused gate/up projection). Math is done in fp32 and the result is cast to the
 input dtype. On CUDA (or under ``TRITON_INTERPRET=1``) a Triton kernel recomputes ``silu`` in the
-backward instead of saving it, so the op saves only its inputs. The op is the torch custom op
-``plait::swiglu`` (traced by ``torch.compile`` without a graph break).
+backward instead of saving it, so the op saves only its inputs. Eager calls run the torch custom op
+``plait::swiglu``; inside ``torch.compile`` the function traces its PyTorch formulation, which Inductor fuses.
 """
 
 from __future__ import annotations
@@ -140,6 +140,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None
         ``[..., I]`` in ``gate.dtype``.
     """
     _check(gate, up, row_weight)
+    if torch.compiler.is_compiling():  # Inductor fuses the PyTorch formulation (see rms_norm)
+        return swiglu_reference(gate, up, row_weight)
     return _swiglu_op(gate, up, row_weight)
 
 
@@ -157,4 +159,6 @@ def swiglu_fused(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None) 
         raise ValueError(f"swiglu_fused: last dim of gate_up {tuple(gate_up.shape)} must be even (2 * I)")
     gate, up = gate_up.chunk(2, dim=-1)
     _check(gate, up, row_weight)
+    if torch.compiler.is_compiling():
+        return swiglu_reference(gate, up, row_weight)
     return _swiglu_op(gate_up, None, row_weight)

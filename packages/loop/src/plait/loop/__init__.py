@@ -1,6 +1,7 @@
 """plait.loop: the training loop — config, data, gradients, optimizers, LR schedules, metrics, trackers,
 profiling (and, in ``plait.loop.checkpoint``, checkpointing)."""
 
+from plait.loop.batch_plan import BatchPlan
 from plait.loop.config import (
     ConfigError,
     TrainerConfig,
@@ -22,6 +23,7 @@ from plait.loop.data import (
     read_token_file,
     write_token_file,
 )
+from plait.loop.evaluation import Evaluator
 from plait.loop.events import (
     AfterBackward,
     AfterForwardBackward,
@@ -38,6 +40,7 @@ from plait.loop.events import (
     TrainingStart,
 )
 from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm
+from plait.loop.loss import LossStats, StepLoss
 from plait.loop.metrics import Derived, Max, Mean, Metric, MetricCollection, Min, Sum
 from plait.loop.optim import (
     LRScheduleConfig,
@@ -58,6 +61,7 @@ from plait.loop.providers import (
     OptimizerProvider,
     Task,
 )
+from plait.loop.records import StepResult, TrainerState
 from plait.loop.topology import Topology
 from plait.loop.tracking import (
     ConsoleTracker,
@@ -68,12 +72,13 @@ from plait.loop.tracking import (
     plot_loss_curve,
     register_tracker,
 )
-from plait.loop.trainer import StepResult, Trainer, TrainerState
+from plait.loop.trainer import Trainer
 
 __all__ = [
     "AfterBackward",
     "AfterForwardBackward",
     "AfterOptimizerStep",
+    "BatchPlan",
     "BeforeForwardBackward",
     "BeforeOptimizerStep",
     "ByteTokenizer",
@@ -84,6 +89,7 @@ __all__ = [
     "DatasetProvider",
     "Derived",
     "DistributedDataLoader",
+    "Evaluator",
     "Event",
     "EventBus",
     "GlobalBatchPlan",
@@ -93,6 +99,7 @@ __all__ = [
     "LRSchedulerProvider",
     "LRSegment",
     "LossOutput",
+    "LossStats",
     "Max",
     "Mean",
     "Metric",
@@ -107,6 +114,7 @@ __all__ = [
     "PiecewiseLR",
     "RunSummary",
     "StepEnd",
+    "StepLoss",
     "StepResult",
     "StepSkipped",
     "StepStart",

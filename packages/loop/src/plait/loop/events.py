@@ -58,7 +58,9 @@ class BeforeForwardBackward(Event):
 
 @dataclass(frozen=True)
 class AfterBackward(Event):
-    """After one microbatch's backward (pp=1 only; the pipelined executor owns its own order)."""
+    """After the backward of ``microbatch`` on this rank's first stage (its weight gradients are complete).
+
+    Under pipeline parallelism the schedule decides the order of the microbatches."""
 
     microbatch: int
 

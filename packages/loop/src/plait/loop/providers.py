@@ -16,6 +16,8 @@ from plait.model_state import materialize
 from torch import nn
 
 if TYPE_CHECKING:
+    from plait.dist_core import DistributedContext
+    from plait.loop.batch_plan import BatchPlan
     from plait.loop.config import TrainerConfig
     from plait.loop.data import DistributedDataLoader
 
@@ -48,7 +50,9 @@ class ModelProvider(Protocol):
         """Stage ``stage_index`` of ``num_stages`` (the whole model for 1), built on ``torch.device("meta")``."""
         ...
 
-    def parallelize(self, module: nn.Module, ctx: Any, config: TrainerConfig) -> nn.Module:
+    def parallelize(
+        self, module: nn.Module, ctx: DistributedContext | None, config: TrainerConfig
+    ) -> nn.Module:
         """Apply TP/EP/FSDP/compile to a stage with the distributed context ``ctx``; return the module."""
         ...
 
@@ -95,7 +99,8 @@ class ModuleProvider:
         self,
         factory: Callable[..., nn.Module],
         *,
-        parallelize_fn: Callable[[nn.Module, Any, Any], nn.Module] | None = None,
+        parallelize_fn: Callable[[nn.Module, DistributedContext | None, TrainerConfig], nn.Module]
+        | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
         initial_weights: Callable[[Sequence[nn.Module]], None] | None = None,
         flops_per_token: float | Callable[[int], float] | None = None,
@@ -116,7 +121,9 @@ class ModuleProvider:
         with torch.device("meta"):
             return self.factory(stage_index, num_stages) if self.stages else self.factory()
 
-    def parallelize(self, module: nn.Module, ctx: Any, config: TrainerConfig) -> nn.Module:
+    def parallelize(
+        self, module: nn.Module, ctx: DistributedContext | None, config: TrainerConfig
+    ) -> nn.Module:
         return module if self.parallelize_fn is None else self.parallelize_fn(module, ctx, config)
 
     def materialize(self, module: nn.Module, device: torch.device) -> None:
@@ -136,33 +143,37 @@ class ModuleProvider:
 
 @dataclass(frozen=True)
 class LossOutput:
-    """What a task's loss returns for one microbatch.
+    """What a task's loss returns for one microbatch (device tensors: reading them needs no host sync).
 
     Attributes:
         objective: the scalar to differentiate, as a *sum* over the microbatch's loss tokens; the
             loop divides it by the step's global token count (so the step's gradient is the
             token-weighted mean over all microbatches and data-parallel ranks).
         loss_sum: detached sum of the reported loss (e.g. cross-entropy without auxiliary terms).
-        num_tokens: loss tokens in the microbatch.
+        num_tokens: loss tokens in the microbatch (a 0-d tensor or an int).
         metrics: extra metrics as ``name -> (value, weight)``, averaged with those weights.
     """
 
     objective: torch.Tensor
     loss_sum: torch.Tensor
-    num_tokens: int
+    num_tokens: torch.Tensor | int
     metrics: Mapping[str, tuple[float | torch.Tensor, float | torch.Tensor]] = field(default_factory=dict)
 
 
 @runtime_checkable
 class Task(Protocol):
-    """Turns a batch into model inputs and model outputs into a loss."""
+    """What the loop needs to know about a batch: the inputs of each model stage and the loss.
 
-    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Keyword tensors for the first stage."""
+    The loop itself names no batch key: it hands the task the whole (micro)batch.
+    """
+
+    def stage_inputs(self, batch: Batch, stage_index: int, num_stages: int) -> dict[str, torch.Tensor]:
+        """Keyword tensors that stage ``stage_index`` of ``num_stages`` takes from ``batch`` (besides
+        the previous stage's outputs; the only stage when ``num_stages == 1``)."""
         ...
 
     def num_loss_tokens(self, batch: Batch) -> int:
-        """Tokens of ``batch`` that count in the loss (known before the forward)."""
+        """Tokens of ``batch`` that count in the loss (known before the forward; ``batch`` on the host)."""
         ...
 
     def loss(self, outputs: Mapping[str, torch.Tensor], batch: Batch) -> LossOutput:
@@ -173,12 +184,13 @@ class Task(Protocol):
 class CausalLMTask:
     """Next-token prediction: ``labels`` are aligned targets, ``ignore_index`` marks skipped positions.
 
-    The model gets every batch tensor except ``labels`` (``input_ids``, ``position_ids``,
-    ``document_ids``, ``attention_mask`` when present), or only ``input_keys`` when given. It must
-    return ``logits`` ``[B, T, V]`` — or, with ``labels_to_model=True``, compute the loss itself and
-    return ``loss_sum`` (summed over tokens; e.g. fused linear cross-entropy). An ``aux_loss`` output
-    (a per-microbatch mean such as MoE load balancing) is added to the objective, weighted by the
-    microbatch's tokens, and logged as ``aux_loss``.
+    The first stage gets every batch tensor except ``labels`` (``input_ids``, ``position_ids``,
+    ``document_ids``, ``attention_mask`` when present), or only ``input_keys`` when given; later
+    pipeline stages get the same tensors except ``input_ids``. The last stage must return ``logits``
+    ``[B, T, V]`` — or, with ``labels_to_model=True`` (it then also gets ``labels``), compute the loss
+    itself and return ``loss_sum`` (summed over tokens; e.g. fused linear cross-entropy). An
+    ``aux_loss`` output (a per-microbatch mean such as MoE load balancing) is added to the objective,
+    weighted by the microbatch's tokens, and logged as ``aux_loss``.
     """
 
     def __init__(
@@ -193,7 +205,7 @@ class CausalLMTask:
         self.labels_to_model = labels_to_model
         self.aux_loss_key = aux_loss_key
 
-    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def stage_inputs(self, batch: Batch, stage_index: int, num_stages: int) -> dict[str, torch.Tensor]:
         if self.input_keys is not None:
             missing = [k for k in self.input_keys if k not in batch]
             if missing:
@@ -201,7 +213,9 @@ class CausalLMTask:
             out = {k: batch[k] for k in self.input_keys}
         else:
             out = {k: v for k, v in batch.items() if k != "labels"}
-        if self.labels_to_model:
+        if stage_index > 0:
+            out.pop("input_ids", None)
+        if self.labels_to_model and stage_index == num_stages - 1:
             out["labels"] = batch["labels"]
         return out
 
@@ -211,14 +225,15 @@ class CausalLMTask:
         return int((batch["labels"] != self.ignore_index).sum())
 
     def loss(self, outputs: Mapping[str, torch.Tensor], batch: Batch) -> LossOutput:
-        n = self.num_loss_tokens(batch)
+        labels = batch["labels"]
+        n = (labels != self.ignore_index).sum()
         if "loss_sum" in outputs:
             loss_sum = outputs["loss_sum"]
         elif "logits" in outputs:
             logits = outputs["logits"]
             loss_sum = F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]).float(),
-                batch["labels"].reshape(-1),
+                labels.reshape(-1),
                 ignore_index=self.ignore_index,
                 reduction="sum",
             )
@@ -237,10 +252,16 @@ class CausalLMTask:
 
 @runtime_checkable
 class DataProvider(Protocol):
-    """Builds this rank's loader for the batch domain's dp coordinate."""
+    """Builds this rank's loaders for the batch domain's dp coordinate."""
 
-    def build_loader(self, config: TrainerConfig, dp_rank: int, dp_size: int) -> DistributedDataLoader:
-        """A stateful loader yielding this rank's microbatches per step."""
+    def build_loader(self, config: TrainerConfig, plan: BatchPlan, dp_rank: int) -> DistributedDataLoader:
+        """A stateful loader yielding this rank's training batch per step."""
+        ...
+
+    def build_validation_loader(
+        self, config: TrainerConfig, plan: BatchPlan, dp_rank: int
+    ) -> DistributedDataLoader | None:
+        """A stateful loader over held-out data for ``config.evaluation`` (None: no validation data)."""
         ...
 
 
@@ -263,12 +284,14 @@ class LRSchedulerProvider(Protocol):
 
 
 class DatasetProvider:
-    """A :class:`DataProvider` over a map-style dataset (e.g. :class:`~plait.loop.data.PackedTokens`).
+    """A :class:`DataProvider` over map-style datasets (e.g. :class:`~plait.loop.data.PackedTokens`).
 
-    Batch sizes come from ``config.batching``, the shuffling seed from ``config.run.seed``.
+    Batch sizes come from the :class:`~plait.loop.BatchPlan`, the shuffling seed from
+    ``config.run.seed``. The validation loader reads ``validation`` in order (no shuffling).
 
     Args:
-        dataset: the dataset, or a zero-argument function building it (called once per rank).
+        dataset: the training dataset, or a zero-argument function building it (called once per rank).
+        validation: held-out dataset (or a function building it) for evaluation.
         collate_fn: default :class:`~plait.loop.data.PadCollator`.
         shuffle: shuffle each epoch.
         lengths: per-sample lengths for length bucketing.
@@ -280,6 +303,7 @@ class DatasetProvider:
         self,
         dataset: Any,
         *,
+        validation: Any = None,
         collate_fn: Callable[[Sequence[Mapping[str, Any]]], Batch] | None = None,
         shuffle: bool = True,
         lengths: Sequence[int] | None = None,
@@ -287,26 +311,21 @@ class DatasetProvider:
         num_workers: int = 0,
     ) -> None:
         self.dataset = dataset
+        self.validation = validation
         self.collate_fn = collate_fn
         self.shuffle = shuffle
         self.lengths = lengths
         self.bucket_buffer_batches = bucket_buffer_batches
         self.num_workers = num_workers
 
-    def build_loader(self, config: TrainerConfig, dp_rank: int, dp_size: int) -> DistributedDataLoader:
+    def build_loader(self, config: TrainerConfig, plan: BatchPlan, dp_rank: int) -> DistributedDataLoader:
         from plait.loop.data import DistributedDataLoader
 
-        ds = (
-            self.dataset()
-            if callable(self.dataset) and not hasattr(self.dataset, "__getitem__")
-            else self.dataset
-        )
         return DistributedDataLoader(
-            ds,
-            global_batch_size=config.batching.global_batch_size,
-            microbatch_size=config.batching.microbatch_size,
+            _build(self.dataset),
+            global_batch_size=plan.global_batch_size,
             dp_rank=dp_rank,
-            dp_size=dp_size,
+            dp_size=plan.dp_size,
             collate_fn=self.collate_fn,
             shuffle=self.shuffle,
             seed=config.run.seed,
@@ -314,3 +333,23 @@ class DatasetProvider:
             bucket_buffer_batches=self.bucket_buffer_batches,
             num_workers=self.num_workers,
         )
+
+    def build_validation_loader(
+        self, config: TrainerConfig, plan: BatchPlan, dp_rank: int
+    ) -> DistributedDataLoader | None:
+        from plait.loop.data import DistributedDataLoader
+
+        if self.validation is None:
+            return None
+        return DistributedDataLoader(
+            _build(self.validation),
+            global_batch_size=plan.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=plan.dp_size,
+            collate_fn=self.collate_fn,
+            shuffle=False,
+        )
+
+
+def _build(dataset: Any) -> Any:
+    return dataset() if callable(dataset) and not hasattr(dataset, "__getitem__") else dataset

@@ -19,9 +19,17 @@ from plait.pipelining.config import (
     register_schedule,
     registered_schedules,
 )
-from plait.pipelining.executor import LossFn, OfflineExecutor, PipelineExecutor, StepResult
+from plait.pipelining.executor import (
+    OfflineExecutor,
+    PipelineExecutor,
+    PipelineStepResult,
+    build_forward_program,
+)
+from plait.pipelining.fsdp import GradientSync
 from plait.pipelining.lowering import lower
+from plait.pipelining.p2p import P2PLink
 from plait.pipelining.program import Program, parse_program
+from plait.pipelining.runner import BackwardHook, ForwardKwargsFn, LossFn, StageRunner
 from plait.pipelining.schedules import (
     build_1f1b,
     build_dualpipev,
@@ -43,10 +51,13 @@ __all__ = [
     "ActionCosts",
     "ActionKind",
     "AnyAction",
+    "BackwardHook",
     "BaseScheduleConfig",
     "CommGroup",
     "DualPipeVConfig",
+    "ForwardKwargsFn",
     "GPipeConfig",
+    "GradientSync",
     "InferenceConfig",
     "Interleaved1F1BConfig",
     "LoopedBFSConfig",
@@ -55,9 +66,11 @@ __all__ = [
     "OfflineExecutor",
     "OneFOneBConfig",
     "OverlapAction",
+    "P2PLink",
     "PipelineExecutor",
     "PipelineScheduleConfig",
     "PipelineState",
+    "PipelineStepResult",
     "Program",
     "ProgramError",
     "Replicate",
@@ -65,7 +78,7 @@ __all__ = [
     "SimulationResult",
     "Split",
     "Stack",
-    "StepResult",
+    "StageRunner",
     "TimelineEntry",
     "Topology",
     "WeightGradWork",
@@ -75,6 +88,7 @@ __all__ = [
     "backward_weight",
     "build_1f1b",
     "build_dualpipev",
+    "build_forward_program",
     "build_gpipe",
     "build_inference",
     "build_interleaved_1f1b",

@@ -8,8 +8,9 @@ from typing import Annotated, Any, Literal
 import torch
 import torch.distributed as dist
 from plait.pipelining import schedules as S
-from plait.pipelining.executor import ForwardKwargsFn, LossFn, OfflineExecutor, PipelineExecutor
+from plait.pipelining.executor import OfflineExecutor, PipelineExecutor
 from plait.pipelining.program import Program
+from plait.pipelining.runner import BackwardHook, ForwardKwargsFn, LossFn
 from plait.pipelining.topology import Topology, loop_topology, vshape_topology
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch import nn
@@ -174,6 +175,7 @@ def build_pipeline(
     loss_fn: LossFn | None = None,
     forward_kwargs_fn: ForwardKwargsFn | None = None,
     device: torch.device | str | None = None,
+    on_backward: BackwardHook | None = None,
 ) -> PipelineExecutor | OfflineExecutor:
     """Build the executor for `config`: a :class:`PipelineExecutor`, or an :class:`OfflineExecutor` for pp=1.
 
@@ -184,6 +186,8 @@ def build_pipeline(
         loss_fn: ``(last_stage_outputs, microbatch_view) -> scalar``; None only for inference.
         forward_kwargs_fn: optional ``(stage, microbatch_view) -> extra keyword tensors``.
         device: activation device (defaults to the stage parameters' device).
+        on_backward: called with ``(stage, microbatch)`` when that stage's weight gradients of the
+            microbatch are complete.
     """
     cfg = parse_schedule_config(config)
     pp = 1 if pp_group is None else dist.get_world_size(pp_group)
@@ -196,6 +200,7 @@ def build_pipeline(
             cfg.num_microbatches,
             forward_kwargs_fn=forward_kwargs_fn,
             loss_reduction=cfg.loss_reduction,
+            on_backward=on_backward,
         )
     assert pp_group is not None
     return PipelineExecutor(
@@ -206,4 +211,5 @@ def build_pipeline(
         forward_kwargs_fn=forward_kwargs_fn,
         loss_reduction=cfg.loss_reduction,
         device=device,
+        on_backward=on_backward,
     )

@@ -11,11 +11,13 @@ __all__ = [
     "BatchingConfig",
     "CheckpointConfig",
     "DeterminismConfig",
+    "EvaluationConfig",
     "GCConfig",
     "GradClipConfig",
     "GradientConfig",
     "LoggingConfig",
     "OptimizerConfig",
+    "PipelineConfig",
     "ProfilingConfig",
     "RunConfig",
     "SGDConfig",
@@ -42,28 +44,43 @@ class RunConfig(_Section):
 class BatchingConfig(_Section):
     """Global batch and microbatch sizes, counted in sequences (samples).
 
-    ``grad_accum_steps = global_batch_size / (microbatch_size * dp_size)`` is derived by
-    :meth:`grad_accum_steps`; :class:`~plait.loop.config.TrainerConfig` validates the division.
+    Every count derived from them (per-rank batch, microbatches per step) is computed once, by
+    :class:`~plait.loop.BatchPlan`.
     """
 
-    global_batch_size: int = Field(default=8, ge=1)
-    microbatch_size: int = Field(default=1, ge=1)
+    global_batch_size: int = Field(default=8, ge=1, description="Samples per optimizer step, all ranks.")
+    microbatch_size: int = Field(default=1, ge=1, description="Samples per forward/backward on one rank.")
     seq_len: int = Field(default=128, ge=1)
 
-    def grad_accum_steps(self, dp_size: int) -> int:
-        """Microbatches per rank and step for a data-parallel size ``dp_size``.
 
-        Raises:
-            ValueError: naming ``batching.global_batch_size`` when it is not a multiple of
-                ``microbatch_size * dp_size``.
-        """
-        per_step = self.microbatch_size * dp_size
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"batching.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"batching.microbatch_size ({self.microbatch_size}) x data-parallel size ({dp_size})"
-            )
-        return self.global_batch_size // per_step
+class PipelineConfig(BaseModel):
+    """The pipeline schedule, used when ``mesh.pipeline > 1``: plait.pipelining's ``kind`` (``1f1b``,
+    ``interleaved_1f1b``, ``zb1p``, ``zbv``, ``dualpipev``, ...) and its own options (e.g.
+    ``stages_per_rank``), checked by :meth:`~plait.loop.BatchPlan.schedule`.
+
+    The microbatch count is the :class:`~plait.loop.BatchPlan`'s; ``num_microbatches``, when given,
+    must equal it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    kind: str = "1f1b"
+    num_microbatches: int | None = Field(default=None, ge=1)
+
+
+class EvaluationConfig(_Section):
+    """Validation loss on held-out data (the data provider's validation loader), forward only.
+
+    Every ``interval`` steps and after the last step, ``steps`` global batches are evaluated through
+    the training executor's stages; the token-weighted ``val_loss`` and ``val_ppl`` = exp(val_loss)
+    go to the trackers, the console and :meth:`~plait.loop.Trainer.fit`'s result.
+    """
+
+    enabled: bool = False
+    interval: int | None = Field(
+        default=None, ge=1, description="Evaluate every N steps (None: at the end only)."
+    )
+    steps: int = Field(default=1, ge=1, description="Global batches per evaluation.")
 
 
 class AdamWConfig(_Section):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from plait.loop.config._mesh import DeviceMeshParameters
 from plait.loop.config.sections import (
@@ -10,17 +10,18 @@ from plait.loop.config.sections import (
     BatchingConfig,
     CheckpointConfig,
     DeterminismConfig,
+    EvaluationConfig,
     GCConfig,
     GradClipConfig,
     GradientConfig,
     LoggingConfig,
     OptimizerConfig,
+    PipelineConfig,
     ProfilingConfig,
     RunConfig,
     TimeoutConfig,
 )
 from plait.loop.optim.schedules import LRScheduleConfig
-from plait.pipelining import PipelineScheduleConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["TrainerConfig", "dp_size_of"]
@@ -42,11 +43,7 @@ class TrainerConfig(BaseModel):
     run: RunConfig = RunConfig()
     mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)
     batching: BatchingConfig = BatchingConfig()
-    # plait.pipelining's schedule config union (``kind`` = 1f1b, interleaved_1f1b, zbv, dualpipev, ...),
-    # used when mesh.pipeline > 1 (None: 1F1B). ``num_microbatches`` defaults to the derived
-    # gradient-accumulation steps; the loop always runs it with loss_reduction="sum" and normalises
-    # by the global token count itself.
-    pipeline: PipelineScheduleConfig | None = None
+    pipeline: PipelineConfig | None = None  # the schedule when mesh.pipeline > 1 (None: 1F1B)
     optimizer: OptimizerConfig = AdamWConfig()
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     grad_clip: GradClipConfig = GradClipConfig()
@@ -57,31 +54,15 @@ class TrainerConfig(BaseModel):
     timeouts: TimeoutConfig = TimeoutConfig()
     gc: GCConfig = GCConfig()
     determinism: DeterminismConfig = DeterminismConfig()
-    # Free-form, user-owned sections (model hyper-parameters, data paths): validated by the user's providers.
-    extras: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_microbatches(cls, data: Any) -> Any:
-        pipe = data.get("pipeline") if isinstance(data, dict) else None
-        if isinstance(pipe, dict) and "num_microbatches" not in pipe:
-            try:
-                batching = BatchingConfig.model_validate(data.get("batching", {}))
-                mesh = DeviceMeshParameters.model_validate(data.get("mesh", {}))
-                n = batching.grad_accum_steps(dp_size_of(mesh))
-            except (ValueError, TypeError):
-                return data  # field validation reports the real error
-            data = {**data, "pipeline": {**pipe, "num_microbatches": n}}
-        return data
+    evaluation: EvaluationConfig = EvaluationConfig()
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:
-        accum = self.batching.grad_accum_steps(dp_size_of(self.mesh))
-        if self.pipeline is not None and self.pipeline.num_microbatches != accum:
-            raise ValueError(
-                f"pipeline.num_microbatches={self.pipeline.num_microbatches} must equal the gradient-accumulation "
-                f"steps {accum} = batching.global_batch_size / (batching.microbatch_size x dp size)"
-            )
+        from plait.loop.batch_plan import BatchPlan
+
+        plan = BatchPlan.from_config(self)  # checks the batch arithmetic, naming the fields
+        if self.mesh.pipeline > 1 or self.pipeline is not None:
+            plan.schedule(self)
         self.lr_schedule.resolve(self.run.steps)
         return self
 
@@ -98,15 +79,9 @@ class TrainerConfig(BaseModel):
         pp = int(self.mesh.pipeline)
         if pp == 1:
             return 1
-        from plait.pipelining import OneFOneBConfig
+        from plait.loop.batch_plan import BatchPlan
 
-        schedule = self.pipeline or OneFOneBConfig(num_microbatches=self.grad_accum_steps)
-        return int(schedule.topology(pp).num_stages)
-
-    @property
-    def grad_accum_steps(self) -> int:
-        """Microbatches per rank per optimizer step."""
-        return self.batching.grad_accum_steps(self.dp_size)
+        return int(BatchPlan.from_config(self).schedule(self).topology(pp).num_stages)
 
     def device_type(self) -> Literal["cpu", "cuda"]:
         """``run.device`` with ``auto`` resolved (CUDA when available)."""

@@ -1,4 +1,4 @@
-"""A stateful, distributed, exactly resumable loader that yields each rank's microbatches per step."""
+"""A stateful, distributed, exactly resumable loader that yields each rank's batch per step."""
 
 from __future__ import annotations
 
@@ -20,37 +20,34 @@ def _identity(x: Any) -> Any:
 
 
 class _StepDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Item ``k`` = the collated microbatches of global step ``k`` for one rank (runs in workers)."""
+    """Item ``k`` = one rank's collated share of global step ``k`` (runs in workers)."""
 
     def __init__(self, loader: DistributedDataLoader) -> None:
         self.dataset = loader.dataset
         self.plan = loader.plan
         self.collate_fn = loader.collate_fn
         self.dp_rank, self.dp_size = loader.dp_rank, loader.dp_size
-        self.microbatch_size = loader.microbatch_size
 
-    def __getitem__(self, k: int) -> list[Batch]:
-        idx = self.plan.rank_slice(k, self.dp_rank, self.dp_size)
-        mb = self.microbatch_size
-        return [self.collate_fn([self.dataset[i] for i in idx[j : j + mb]]) for j in range(0, len(idx), mb)]
+    def __getitem__(self, k: int) -> Batch:
+        return self.collate_fn([self.dataset[i] for i in self.plan.rank_slice(k, self.dp_rank, self.dp_size)])
 
     def __len__(self) -> int:  # pragma: no cover - the sampler is infinite
         return 2**62
 
 
 class DistributedDataLoader:
-    """Yields, per optimizer step, the list of microbatches this data-parallel rank trains on.
+    """Yields, per optimizer step, the batch this data-parallel rank trains on (one collated dict).
 
     The global order comes from a :class:`GlobalBatchPlan`; rank ``r`` of ``dp_size`` reads the
-    ``r``-th contiguous share of each global batch, cut into microbatches of ``microbatch_size``.
-    The state is a single global counter (global batches consumed, counted when a step's batch is
-    handed to the caller, not when workers prefetch it), so a resume is exact — and valid for a
-    different ``dp_size`` or ``microbatch_size`` as long as the global batch size is the same.
+    ``r``-th contiguous share of each global batch, collated at once (so padded to the step's longest
+    sample); the executor cuts it into microbatches. The state is a single global counter (global
+    batches consumed, counted when a step's batch is handed to the caller, not when workers prefetch
+    it), so a resume is exact — and valid for a different ``dp_size`` or microbatch size as long as the
+    global batch size is the same.
 
     Args:
         dataset: map-style dataset (``__len__``, ``__getitem__`` -> dict of 1-d sequences).
         global_batch_size: samples per step over all dp ranks.
-        microbatch_size: samples per microbatch on one rank.
         dp_rank: this rank's index in the batch domain's dp dimension.
         dp_size: the dp size.
         collate_fn: list of samples -> dict of tensors (default :class:`PadCollator`).
@@ -68,7 +65,6 @@ class DistributedDataLoader:
         dataset: Any,
         *,
         global_batch_size: int,
-        microbatch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
         collate_fn: Callable[[Sequence[Mapping[str, Any]]], Batch] | None = None,
@@ -80,16 +76,14 @@ class DistributedDataLoader:
         prefetch_factor: int = 2,
         pin_memory: bool = False,
     ) -> None:
-        if global_batch_size % (microbatch_size * dp_size):
+        if global_batch_size % dp_size:
             raise ValueError(
-                f"global_batch_size={global_batch_size} is not a multiple of microbatch_size "
-                f"({microbatch_size}) x dp_size ({dp_size})"
+                f"global_batch_size={global_batch_size} is not a multiple of dp_size ({dp_size})"
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
         self.dataset = dataset
         self.global_batch_size = global_batch_size
-        self.microbatch_size = microbatch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.collate_fn = collate_fn or PadCollator()
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
@@ -102,19 +96,14 @@ class DistributedDataLoader:
             bucket_buffer_batches=bucket_buffer_batches,
         )
         self.batches_consumed = 0
-        self._it: Iterator[list[Batch]] | None = None
-
-    @property
-    def grad_accum_steps(self) -> int:
-        """Microbatches per step on this rank."""
-        return self.global_batch_size // (self.microbatch_size * self.dp_size)
+        self._it: Iterator[Batch] | None = None
 
     @property
     def epoch(self) -> int:
         """The epoch of the next batch."""
         return self.batches_consumed // self.plan.batches_per_epoch
 
-    def _make_iter(self) -> Iterator[list[Batch]]:
+    def _make_iter(self) -> Iterator[Batch]:
         steps = _StepDataset(self)
         if self.num_workers == 0:
             return (steps[k] for k in itertools.count(self.batches_consumed))
@@ -130,11 +119,11 @@ class DistributedDataLoader:
         )
         return iter(dl)
 
-    def __iter__(self) -> Iterator[list[Batch]]:
+    def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> list[Batch]:
-        """The next step's microbatches (an endless stream across epochs)."""
+    def __next__(self) -> Batch:
+        """The next step's batch of this rank (an endless stream across epochs)."""
         if self._it is None:
             self._it = self._make_iter()
         batch = next(self._it)
@@ -152,7 +141,7 @@ class DistributedDataLoader:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume after ``state["batches_consumed"]`` global batches (any dp size / microbatch size).
+        """Resume after ``state["batches_consumed"]`` global batches (any dp size or microbatch size).
 
         Raises:
             ValueError: when the dataset size, seed or global batch size differ from the saved ones

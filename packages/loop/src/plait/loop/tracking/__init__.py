@@ -1,6 +1,7 @@
 """Experiment tracking, throughput/MFU and memory statistics."""
 
 from plait.loop.tracking.plots import plot_loss_curve, plot_series
+from plait.loop.tracking.reporter import RunReporter
 from plait.loop.tracking.summary import RunSummary, RunSummaryCollector
 from plait.loop.tracking.throughput import ThroughputMeter, device_memory_stats, peak_flops_for
 from plait.loop.tracking.trackers import (
@@ -18,6 +19,7 @@ __all__ = [
     "AimTracker",
     "ConsoleTracker",
     "JSONLTracker",
+    "RunReporter",
     "RunSummary",
     "RunSummaryCollector",
     "TensorBoardTracker",

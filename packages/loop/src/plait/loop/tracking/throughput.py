@@ -40,6 +40,10 @@ class ThroughputMeter:
         """Count a step's tokens (over all data-parallel ranks)."""
         self._tokens += global_tokens
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of the current interval out of the rate (e.g. time spent evaluating)."""
+        self._t += seconds
+
     def measure(self) -> dict[str, float]:
         """``tokens_per_s`` (global), ``tokens_per_s_per_device`` and ``mfu`` (when FLOPs are known); resets."""
         now = time.perf_counter()

@@ -1,0 +1,88 @@
+"""The :class:`BatchPlan`: every batch count of a training step, derived once from the config and the mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from plait.pipelining import BaseScheduleConfig, parse_schedule_config
+
+if TYPE_CHECKING:
+    from plait.loop.config import TrainerConfig
+
+__all__ = ["BatchPlan"]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Per-rank batch, microbatch size and count of a step, counted in sequences (samples).
+
+    Built once (:meth:`from_config`); the data loader reads :attr:`rank_batch_size` samples per step
+    (one step batch per rank), the executor splits them into :attr:`num_microbatches` microbatches of
+    :attr:`microbatch_size`, the pipeline schedule runs :attr:`num_microbatches` (= the gradient
+    accumulation steps), and the loop divides the summed loss by the step's global token count.
+
+    Attributes:
+        global_batch_size: samples per optimizer step over all data-parallel ranks
+            (``batching.global_batch_size``).
+        microbatch_size: samples per forward/backward (``batching.microbatch_size``).
+        dp_size: data-parallel size (``mesh.data_replicate x mesh.data_shard``).
+        seq_len: tokens per sample (``batching.seq_len``).
+
+    Raises:
+        ValueError: naming ``batching.global_batch_size`` when it is not a multiple of
+            ``microbatch_size x dp_size``.
+    """
+
+    global_batch_size: int
+    microbatch_size: int
+    dp_size: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size % (self.microbatch_size * self.dp_size):
+            raise ValueError(
+                f"batching.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"batching.microbatch_size ({self.microbatch_size}) x data-parallel size ({self.dp_size})"
+            )
+
+    @classmethod
+    def from_config(cls, config: TrainerConfig) -> BatchPlan:
+        """The plan of ``config.batching`` on ``config.mesh``'s data-parallel size."""
+        b = config.batching
+        return cls(b.global_batch_size, b.microbatch_size, config.dp_size, b.seq_len)
+
+    @property
+    def rank_batch_size(self) -> int:
+        """Samples per step on one data-parallel rank (the loader's step batch)."""
+        return self.global_batch_size // self.dp_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per rank and step: the gradient-accumulation steps and the schedule's count."""
+        return self.rank_batch_size // self.microbatch_size
+
+    def schedule(self, config: TrainerConfig) -> BaseScheduleConfig:
+        """The pipeline schedule of ``config.pipeline`` (1F1B when absent) for this plan's microbatches.
+
+        The loop runs it with ``loss_reduction="sum"`` (it divides by the global token count itself).
+
+        Raises:
+            ValueError: naming ``pipeline.num_microbatches`` when it is given and differs from
+                :attr:`num_microbatches`, or the schedule's own field errors.
+        """
+        options = config.pipeline.model_dump(exclude_none=True) if config.pipeline is not None else {}
+        given = options.pop("num_microbatches", None)
+        if given is not None and given != self.num_microbatches:
+            raise ValueError(
+                f"pipeline.num_microbatches={given} must equal the gradient-accumulation steps "
+                f"{self.num_microbatches} = batching.global_batch_size / (batching.microbatch_size x dp size)"
+            )
+        if options.pop("loss_reduction", "sum") != "sum":
+            raise ValueError(
+                "pipeline.loss_reduction: the loop sums microbatch losses itself; leave it unset"
+            )
+        options.setdefault("kind", "1f1b")
+        return parse_schedule_config(
+            {**options, "num_microbatches": self.num_microbatches, "loss_reduction": "sum"}
+        )
