@@ -3,7 +3,8 @@
 1. A newcomer's run (subprocess, checkpointing and HF export on) finishes, logs finite metrics, writes a
    checkpoint and an HF export that transformers loads with the same logits as plait.
 2. From one seed checkpoint, the 10-step loss curve agrees across parallel layouts on gloo
-   (1 process, DP=2, FSDP=2, EP=2, PP=2 1F1B, PP=2 ZBV, PP=2 x DP=2).
+   (1 process, DP=2, FSDP=2, EP=2, PP=2 1F1B, PP=2 ZBV, PP=2 x DP=2, CP=2 all-gather and ring,
+   FSDP=2 x CP=2, PP=2 x CP=2).
 3. A run resumed from a mid-run checkpoint continues the same curve, bit for bit.
 
 Multi-rank runs call ``pretrain.main`` on the warm rank pool of ``plait.dist_core.testing``.
@@ -124,6 +125,11 @@ LAYOUTS = {  # name: (world size, microbatch size, mesh arguments)
     "pp2_zbv": (2, 4, ["--mesh.pipeline=2", "--pipeline.kind=zbv"]),
     # 4 ranks: microbatch 2 so that 8 = 2 x dp 2 x 2 microbatches per rank (>= pp for the schedule).
     "pp2_dp2": (4, 2, ["--mesh.pipeline=2", "--mesh.data_shard=2", "--pipeline.kind=1f1b"]),
+    # Context parallelism: every sequence split over 2 ranks (load-balanced layout).
+    "cp2_allgather": (2, 4, ["--mesh.context_shard=2"]),
+    "cp2_ring": (2, 4, ["--mesh.context_shard=2", "--parallel.context_parallel_attention=ring"]),
+    "fsdp2_cp2": (4, 4, ["--mesh.data_shard=2", "--mesh.context_shard=2"]),
+    "pp2_cp2": (4, 4, ["--mesh.pipeline=2", "--mesh.context_shard=2", "--pipeline.kind=1f1b"]),
 }
 
 

@@ -28,16 +28,21 @@ class BatchPlan:
         microbatch_size: samples per forward/backward (``batching.microbatch_size``).
         dp_size: data-parallel size (``mesh.data_replicate x mesh.data_shard``).
         seq_len: tokens per sample (``batching.seq_len``).
+        cp_size: context-parallel size (``mesh.context_shard x mesh.context_replicate``): the ranks
+            of a context group share each sample and hold ``seq_len / cp_size`` of its tokens (the
+            load-balanced layout of :func:`plait.dist_core.shard_batch`).
 
     Raises:
         ValueError: naming ``batching.global_batch_size`` when it is not a multiple of
-            ``microbatch_size x dp_size``.
+            ``microbatch_size x dp_size``, or ``batching.seq_len`` when context parallelism is on
+            and it is not a multiple of ``2 x cp_size``.
     """
 
     global_batch_size: int
     microbatch_size: int
     dp_size: int
     seq_len: int
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.global_batch_size % (self.microbatch_size * self.dp_size):
@@ -45,12 +50,18 @@ class BatchPlan:
                 f"batching.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"batching.microbatch_size ({self.microbatch_size}) x data-parallel size ({self.dp_size})"
             )
+        if self.cp_size > 1 and self.seq_len % (2 * self.cp_size):
+            raise ValueError(
+                f"batching.seq_len={self.seq_len} must be a multiple of 2 x context-parallel size "
+                f"({2 * self.cp_size}): context parallelism cuts every row into 2 chunks per context rank"
+            )
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> BatchPlan:
-        """The plan of ``config.batching`` on ``config.mesh``'s data-parallel size."""
-        b = config.batching
-        return cls(b.global_batch_size, b.microbatch_size, config.dp_size, b.seq_len)
+        """The plan of ``config.batching`` on ``config.mesh``'s data-parallel and context sizes."""
+        b, mesh = config.batching, config.mesh
+        cp = int(mesh.context_shard) * int(mesh.context_replicate)
+        return cls(b.global_batch_size, b.microbatch_size, config.dp_size, b.seq_len, cp)
 
     @property
     def rank_batch_size(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from plait.loop.config import EvaluationConfig
@@ -30,6 +30,8 @@ class Evaluator:
         loader: this rank's validation loader.
         modules: the local model stages (put in eval mode while evaluating).
         device: where batches go.
+        shard_batch: this rank's part of each validation batch (context parallelism:
+            :meth:`plait.loop.Topology.shard_batch`); None keeps the batch whole.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class Evaluator:
         loader: DistributedDataLoader,
         modules: Sequence[nn.Module],
         device: torch.device,
+        shard_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.config = config
         self.executor = executor
@@ -47,6 +50,7 @@ class Evaluator:
         self.loader = loader
         self.modules = list(modules)
         self.device = device
+        self.shard_batch = shard_batch
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether to evaluate after optimizer step ``step`` (every ``interval`` steps, and the last)."""
@@ -62,7 +66,10 @@ class Evaluator:
         try:
             for _ in range(self.config.steps):
                 state = PipelineState(self.executor.num_microbatches, specs={LOSS_KEY: Stack()})
-                for k, v in next(self.loader).items():
+                batch = next(self.loader)
+                if self.shard_batch is not None:
+                    batch = self.shard_batch(batch)
+                for k, v in batch.items():
                     state.global_view[k] = v.to(self.device, non_blocking=True)
                 self.executor.step({}, state)
         finally:

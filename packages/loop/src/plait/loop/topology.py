@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
-from plait.dist_core import DistributedContext
+from plait.dist_core import DistributedContext, shard_batch
 
 __all__ = ["Topology"]
 
@@ -18,7 +19,8 @@ class Topology:
         rank / world_size: global.
         dp_rank / dp_size / dp_group: the batch domain's data-parallel dimension (data shards).
         pp_rank / pp_size / pp_group: the pipeline dimension.
-        cp_size: context-parallel size (the sequence is split inside the model).
+        cp_rank / cp_size / cp_group: the context-parallel dimension (the ranks that share each
+            sample, every one holding its shard of the sequence; :meth:`shard_batch`).
         coords / sizes: every batch-mesh dimension's coordinate and size (for log prefixes).
         groups: every process group of the mesh (for collective timeouts).
     """
@@ -31,7 +33,9 @@ class Topology:
     pp_rank: int = 0
     pp_size: int = 1
     pp_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
     cp_size: int = 1
+    cp_group: dist.ProcessGroup | None = None
     coords: dict[str, int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     groups: tuple[dist.ProcessGroup, ...] = ()
@@ -40,6 +44,13 @@ class Topology:
     def is_main(self) -> bool:
         """Global rank 0 (the rank that writes logs and trackers)."""
         return self.rank == 0
+
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's context shard of every ``[B, T, ...]`` tensor of ``batch`` (the batch itself
+        without context parallelism); see :func:`plait.dist_core.shard_batch`."""
+        if self.cp_size == 1:
+            return batch
+        return shard_batch(batch, self.cp_size, self.cp_rank)
 
     @classmethod
     def from_context(cls, ctx: DistributedContext) -> Topology:
@@ -59,7 +70,9 @@ class Topology:
             pp_rank=coords.get("pp", 0),
             pp_size=sizes.get("pp", 1),
             pp_group=groups.get("pp"),
+            cp_rank=coords.get("cp", 0),
             cp_size=sizes.get("cp", 1),
+            cp_group=groups.get("cp"),
             coords=coords,
             sizes=sizes,
             groups=tuple(g for g in groups.values() if g is not None),

@@ -256,7 +256,15 @@ class Trainer:
             )
         loss = StepLoss(self.task, self.device)
         executor = self._build_executor(loss, forward_only=True)
-        return Evaluator(self.config.evaluation, executor, loss, loader, self.model_parts, self.device)
+        return Evaluator(
+            self.config.evaluation,
+            executor,
+            loss,
+            loader,
+            self.model_parts,
+            self.device,
+            shard_batch=self.topology.shard_batch,
+        )
 
     def _set_timeout(self, seconds: float) -> None:
         if self.ctx is not None and hasattr(self.ctx, "set_timeout"):
@@ -321,7 +329,10 @@ class Trainer:
 
         The executor splits ``batch`` into the plan's microbatches; each microbatch's objective is
         divided by the step's global loss-token count, so the accumulated gradient is the
-        token-weighted mean over all microbatches of all dp ranks.
+        token-weighted mean over all microbatches of all dp ranks. Under context parallelism the
+        tokens are counted on the whole ``batch`` (the same on every rank of a context group), then
+        every stage gets this rank's sequence shard (:meth:`Topology.shard_batch`); the model's loss
+        sums are this rank's and FSDP sums the gradients over the context ranks.
 
         Returns:
             ``(local loss statistics (device tensors), global loss tokens, global positions)``.
@@ -333,7 +344,7 @@ class Trainer:
                 f"step {self.step}: the global batch has no loss tokens (all labels are ignored)"
             )
         state = PipelineState(self.batch_plan.num_microbatches, specs={LOSS_KEY: Stack()})
-        for k, v in batch.items():
+        for k, v in self.topology.shard_batch(batch).items():
             state.global_view[k] = v.to(self.device, non_blocking=True)
         self.loss.start(global_tokens)
         self.events.publish(BeforeForwardBackward(self, self.step, state.num_microbatches, global_tokens))
