@@ -104,6 +104,18 @@ def test_grad_accum_validated_against_dp():
         )
 
 
+def test_seq_len_validated_against_context_parallel_size():
+    with pytest.raises(
+        ConfigError,
+        match=r"batching.seq_len=36 must be a multiple of 2 x context-parallel size \(8\)",
+    ):
+        load_config(overrides=["--batching.seq_len=36", "--mesh.context_shard=4"])
+    cfg = load_config(
+        overrides=["--batching.seq_len=40", "--mesh.context_shard=2", "--mesh.context_replicate=2"]
+    )
+    assert BatchPlan.from_config(cfg).cp_size == 4
+
+
 def test_bad_override_syntax_and_format(tmp_path):
     with pytest.raises(ConfigError, match=r"expected --section\.field=value"):
         load_config(overrides=["--optimizer.lr"])
