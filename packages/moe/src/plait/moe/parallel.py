@@ -50,7 +50,9 @@ def expert_parallel(
     # Before touching the layer, so a missing DeepEP or a bad backend leaves it unchanged.
     dispatcher: AllToAllDispatcher | DeepEPDispatcher
     if backend == "all_to_all":
-        dispatcher = AllToAllDispatcher(group) if num_chunks is None else AllToAllDispatcher(group, num_chunks)
+        dispatcher = (
+            AllToAllDispatcher(group) if num_chunks is None else AllToAllDispatcher(group, num_chunks)
+        )
     elif backend == "deepep":
         if num_chunks is not None:
             raise ValueError("expert_parallel: num_chunks applies to backend='all_to_all' only, not 'deepep'")

@@ -42,7 +42,9 @@ class _Pending:
 
 def _issue(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Any:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)
+    work = dist.all_to_all_single(
+        out, x.contiguous(), output_splits, input_splits, group=group, async_op=True
+    )
     return out, work
 
 
@@ -66,7 +68,7 @@ class _AllToAllStart(torch.autograd.Function):
     def backward(ctx: Any, _grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         pending = ctx.pending
         pending.bwd.wait()
-        grad_in, pending.bwd_out = pending.bwd_out, None
+        grad_in, pending.bwd_out, pending.bwd = pending.bwd_out, None, None
         return grad_in, None, None, None, None
 
 
@@ -82,8 +84,14 @@ class _AllToAllWait(torch.autograd.Function):
         group: dist.ProcessGroup,
         pending: _Pending,
     ) -> Tensor:
-        ctx.output_splits, ctx.input_splits, ctx.group, ctx.pending = output_splits, input_splits, group, pending
+        ctx.output_splits, ctx.input_splits, ctx.group, ctx.pending = (
+            output_splits,
+            input_splits,
+            group,
+            pending,
+        )
         pending.fwd.wait()
+        pending.fwd = None  # a finished work object still holds its buffers: let them go
         return out
 
     @staticmethod
@@ -96,7 +104,9 @@ class _AllToAllWait(torch.autograd.Function):
 class _AsyncAllToAll:
     """A differentiable all-to-all split in two: :meth:`start` issues it, :meth:`wait` returns the result."""
 
-    def __init__(self, x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
+    def __init__(
+        self, x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+    ):
         self._args = (output_splits, input_splits, group, _Pending())
         self._out: Tensor = _AllToAllStart.apply(x, *self._args)
 
@@ -118,7 +128,7 @@ class AllToAllDispatcher:
         group: The expert-parallel process group.
         num_chunks: Token chunks pipelined through dispatch, experts and combine so that the
             all-to-alls overlap the grouped GEMMs (1 = no overlap: dispatch, compute, combine in
-            sequence). Capped at the number of local tokens. Outputs do not depend on it.
+            sequence). Outputs do not depend on it. Every rank of ``group`` must use the same value.
 
     Raises:
         ValueError: ``num_chunks < 1``.
@@ -141,7 +151,9 @@ class AllToAllDispatcher:
     ) -> Tensor:
         num_experts, ep = experts.num_experts, self.ep_size
         n_local = num_experts // ep
-        n = max(1, min(self.num_chunks, x.shape[0]))
+        # The same chunk count on every rank (each chunk is a collective), whatever its token count:
+        # a rank with fewer tokens than chunks sends empty chunks.
+        n = self.num_chunks
         # Expert-major order over the global experts is also destination-rank order (experts are
         # contiguous per rank); dropped slots (sentinel E) are left in each buffer's unused tail.
         chunks = [
