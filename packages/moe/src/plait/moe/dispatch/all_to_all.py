@@ -40,7 +40,9 @@ class _Pending:
         self.bwd_out: Tensor | None = None
 
 
-def _issue(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Any:
+def _issue(
+    x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> tuple[Tensor, Any]:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     work = dist.all_to_all_single(
         out, x.contiguous(), output_splits, input_splits, group=group, async_op=True
@@ -62,7 +64,7 @@ class _AllToAllStart(torch.autograd.Function):
     ) -> Tensor:
         ctx.pending = pending
         out, pending.fwd = _issue(x, output_splits, input_splits, group)
-        return out  # type: ignore[no-any-return]
+        return out
 
     @staticmethod
     def backward(ctx: Any, _grad: Tensor) -> tuple[Tensor, None, None, None, None]:
@@ -102,11 +104,13 @@ class _AllToAllWait(torch.autograd.Function):
 
 
 class _AsyncAllToAll:
-    """A differentiable all-to-all split in two: :meth:`start` issues it, :meth:`wait` returns the result."""
+    """A differentiable all-to-all in two halves: constructing it issues the all-to-all, :meth:`wait`
+    returns the result; in backward, the wait's half issues the reverse all-to-all and the start's
+    half waits for it."""
 
     def __init__(
         self, x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
-    ):
+    ) -> None:
         self._args = (output_splits, input_splits, group, _Pending())
         self._out: Tensor = _AllToAllStart.apply(x, *self._args)
 
