@@ -9,9 +9,10 @@ The MoE layer of the main GPU model (hidden 1024, 64 experts top-8, expert FFN 5
 rank routing its own 8192 tokens, forward + backward. Rows, in the same run at equal tokens per
 rank: no expert parallelism (every GPU holds all experts, no communication), then EP over all
 ranks with ``num_chunks`` = 1 (dispatch, experts, combine in sequence) and the chunked pipelines
-(``--chunks``, default 2 and 4). Outputs of every EP row are checked against the no-EP layer.
-``--profile DIR`` writes a torch.profiler chrome trace of rank 0 for the most-chunked row
-(``DIR/ep_overlap_rank0.json``): the NCCL all-to-all kernels run concurrently with the grouped GEMMs.
+(``--chunks``, default 2 and 4). Each EP row's output is compared with the no-EP layer's (relative L2).
+``--profile DIR`` writes a torch.profiler chrome trace of rank 0 for each EP row, 3 steps
+(``DIR/ep_overlap_rank0_chunks{N}.json``): with N > 1 the NCCL all-to-all kernels run concurrently
+with the grouped GEMMs of the neighbouring chunk; with N = 1 they alternate.
 ``--smoke`` runs tiny shapes on CPU with gloo (checks the script, times nothing meaningful).
 """
 
@@ -114,19 +115,19 @@ def main() -> None:
         results.append((name, ms_t.item(), mem))
 
     if args.profile is not None:
-        _, layer, num_chunks = layers[-1]
-        use(layer, num_chunks)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if dev.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(3):
-                step(layer)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-        if rank == 0:
-            args.profile.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(args.profile / "ep_overlap_rank0.json"))
+        for _, layer, num_chunks in layers[1:]:
+            use(layer, num_chunks)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(3):
+                    step(layer)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            if rank == 0:
+                args.profile.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(args.profile / f"ep_overlap_rank0_chunks{num_chunks}.json"))
 
     if rank == 0:
         base = results[0][1]
