@@ -183,6 +183,7 @@ class AllToAllDispatcher:
                 _AsyncAllToAll(row_w[:n_send], recv_splits[i], send_splits[i], self.group),
             )
 
+        segments = torch.arange(ep * n_local, device=x.device)  # [source rank][local expert]
         in_flight = dispatch(0)
         combines = []
         for i in range(n):
@@ -191,9 +192,7 @@ class AllToAllDispatcher:
             # Received order is [source rank][local expert]; the experts need [local expert][source
             # rank]: a stable permute by local expert.
             seg = torch.repeat_interleave(
-                torch.arange(ep * n_local, device=x.device),
-                recv_counts[:, i].reshape(-1),
-                output_size=sum(recv_splits[i]),
+                segments, recv_counts[:, i].reshape(-1), output_size=sum(recv_splits[i])
             )
             local_rows, local_w, local_map, local_counts = permute(
                 recv_rows, (seg % n_local).unsqueeze(1), n_local, recv_w.unsqueeze(1)
