@@ -103,8 +103,10 @@ class MLP(nn.Module):
 class RegressionTask:
     """Batch -> model inputs; predictions -> a summed squared error (the loop divides by the sample count)."""
 
-    def model_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"x": batch["x"]}
+    def stage_inputs(
+        self, batch: Mapping[str, torch.Tensor], stage_index: int, num_stages: int
+    ) -> dict[str, torch.Tensor]:
+        return {"x": batch["x"]}  # one stage: the whole model
 
     def num_loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> int:
         return int(batch["y"].shape[0])  # the loop's "tokens" are this job's samples

@@ -180,13 +180,12 @@ def test_overrides_are_read_by_the_field_type():
             "--checkpoint.dir=007",
             "--logging.peak_flops=null",
             "--gc.generation=2",
-            "--extras.n=3",
-            "--extras.s=abc",
+            "--optimizer.betas=[0.8, 0.9]",
         ]
     )
     assert cfg.run.name == "2024" and cfg.checkpoint.dir == "007"
     assert cfg.logging.peak_flops is None and cfg.gc.generation == 2
-    assert cfg.extras == {"n": 3, "s": "abc"}
+    assert cfg.optimizer.betas == (0.8, 0.9)  # JSON for a tuple field
     assert load_config(overrides=["--run.name=null"]).run.name == "null"  # run.name does not take None
     assert load_config(overrides=["--checkpoint.dir=none"]).checkpoint.dir is None
 

@@ -57,6 +57,7 @@ LAYOUTS = {
     "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
+    "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
@@ -109,6 +110,8 @@ def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
     dispatcher = DeepEPDispatcher if pkw.get("expert_dispatch") == "deepep" else AllToAllDispatcher
     if eshape[2] > 1:
         assert all(isinstance(moe.dispatcher, dispatcher) for moe in model.moe_layers())
+    if "expert_chunks" in pkw:
+        assert all(moe.dispatcher.num_chunks == pkw["expert_chunks"] for moe in model.moe_layers())
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
@@ -46,6 +48,27 @@ def _make_layer(
     return layer
 
 
+@contextlib.contextmanager
+def _count_collectives() -> Iterator[dict[str, int]]:
+    """Count ``dist.all_to_all_single`` calls and device-to-host ``Tensor.tolist`` copies."""
+    calls = {"all_to_all_single": 0, "tolist": 0}
+    a2a, tolist = dist.all_to_all_single, torch.Tensor.tolist
+
+    def counted_a2a(*args: Any, **kwargs: Any) -> Any:
+        calls["all_to_all_single"] += 1
+        return a2a(*args, **kwargs)
+
+    def counted_tolist(self: torch.Tensor) -> Any:
+        calls["tolist"] += 1
+        return tolist(self)
+
+    dist.all_to_all_single, torch.Tensor.tolist = counted_a2a, counted_tolist  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single, torch.Tensor.tolist = a2a, tolist  # type: ignore[method-assign]
+
+
 def _ep_worker(
     seed: int,
     layer_kwargs: dict[str, Any],
@@ -53,11 +76,12 @@ def _ep_worker(
     one_hot_expert: int | None,
     device: str = "cpu",
     backend: Literal["all_to_all", "deepep"] = "all_to_all",
+    num_chunks: int | None = None,
 ) -> dict[str, Any]:
     if backend == "all_to_all":
-        return _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend)
+        return _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks)
     with fake_deep_ep() as buffer:  # DeepEP's Buffer API over gloo (tests/moe/_fake_deep_ep.py)
-        result = _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend)
+        result = _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks)
     # forward dispatch and combine, then their backwards (combine's is a cached dispatch).
     assert buffer.calls == ["dispatch", "combine", "dispatch", "combine"], buffer.calls
     return result
@@ -70,18 +94,27 @@ def _ep_run(
     one_hot_expert: int | None,
     device: str,
     backend: Literal["all_to_all", "deepep"],
+    num_chunks: int | None,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
-    expert_parallel(layer, mesh, backend=backend)
+    expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)
     expected = AllToAllDispatcher if backend == "all_to_all" else DeepEPDispatcher
     assert isinstance(layer.dispatcher, expected)
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
     x = x_all[rank].to(device).requires_grad_()
-    out = layer(x)
+    if num_chunks is None or device != "cpu":
+        out = layer(x)
+    else:
+        with _count_collectives() as calls:
+            out = layer(x)
+        # One counts exchange and one host copy of the split sizes for all chunks, then rows and
+        # weights of each chunk out and its results back (the CPU grouped-GEMM reference reads its
+        # group sizes too: 2 host copies per chunk).
+        assert calls == {"all_to_all_single": 1 + 3 * num_chunks, "tolist": 1 + 2 * num_chunks}, calls
     ((out.hidden_states * g_all[rank].to(device)).sum() + out.aux_loss).backward()
     grads = {}
     for name, p in layer.named_parameters():
@@ -104,6 +137,7 @@ def _check(
     one_hot_expert: int | None = None,
     device: str = "cpu",
     dispatch: Literal["all_to_all", "deepep"] = "all_to_all",
+    num_chunks: int | None = None,
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
@@ -115,6 +149,7 @@ def _check(
         one_hot_expert,
         device,
         dispatch,
+        num_chunks,
         backend=backend,
     )
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
@@ -178,6 +213,42 @@ def test_ep4_matches_reference() -> None:
         seed=3,
         layer_kwargs={"capacity_factor": 1.0, "drop_policy": "position"},
         router_kwargs={"top_k": 3, "aux_loss_coef": 0.1, "bias_update_rate": 0.02},
+    )
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 16])
+def test_ep2_chunked_matches_reference(num_chunks: int) -> None:
+    """Chunked (pipelined) dispatch: same float64 parity; 16 chunks of 12 tokens leave 4 empty."""
+    _check(
+        2,
+        seed=5,
+        layer_kwargs={"shared_expert_intermediate_size": 5, "capacity_factor": 0.75},
+        router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
+        num_chunks=num_chunks,
+    )
+    # Every token on rank 1's expert 5: rank 0 neither sends to nor receives from itself.
+    _check(2, seed=6, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, num_chunks=num_chunks)
+
+
+def test_ep4_chunked_matches_reference() -> None:
+    _check(
+        4,
+        seed=7,
+        layer_kwargs={"capacity_factor": 1.0, "drop_policy": "position"},
+        router_kwargs={"top_k": 3, "aux_loss_coef": 0.1, "bias_update_rate": 0.02},
+        num_chunks=4,
+    )
+
+
+@pytest.mark.multigpu
+def test_ep2_nccl_chunked_matches_reference() -> None:
+    _check(
+        2,
+        seed=8,
+        layer_kwargs={"capacity_factor": 1.25},
+        router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
+        device="cuda",
+        num_chunks=4,
     )
 
 
@@ -284,6 +355,12 @@ def _errors_worker() -> list[str]:
                 assert isinstance(layer.dispatcher, LocalDispatcher)
         else:
             msgs.append("no error")
+    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2)):
+        layer = MoELayer(H, FFN, E, RouterConfig(top_k=1))
+        with pytest.raises(ValueError) as info:
+            expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)  # type: ignore[arg-type]
+        assert isinstance(layer.dispatcher, LocalDispatcher)
+        msgs.append(str(info.value))
     return msgs
 
 
@@ -294,7 +371,11 @@ def test_expert_parallel_errors() -> None:
         has_deep_ep = False
     else:
         has_deep_ep = True
-    deepep_msg, divisible_msg, twice_msg, backend_msg = run_distributed(_errors_worker, 2)[0]
+    deepep_msg, divisible_msg, twice_msg, backend_msg, chunks_msg, deepep_chunks_msg = run_distributed(
+        _errors_worker, 2
+    )[0]
+    assert "num_chunks must be >= 1, got 0" in chunks_msg
+    assert "num_chunks applies to backend='all_to_all' only" in deepep_chunks_msg
     if not has_deep_ep:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg

@@ -13,7 +13,10 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 def expert_parallel(
-    layer: MoELayer, ep_mesh: DeviceMesh, backend: Literal["all_to_all", "deepep"] = "all_to_all"
+    layer: MoELayer,
+    ep_mesh: DeviceMesh,
+    backend: Literal["all_to_all", "deepep"] = "all_to_all",
+    num_chunks: int | None = None,
 ) -> MoELayer:
     """Shard ``layer``'s experts over ``ep_mesh`` and switch it to expert-parallel dispatch.
 
@@ -27,13 +30,16 @@ def expert_parallel(
         ep_mesh: A 1-D mesh, e.g. ``ctx.mesh_for("expert")["ep_shard"]``.
         backend: ``"all_to_all"`` (torch.distributed, any device) or ``"deepep"`` (CUDA; needs
             ``plait-moe[deepep]``).
+        num_chunks: ``"all_to_all"`` only: token chunks pipelined so that the all-to-alls overlap
+            the expert compute (see :class:`AllToAllDispatcher`); ``None`` = its default.
 
     Returns:
         ``layer``.
 
     Raises:
         ImportError: ``backend="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
-        ValueError: a mesh that is not 1-D, experts not divisible by its size, or applied twice.
+        ValueError: a mesh that is not 1-D, experts not divisible by its size, applied twice, or
+            ``num_chunks`` set for ``backend="deepep"`` or below 1.
     """
     if ep_mesh.ndim != 1:
         raise ValueError(
@@ -44,8 +50,12 @@ def expert_parallel(
     # Before touching the layer, so a missing DeepEP or a bad backend leaves it unchanged.
     dispatcher: AllToAllDispatcher | DeepEPDispatcher
     if backend == "all_to_all":
-        dispatcher = AllToAllDispatcher(group)
+        dispatcher = (
+            AllToAllDispatcher(group) if num_chunks is None else AllToAllDispatcher(group, num_chunks)
+        )
     elif backend == "deepep":
+        if num_chunks is not None:
+            raise ValueError("expert_parallel: num_chunks applies to backend='all_to_all' only, not 'deepep'")
         dispatcher = DeepEPDispatcher(group, layer.num_experts)
     else:
         raise ValueError(f"expert_parallel: backend must be 'all_to_all' or 'deepep', got {backend!r}")

@@ -56,6 +56,9 @@ class ParallelConfig(BaseModel):
             normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install "plait-moe[deepep]"``,
             else applying the plan raises an ``ImportError`` naming that extra). Without expert
             parallelism every expert is local and neither is used.
+        expert_chunks: ``all_to_all`` only: token chunks pipelined so that the all-to-alls overlap
+            the expert GEMMs (``plait.moe.AllToAllDispatcher``'s ``num_chunks``; 1 = no overlap;
+            None = its default, 2).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -68,3 +71,4 @@ class ParallelConfig(BaseModel):
     compile: bool = False
     context_parallel_attention: Literal["ring", "allgather"] = "allgather"
     expert_dispatch: Literal["all_to_all", "deepep"] = "all_to_all"
+    expert_chunks: int | None = Field(default=None, ge=1)

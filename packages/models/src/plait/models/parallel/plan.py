@@ -122,7 +122,10 @@ def apply_context_parallel(
 
 
 def apply_expert_parallel(
-    model: Qwen3Stage, ep_mesh: DeviceMesh, dispatch: Literal["all_to_all", "deepep"] = "all_to_all"
+    model: Qwen3Stage,
+    ep_mesh: DeviceMesh,
+    dispatch: Literal["all_to_all", "deepep"] = "all_to_all",
+    num_chunks: int | None = None,
 ) -> None:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``.
 
@@ -130,14 +133,16 @@ def apply_expert_parallel(
         model: The stage, modified in place.
         ep_mesh: The expert-parallel mesh dimension (``ep_shard``).
         dispatch: Token dispatch backend (``ParallelConfig.expert_dispatch``).
+        num_chunks: ``all_to_all`` overlap chunks (``ParallelConfig.expert_chunks``; None = default).
 
     Raises:
         ImportError: ``dispatch="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
+        ValueError: ``num_chunks`` set with ``dispatch="deepep"``.
     """
     from plait.moe import expert_parallel
 
     for moe in model.moe_layers():
-        expert_parallel(moe, ep_mesh, backend=dispatch)
+        expert_parallel(moe, ep_mesh, backend=dispatch, num_chunks=num_chunks)
 
 
 def apply_fsdp(
@@ -229,7 +234,7 @@ def parallelize(
     experts_sharded = _dim_size(expert_mesh, "ep_shard") > 1 and bool(model.moe_layers())
     if experts_sharded:
         assert expert_mesh is not None
-        apply_expert_parallel(model, expert_mesh["ep_shard"], config.expert_dispatch)
+        apply_expert_parallel(model, expert_mesh["ep_shard"], config.expert_dispatch, config.expert_chunks)
     layers = {layer.layer_idx: layer for layer in model.decoder_layers()}
     apply_activation_checkpointing(dict(layers), config.activation_checkpointing)
     if config.compile:
