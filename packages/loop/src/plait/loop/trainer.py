@@ -50,6 +50,7 @@ from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collecti
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
 from plait.loop.topology import Topology
+from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
 from plait.loop.tracking import (
     RunSummaryCollector,
     ThroughputMeter,
@@ -131,6 +132,8 @@ class Trainer:
             ``config.lr_schedule``).
         trackers: replace the trackers of ``config.logging.trackers`` (main rank only).
         device: overrides ``config.run.device``.
+        save_planner, storage_writer_factory, load_planner: DCP hooks passed to the
+            :class:`~plait.loop.checkpoint.Checkpointer` (see there).
     """
 
     def __init__(
@@ -145,8 +148,16 @@ class Trainer:
         lr_scheduler: LRSchedulerProvider | None = None,
         trackers: Sequence[Tracker] | None = None,
         device: torch.device | str | None = None,
+        save_planner: SavePlanner | None = None,
+        storage_writer_factory: Callable[[Path], StorageWriter] | None = None,
+        load_planner: LoadPlanner | None = None,
     ) -> None:
         self.config = config
+        self._checkpoint_hooks = {
+            "save_planner": save_planner,
+            "storage_writer_factory": storage_writer_factory,
+            "load_planner": load_planner,
+        }
         self.model_provider = model
         self.task = task
         self.events = EventBus()
@@ -589,6 +600,8 @@ class Trainer:
             process_group=self._host_group(),
             checksums=ck.checksums,
             on_damaged=ck.on_damaged,
+            coordinator_rank=ck.coordinator_rank,
+            **self._checkpoint_hooks,
         )
         # Finalise each save as soon as it is written; prepare the staging buffers after the first step.
         self.events.subscribe(StepEnd, lambda e: ckpt.step_done(self.app_state))
