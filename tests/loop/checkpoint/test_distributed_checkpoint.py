@@ -10,7 +10,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
-from plait.loop.checkpoint import Checkpointer, ModelState, OptimizerState, RngState, ValueState
+from plait.loop.checkpoint import (
+    CachingSavePlanner,
+    Checkpointer,
+    ModelState,
+    OptimizerState,
+    RngState,
+    ValueState,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -143,3 +150,105 @@ def test_process_mode_saves_and_resumes_exactly_on_two_ranks(tmp_path):
     for got, want in zip(loaded, saved, strict=True):
         assert torch.equal(got, want)
     assert resumed == losses[3:]
+
+
+class _CountingPlanner(CachingSavePlanner):
+    """Records, for each global planning DCP asks the coordinator for, whether any rank sent a plan
+    (False: every rank's plan equalled its cached one and the cached global plan was reused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planned: list[bool] = []
+
+    def create_global_plan(self, all_plans):
+        self.planned.append(any(plan.usable for plan in all_plans))
+        return super().create_global_plan(all_plans)
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    torch.manual_seed(99)
+    for p in model.parameters():  # scramble: all state must come from the checkpoint
+        p.data.normal_()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _restarted(root: str, step: int | None = None, extra: bool = False, strict: bool = True) -> tuple:
+    """A new Checkpointer (as after a restart) and a new model, loaded from ``step`` (default: the newest)."""
+    planner = _CountingPlanner()
+    ck = Checkpointer(root, async_mode="thread", process_group=dist.new_group(backend="gloo"), save_planner=planner)
+    model, opt = _fresh()
+    state = _state(model, opt, 0) | ({"extra": ValueState(torch.zeros(5))} if extra else {})
+    ck.load(Path(root) / f"step_{step:08d}" if step else ck.latest(), state, strict=strict)
+    return ck, planner, model, opt, state
+
+
+def _plan_reuse(root: str) -> tuple[list[list[bool]], list[bool]]:
+    model, opt = _model(), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = _CountingPlanner()
+    ck = Checkpointer(root, async_mode="thread", process_group=dist.new_group(backend="gloo"), save_planner=first)
+    for step in (1, 2):
+        _step(model, opt, step)
+        ck.save(step, _state(model, opt, step))
+        ck.finalize()
+    ck.close()  # drops its cached plans, as a restart does
+
+    # Restart, same structure: the first save reuses the plan saved with step 2.
+    ck, second, model, opt, _ = _restarted(root)
+    _step(model, opt, 3)
+    ck.save(3, _state(model, opt, 3))
+    ck.close()
+    exact = [_same(_full(model, opt), _reloaded(root, 3)[0])]
+
+    # Restart, changed structure (a new entry): the first save plans again, and the checkpoint is right.
+    ck, third, model, opt, _ = _restarted(root)
+    ck.save(4, _state(model, opt, 4) | {"extra": ValueState(torch.arange(5.0))})
+    ck.close()
+    full4, extra4 = _reloaded(root, 4, extra=True)
+    exact.append(_same(_full(model, opt), full4) and torch.equal(extra4, torch.arange(5.0)))
+
+    # Step 3's plan files (which fit the state below but not step 4's metadata) in step 4: plan again.
+    if dist.get_rank() == 0:
+        for rank in (0, 1):
+            name = f"plan.rank{rank}.pt"
+            (Path(root) / "step_00000004" / name).write_bytes((Path(root) / "step_00000003" / name).read_bytes())
+    dist.barrier()
+    ck, stale, model, opt, _ = _restarted(root, 4, strict=False)  # without "extra": step 3's structure
+    ck.save(5, _state(model, opt, 5))
+    ck.close()
+    exact.append(_same(_full(model, opt), _reloaded(root, 5)[0]))
+
+    # The coordinator's plan file unreadable, the other rank's fine: every rank plans again.
+    if dist.get_rank() == 0:
+        (Path(root) / "step_00000005" / "plan.rank0.pt").write_bytes(b"not a plan")
+    dist.barrier()
+    ck, unreadable, model, opt, _ = _restarted(root, 5)
+    ck.save(6, _state(model, opt, 6))
+    ck.close()
+    exact.append(_same(_full(model, opt), _reloaded(root, 6)[0]))
+    return [first.planned, second.planned, third.planned, stale.planned, unreadable.planned], exact
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _reloaded(root: str, step: int, extra: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every parameter and moment of checkpoint ``step`` loaded into a new model (and its "extra" entry)."""
+    ck = Checkpointer(root, async_mode="off")
+    model, opt = _fresh()
+    state = _state(model, opt, 0)
+    new = ValueState(torch.zeros(5))
+    ck.load(Path(root) / f"step_{step:08d}", state | ({"extra": new} if extra else {}))
+    ck.close()
+    return _full(model, opt), new.value
+
+
+def test_the_save_plan_is_reused_after_a_restart_while_the_structure_is_unchanged(tmp_path):
+    """Megatron-style plan reuse: the cached global plan is saved with each checkpoint and, after a restart,
+    reused when it matches the checkpoint's metadata and the state's structure; otherwise DCP plans again."""
+    results = run_distributed(_plan_reuse, 2, str(tmp_path), timeout=400)
+    assert results[0][0] == [[True, False], [False], [True], [True], [True]]  # rank 0 coordinates
+    assert results[1][0] == [[], [], [], [], []]
+    assert all(all(exact) for _, exact in results)

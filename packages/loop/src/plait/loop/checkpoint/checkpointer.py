@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from plait.loop.checkpoint import _codec, _layout
+from plait.loop.checkpoint.planning import CachingSavePlanner, plan_file
 from plait.loop.checkpoint.state import PerRankState
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -218,9 +219,10 @@ class Checkpointer:
         on_damaged: what :meth:`latest` does with a damaged newest checkpoint: ``"fall_back"``
             (warn, naming it, and use the previous complete one) or ``"stop"`` (raise
             :class:`CheckpointDamagedError`).
-        save_planner: the DCP save planner (default: DCP's ``DefaultSavePlanner`` with plan caching).
-            One instance serves every save; a ``DefaultSavePlanner`` (or subclass) gets a plan-cache
-            key of its own.
+        save_planner: the DCP save planner (default: a
+            :class:`~plait.loop.checkpoint.CachingSavePlanner`, whose cached global plan is saved
+            with each checkpoint and reused after a restart). One instance serves every save; a
+            ``DefaultSavePlanner`` (or subclass) gets a plan-cache key of its own.
         storage_writer_factory: builds the DCP storage writer of each save from the checkpoint's
             (partial) directory (default: DCP's ``FileSystemWriter``); every save writes a new
             directory, so it is called once per save.
@@ -302,7 +304,7 @@ class Checkpointer:
         # one skips building the global plan. DCP keys its (process-wide) cache by the planner's
         # class name, so two Checkpointers in one process would mix their plans (a checkpoint of
         # one state planned with another's chunks): each gets a key of its own.
-        self._planner = DefaultSavePlanner(enable_plan_caching=True) if save_planner is None else save_planner
+        self._planner = CachingSavePlanner() if save_planner is None else save_planner
         if isinstance(self._planner, DefaultSavePlanner):
             self._planner._cached_plans_key = f"plait.Checkpointer/{next(_PLAN_KEYS)}"
         self._pending: _Pending | None = None
@@ -351,6 +353,8 @@ class Checkpointer:
             **(meta or {}),
         }
         writer = self._writer_factory(path) if self._writer_factory is not None else None
+        if isinstance(self._planner, CachingSavePlanner):
+            self._planner.plan_file = str(path / plan_file(self.rank))
         if self.async_mode == "off" or blocking:
             # DCP's internal save: the public dcp.save has no coordinator_rank
             _save_state_dict(
@@ -454,6 +458,8 @@ class Checkpointer:
         if response is not None:
             future: Future = getattr(response, "upload_completion", response)
             future.result()
+        if isinstance(self._planner, CachingSavePlanner):  # the planning process has taken them
+            self._planner.restored = None
         self._barrier()
         final = _layout.final_dir(self.root, pending.step)
         self.last_saved_s = time.perf_counter() - pending.started
@@ -612,6 +618,7 @@ class Checkpointer:
             raise CheckpointDamagedError(
                 f"checkpoint {path} cannot be read: {type(e).__name__}: {str(e).strip()[-2000:]}"
             ) from e
+        self._restore_plan(path, saved)
         for k, v in state.items():
             if hasattr(v, "load_state_dict"):
                 try:
@@ -619,6 +626,28 @@ class Checkpointer:
                 except _codec.StateFormatError as e:
                     raise CheckpointDamagedError(f"checkpoint {path}: {k!r}: {e}") from e
         return meta
+
+    def _restore_plan(self, path: Path, saved: dict) -> None:
+        """Start the next save from the save plan cached with checkpoint ``path``, where every rank's
+        plan file matches the checkpoint's metadata ``saved`` (a collective)."""
+        planner = self._planner
+        if not isinstance(planner, CachingSavePlanner):
+            return
+        problem = planner.restore(
+            path / plan_file(self.rank),
+            saved,
+            world_size=dist.get_world_size(self.pg) if _initialised() else 1,
+            is_coordinator=self.rank == self.coordinator_rank,
+        )
+        if self._any(problem is not None):
+            planner.restored = None
+            log.info(
+                "not reusing the save plan of %s (%s): the next save plans again",
+                path,
+                problem or "another rank's plan does not match",
+            )
+        else:
+            log.info("reusing the save plan of %s while the state's structure is unchanged", path)
 
     def _verify(
         self, path: Path, saved: dict, expected: dict[str, Any], *, strict: bool, rank_keyed: list[str]
