@@ -151,6 +151,14 @@ def test_process_mode_saves_and_resumes_exactly_on_two_ranks(tmp_path):
         assert torch.equal(got, want)
     assert resumed == losses[3:]
 
+    # Restarted process-mode jobs: the plan saved with step 3 is reused by the writer process; a
+    # new entry makes it plan again.
+    record = tmp_path / "planning.txt"
+    _torchrun("resave", str(root), str(record))
+    assert record.read_text() == "R"
+    _torchrun("resave-extra", str(root), str(record))
+    assert record.read_text() == "RP"
+
 
 class _CountingPlanner(CachingSavePlanner):
     """Records, for each global planning DCP asks the coordinator for, whether any rank sent a plan
@@ -163,6 +171,32 @@ class _CountingPlanner(CachingSavePlanner):
     def create_global_plan(self, all_plans):
         self.planned.append(any(plan.usable for plan in all_plans))
         return super().create_global_plan(all_plans)
+
+
+class _FileCountingPlanner(CachingSavePlanner):
+    """Appends ``P`` (a rank sent a plan: global planning) or ``R`` (the cached plan reused) to file
+    ``record`` for each global planning: it runs in DCP's writer process in ``async_mode="process"``."""
+
+    def __init__(self, record: str) -> None:
+        super().__init__()
+        self.record = record
+
+    def create_global_plan(self, all_plans):
+        with open(self.record, "a") as f:
+            f.write("P" if any(plan.usable for plan in all_plans) else "R")
+        return super().create_global_plan(all_plans)
+
+
+def _resave(root: str, record: str, extra: bool) -> None:
+    """A restarted job (process mode): resume, one step, save (with a new entry if ``extra``)."""
+    ck = Checkpointer(root, async_mode="process", save_planner=_FileCountingPlanner(record))
+    model, opt = _fresh()
+    state = _state(model, opt, 0)
+    assert ck.resume(state) is not None
+    step = state["step"].value + 1
+    _step(model, opt, step)
+    ck.save(step, _state(model, opt, step) | ({"extra": ValueState(torch.arange(5.0))} if extra else {}))
+    ck.close()
 
 
 def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
