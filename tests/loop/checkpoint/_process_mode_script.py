@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: `tests` is a package
 
-from tests.loop.checkpoint.test_distributed_checkpoint import (  # noqa: E402
+from tests.loop.checkpoint.test_distributed_checkpoint import (
     _resave,
     _resume_snapshot,
     _train_save_snapshot,
@@ -31,10 +31,13 @@ def main() -> None:
     if phase.startswith("resave"):
         _resave(root, out, extra=phase == "resave-extra")
     else:
-        result = _train_save_snapshot(root, 3, 5, "process") if phase == "train" else _resume_snapshot(root, 5)
+        result = (
+            _train_save_snapshot(root, 3, 5, "process") if phase == "train" else _resume_snapshot(root, 5)
+        )
         if dist.get_rank() == 0:
             torch.save(result, out)
     dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

@@ -74,7 +74,9 @@ def _train_and_save(root: str, save_at: int, total: int, mode: str = "thread") -
     return losses
 
 
-def _train_save_snapshot(root: str, save_at: int, total: int, mode: str) -> tuple[list[float], list[torch.Tensor]]:
+def _train_save_snapshot(
+    root: str, save_at: int, total: int, mode: str
+) -> tuple[list[float], list[torch.Tensor]]:
     """Train ``total`` steps, saving after ``save_at``; returns the losses and the state at the save."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -83,7 +85,7 @@ def _train_save_snapshot(root: str, save_at: int, total: int, mode: str) -> tupl
     for step in range(1, total + 1):
         ck.wait_for_staging()
         losses.append(_step(model, opt, step))
-        ck.step_done(lambda: _state(model, opt, step))  # reserves the buffers, finalises finished saves
+        ck.step_done(lambda step=step: _state(model, opt, step))  # reserves the buffers, finalises saves
         if step == save_at:
             saved = _full(model, opt)
             ck.save(step, _state(model, opt, step))
@@ -128,7 +130,16 @@ def test_checkpointers_in_the_same_processes_do_not_share_cached_plans(tmp_path)
 
 def _torchrun(*args: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), *args],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -210,7 +221,9 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
 def _restarted(root: str, step: int | None = None, extra: bool = False, strict: bool = True) -> tuple:
     """A new Checkpointer (as after a restart) and a new model, loaded from ``step`` (default: the newest)."""
     planner = _CountingPlanner()
-    ck = Checkpointer(root, async_mode="thread", process_group=dist.new_group(backend="gloo"), save_planner=planner)
+    ck = Checkpointer(
+        root, async_mode="thread", process_group=dist.new_group(backend="gloo"), save_planner=planner
+    )
     model, opt = _fresh()
     state = _state(model, opt, 0) | ({"extra": ValueState(torch.zeros(5))} if extra else {})
     ck.load(Path(root) / f"step_{step:08d}" if step else ck.latest(), state, strict=strict)
@@ -221,7 +234,9 @@ def _plan_reuse(root: str) -> tuple[list[list[bool]], list[bool]]:
     model, opt = _model(), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = _CountingPlanner()
-    ck = Checkpointer(root, async_mode="thread", process_group=dist.new_group(backend="gloo"), save_planner=first)
+    ck = Checkpointer(
+        root, async_mode="thread", process_group=dist.new_group(backend="gloo"), save_planner=first
+    )
     for step in (1, 2):
         _step(model, opt, step)
         ck.save(step, _state(model, opt, step))
@@ -246,7 +261,9 @@ def _plan_reuse(root: str) -> tuple[list[list[bool]], list[bool]]:
     if dist.get_rank() == 0:
         for rank in (0, 1):
             name = f"plan.rank{rank}.pt"
-            (Path(root) / "step_00000004" / name).write_bytes((Path(root) / "step_00000003" / name).read_bytes())
+            (Path(root) / "step_00000004" / name).write_bytes(
+                (Path(root) / "step_00000003" / name).read_bytes()
+            )
     dist.barrier()
     ck, stale, model, opt, _ = _restarted(root, 4, strict=False)  # without "extra": step 3's structure
     ck.save(5, _state(model, opt, 5))

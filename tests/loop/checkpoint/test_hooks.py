@@ -4,6 +4,7 @@ coordinator rank."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ class _RecordingLoadPlanner(DefaultLoadPlanner):
 
 
 class _RecordingWriter(FileSystemWriter):
-    paths: list[Path] = []
+    paths: ClassVar[list[Path]] = []
 
     def __init__(self, path: Path) -> None:
         super().__init__(str(path))
@@ -74,7 +75,9 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor
 
 
 @pytest.mark.parametrize("async_mode", ["off", "thread"])
-def test_custom_save_planner_writer_and_load_planner_are_used_and_the_checkpoint_resumes(tmp_path, async_mode):
+def test_custom_save_planner_writer_and_load_planner_are_used_and_the_checkpoint_resumes(
+    tmp_path, async_mode
+):
     _FINISHED_BY.clear()
     _RecordingWriter.paths.clear()
     planner, load_planner = _RecordingPlanner(), _RecordingLoadPlanner()
@@ -91,7 +94,10 @@ def test_custom_save_planner_writer_and_load_planner_are_used_and_the_checkpoint
     ck.save(2, _state(model, opt, 2))
     ck.close()
     assert planner.calls == ["create_local_plan", "create_global_plan"] * 2
-    assert _RecordingWriter.paths == [tmp_path / ".step_00000001.partial", tmp_path / ".step_00000002.partial"]
+    assert _RecordingWriter.paths == [
+        tmp_path / ".step_00000001.partial",
+        tmp_path / ".step_00000002.partial",
+    ]
     assert _FINISHED_BY == [0, 0]
 
     fresh, fresh_opt = _trained(1)  # other weights and moments: all of them must come from the checkpoint
@@ -114,7 +120,9 @@ def _save_and_resume_with_coordinator(root: str, coordinator: int) -> tuple[list
     _FINISHED_BY.clear()
     torch.manual_seed(dist.get_rank())  # each rank holds its own tensor: both ranks write data
     own = {"w": torch.randn(3, 5), "b": torch.randn(7)}
-    ck = Checkpointer(root, async_mode="off", coordinator_rank=coordinator, storage_writer_factory=_RecordingWriter)
+    ck = Checkpointer(
+        root, async_mode="off", coordinator_rank=coordinator, storage_writer_factory=_RecordingWriter
+    )
     ck.save(1, {f"rank{dist.get_rank()}": ValueState(own)} | {"shared": ValueState(torch.arange(4.0))})
     finished = list(_FINISHED_BY)
     state = {f"rank{dist.get_rank()}": ValueState({"w": torch.zeros(3, 5), "b": torch.zeros(7)})}
@@ -134,6 +142,8 @@ def test_coordinator_rank_1_writes_the_metadata_on_two_gloo_ranks(tmp_path):
 def _bad_coordinator(root: str) -> bool:
     with pytest.raises(ValueError, match=r"checkpoint\.coordinator_rank must be in \[0, 2\)"):
         Checkpointer(root, async_mode="off", coordinator_rank=2)
-    with pytest.raises(ValueError, match="checkpoint.coordinator_rank=1 needs checkpoint.async_mode='off'"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint\.coordinator_rank=1 needs checkpoint\.async_mode='off'"
+    ):
         Checkpointer(root, async_mode="process", coordinator_rank=1)
     return True

@@ -50,7 +50,6 @@ from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collecti
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
 from plait.loop.topology import Topology
-from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
 from plait.loop.tracking import (
     RunSummaryCollector,
     ThroughputMeter,
@@ -60,6 +59,7 @@ from plait.loop.tracking import (
     peak_flops_for,
 )
 from torch import nn
+from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
 
 __all__ = ["StepResult", "Trainer", "TrainerState"]
 
@@ -153,7 +153,7 @@ class Trainer:
         load_planner: LoadPlanner | None = None,
     ) -> None:
         self.config = config
-        self._checkpoint_hooks = {
+        self._checkpoint_hooks: dict[str, Any] = {
             "save_planner": save_planner,
             "storage_writer_factory": storage_writer_factory,
             "load_planner": load_planner,

@@ -53,10 +53,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict, _stateful_to_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    _save_state_dict,
+    _stateful_to_state_dict,
+)
 from torch.distributed.checkpoint.storage import StorageWriter
 
 log = logging.getLogger(__name__)

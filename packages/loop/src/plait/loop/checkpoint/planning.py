@@ -125,7 +125,9 @@ class CachingSavePlanner(DefaultSavePlanner):
         if not isinstance(caches, dict) or caches.get("format") != _FORMAT:
             return f"{file.name} is not a plait plan file"
         if caches["coordinator"] != is_coordinator:
-            return f"{file.name} was written by {'the' if caches['coordinator'] else 'a non-'}coordinator rank"
+            return (
+                f"{file.name} was written by {'the' if caches['coordinator'] else 'a non-'}coordinator rank"
+            )
         if is_coordinator:
             plans = caches["_cached_all_plans"]
             if len(plans) != world_size:
@@ -145,7 +147,11 @@ def _unsaved(item: Any, saved: dict[str, Any]) -> str | None:
     if md is None:
         return f"{item.index.fqn} is not in the checkpoint"
     if item.type == WriteItemType.BYTE_IO:
-        return None if isinstance(md, _md.BytesStorageMetadata) else f"{item.index.fqn} is not bytes in the checkpoint"
+        return (
+            None
+            if isinstance(md, _md.BytesStorageMetadata)
+            else f"{item.index.fqn} is not bytes in the checkpoint"
+        )
     data = item.tensor_data
     if not isinstance(md, _md.TensorStorageMetadata) or md.size != data.size:
         return f"{item.index.fqn}: the checkpoint has another shape"
