@@ -147,3 +147,26 @@ def _bad_coordinator(root: str) -> bool:
     ):
         Checkpointer(root, async_mode="process", coordinator_rank=1)
     return True
+
+
+def test_the_trainer_passes_the_hooks_and_the_coordinator_rank(tmp_path):
+    from tests.loop.checkpoint.test_trainer_checkpointing import _fit, _trainer
+
+    _FINISHED_BY.clear()
+    _RecordingWriter.paths.clear()
+    planner, load_planner = _RecordingPlanner(), _RecordingLoadPlanner()
+    hooks = {
+        "save_planner": planner,
+        "storage_writer_factory": _RecordingWriter,
+        "load_planner": load_planner,
+    }
+    _fit(_trainer(tmp_path, 3, overrides=("--checkpoint.coordinator_rank=0",), **hooks))  # saves step 3
+    assert planner.calls == ["create_local_plan", "create_global_plan"]
+    assert _RecordingWriter.paths == [
+        tmp_path / "checkpoints" / ".step_00000003.partial"
+    ] and _FINISHED_BY == [0]
+    resumed = _trainer(tmp_path, 3, **hooks)
+    assert resumed.step == 3 and load_planner.planned == 1
+    resumed.close()
+    with pytest.raises(ValueError, match=r"checkpoint\.coordinator_rank must be in \[0, 1\)"):
+        _trainer(tmp_path, 3, overrides=("--checkpoint.coordinator_rank=1", "--checkpoint.async_mode=off"))

@@ -100,9 +100,9 @@ class CachingSavePlanner(DefaultSavePlanner):
         names = _LOCAL + (_GLOBAL if self.is_coordinator else ())
         caches = {name: getattr(SavePlanner, name)[key] for name in names}
         if "_cached_metadata" in caches:  # where the last save put each chunk is not part of the plan
-            caches["_cached_metadata"] = dataclasses.replace(
-                caches["_cached_metadata"], storage_data=None, storage_meta=None
-            )
+            md = caches["_cached_metadata"]
+            fields = {f: None for f in ("storage_data", "storage_meta") if hasattr(md, f)}
+            caches["_cached_metadata"] = dataclasses.replace(md, **fields)
         return {"format": _FORMAT, "coordinator": self.is_coordinator, **caches}
 
     def restore(
