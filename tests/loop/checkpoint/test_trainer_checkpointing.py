@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from plait.dist_core.testing import run_distributed
 from plait.loop import (
@@ -17,7 +19,9 @@ from plait.loop import (
 from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
 
 
-def _trainer(run_dir, steps: int, dp: int = 1, mode: str = "thread") -> Trainer:
+def _trainer(
+    run_dir, steps: int, dp: int = 1, mode: str = "thread", overrides: tuple[str, ...] = (), **hooks: Any
+) -> Trainer:
     cfg = load_config(
         overrides=[
             f"--run.run_dir={run_dir}",
@@ -31,10 +35,11 @@ def _trainer(run_dir, steps: int, dp: int = 1, mode: str = "thread") -> Trainer:
             "--checkpoint.enabled=true",
             "--checkpoint.interval=3",
             f"--checkpoint.async_mode={mode}",
+            *overrides,
         ]
     )
     data = DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1))
-    return Trainer(cfg, ModuleProvider(TinyLM), data, CausalLMTask())
+    return Trainer(cfg, ModuleProvider(TinyLM), data, CausalLMTask(), **hooks)
 
 
 def _fit(trainer: Trainer, steps: int | None = None) -> list[float]:

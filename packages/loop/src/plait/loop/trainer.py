@@ -74,6 +74,7 @@ from plait.pipelining import (
     build_program,
 )
 from torch import nn
+from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
 
 __all__ = ["StepResult", "Trainer", "TrainerState"]
 
@@ -101,6 +102,8 @@ class Trainer:
             ``config.lr_schedule``).
         trackers: replace the trackers of ``config.logging.trackers`` (main rank only).
         device: overrides ``config.run.device``.
+        save_planner, storage_writer_factory, load_planner: DCP hooks passed to the
+            :class:`~plait.loop.checkpoint.Checkpointer` (see there).
     """
 
     def __init__(
@@ -115,8 +118,16 @@ class Trainer:
         lr_scheduler: LRSchedulerProvider | None = None,
         trackers: Sequence[Tracker] | None = None,
         device: torch.device | str | None = None,
+        save_planner: SavePlanner | None = None,
+        storage_writer_factory: Callable[[Path], StorageWriter] | None = None,
+        load_planner: LoadPlanner | None = None,
     ) -> None:
         self.config = config
+        self._checkpoint_hooks: dict[str, Any] = {
+            "save_planner": save_planner,
+            "storage_writer_factory": storage_writer_factory,
+            "load_planner": load_planner,
+        }
         self.model_provider = model
         self.task = task
         self.events = EventBus()
@@ -498,6 +509,8 @@ class Trainer:
             process_group=self._host_group(),
             checksums=ck.checksums,
             on_damaged=ck.on_damaged,
+            coordinator_rank=ck.coordinator_rank,
+            **self._checkpoint_hooks,
         )
         # Finalise each save as soon as it is written; prepare the staging buffers after the first step.
         self.events.subscribe(StepEnd, lambda e: ckpt.step_done(self.app_state))

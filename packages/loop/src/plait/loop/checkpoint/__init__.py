@@ -8,11 +8,13 @@ from plait.loop.checkpoint.checkpointer import (
     OnDamaged,
 )
 from plait.loop.checkpoint.export import export_checkpoint
+from plait.loop.checkpoint.planning import CachingSavePlanner
 from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.state import ModelState, OptimizerState, PerRankState, RngState, ValueState
 
 __all__ = [
     "AsyncMode",
+    "CachingSavePlanner",
     "CheckpointDamagedError",
     "CheckpointMismatchError",
     "Checkpointer",

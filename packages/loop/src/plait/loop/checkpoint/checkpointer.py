@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from plait.loop.checkpoint import _codec, _layout
+from plait.loop.checkpoint.planning import CachingSavePlanner, plan_file
 from plait.loop.checkpoint.state import PerRankState
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -51,9 +52,15 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    _save_state_dict,
+    _stateful_to_state_dict,
+)
+from torch.distributed.checkpoint.storage import StorageWriter
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +222,18 @@ class Checkpointer:
         on_damaged: what :meth:`latest` does with a damaged newest checkpoint: ``"fall_back"``
             (warn, naming it, and use the previous complete one) or ``"stop"`` (raise
             :class:`CheckpointDamagedError`).
+        save_planner: the DCP save planner (default: a
+            :class:`~plait.loop.checkpoint.CachingSavePlanner`, whose cached global plan is saved
+            with each checkpoint and reused after a restart). One instance serves every save; a
+            ``DefaultSavePlanner`` (or subclass) gets a plan-cache key of its own.
+        storage_writer_factory: builds the DCP storage writer of each save from the checkpoint's
+            (partial) directory (default: DCP's ``FileSystemWriter``); every save writes a new
+            directory, so it is called once per save.
+        load_planner: the DCP load planner (default: DCP's planner, except that non-tensor items are
+            read with ``torch.load(weights_only=True)``).
+        coordinator_rank: the rank (in ``process_group``) that gathers the plans and writes DCP's
+            ``.metadata``. torch's ``async_save`` has no such argument, so a rank other than 0 needs
+            ``async_mode="off"``.
 
     In process mode the background writer process joins the job's own store (torchrun's
     ``MASTER_ADDR``/``MASTER_PORT``; a one-process job without them gets a store on 127.0.0.1)
@@ -232,6 +251,10 @@ class Checkpointer:
         pin_memory: bool | None = None,
         checksums: bool = False,
         on_damaged: OnDamaged = "fall_back",
+        save_planner: SavePlanner | None = None,
+        storage_writer_factory: Callable[[Path], StorageWriter] | None = None,
+        load_planner: LoadPlanner | None = None,
+        coordinator_rank: int = 0,
     ) -> None:
         if on_damaged not in ("fall_back", "stop"):
             raise ValueError(f"on_damaged must be 'fall_back' or 'stop', got {on_damaged!r}")
@@ -242,6 +265,19 @@ class Checkpointer:
         self.root = Path(root)
         self.keep_last = keep_last
         self.pg = process_group
+        world = dist.get_world_size(process_group) if _initialised() else 1
+        if not 0 <= coordinator_rank < world:
+            raise ValueError(
+                f"checkpoint.coordinator_rank must be in [0, {world}) (the checkpoint group's size), got {coordinator_rank}"
+            )
+        if coordinator_rank != 0 and async_mode != "off":
+            raise ValueError(
+                f"checkpoint.coordinator_rank={coordinator_rank} needs checkpoint.async_mode='off' "
+                f"(torch's async_save always coordinates from rank 0), got {async_mode!r}"
+            )
+        self.coordinator_rank = coordinator_rank
+        self._writer_factory = storage_writer_factory
+        self._load_planner = load_planner
         if async_mode == "process" and not _initialised():
             log.info("no process group: checkpoints are written from a background thread, not a process")
             async_mode = "thread"
@@ -271,8 +307,9 @@ class Checkpointer:
         # one skips building the global plan. DCP keys its (process-wide) cache by the planner's
         # class name, so two Checkpointers in one process would mix their plans (a checkpoint of
         # one state planned with another's chunks): each gets a key of its own.
-        self._planner = DefaultSavePlanner(enable_plan_caching=True)
-        self._planner._cached_plans_key = f"plait.Checkpointer/{next(_PLAN_KEYS)}"
+        self._planner = CachingSavePlanner() if save_planner is None else save_planner
+        if isinstance(self._planner, DefaultSavePlanner):
+            self._planner._cached_plans_key = f"plait.Checkpointer/{next(_PLAN_KEYS)}"
         self._pending: _Pending | None = None
         self._reserving: threading.Thread | None = None
         self._reserve_error: BaseException | None = None
@@ -318,14 +355,26 @@ class Checkpointer:
             "world_size": dist.get_world_size(self.pg) if _initialised() else 1,
             **(meta or {}),
         }
+        writer = self._writer_factory(path) if self._writer_factory is not None else None
+        if isinstance(self._planner, CachingSavePlanner):
+            self._planner.plan_file = str(path / plan_file(self.rank))
         if self.async_mode == "off" or blocking:
-            dcp.save(state, checkpoint_id=str(path), planner=self._planner, process_group=self.pg)
+            # DCP's internal save: the public dcp.save has no coordinator_rank
+            _save_state_dict(
+                state_dict=_stateful_to_state_dict(state),
+                storage_writer=writer if writer is not None else dcp.FileSystemWriter(str(path)),
+                process_group=self.pg,
+                coordinator_rank=self.coordinator_rank,
+                no_dist=not _initialised(),
+                planner=self._planner,
+            )
             self._pending = _Pending(step, path, None, t0)
             self.finalize()
         else:
             response = dcp.async_save(
                 state,
                 checkpoint_id=str(path),
+                storage_writer=writer,
                 planner=self._planner,
                 process_group=self._dcp_pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS
@@ -412,6 +461,8 @@ class Checkpointer:
         if response is not None:
             future: Future = getattr(response, "upload_completion", response)
             future.result()
+        if isinstance(self._planner, CachingSavePlanner):  # the planning process has taken them
+            self._planner.restored = None
         self._barrier()
         final = _layout.final_dir(self.root, pending.step)
         self.last_saved_s = time.perf_counter() - pending.started
@@ -447,8 +498,9 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        key = getattr(self._planner, "_cached_plans_key", None)
         for cache in _PLAN_CACHES:
-            getattr(SavePlanner, cache).pop(self._planner._cached_plans_key, None)
+            getattr(SavePlanner, cache, {}).pop(key, None)
 
     # -- resuming --------------------------------------------------------------------------------
     def latest(self, *, clean: bool = True, exclude: frozenset[Path] = frozenset()) -> Path | None:
@@ -556,11 +608,20 @@ class Checkpointer:
             rank_keyed=[k for k, v in state.items() if isinstance(v, PerRankState)],
         )
         try:
-            dcp.load(expanded, checkpoint_id=str(path), process_group=self.pg, planner=_SafeLoadPlanner())
+            # DCP's internal load: the public dcp.load has no coordinator_rank
+            _load_state_dict(
+                expanded,
+                storage_reader=FileSystemReader(str(path)),
+                process_group=self.pg,
+                coordinator_rank=self.coordinator_rank,
+                no_dist=not _initialised(),
+                planner=self._load_planner if self._load_planner is not None else _SafeLoadPlanner(),
+            )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise CheckpointDamagedError(
                 f"checkpoint {path} cannot be read: {type(e).__name__}: {str(e).strip()[-2000:]}"
             ) from e
+        self._restore_plan(path, saved)
         for k, v in state.items():
             if hasattr(v, "load_state_dict"):
                 try:
@@ -568,6 +629,28 @@ class Checkpointer:
                 except _codec.StateFormatError as e:
                     raise CheckpointDamagedError(f"checkpoint {path}: {k!r}: {e}") from e
         return meta
+
+    def _restore_plan(self, path: Path, saved: dict) -> None:
+        """Start the next save from the save plan cached with checkpoint ``path``, where every rank's
+        plan file matches the checkpoint's metadata ``saved`` (a collective)."""
+        planner = self._planner
+        if not isinstance(planner, CachingSavePlanner):
+            return
+        problem = planner.restore(
+            path / plan_file(self.rank),
+            saved,
+            world_size=dist.get_world_size(self.pg) if _initialised() else 1,
+            is_coordinator=self.rank == self.coordinator_rank,
+        )
+        if self._any(problem is not None):
+            planner.restored = None
+            log.info(
+                "not reusing the save plan of %s (%s): the next save plans again",
+                path,
+                problem or "another rank's plan does not match",
+            )
+        else:
+            log.info("reusing the save plan of %s while the state's structure is unchanged", path)
 
     def _verify(
         self, path: Path, saved: dict, expected: dict[str, Any], *, strict: bool, rank_keyed: list[str]

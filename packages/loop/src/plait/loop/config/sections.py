@@ -183,6 +183,11 @@ class CheckpointConfig(_Section):
         default="fall_back",
         description="A damaged newest checkpoint at resume: warn and use the previous one, or stop with an error.",
     )
+    coordinator_rank: int = Field(
+        default=0,
+        ge=0,
+        description="The rank that gathers DCP's plans and writes its metadata (< world size; not 0 needs async_mode='off').",
+    )
 
 
 class TrackerConfig(_Section):

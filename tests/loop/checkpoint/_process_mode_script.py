@@ -1,0 +1,43 @@
+"""One phase of the 2-rank ``async_mode="process"`` test, run under torchrun (the writer process is a
+child of each rank, which the test pool's daemonic workers may not have).
+
+Usage: torchrun --nproc-per-node 2 _process_mode_script.py PHASE ROOT OUT. ``train`` and ``resume``:
+rank 0 saves ``(losses, tensors)`` to OUT with ``torch.save``, the losses after the save (train) or
+after the resume, and every parameter and AdamW moment (whole) at the save (train) or right after
+loading. ``resave`` and ``resave-extra``: resume, one step, save (with a new entry), recording each
+global planning in OUT (``P`` planned, ``R`` reused).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: `tests` is a package
+
+from tests.loop.checkpoint.test_distributed_checkpoint import (
+    _resave,
+    _resume_snapshot,
+    _train_save_snapshot,
+)
+
+
+def main() -> None:
+    phase, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    if phase.startswith("resave"):
+        _resave(root, out, extra=phase == "resave-extra")
+    else:
+        result = (
+            _train_save_snapshot(root, 3, 5, "process") if phase == "train" else _resume_snapshot(root, 5)
+        )
+        if dist.get_rank() == 0:
+            torch.save(result, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
