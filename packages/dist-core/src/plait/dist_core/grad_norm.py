@@ -41,13 +41,23 @@ def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
     )
 
 
-def _local_power(local: torch.Tensor, norm_type: float) -> torch.Tensor:
-    if local.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=local.device)
-    x = local.detach().float()
-    if math.isinf(norm_type):
-        return x.abs().amax()
-    return torch.linalg.vector_norm(x, norm_type) ** norm_type
+def _power_sum(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``sum |g|^p`` (``max |g|`` for the inf-norm) over all elements of ``tensors``, float32 on ``device``.
+
+    One fused ``_foreach_norm`` per (device, dtype) (float32 accumulation, no float32 copy of the
+    gradients), as ``torch.nn.utils.clip_grad_norm_(foreach=True)`` does.
+    """
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    for group in groups.values():
+        norms = torch.stack(torch._foreach_norm(group, norm_type, dtype=torch.float32))
+        part = norms.amax() if inf else norms.pow(norm_type).sum()
+        total = torch.maximum(total, part.to(device)) if inf else total + part.to(device)
+    return total
 
 
 def global_grad_norm(
@@ -72,8 +82,8 @@ def global_grad_norm(
 
     grads = _grads(params)
     device = grads[0].device if grads else torch.device("cpu")
-    plain = torch.zeros((), dtype=torch.float32, device=device)
-    by_group: dict[tuple[object, ...], tuple[DeviceMesh, list[int], torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    by_group: dict[tuple[object, ...], tuple[DeviceMesh, list[int], list[torch.Tensor]]] = {}
     for g in grads:
         if isinstance(g, DTensor):
             placements = g.placements
@@ -82,18 +92,14 @@ def global_grad_norm(
                     f"gradient with placements {placements}: reduce partial gradients before the norm"
                 )
             shard_dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
-            local = _local_power(g.to_local(), norm_type)
             key = (_mesh_key(g.device_mesh), tuple(shard_dims))
-            if key in by_group:
-                mesh, dims, acc = by_group[key]
-                by_group[key] = (mesh, dims, combine(acc, local.to(acc.device)))
-            else:
-                by_group[key] = (g.device_mesh, shard_dims, local)
+            by_group.setdefault(key, (g.device_mesh, shard_dims, []))[2].append(g.to_local())
         else:
-            plain = combine(plain, _local_power(g, norm_type).to(device))
+            plain.append(g)
 
-    total = plain
-    for mesh, dims, acc in by_group.values():
+    total = _power_sum(plain, norm_type, device)
+    for mesh, dims, locals_ in by_group.values():
+        acc = _power_sum(locals_, norm_type, locals_[0].device)
         for dim in dims:
             dist.all_reduce(acc, op=op, group=mesh.get_group(dim))
         total = combine(total, acc.to(device))
@@ -130,8 +136,11 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is non-finite: {total.item()}"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in _grads(params):
+        local = g.to_local() if isinstance(g, DTensor) else g
+        groups.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
-        for g in _grads(params):
-            local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(coef.to(device=local.device, dtype=local.dtype))
+        for (dev, dtype), locals_ in groups.items():
+            torch._foreach_mul_(locals_, coef.to(device=dev, dtype=dtype))
     return total

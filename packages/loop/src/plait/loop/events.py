@@ -9,9 +9,11 @@ subscribes to :class:`StepEnd`, the MoE bias update to :class:`AfterOptimizerSte
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import torch
 
 __all__ = [
     "AfterBackward",
@@ -72,9 +74,10 @@ class AfterForwardBackward(Event):
 
 @dataclass(frozen=True)
 class BeforeOptimizerStep(Event):
-    """After clipping; ``grad_norm`` is the global pre-clip norm."""
+    """After clipping; ``grad_norm`` is the global pre-clip norm, a 0-d device tensor (``float()`` of it
+    waits for the device)."""
 
-    grad_norm: float
+    grad_norm: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,10 @@ class StepSkipped(Event):
 
 @dataclass(frozen=True)
 class StepEnd(Event):
-    """Step done; ``step`` is now the number of completed steps; ``metrics`` are this step's local values."""
+    """Step done; ``step`` is now the number of completed steps; ``metrics`` are this step's ``loss`` and
+    ``grad_norm`` (global values, read from the device when first looked at)."""
 
-    metrics: dict[str, float]
+    metrics: Mapping[str, float]
 
 
 @dataclass(frozen=True)

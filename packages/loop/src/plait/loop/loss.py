@@ -11,7 +11,7 @@ import torch.distributed as dist
 from plait.loop.providers import Task
 from plait.pipelining import MicrobatchView
 
-__all__ = ["LOSS_KEY", "LossStats", "StepLoss", "StepReading", "batch_of"]
+__all__ = ["LOSS_KEY", "LossStats", "PackedStats", "StepLoss", "StepReading", "batch_of"]
 
 LOSS_KEY = "loss"  # where the executor stores each microbatch's loss in the step's PipelineState
 
@@ -38,7 +38,22 @@ class LossStats:
     def read(self, grad_norm: torch.Tensor | None = None) -> StepReading:
         """The step's one host read: the loss sums all-reduced over the world, with ``grad_norm``
         (NaN when None)."""
-        return _read(self, grad_norm)
+        return self.pack(grad_norm).read()
+
+    def pack(self, grad_norm: torch.Tensor | None = None) -> PackedStats:
+        """The loss sums all-reduced over the world (a collective, every rank calls it), with
+        ``grad_norm``, in one device tensor: no host synchronisation until :meth:`PackedStats.read`."""
+        local = torch.stack([self.loss_sum, self.num_tokens])
+        world = local.clone()
+        if dist.is_initialized():
+            dist.all_reduce(
+                world
+            )  # every rank holding a last stage adds its sums (replicas scale both alike)
+        names = sorted(self.metrics)
+        extra = [torch.stack(self.metrics[n]) for n in names]
+        norm = (grad_norm if grad_norm is not None else torch.full((), math.nan)).detach()
+        norm = norm.to(local.device, torch.float64).reshape(1)
+        return PackedStats(torch.cat([world, local, norm, *extra]), tuple(names))
 
 
 @dataclass(frozen=True)
@@ -62,25 +77,28 @@ class StepReading:
     metrics: dict[str, tuple[float, float]]
 
 
-def _read(stats: LossStats, grad_norm: torch.Tensor | None) -> StepReading:
-    local = torch.stack([stats.loss_sum, stats.num_tokens])
-    world = local.clone()
-    if dist.is_initialized():
-        dist.all_reduce(world)  # every rank holding a last stage adds its sums (replicas scale both alike)
-    names = sorted(stats.metrics)
-    extra = [torch.stack(stats.metrics[n]) for n in names]
-    norm = (grad_norm if grad_norm is not None else torch.full((), math.nan)).detach()
-    norm = norm.to(local.device, torch.float64).reshape(1)
-    g_sum, g_tokens, l_sum, l_tokens, norm_value, *rest = torch.cat([world, local, norm, *extra]).tolist()
-    pairs = {n: (rest[2 * i], rest[2 * i + 1]) for i, n in enumerate(names)}
-    return StepReading(
-        g_sum / g_tokens if g_tokens else math.nan,
-        g_tokens,
-        norm_value,
-        l_sum,
-        l_tokens,
-        {n: (v / w if w else 0.0, w) for n, (v, w) in pairs.items()},
-    )
+class PackedStats:
+    """A step's statistics on the device (:meth:`LossStats.pack`); :meth:`read` copies them to the host
+    once (a device synchronisation) and keeps the result."""
+
+    def __init__(self, values: torch.Tensor, metric_names: tuple[str, ...]) -> None:
+        self.values, self.metric_names = values, metric_names
+        self._reading: StepReading | None = None
+
+    def read(self) -> StepReading:
+        """The statistics on the host (the first call waits for the step's device work)."""
+        if self._reading is None:
+            g_sum, g_tokens, l_sum, l_tokens, norm_value, *rest = self.values.tolist()
+            pairs = {n: (rest[2 * i], rest[2 * i + 1]) for i, n in enumerate(self.metric_names)}
+            self._reading = StepReading(
+                g_sum / g_tokens if g_tokens else math.nan,
+                g_tokens,
+                norm_value,
+                l_sum,
+                l_tokens,
+                {n: (v / w if w else 0.0, w) for n, (v, w) in pairs.items()},
+            )
+        return self._reading
 
 
 class StepLoss:

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from plait.loop.events import (
     TrainingStart,
 )
 from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm, prepare_fsdp_for_sum
-from plait.loop.loss import LOSS_KEY, LossStats, StepLoss, batch_of
+from plait.loop.loss import LOSS_KEY, LossStats, PackedStats, StepLoss, batch_of
 from plait.loop.metrics import Max, Mean, MetricCollection
 from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
 from plait.loop.optim import PiecewiseLR, build_optimizer
@@ -366,22 +366,29 @@ class Trainer:
         return self.loss.stats, global_tokens, positions
 
     def train_step(self, batch: Batch) -> StepResult:
-        """One optimizer step on this rank's step batch."""
+        """One optimizer step on this rank's step batch, its statistics read on the host (one sync)."""
+        return self._settle(self._launch(batch))
+
+    def _launch(self, batch: Batch) -> _PendingStep:
+        """Queue the step's device work: forward/backward, clipping, the optimizer step.
+
+        The step's statistics stay on the device; :meth:`_settle` reads them. Only the ``skip`` policy
+        for non-finite values reads them here, since it must know before the optimizer step.
+        """
         cfg, step = self.config, self.step
         stats, global_tokens, positions = self.forward_backward(batch)
         norm = clip_grad_norm(
             self.parameters(), cfg.grad_clip.max_norm, cfg.grad_clip.norm_type, self.topology.pp_group
         )
-        reading = stats.read(norm)
-        loss, grad_norm = reading.loss, reading.grad_norm
-        for name, (value, weight) in reading.metrics.items():
-            self.metrics.update(name, value, weight)
         lr = self.lr_scheduler.get_last_lr()[0] if hasattr(self.lr_scheduler, "get_last_lr") else math.nan
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if skipped:
-            self._skip(step, f"loss={loss}, grad_norm={grad_norm}", loss)
-        else:
-            self.events.publish(BeforeOptimizerStep(self, step, grad_norm))
+        pending = _PendingStep(step, stats.pack(norm), lr, global_tokens)
+        if cfg.determinism.nonfinite_loss == "skip":
+            reading = pending.packed.read()
+            pending.skipped = not (math.isfinite(reading.loss) and math.isfinite(reading.grad_norm))
+            if pending.skipped:
+                self._skip(step, f"loss={reading.loss}, grad_norm={reading.grad_norm}", reading.loss)
+        if not pending.skipped:
+            self.events.publish(BeforeOptimizerStep(self, step, norm))
             if self.checkpointer is not None:  # a pending save may still be copying these tensors
                 self.checkpointer.wait_for_staging()
             for opt in self.optimizers:
@@ -389,17 +396,32 @@ class Trainer:
         self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        if not skipped:
+        if not pending.skipped:
             self.events.publish(AfterOptimizerStep(self, step))
-            tokens = reading.local_tokens
-            self.metrics.update("loss", reading.local_loss_sum / tokens if tokens else 0.0, tokens)
-            self.metrics.update("grad_norm", grad_norm)
-            self.metrics["grad_norm_max"].update(grad_norm)  # type: ignore[union-attr]
         self._last_lr = lr
         self.state.step += 1
         self.state.tokens_seen += positions
         self.throughput.add(positions)
-        return StepResult(loss, grad_norm, lr, global_tokens, skipped)
+        return pending
+
+    def _settle(self, pending: _PendingStep) -> StepResult:
+        """Read a launched step's statistics (a device sync unless already read) into the metrics.
+
+        Raises:
+            FloatingPointError: a non-finite loss or gradient norm under the ``raise`` policy.
+        """
+        reading = pending.packed.read()
+        loss, grad_norm = reading.loss, reading.grad_norm
+        if not pending.skipped and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self._skip(pending.step, f"loss={loss}, grad_norm={grad_norm}", loss)  # raises under `raise`
+        for name, (value, weight) in reading.metrics.items():
+            self.metrics.update(name, value, weight)
+        if not pending.skipped:
+            tokens = reading.local_tokens
+            self.metrics.update("loss", reading.local_loss_sum / tokens if tokens else 0.0, tokens)
+            self.metrics.update("grad_norm", grad_norm)
+            self.metrics["grad_norm_max"].update(grad_norm)  # type: ignore[union-attr]
+        return StepResult(loss, grad_norm, pending.lr, pending.global_tokens, pending.skipped)
 
     def _skip(self, step: int, what: str, loss: float) -> None:
         if self.config.determinism.nonfinite_loss == "raise":
@@ -460,30 +482,38 @@ class Trainer:
             else None
         )
         first = True
+        queued: list[_PendingStep] = []  # launched steps whose statistics are still on the device
+        last_loss = math.nan
         try:
             while self.step < total and not self._stop_requested:
                 self.events.publish(StepStart(self, self.step))
                 t0 = time.perf_counter()
-                result = self.train_step(next(self.data_loader))
+                pending = self._launch(next(self.data_loader))
+                queued.append(pending)
                 self.gc.step(self.step)
                 self.profiler.step()
                 if first:
                     self._set_timeout(self.config.timeouts.step_s)
                     first = False
-                log = self.step % self.config.logging.interval == 0 or self.step == total
-                evaluate = self.evaluator is not None and self.evaluator.due(self.step, total)
-                if log or evaluate:
-                    self._log(train=log, evaluate=evaluate)
-                self.reporter.step_done(result.loss, time.perf_counter() - t0)
-                self.events.publish(
-                    StepEnd(self, self.step, {"loss": result.loss, "grad_norm": result.grad_norm})
-                )
                 if preemption is not None and preemption.should_stop():
                     self._stop_requested = True
-                if self.checkpointer is not None:
-                    last = self.step == total or self._stop_requested
-                    if last or (ck.interval is not None and self.step % ck.interval == 0):
-                        self.save_checkpoint(blocking=last)
+                log = self.step % self.config.logging.interval == 0 or self.step == total
+                evaluate = self.evaluator is not None and self.evaluator.due(self.step, total)
+                last = self.step == total or self._stop_requested
+                save = self.checkpointer is not None and (
+                    last or (ck.interval is not None and self.step % ck.interval == 0)
+                )
+                # Statistics are read once per logging interval (and before an evaluation or a save),
+                # so that the host runs ahead of the device between reads.
+                if log or evaluate or save or last:
+                    last_loss = [self._settle(p) for p in queued][-1].loss
+                    queued.clear()
+                    if log or evaluate:
+                        self._log(train=log, evaluate=evaluate)
+                self.reporter.step_done(last_loss, time.perf_counter() - t0)
+                self.events.publish(StepEnd(self, self.step, _StepMetrics(pending)))
+                if save:
+                    self.save_checkpoint(blocking=last)
             self.events.publish(TrainingEnd(self, self.step, stopped_early=self.step < total))
         finally:
             if preemption is not None:
@@ -535,3 +565,33 @@ class Trainer:
             self.checkpointer.close()
         self.reporter.close()
         self.run_summary.write(self.run_dir)
+
+
+class _PendingStep:
+    """A launched step: its statistics on the device until read (see :meth:`Trainer._settle`)."""
+
+    __slots__ = ("global_tokens", "lr", "packed", "skipped", "step")
+
+    def __init__(self, step: int, packed: PackedStats, lr: float, global_tokens: int) -> None:
+        self.step, self.packed, self.lr, self.global_tokens = step, packed, lr, global_tokens
+        self.skipped = False
+
+
+class _StepMetrics(Mapping[str, float]):
+    """A step's ``loss`` and ``grad_norm`` for :class:`StepEnd`, read from the device when first looked at."""
+
+    def __init__(self, pending: _PendingStep) -> None:
+        self._pending = pending
+
+    def _values(self) -> dict[str, float]:
+        r = self._pending.packed.read()
+        return {"loss": r.loss, "grad_norm": r.grad_norm}
+
+    def __getitem__(self, key: str) -> float:
+        return self._values()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("loss", "grad_norm"))
+
+    def __len__(self) -> int:
+        return 2
