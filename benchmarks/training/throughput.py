@@ -279,6 +279,7 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
     import pretrain  # examples/qwen3_moe/pretrain.py
     from plait.loop.events import StepEnd
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     prof = _Profile(args, skip=args.warmup - 1)
     if prof.prof is not None:  # profile Trainer steps warmup+1 .. warmup+3 (ticked at each step's end)
         build = pretrain.build_trainer
@@ -289,13 +290,15 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
             return trainer
 
         pretrain.build_trainer = build_and_tick
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = tmp if world == 1 else "/tmp/plait_throughput_run"  # one run directory for all ranks
         pretrain.main(_pretrain_argv(args, run_dir, compiled, extra))
+        if int(os.environ.get("RANK", "0")) != 0:  # the main rank writes metrics.jsonl and reports
+            return {}
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r.get("step", 0) > args.warmup and "tokens_per_s" in r]
     if not timed:
         raise RuntimeError(f"no metrics past step {args.warmup} in metrics.jsonl: {records[-1:]}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
     peak = max((r.get("mem_allocated_gib") or float("nan")) for r in timed)
     prof.report(args.batch * args.seq * world / tps)

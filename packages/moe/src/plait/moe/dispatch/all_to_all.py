@@ -138,7 +138,7 @@ class AllToAllDispatcher:
         ValueError: ``num_chunks < 1``.
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_chunks: int = 2) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_chunks: int = 1) -> None:
         if num_chunks < 1:
             raise ValueError(f"AllToAllDispatcher: num_chunks must be >= 1, got {num_chunks}")
         self.group = group
