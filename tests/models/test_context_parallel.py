@@ -265,7 +265,7 @@ CFG = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=8,
+    head_dim=16,  # FlexAttention on CUDA (Inductor) needs head dims >= 16
     num_experts=4,
     num_experts_per_tok=2,
     norm_topk_prob=True,
