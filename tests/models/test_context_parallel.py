@@ -37,7 +37,7 @@ from plait.models.blocks import context_parallel as cp_mod
 from plait.moe import RouterConfig, TopKRouter
 from torch.distributed.tensor import DTensor
 
-B, T, HQ, HKV, D = 2, 24, 4, 2, 8
+B, T, HQ, HKV, D = 2, 24, 4, 2, 16  # FlexAttention on CUDA (Inductor) needs head dims >= 16
 # Document lengths per row: several cross chunk (and rank) boundaries for cp = 2 and 4.
 DOC_LENGTHS = ([5, 9, 3, 7], [11, 13])
 
