@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +11,16 @@ import torch.distributed as dist
 from plait.loop.providers import Task
 from plait.pipelining import MicrobatchView
 
-__all__ = ["LOSS_KEY", "LossStats", "PackedStats", "StepLoss", "StepReading", "batch_of"]
+__all__ = [
+    "LOSS_KEY",
+    "LossStats",
+    "PackedStats",
+    "PendingStep",
+    "StepLoss",
+    "StepMetrics",
+    "StepReading",
+    "batch_of",
+]
 
 LOSS_KEY = "loss"  # where the executor stores each microbatch's loss in the step's PipelineState
 
@@ -141,3 +150,34 @@ class StepLoss:
             metrics[name] = (v + total, w + weights)  # type: ignore[assignment]
         self.stats = LossStats(st.loss_sum, st.num_tokens, metrics)
         return lo.objective / self.global_tokens
+
+
+class PendingStep:
+    """A launched training step: its statistics on the device until read (the trainer reads them once per
+    logging interval)."""
+
+    __slots__ = ("global_tokens", "lr", "packed", "skipped", "step")
+
+    def __init__(self, step: int, packed: PackedStats, lr: float, global_tokens: int) -> None:
+        self.step, self.packed, self.lr, self.global_tokens = step, packed, lr, global_tokens
+        self.skipped = False
+
+
+class StepMetrics(Mapping[str, float]):
+    """A step's ``loss`` and ``grad_norm`` for ``StepEnd``, read from the device when first looked at."""
+
+    def __init__(self, pending: PendingStep) -> None:
+        self._pending = pending
+
+    def _values(self) -> dict[str, float]:
+        r = self._pending.packed.read()
+        return {"loss": r.loss, "grad_norm": r.grad_norm}
+
+    def __getitem__(self, key: str) -> float:
+        return self._values()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("loss", "grad_norm"))
+
+    def __len__(self) -> int:
+        return 2

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from plait.loop.events import (
     TrainingStart,
 )
 from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm, prepare_fsdp_for_sum
-from plait.loop.loss import LOSS_KEY, LossStats, PackedStats, StepLoss, batch_of
+from plait.loop.loss import LOSS_KEY, LossStats, PendingStep, StepLoss, StepMetrics, batch_of
 from plait.loop.metrics import Max, Mean, MetricCollection
 from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
 from plait.loop.optim import PiecewiseLR, build_optimizer
@@ -369,7 +369,7 @@ class Trainer:
         """One optimizer step on this rank's step batch, its statistics read on the host (one sync)."""
         return self._settle(self._launch(batch))
 
-    def _launch(self, batch: Batch) -> _PendingStep:
+    def _launch(self, batch: Batch) -> PendingStep:
         """Queue the step's device work: forward/backward, clipping, the optimizer step.
 
         The step's statistics stay on the device; :meth:`_settle` reads them. Only the ``skip`` policy
@@ -381,7 +381,7 @@ class Trainer:
             self.parameters(), cfg.grad_clip.max_norm, cfg.grad_clip.norm_type, self.topology.pp_group
         )
         lr = self.lr_scheduler.get_last_lr()[0] if hasattr(self.lr_scheduler, "get_last_lr") else math.nan
-        pending = _PendingStep(step, stats.pack(norm), lr, global_tokens)
+        pending = PendingStep(step, stats.pack(norm), lr, global_tokens)
         if cfg.determinism.nonfinite_loss == "skip":
             reading = pending.packed.read()
             pending.skipped = not (math.isfinite(reading.loss) and math.isfinite(reading.grad_norm))
@@ -404,7 +404,7 @@ class Trainer:
         self.throughput.add(positions)
         return pending
 
-    def _settle(self, pending: _PendingStep) -> StepResult:
+    def _settle(self, pending: PendingStep) -> StepResult:
         """Read a launched step's statistics (a device sync unless already read) into the metrics.
 
         Raises:
@@ -482,7 +482,7 @@ class Trainer:
             else None
         )
         first = True
-        queued: list[_PendingStep] = []  # launched steps whose statistics are still on the device
+        queued: list[PendingStep] = []  # launched steps whose statistics are still on the device
         last_loss = math.nan
         try:
             while self.step < total and not self._stop_requested:
@@ -511,7 +511,7 @@ class Trainer:
                     if log or evaluate:
                         self._log(train=log, evaluate=evaluate)
                 self.reporter.step_done(last_loss, time.perf_counter() - t0)
-                self.events.publish(StepEnd(self, self.step, _StepMetrics(pending)))
+                self.events.publish(StepEnd(self, self.step, StepMetrics(pending)))
                 if save:
                     self.save_checkpoint(blocking=last)
             self.events.publish(TrainingEnd(self, self.step, stopped_early=self.step < total))
@@ -565,33 +565,3 @@ class Trainer:
             self.checkpointer.close()
         self.reporter.close()
         self.run_summary.write(self.run_dir)
-
-
-class _PendingStep:
-    """A launched step: its statistics on the device until read (see :meth:`Trainer._settle`)."""
-
-    __slots__ = ("global_tokens", "lr", "packed", "skipped", "step")
-
-    def __init__(self, step: int, packed: PackedStats, lr: float, global_tokens: int) -> None:
-        self.step, self.packed, self.lr, self.global_tokens = step, packed, lr, global_tokens
-        self.skipped = False
-
-
-class _StepMetrics(Mapping[str, float]):
-    """A step's ``loss`` and ``grad_norm`` for :class:`StepEnd`, read from the device when first looked at."""
-
-    def __init__(self, pending: _PendingStep) -> None:
-        self._pending = pending
-
-    def _values(self) -> dict[str, float]:
-        r = self._pending.packed.read()
-        return {"loss": r.loss, "grad_norm": r.grad_norm}
-
-    def __getitem__(self, key: str) -> float:
-        return self._values()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(("loss", "grad_norm"))
-
-    def __len__(self) -> int:
-        return 2
