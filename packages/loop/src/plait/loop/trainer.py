@@ -349,7 +349,7 @@ class Trainer:
             ``(local loss statistics (device tensors), global loss tokens, global positions)``.
         """
         local = [self.task.num_loss_tokens(batch), max(v.numel() for v in batch.values())]
-        global_tokens, positions = (int(v) for v in self._all_reduce(local, self.topology.dp_group))
+        global_tokens, positions = self._sum_over_dp(local)
         if global_tokens == 0:
             raise ValueError(
                 f"step {self.step}: the global batch has no loss tokens (all labels are ignored)"
@@ -435,13 +435,27 @@ class Trainer:
                 f"{step} on rank {self.topology.rank}), more than determinism.max_skipped_steps={limit}"
             )
 
-    def _all_reduce(self, values: list[int], group: dist.ProcessGroup | None) -> list[float]:
+    def _sum_over_dp(self, values: list[int]) -> tuple[int, ...]:
+        """Sum host integers over the data-parallel ranks without touching the device.
+
+        The sum runs on the host (gloo) group over the whole world: every rank that shares a dp index
+        holds the same step batch, so the world sum is ``world_size / dp_size`` times the dp sum. An
+        all-reduce on the NCCL dp group would make the host wait, every step, for the device to
+        finish the previous step (a host read after a device collective), so the host could not run
+        ahead. Without a host group (a context that has none) it falls back to the dp group.
+        """
+        topo = self.topology
+        if topo.dp_size == 1 or not dist.is_initialized():
+            return tuple(values)
         t = torch.tensor(values, dtype=torch.float64)
-        if dist.is_initialized() and group is not None:
-            if dist.get_backend(group) == "nccl":
-                t = t.to(self.device)
-            dist.all_reduce(t, group=group)
-        return [float(x) for x in t.tolist()]
+        host = self._host_group()
+        if host is not None and dist.get_backend(host) == "gloo":
+            dist.all_reduce(t, group=host)
+            return tuple(int(v) // (topo.world_size // topo.dp_size) for v in t.tolist())
+        if dist.get_backend(topo.dp_group) == "nccl":
+            t = t.to(self.device)
+        dist.all_reduce(t, group=topo.dp_group)
+        return tuple(int(v) for v in t.tolist())
 
     # ------------------------------------------------------------------ the run
     def _log(self, *, train: bool, evaluate: bool) -> None:

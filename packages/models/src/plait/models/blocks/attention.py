@@ -140,14 +140,12 @@ def build_attention_mask(
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
         return AttentionMask(backend, document_ids, dense_mask=(same & causal)[:, None], padding_mask=padding)
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         docs = document_ids
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-        block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=device)
+        block_mask = flex_block_mask(mask_mod, batch, seq_len, seq_len, device)
         return AttentionMask(backend, document_ids, block_mask=block_mask, padding_mask=padding)
     # flash varlen over the flattened batch: a new sequence starts at every document change or row start.
     starts = torch.ones_like(document_ids, dtype=torch.bool)
@@ -188,6 +186,26 @@ def _isolate_padding(document_ids: torch.Tensor | None, padding: torch.Tensor) -
 
 
 _FLEX_COMPILED: Any = None
+_BLOCK_MASK_COMPILED: Any = None
+
+
+def flex_block_mask(mask_mod: Any, batch: int, q_len: int, kv_len: int, device: torch.device) -> Any:
+    """FlexAttention ``BlockMask`` of ``mask_mod`` for ``[batch, q_len]`` queries and ``kv_len`` keys.
+
+    On CUDA ``create_block_mask`` runs compiled (once per process, as torch recommends): it then
+    evaluates the mask block by block, while the eager version materialises the dense
+    ``[batch, q_len, kv_len]`` mask and its intermediates, whose memory grows with the square of the
+    sequence (tens of GiB at 128k tokens).
+    """
+    global _BLOCK_MASK_COMPILED
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    fn: Any = create_block_mask
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        if _BLOCK_MASK_COMPILED is None:
+            _BLOCK_MASK_COMPILED = torch.compile(create_block_mask)
+        fn = _BLOCK_MASK_COMPILED
+    return fn(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:

@@ -39,6 +39,7 @@ from plait.models.blocks.attention import (
     _isolate_padding,
     _padding_mask,
     document_ids_from_position_ids,
+    flex_block_mask,
 )
 
 __all__ = ["ContextParallel", "ContextParallelMask", "ContextParallelMode"]
@@ -148,8 +149,6 @@ class ContextParallel:
         )
         total = local_len * n
         if backend == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
             q_docs = None if docs is None else docs[:, q_pos]
 
             def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -158,7 +157,7 @@ class ContextParallel:
                     return causal
                 return causal & (q_docs[b, q_idx] == docs[b, kv_idx])
 
-            block = create_block_mask(mask_mod, batch, None, local_len, total, device=device)
+            block = flex_block_mask(mask_mod, batch, local_len, total, device)
             return AttentionMask("flex", block_mask=block, context=cp, padding_mask=padding)
         kv_pos = torch.arange(total, device=device)
         dense = (q_pos[:, None] >= kv_pos[None, :]).expand(batch, local_len, total)
