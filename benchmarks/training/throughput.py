@@ -123,6 +123,7 @@ class _Profile:
 
     def __init__(self, args: argparse.Namespace, skip: int) -> None:
         self.prof = None
+        self.row = args.row
         if args.profile and int(os.environ.get("RANK", "0")) == 0:
             from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -146,6 +147,15 @@ class _Profile:
         print(events.table(sort_by="self_device_time_total", row_limit=30), flush=True)
         print(f"PROFILE kernel time {busy * 1e3:.1f} ms/step of {s_per_step * 1e3:.1f} ms/step wall "
               f"({busy / s_per_step:.0%} busy)", flush=True)  # fmt: skip
+        for e in events:  # host waits on the device: what stops the host from running ahead
+            if "Synchronize" in e.key or "Memcpy" in e.key or e.key == "aten::_local_scalar_dense":
+                print(f"PROFILE host {e.key}: {e.count / 3:.1f} calls/step, {e.cpu_time_total / 3e3:.2f} ms/step")
+        from torch._dynamo.utils import counters
+
+        breaks = sum(counters["graph_break"].values())
+        print(f"PROFILE dynamo: {breaks} graph breaks, {counters['stats']['unique_graphs']} graphs", flush=True)
+        if trace_dir := os.environ.get("PROFILE_TRACE_DIR"):
+            self.prof.export_chrome_trace(f"{trace_dir}/trace_{self.row}.json.gz")
 
 
 def _timed(
@@ -366,7 +376,7 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
         "plait_trainer_fsdp2": ["--mesh.data_shard=2"],
         "plait_trainer_ep2": ["--mesh.data_shard=2", "--mesh.expert=2"],
     }.get(name, [])
-    return row_plait_trainer(args, name != "plait_trainer_eager", extra)
+    return row_plait_trainer(args, name != "plait_trainer_eager", extra + args.trainer_args.split())
 
 
 # ------------------------------------------------------------------ driver
@@ -374,6 +384,7 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common = ["--row", row, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
+    common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
     if row in ROWS_2GPU:
         if torch.cuda.device_count() < 2:
             return {"row": row, "skipped": "needs 2 GPUs"}
@@ -428,6 +439,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
     ap.add_argument("--profile", action="store_true", help="plait rows: print a kernel-time table of 3 steps")
+    ap.add_argument("--trainer-args", default="", help="more main-job arguments for the Trainer rows (space-separated)")
     args = ap.parse_args()
     args.model = SMOKE_MODEL if args.smoke else MODEL
     args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"

@@ -123,10 +123,11 @@ def _tile_ops(triton: bool) -> tuple[Any, Any]:
 def _chunks(
     n_tokens: int, hidden: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None
 ) -> tuple[int, int]:
-    # Defaults keep one [chunk, block] tile (input dtype) plus one fp32 [chunk, H] accumulator
-    # around 48 MiB for 8k x 4k x 152k, while the matmuls stay large enough to run at full rate.
-    vb = chunk_vocab or min(vocab, 4096)
+    # Defaults keep the fp32 [chunk, H] accumulator at ~32 MiB and one [chunk, block] tile (input dtype)
+    # at up to 64M entries, with blocks of 4k-16k vocabulary entries: large enough that the matmuls
+    # run at full rate and that few tiles (each a handful of kernel launches) cover the vocabulary.
     nc = chunk_tokens or min(n_tokens, max(256, (8 * 1024 * 1024) // max(hidden, 1)))
+    vb = chunk_vocab or min(vocab, max(4096, min(16384, (64 * 1024 * 1024) // max(nc, 1))))
     return max(1, nc), max(1, vb)
 
 
@@ -337,7 +338,7 @@ def linear_cross_entropy(
             ``plait-kernels[cce]`` extra; no z-loss / lse / process group / grad-direction switch),
             or ``"auto"`` (= ``"plait"``).
         chunk_tokens: tokens per chunk (memory/speed knob; default keeps the fp32 accumulator ~32 MiB).
-        chunk_vocab: vocabulary entries per tile (default 4096).
+        chunk_vocab: vocabulary entries per tile (default 4096-16384: a tile of up to 64M entries).
 
     Returns:
         The loss in fp32 (scalar, or ``[N]`` for ``"none"``), and the lse if ``return_lse``.
