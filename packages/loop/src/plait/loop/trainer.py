@@ -174,12 +174,10 @@ class Trainer:
         if config.checkpoint.enabled:
             host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
             self.checkpoints = TrainingCheckpoints(
-                config.checkpoint,
-                self.run_dir,
+                config,
                 self.app_state,
                 self.events,
                 process_group=host_group,
-                meta={"run": config.run.name},
                 save_planner=save_planner,
                 storage_writer_factory=storage_writer_factory,
                 load_planner=load_planner,
@@ -202,12 +200,6 @@ class Trainer:
             stages, self.num_stages, loss, self.batch_plan, self.schedule, self.topology, self.device,
             forward_only=forward_only, on_backward=hook,
         )  # fmt: skip
-
-    def _set_timeout(self, seconds: float) -> None:
-        if self.ctx is not None and hasattr(self.ctx, "set_timeout"):
-            self.ctx.set_timeout(seconds)
-        else:
-            set_collective_timeout(seconds, self.topology.groups)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -399,7 +391,7 @@ class Trainer:
         self.reporter.open(total, self.step)
         self.gc.start()
         self.profiler.start()
-        self._set_timeout(self.config.timeouts.init_s)
+        set_collective_timeout(self.config.timeouts.init_s, self.topology.groups, self.ctx)
         self.events.publish(TrainingStart(self, self.step))
         preemption = self.checkpoints.preemption_handler() if self.checkpoints is not None else None
         first = True
@@ -414,7 +406,7 @@ class Trainer:
                 self.gc.step(self.step)
                 self.profiler.step()
                 if first:
-                    self._set_timeout(self.config.timeouts.step_s)
+                    set_collective_timeout(self.config.timeouts.step_s, self.topology.groups, self.ctx)
                     first = False
                 if preemption is not None and preemption.should_stop():
                     self._stop_requested = True
