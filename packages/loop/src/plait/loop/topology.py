@@ -1,4 +1,5 @@
-"""This rank's place in the batch domain (pp, dp, cp, tp), read from a distributed context."""
+"""This rank's place in the batch domain (pp, dp, cp, tp), read from a distributed context, and the
+device and context a training run starts from (:func:`pick_device`, :func:`connect`)."""
 
 from __future__ import annotations
 
@@ -112,9 +113,6 @@ def connect(
 ) -> tuple[DistributedContext, Topology]:
     """The distributed context and this rank's :class:`Topology` in it.
 
-    Raises:
-        ValueError: the context's dp size is not the ``mesh``'s (``data_replicate x data_shard``).
-
     Args:
         ctx: the context; None builds one with ``DistributedContext.from_env(mesh)`` (torchrun's
             environment, or a single process, which creates no process group).
@@ -122,6 +120,9 @@ def connect(
         device: the device of a context built here.
         init_timeout_s: the collective timeout of a context built here: start-up collectives (weight
             loading, compilation) run under the long init timeout.
+
+    Raises:
+        ValueError: the context's dp size is not the ``mesh``'s (``data_replicate x data_shard``).
     """
     if ctx is None:
         ctx = DistributedContext.from_env(mesh, device=device, timeout=init_timeout_s)
