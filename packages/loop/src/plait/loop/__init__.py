@@ -23,6 +23,7 @@ from plait.loop.data import (
     read_token_file,
     write_token_file,
 )
+from plait.loop.engine import build_executor, build_stages, place_stages
 from plait.loop.evaluation import Evaluator
 from plait.loop.events import (
     AfterBackward,
@@ -62,7 +63,7 @@ from plait.loop.providers import (
     Task,
 )
 from plait.loop.records import StepResult, TrainerState
-from plait.loop.topology import Topology
+from plait.loop.topology import Topology, connect, pick_device
 from plait.loop.tracking import (
     ConsoleTracker,
     JSONLTracker,
@@ -128,14 +129,19 @@ __all__ = [
     "TrainingEnd",
     "TrainingStart",
     "all_reduce_plain_grads",
+    "build_executor",
     "build_optimizer",
+    "build_stages",
     "build_tracker",
     "clip_grad_norm",
     "config_json_schema",
+    "connect",
     "dump_config",
     "load_config",
     "pack_documents",
     "param_groups",
+    "pick_device",
+    "place_stages",
     "plot_loss_curve",
     "plot_schedule",
     "read_hf_texts",

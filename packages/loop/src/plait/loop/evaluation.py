@@ -6,9 +6,12 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from plait.loop.config import EvaluationConfig
+from plait.loop.batch_plan import BatchPlan
+from plait.loop.config import EvaluationConfig, TrainerConfig
 from plait.loop.data import DistributedDataLoader
 from plait.loop.loss import LOSS_KEY, StepLoss
+from plait.loop.providers import DataProvider, Task
+from plait.loop.topology import Topology
 from plait.pipelining import OfflineExecutor, PipelineExecutor, PipelineState, Stack
 from torch import nn
 
@@ -51,6 +54,40 @@ class Evaluator:
         self.modules = list(modules)
         self.device = device
         self.shard_batch = shard_batch
+
+    @classmethod
+    def for_training(
+        cls,
+        config: TrainerConfig,
+        data: DataProvider,
+        plan: BatchPlan,
+        topology: Topology,
+        task: Task,
+        modules: Sequence[nn.Module],
+        device: torch.device,
+        executor_for: Callable[[StepLoss], OfflineExecutor | PipelineExecutor],
+    ) -> Evaluator:
+        """The evaluator of a training run: ``data``'s validation loader for this rank, a forward-only
+        executor on the training stages (``executor_for(loss)``), batches sharded like the training's.
+
+        Raises:
+            ValueError: the data provider gives no validation loader.
+        """
+        loader = data.build_validation_loader(config, plan, topology.dp_rank)
+        if loader is None:
+            raise ValueError(
+                "evaluation.enabled is true but the data provider's build_validation_loader gave no loader"
+            )
+        loss = StepLoss(task, device)
+        return cls(
+            config.evaluation,
+            executor_for(loss),
+            loss,
+            loader,
+            modules,
+            device,
+            shard_batch=topology.shard_batch,
+        )
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether to evaluate after optimizer step ``step`` (every ``interval`` steps, and the last)."""

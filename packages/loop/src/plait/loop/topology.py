@@ -1,14 +1,17 @@
-"""This rank's place in the batch domain (pp, dp, cp, tp), read from a distributed context."""
+"""This rank's place in the batch domain (pp, dp, cp, tp), read from a distributed context, and the
+device and context a training run starts from (:func:`pick_device`, :func:`connect`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from plait.dist_core import DistributedContext, shard_batch
+from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+from plait.loop.config import dp_size_of
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "connect", "pick_device"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,41 @@ class Topology:
             coords={"dp": rank},
             sizes={"dp": world},
         )
+
+
+def pick_device(device: torch.device | str) -> torch.device:
+    """``device``; a CUDA device without an index becomes this process's (``LOCAL_RANK``, default 0),
+    made the current CUDA device."""
+    dev = torch.device(str(device))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def connect(
+    ctx: DistributedContext | None, mesh: DeviceMeshParameters, device: torch.device, init_timeout_s: float
+) -> tuple[DistributedContext, Topology]:
+    """The distributed context and this rank's :class:`Topology` in it.
+
+    Args:
+        ctx: the context; None builds one with ``DistributedContext.from_env(mesh)`` (torchrun's
+            environment, or a single process, which creates no process group).
+        mesh: the mesh of a context built here.
+        device: the device of a context built here.
+        init_timeout_s: the collective timeout of a context built here: start-up collectives (weight
+            loading, compilation) run under the long init timeout.
+
+    Raises:
+        ValueError: the context's dp size is not the ``mesh``'s (``data_replicate x data_shard``).
+    """
+    if ctx is None:
+        ctx = DistributedContext.from_env(mesh, device=device, timeout=init_timeout_s)
+    single = getattr(ctx, "world_size", None) == 1 and not dist.is_initialized()
+    topology = Topology() if single else Topology.from_context(ctx)
+    if topology.dp_size != dp_size_of(mesh):
+        raise ValueError(
+            f"mesh: the batch domain's dp size is {topology.dp_size} but the config's mesh section gives "
+            f"data_replicate x data_shard = {dp_size_of(mesh)}"
+        )
+    return ctx, topology

@@ -11,7 +11,6 @@ router biases) subscribe to them. :meth:`Trainer.app_state` exposes every piece 
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -28,10 +27,11 @@ from plait.loop.checkpoint import (
     ModelState,
     OptimizerState,
     PerRankState,
-    PreemptionHandler,
     RngState,
+    TrainingCheckpoints,
 )
 from plait.loop.config import TrainerConfig
+from plait.loop.engine import Executor, build_executor, build_stages, place_stages
 from plait.loop.evaluation import Evaluator
 from plait.loop.events import (
     AfterBackward,
@@ -48,14 +48,14 @@ from plait.loop.events import (
     TrainingEnd,
     TrainingStart,
 )
-from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm, prepare_fsdp_for_sum
-from plait.loop.loss import LOSS_KEY, LossStats, PendingStep, StepLoss, StepMetrics, batch_of
+from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm
+from plait.loop.loss import LOSS_KEY, LossStats, PendingStep, StepLoss, StepMetrics
 from plait.loop.metrics import Max, Mean, MetricCollection
 from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
 from plait.loop.records import StepResult, TrainerState
-from plait.loop.topology import Topology
+from plait.loop.topology import connect, pick_device
 from plait.loop.tracking import (
     RunReporter,
     RunSummaryCollector,
@@ -64,23 +64,13 @@ from plait.loop.tracking import (
     device_memory_stats,
     peak_flops_for,
 )
-from plait.pipelining import (
-    MicrobatchView,
-    OfflineExecutor,
-    PipelineExecutor,
-    PipelineState,
-    Stack,
-    build_forward_program,
-    build_program,
-)
+from plait.pipelining import PipelineState, Stack
 from torch import nn
 from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
 
 __all__ = ["StepResult", "Trainer", "TrainerState"]
 
-logger = logging.getLogger("plait.loop")
 Batch = dict[str, torch.Tensor]
-Executor = OfflineExecutor | PipelineExecutor
 
 
 class Trainer:
@@ -123,11 +113,6 @@ class Trainer:
         load_planner: LoadPlanner | None = None,
     ) -> None:
         self.config = config
-        self._checkpoint_hooks: dict[str, Any] = {
-            "save_planner": save_planner,
-            "storage_writer_factory": storage_writer_factory,
-            "load_planner": load_planner,
-        }
         self.model_provider = model
         self.task = task
         self.events = EventBus()
@@ -135,43 +120,25 @@ class Trainer:
         self.run_dir = Path(config.run.run_dir)
         self._stop_requested = False
 
-        self.device = self._pick_device(device)
-        self.ctx, self.topology = self._build_topology(ctx)
+        self.device = pick_device(device if device is not None else config.device_type())
+        self.ctx, self.topology = connect(ctx, config.mesh, self.device, config.timeouts.init_s)
         topo = self.topology
         self.log = setup_logging(mesh_prefix(topo.rank, topo.coords, topo.sizes), config.logging.level)
         self.reporter = RunReporter(
             config, self.run_dir, is_main=topo.is_main, trackers=trackers, run_ids=self.state.tracker_run_ids
         )
         self.batch_plan = BatchPlan.from_config(config)
-        if topo.dp_size != self.batch_plan.dp_size:
-            raise ValueError(
-                f"mesh: the batch domain's dp size is {topo.dp_size} but the config's mesh section gives "
-                f"data_replicate x data_shard = {self.batch_plan.dp_size}"
-            )
         if config.determinism.deterministic_algorithms:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
 
-        # Model: build on meta, parallelize, materialise, load weights.
+        # Model: this rank's stages, built on meta, parallelized, materialised, with initial weights.
         torch.manual_seed(config.run.seed)
         self.schedule = self.batch_plan.schedule(config) if topo.pp_size > 1 else None
-        stage_topology = self.schedule.topology(topo.pp_size) if self.schedule is not None else None
-        self.num_stages = stage_topology.num_stages if stage_topology is not None else 1
-        self.stage_indices = sorted(stage_topology.stages_of(topo.pp_rank)) if stage_topology else [0]
-        self.model_parts: list[nn.Module] = []
-        for s in self.stage_indices:
-            part = model.build_stage(s, self.num_stages)
-            part = model.parallelize(part, self.ctx, config)
-            model.materialize(part, self.device)
-            self.model_parts.append(part)
-        model.load_initial_weights(self.model_parts)
-        for part in self.model_parts:
-            part.train()
-        prepare_fsdp_for_sum(self.model_parts)
-        if topo.cp_size > 1 and self._has_plain_params():
-            raise NotImplementedError(
-                "context parallelism needs the model's parameters managed by FSDP2/DTensor"
-            )
+        self.num_stages, self.stage_indices = place_stages(self.schedule, topo)
+        self.model_parts = build_stages(
+            model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
+        )
 
         # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
         opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
@@ -185,7 +152,12 @@ class Trainer:
         self.loss = StepLoss(task, self.device)
         self.executor = self._build_executor(self.loss)
         self.data_loader = data.build_loader(config, self.batch_plan, topo.dp_rank)
-        self.evaluator = self._build_evaluator(data) if config.evaluation.enabled else None
+        self.evaluator: Evaluator | None = None
+        if config.evaluation.enabled:
+            self.evaluator = Evaluator.for_training(
+                config, data, self.batch_plan, topo, task, self.model_parts, self.device,
+                lambda loss: self._build_executor(loss, forward_only=True),
+            )  # fmt: skip
 
         # Metrics are reduced over the whole world: replicas (tp, cp) scale numerator and weight alike.
         self.metrics = MetricCollection(group=None)
@@ -198,36 +170,24 @@ class Trainer:
         self.gc = GCController(config.gc)
         self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
         self.rng = RngState()
-        self.checkpointer: Checkpointer | None = None
+        self.checkpoints: TrainingCheckpoints | None = None
         if config.checkpoint.enabled:
-            self._setup_checkpointing()
+            host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
+            self.checkpoints = TrainingCheckpoints(
+                config,
+                self.app_state,
+                self.events,
+                process_group=host_group,
+                save_planner=save_planner,
+                storage_writer_factory=storage_writer_factory,
+                load_planner=load_planner,
+            )
+            self.checkpoints.resume()
         self._last_lr = math.nan
         self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
         self.run_summary = RunSummaryCollector(self)  # printed and written by close()
 
     # ------------------------------------------------------------------ setup helpers
-    def _pick_device(self, device: torch.device | str | None) -> torch.device:
-        kind = str(device) if device is not None else self.config.device_type()
-        dev = torch.device(kind)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(dev)
-        return dev
-
-    def _build_topology(self, ctx: DistributedContext | None) -> tuple[DistributedContext, Topology]:
-        if ctx is None:
-            # Start-up collectives (weight loading, compilation) run under the long init timeout.
-            # In a single process this creates no process group (providers may still ask for meshes).
-            ctx = DistributedContext.from_env(
-                self.config.mesh, device=self.device, timeout=self.config.timeouts.init_s
-            )
-        if getattr(ctx, "world_size", None) == 1 and not dist.is_initialized():
-            return ctx, Topology()
-        return ctx, Topology.from_context(ctx)
-
-    def _stage_inputs(self, stage: int, mb: MicrobatchView) -> dict[str, torch.Tensor]:
-        return self.task.stage_inputs(batch_of(mb), stage, self.num_stages)
-
     def _after_backward(self, stage: int, microbatch: int) -> None:
         if stage == self.stage_indices[0]:
             self.events.publish(AfterBackward(self, self.step, microbatch))
@@ -236,63 +196,21 @@ class Trainer:
         """The training executor, or a forward-only one on the same stages (for evaluation)."""
         stages = dict(zip(self.stage_indices, self.model_parts))
         hook = None if forward_only else self._after_backward
-        if self.schedule is None:
-            m = self.batch_plan.num_microbatches
-            return OfflineExecutor(
-                stages, loss, m, forward_kwargs_fn=self._stage_inputs, loss_reduction="sum",
-                forward_only=forward_only, on_backward=hook,
-            )  # fmt: skip
-        program = build_program(self.schedule, self.topology.pp_size)
-        assert self.topology.pp_group is not None
-        executor = PipelineExecutor(
-            build_forward_program(program) if forward_only else program,
-            stages, self.topology.pp_group, loss, forward_kwargs_fn=self._stage_inputs,
-            loss_reduction="sum", device=self.device, on_backward=hook,
+        return build_executor(
+            stages, self.num_stages, loss, self.batch_plan, self.schedule, self.topology, self.device,
+            forward_only=forward_only, on_backward=hook,
         )  # fmt: skip
-        import torch._functorch.config as functorch_config
-
-        if executor.splits_backward and functorch_config.donated_buffer:
-            # The I pass keeps the autograd graph for the W pass (retain_graph); a torch.compile'd backward
-            # with donated buffers refuses that (seen with the compiled FlexAttention on GPU). The compiled
-            # parts (FlexAttention, per-layer compile) compile at their first forward, after this.
-            functorch_config.donated_buffer = False
-            logger.info("split-backward schedule: torch._functorch.config.donated_buffer set to False")
-        return executor
-
-    def _build_evaluator(self, data: DataProvider) -> Evaluator:
-        loader = data.build_validation_loader(self.config, self.batch_plan, self.topology.dp_rank)
-        if loader is None:
-            raise ValueError(
-                "evaluation.enabled is true but the data provider's build_validation_loader gave no loader"
-            )
-        loss = StepLoss(self.task, self.device)
-        executor = self._build_executor(loss, forward_only=True)
-        return Evaluator(
-            self.config.evaluation,
-            executor,
-            loss,
-            loader,
-            self.model_parts,
-            self.device,
-            shard_batch=self.topology.shard_batch,
-        )
-
-    def _set_timeout(self, seconds: float) -> None:
-        if self.ctx is not None and hasattr(self.ctx, "set_timeout"):
-            self.ctx.set_timeout(seconds)
-        else:
-            set_collective_timeout(seconds, self.topology.groups)
-
-    def _has_plain_params(self) -> bool:
-        from torch.distributed.tensor import DTensor
-
-        return any(not isinstance(p, DTensor) for part in self.model_parts for p in part.parameters())
 
     # ------------------------------------------------------------------ public API
     @property
     def step(self) -> int:
         """Completed optimizer steps (including skipped ones)."""
         return self.state.step
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """The run's :class:`~plait.loop.checkpoint.Checkpointer` (None unless ``checkpoint.enabled``)."""
+        return self.checkpoints.checkpointer if self.checkpoints is not None else None
 
     def parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of all local model parts."""
@@ -487,14 +405,9 @@ class Trainer:
         self.reporter.open(total, self.step)
         self.gc.start()
         self.profiler.start()
-        self._set_timeout(self.config.timeouts.init_s)
+        set_collective_timeout(self.config.timeouts.init_s, self.topology.groups, self.ctx)
         self.events.publish(TrainingStart(self, self.step))
-        ck = self.config.checkpoint
-        preemption = (
-            PreemptionHandler(ck.grace_period_s, self._host_group())
-            if self.checkpointer is not None and ck.save_on_signal
-            else None
-        )
+        preemption = self.checkpoints.preemption_handler() if self.checkpoints is not None else None
         first = True
         queued: list[PendingStep] = []  # launched steps whose statistics are still on the device
         last_loss = math.nan
@@ -507,16 +420,14 @@ class Trainer:
                 self.gc.step(self.step)
                 self.profiler.step()
                 if first:
-                    self._set_timeout(self.config.timeouts.step_s)
+                    set_collective_timeout(self.config.timeouts.step_s, self.topology.groups, self.ctx)
                     first = False
                 if preemption is not None and preemption.should_stop():
                     self._stop_requested = True
                 log = self.step % self.config.logging.interval == 0 or self.step == total
                 evaluate = self.evaluator is not None and self.evaluator.due(self.step, total)
                 last = self.step == total or self._stop_requested
-                save = self.checkpointer is not None and (
-                    last or (ck.interval is not None and self.step % ck.interval == 0)
-                )
+                save = self.checkpoints is not None and self.checkpoints.due(self.step, last=last)
                 # Statistics are read once per logging interval (and before an evaluation or a save),
                 # so that the host runs ahead of the device between reads.
                 if log or evaluate or save or last:
@@ -540,42 +451,16 @@ class Trainer:
         return last_logged
 
     # ------------------------------------------------------------------ checkpoints
-    def _host_group(self) -> dist.ProcessGroup | None:
-        return getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
-
-    def _setup_checkpointing(self) -> None:
-        ck = self.config.checkpoint
-        root = Path(ck.dir) if ck.dir else self.run_dir / "checkpoints"
-        self.checkpointer = ckpt = Checkpointer(
-            root,
-            keep_last=ck.keep_last,
-            async_mode=ck.async_mode,
-            process_group=self._host_group(),
-            checksums=ck.checksums,
-            on_damaged=ck.on_damaged,
-            coordinator_rank=ck.coordinator_rank,
-            **self._checkpoint_hooks,
-        )
-        # Finalise each save as soon as it is written; prepare the staging buffers after the first step.
-        self.events.subscribe(StepEnd, lambda e: ckpt.step_done(self.app_state))
-        if ck.resume and (resumed := ckpt.resume(self.app_state())) is not None:
-            latest, meta = resumed
-            self.log.info(
-                "resumed from %s (step %d, saved by %s ranks)", latest, self.step, meta.get("world_size")
-            )
-
     def save_checkpoint(self, *, blocking: bool = False) -> None:
         """Save the whole training state as checkpoint ``self.step`` (async unless ``blocking``)."""
-        if self.checkpointer is None:
+        if self.checkpoints is None:
             raise RuntimeError("checkpoint.enabled is false: no checkpointer")
-        self.checkpointer.save(
-            self.step, self.app_state(), blocking=blocking, meta={"run": self.config.run.name}
-        )
+        self.checkpoints.save(self.step, blocking=blocking)
 
     def close(self) -> None:
         """Finish pending checkpoint writes, close the trackers, print and write the run summary
         (``summary.json``, ``loss_curve.png``; call once after the last :meth:`fit`)."""
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         self.reporter.close()
         self.run_summary.write(self.run_dir)

@@ -11,6 +11,7 @@ from plait.loop.checkpoint.export import export_checkpoint
 from plait.loop.checkpoint.planning import CachingSavePlanner
 from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.state import ModelState, OptimizerState, PerRankState, RngState, ValueState
+from plait.loop.checkpoint.training import TrainingCheckpoints
 
 __all__ = [
     "AsyncMode",
@@ -24,6 +25,7 @@ __all__ = [
     "PerRankState",
     "PreemptionHandler",
     "RngState",
+    "TrainingCheckpoints",
     "ValueState",
     "export_checkpoint",
 ]

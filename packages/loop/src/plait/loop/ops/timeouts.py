@@ -12,12 +12,17 @@ import torch.distributed as dist
 __all__ = ["set_collective_timeout"]
 
 
-def set_collective_timeout(seconds: float, groups: Iterable[Any] = ()) -> None:
-    """Set the timeout of the default process group and of ``groups`` (no-op when not distributed).
+def set_collective_timeout(seconds: float, groups: Iterable[Any] = (), ctx: Any = None) -> None:
+    """Set the timeout of the default process group and of ``groups`` (no-op when not distributed),
+    or, given a ``ctx`` with a ``set_timeout`` method (a :class:`~plait.dist_core.DistributedContext`),
+    of every group the context uses, through it.
 
     Start-up (weight loading, compilation) runs under the long ``timeouts.init_s``; the trainer
     switches to ``timeouts.step_s`` after the first step so a hung rank is detected quickly.
     """
+    if ctx is not None and hasattr(ctx, "set_timeout"):
+        ctx.set_timeout(seconds)
+        return
     if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed.distributed_c10d import _set_pg_timeout

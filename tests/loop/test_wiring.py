@@ -1,0 +1,109 @@
+"""The pieces the Trainer is built from, alone: stage placement, the context's dp-size check, the
+checkpoint policy of a run and the collective-timeout switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plait.loop import BatchPlan, Topology, load_config
+from plait.loop.checkpoint import TrainingCheckpoints
+from plait.loop.engine import place_stages
+from plait.loop.events import EventBus, StepEnd
+from plait.loop.ops import set_collective_timeout
+from plait.loop.topology import connect
+
+
+def _config(tmp_path, *extra: str):
+    return load_config(
+        overrides=[
+            f"--run.run_dir={tmp_path}",
+            "--batching.global_batch_size=8",
+            "--batching.microbatch_size=2",
+            *extra,
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # stage s of a loop placement runs on rank s % pp; the V shape folds back: 0 1 | 1 0
+        (["--pipeline.kind=1f1b"], {0: (2, [0]), 1: (2, [1])}),
+        (
+            ["--pipeline.kind=interleaved_1f1b", "--pipeline.stages_per_rank=2"],
+            {0: (4, [0, 2]), 1: (4, [1, 3])},
+        ),
+        (["--pipeline.kind=zbv"], {0: (4, [0, 3]), 1: (4, [1, 2])}),
+    ],
+)
+def test_place_stages_follows_the_schedules_placement(tmp_path, schedule, expected):
+    cfg = _config(tmp_path, "--mesh.pipeline=2", *schedule)
+    plan = BatchPlan.from_config(cfg)
+    for pp_rank, placement in expected.items():
+        assert place_stages(plan.schedule(cfg), Topology(pp_rank=pp_rank, pp_size=2)) == placement
+
+
+def test_place_stages_without_a_schedule_is_one_stage():
+    assert place_stages(None, Topology()) == (1, [0])
+
+
+class _SingleProcessContext:
+    world_size = 1
+
+
+def test_connect_refuses_a_context_whose_dp_size_is_not_the_configs(tmp_path):
+    cfg = _config(tmp_path, "--mesh.data_shard=2")
+    with pytest.raises(ValueError, match="data_replicate x data_shard = 2"):
+        connect(_SingleProcessContext(), cfg.mesh, torch.device("cpu"), 60.0)  # type: ignore[arg-type]
+    ctx = _SingleProcessContext()
+    mesh = _config(tmp_path).mesh
+    assert connect(ctx, mesh, torch.device("cpu"), 60.0) == (ctx, Topology())  # type: ignore[arg-type]
+
+
+def test_training_checkpoints_policy(tmp_path):
+    cfg = _config(
+        tmp_path, "--checkpoint.enabled=true", "--checkpoint.interval=3", "--checkpoint.async_mode=off"
+    )
+    state = {"x": torch.arange(4.0)}
+    ck = TrainingCheckpoints(cfg, lambda: state, EventBus())
+    assert ck.checkpointer.root == tmp_path / "checkpoints"
+    assert [s for s in range(1, 10) if ck.due(s, last=False)] == [3, 6, 9]
+    assert ck.due(7, last=True)
+    assert ck.resume() is None  # nothing saved yet
+    ck.save(3, blocking=True)
+    state["x"] = torch.zeros(4)
+    path, meta = ck.resume()  # type: ignore[misc]
+    assert meta["step"] == 3 and meta["run"] == cfg.run.name and path.parent == tmp_path / "checkpoints"
+    assert torch.equal(state["x"], torch.arange(4.0))
+    ck.close()
+    no_signals = TrainingCheckpoints(
+        _config(tmp_path, "--checkpoint.save_on_signal=false", "--checkpoint.async_mode=off"),
+        lambda: state,
+        EventBus(),
+    )
+    assert no_signals.preemption_handler() is None
+    handler = ck.preemption_handler()
+    assert handler is not None and handler.grace_period_s == cfg.checkpoint.grace_period_s
+    handler.restore()
+
+
+def test_training_checkpoints_poll_after_every_step(tmp_path):
+    cfg = _config(tmp_path, "--checkpoint.enabled=true", "--checkpoint.async_mode=off")
+    events, calls = EventBus(), []
+    ck = TrainingCheckpoints(cfg, lambda: {"x": torch.ones(2)}, events)
+    ck.checkpointer.step_done = lambda state: calls.append(state())  # type: ignore[method-assign]
+    events.publish(StepEnd(None, 1, {}))
+    assert len(calls) == 1 and torch.equal(calls[0]["x"], torch.ones(2))
+
+
+def test_set_collective_timeout_goes_through_a_context_that_can():
+    class Ctx:
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def set_timeout(self, seconds: float) -> None:
+            self.seconds.append(seconds)
+
+    ctx = Ctx()
+    set_collective_timeout(12.0, (), ctx)
+    assert ctx.seconds == [12.0]
