@@ -122,12 +122,14 @@ class Trainer:
             flag = torch.tensor([float(ok)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             ok = bool(flag.item())
+        if self.cp_rank == 0:
+            print(f"cp={self.cp_size} seq {seq}: {'fits' if ok else 'out of memory'}", flush=True)
         return ok
 
     def longest(self) -> int:
-        """Doubling from ``--granularity`` up to ``--max-seq``, then bisection to ``--granularity``."""
+        """Doubling from ``--search-from`` (default ``--granularity``) up to ``--max-seq``, then bisection to ``--granularity``."""
         gran, top = self.args.granularity, self.args.max_seq
-        good, bad, seq = 0, top + gran, gran
+        good, bad, seq = 0, top + gran, self.args.search_from or gran
         while seq <= top:
             if not self.fits(seq):
                 bad = seq
@@ -175,6 +177,9 @@ def main() -> None:
     p.add_argument("--base-seq", type=int, default=16384, help="sequence length of the cp=1 baseline")
     p.add_argument("--granularity", type=int, default=4096, help="search step (a multiple of 4)")
     p.add_argument("--max-seq", type=int, default=1 << 20, help="upper end of the search")
+    p.add_argument(
+        "--search-from", type=int, default=None, help="first length of the search (default --granularity)"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900.0, help="collective timeout (seconds)")

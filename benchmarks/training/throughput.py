@@ -149,11 +149,15 @@ class _Profile:
               f"({busy / s_per_step:.0%} busy)", flush=True)  # fmt: skip
         for e in events:  # host waits on the device: what stops the host from running ahead
             if "Synchronize" in e.key or "Memcpy" in e.key or e.key == "aten::_local_scalar_dense":
-                print(f"PROFILE host {e.key}: {e.count / 3:.1f} calls/step, {e.cpu_time_total / 3e3:.2f} ms/step")
+                print(
+                    f"PROFILE host {e.key}: {e.count / 3:.1f} calls/step, {e.cpu_time_total / 3e3:.2f} ms/step"
+                )
         from torch._dynamo.utils import counters
 
         breaks = sum(counters["graph_break"].values())
-        print(f"PROFILE dynamo: {breaks} graph breaks, {counters['stats']['unique_graphs']} graphs", flush=True)
+        print(
+            f"PROFILE dynamo: {breaks} graph breaks, {counters['stats']['unique_graphs']} graphs", flush=True
+        )
         if trace_dir := os.environ.get("PROFILE_TRACE_DIR"):
             self.prof.export_chrome_trace(f"{trace_dir}/trace_{self.row}.json.gz")
 
@@ -439,7 +443,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
     ap.add_argument("--profile", action="store_true", help="plait rows: print a kernel-time table of 3 steps")
-    ap.add_argument("--trainer-args", default="", help="more main-job arguments for the Trainer rows (space-separated)")
+    ap.add_argument(
+        "--trainer-args", default="", help="more main-job arguments for the Trainer rows (space-separated)"
+    )
     args = ap.parse_args()
     args.model = SMOKE_MODEL if args.smoke else MODEL
     args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"

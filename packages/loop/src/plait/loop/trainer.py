@@ -170,14 +170,15 @@ class Trainer:
         self.gc = GCController(config.gc)
         self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
         self.rng = RngState()
+        # The CPU group over all ranks (gloo): checkpoint coordination, the stop signal, token counts.
+        self.host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
         self.checkpoints: TrainingCheckpoints | None = None
         if config.checkpoint.enabled:
-            host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
             self.checkpoints = TrainingCheckpoints(
                 config,
                 self.app_state,
                 self.events,
-                process_group=host_group,
+                process_group=self.host_group,
                 save_planner=save_planner,
                 storage_writer_factory=storage_writer_factory,
                 load_planner=load_planner,
@@ -366,7 +367,7 @@ class Trainer:
         if topo.dp_size == 1 or not dist.is_initialized():
             return tuple(values)
         t = torch.tensor(values, dtype=torch.float64)
-        host = self._host_group()
+        host = self.host_group
         if host is not None and dist.get_backend(host) == "gloo":
             dist.all_reduce(t, group=host)
             return tuple(int(v) // (topo.world_size // topo.dp_size) for v in t.tolist())
