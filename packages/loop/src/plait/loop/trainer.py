@@ -241,6 +241,7 @@ class Trainer:
             return OfflineExecutor(
                 stages, loss, m, forward_kwargs_fn=self._stage_inputs, loss_reduction="sum",
                 forward_only=forward_only, on_backward=hook,
+                fsdp_gather_once=self.config.fsdp.gather_once_per_step,
             )  # fmt: skip
         program = build_program(self.schedule, self.topology.pp_size)
         assert self.topology.pp_group is not None
@@ -248,6 +249,7 @@ class Trainer:
             build_forward_program(program) if forward_only else program,
             stages, self.topology.pp_group, loss, forward_kwargs_fn=self._stage_inputs,
             loss_reduction="sum", device=self.device, on_backward=hook,
+            fsdp_gather_once=self.config.fsdp.gather_once_per_step,
         )  # fmt: skip
         import torch._functorch.config as functorch_config
 
