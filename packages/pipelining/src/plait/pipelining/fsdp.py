@@ -84,12 +84,8 @@ class GradientSync:
                 "torch's FSDPModule.finalize_backward (not in this torch version); use a full-backward schedule "
                 "(gpipe, 1f1b, looped_bfs, interleaved_1f1b) or a newer torch"
             )
-        self.gathered = [
-            sub
-            for m in stage_modules.values()
-            for sub in m.modules()
-            if gather_once and isinstance(sub, FSDPModule)
-        ]
+        fsdp = [sub for m in stage_modules.values() for sub in m.modules() if isinstance(sub, FSDPModule)]
+        self.gathered = fsdp if gather_once else []
         # per parameter group of the gathered modules, over a step: its state and where it reshards after
         # forward (FSDP's private record of reshard_after_forward: None keeps the parameters unsharded)
         self._configured: dict[FSDPParamGroup, tuple[FSDPState, FSDPMeshInfo | None]] = {}
@@ -117,7 +113,8 @@ class GradientSync:
             root.set_is_last_backward(last)
 
     def finish(self) -> None:
-        """After the step's last backward: reduce what was accumulated and reset the modules."""
+        """After the step's last backward: reduce what was accumulated, reshard what was kept gathered and
+        reset the modules."""
         for subs in self.switched.values():
             for m in subs:
                 set_gradient_sync(m, True)
