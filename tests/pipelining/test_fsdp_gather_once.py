@@ -223,22 +223,27 @@ def test_forward_only_step_gathers_once_and_reshards() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case",
-    [{"kind": "1f1b", "num_microbatches": 4}, {"kind": "zbv", "num_microbatches": 4}],
-    ids=["1f1b", "zbv-split-backward"],
-)
-def test_pipeline_with_fsdp2_gathers_each_module_once_per_step(case: dict[str, Any]) -> None:
-    """PP2 x FSDP2 on 4 gloo ranks: manual backward finalisation (split backward for zbv)."""
-    on = run_distributed(_train, 4, 2, case, [True] * STEPS)
+@pytest.mark.parametrize("kind", ["1f1b", "zbv", "dualpipev"])
+def test_pipeline_with_per_layer_fsdp2(kind: str) -> None:
+    """PP2 x FSDP2 on 4 gloo ranks, manual backward finalisation; zbv and dualpipev split the backward.
+
+    Split-backward schedules keep the parameters gathered with the option off too: their W pass
+    differentiates w.r.t. the parameters a stage holds at its I pass, which a block resharded after a
+    later microbatch's forward no longer holds (its weight gradients were lost before: None or wrong).
+    """
+    case = {"kind": kind, "num_microbatches": 4}
     num_stages = parse_schedule_config(case).topology(2).num_stages
-    _check_numerics(on, num_stages, f"{case['kind']} gather-once")
-    _check_resharded(on, case["kind"])
-    for rank, r in enumerate(on):
-        for step, rec in enumerate(r):
-            # a stage root's own parameters: the embedding (first stage) or the head (last stage)
-            edge = (0, num_stages - 1)
-            want = {
-                f"{s}.{k}": 1 for s in rec["grads"] for k in ("root", "block") if k == "block" or s in edge
-            }
-            assert rec["gathers"] == want, f"rank {rank} step {step}: {rec['gathers']}"
+    edge = (0, num_stages - 1)  # the stages whose root holds parameters of its own (embedding, head)
+    for once in (True, False):
+        runs = run_distributed(_train, 4, 2, case, [once] * STEPS)
+        _check_numerics(runs, num_stages, f"{kind} once={once}")
+        _check_resharded(runs, f"{kind} once={once}")
+        for rank, r in enumerate(runs):
+            for step, rec in enumerate(r):
+                # with the option off, 1F1B gathers a block in each forward (resharded after it) and once
+                # more in its first backward (kept until the step's finalisation): microbatches + 1 times
+                block = 1 if once or kind != "1f1b" else case["num_microbatches"] + 1
+                want = {f"{s}.block": block for s in rec["grads"]} | {
+                    f"{s}.root": 1 for s in rec["grads"] if s in edge
+                }
+                assert rec["gathers"] == want, f"{kind} once={once} rank {rank} step {step}: {rec['gathers']}"

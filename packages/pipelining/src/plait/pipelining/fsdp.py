@@ -13,7 +13,8 @@ parameters unsharded from its first all-gather of the step to the step's end (no
 forward or backward), so each module is all-gathered once per step instead of once or twice per
 microbatch; the step ends by resharding them all (before the optimizer updates the sharded parameters)
 and restoring each module's own ``reshard_after_forward``. It trades the memory of the unsharded stages
-(held over the whole step) for fewer all-gathers.
+(held over the whole step) for fewer all-gathers. Split-backward schedules always keep the parameters
+gathered: their ``W`` pass needs the parameters the forward used.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class GradientSync:
             (parameters stay unsharded over the step); False switches only the reduction, per backward.
         gather_once: all-gather each FSDP2 module's parameters once per step and keep them unsharded
             over all its microbatches (forward-only steps too); they are resharded at the step's end.
+            Split-backward schedules always do (see the comment in the body).
 
     Raises:
         RuntimeError: a split-backward schedule over FSDP2 stages without manual finalisation.
@@ -85,7 +87,11 @@ class GradientSync:
                 "(gpipe, 1f1b, looped_bfs, interleaved_1f1b) or a newer torch"
             )
         fsdp = [sub for m in stage_modules.values() for sub in m.modules() if isinstance(sub, FSDPModule)]
-        self.gathered = fsdp if gather_once else []
+        # Split backward: the W pass differentiates w.r.t. the parameters a stage holds at its I pass. An FSDP2
+        # submodule resharded after a later microbatch's forward holds its sharded parameters then, not the
+        # unsharded ones that microbatch's forward used, and those weight gradients would be lost; so these
+        # schedules keep the parameters gathered too (reshard-after-backward is off over their step anyway).
+        self.gathered = fsdp if gather_once or (splits_backward and has_backward) else []
         # per parameter group of the gathered modules, over a step: its state and where it reshards after
         # forward (FSDP's private record of reshard_after_forward: None keeps the parameters unsharded)
         self._configured: dict[FSDPParamGroup, tuple[FSDPState, FSDPMeshInfo | None]] = {}
