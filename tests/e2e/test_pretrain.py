@@ -125,6 +125,10 @@ LAYOUTS = {  # name: (world size, microbatch size, mesh arguments)
     "pp2_zbv": (2, 4, ["--mesh.pipeline=2", "--pipeline.kind=zbv"]),
     # 4 ranks: microbatch 2 so that 8 = 2 x dp 2 x 2 microbatches per rank (>= pp for the schedule).
     "pp2_dp2": (4, 2, ["--mesh.pipeline=2", "--mesh.data_shard=2", "--pipeline.kind=1f1b"]),
+    # split backward over per-layer FSDP2 (its weight gradients need the parameters the forward used)
+    "pp2_dp2_zbv": (4, 2, ["--mesh.pipeline=2", "--mesh.data_shard=2", "--pipeline.kind=zbv"]),
+    # each FSDP2 module all-gathered once per step (2 microbatches per rank)
+    "fsdp2_gather_once": (2, 2, ["--mesh.data_shard=2", "--fsdp.gather_once_per_step=true"]),
     # Context parallelism: every sequence split over 2 ranks (load-balanced layout).
     "cp2_allgather": (2, 4, ["--mesh.context_shard=2"]),
     "cp2_ring": (2, 4, ["--mesh.context_shard=2", "--parallel.context_parallel_attention=ring"]),

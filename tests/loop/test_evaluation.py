@@ -116,16 +116,18 @@ def _distributed_eval(run_dir: str, layout: str) -> float:
         provider = ModuleProvider(tiny_stage, stages=True, initial_weights=load_reference_weights)
         tr = Trainer(cfg, provider, data, CausalLMTask(), ctx=_MeshContext(2, 1))
     else:
-        cfg = _config(run_dir, "--mesh.data_shard=2")
-        tr = Trainer(
-            cfg, _provider(parallelize_fn=_fsdp if layout == "fsdp2" else None), data, CausalLMTask()
-        )
+        once = f"--fsdp.gather_once_per_step={str(layout == 'fsdp2-gather-once').lower()}"
+        cfg = _config(run_dir, "--mesh.data_shard=2", once)
+        fsdp = _fsdp if layout.startswith("fsdp2") else None
+        tr = Trainer(cfg, _provider(parallelize_fn=fsdp), data, CausalLMTask())
+        assert tr.evaluator is not None
+        assert bool(tr.evaluator.executor.grad_sync.gathered) == (layout == "fsdp2-gather-once")
     out = [tr.evaluate()["val_loss"] for _ in range(2)]  # batches 0-1, then 2-3
     tr.close()
     return out
 
 
-@pytest.mark.parametrize("layout", ["dp2", "fsdp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "fsdp2", "fsdp2-gather-once", "pp2"])
 def test_distributed_validation_loss_matches_one_process(tmp_path, layout):
     with torch.random.fork_rng():
         torch.manual_seed(0)

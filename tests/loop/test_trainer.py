@@ -107,7 +107,10 @@ def _fsdp(module, ctx, config):
     return fully_shard_module(module, ctx.mesh_for("dense"))  # reduce="mean": the loop makes it a sum
 
 
-def _dp_run(run_dir: str, steps: int, fsdp: bool = False) -> list[float]:
+def _dp_run(run_dir: str, steps: int, fsdp: bool = False, gather_once: bool = False) -> list[float]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
     from tests.loop._lm import load_reference_weights
 
     torch.set_num_threads(1)
@@ -120,24 +123,34 @@ def _dp_run(run_dir: str, steps: int, fsdp: bool = False) -> list[float]:
             "--batching.microbatch_size=2",
             "--optimizer.lr=0.02",
             "--logging.progress_bar=false",
+            f"--fsdp.gather_once_per_step={str(gather_once).lower()}",
         ]
     )
     provider = ModuleProvider(
         TinyLM, parallelize_fn=_fsdp if fsdp else None, initial_weights=load_reference_weights
     )
     tr = Trainer(cfg, provider, DatasetProvider(_dataset()), CausalLMTask())
+    # the config field reaches the executor: with it, the executor keeps the FSDP2 modules gathered over a step
+    fsdp_modules = [m for m in tr.model_parts[0].modules() if isinstance(m, FSDPModule)]
+    assert tr.executor.grad_sync.gathered == (fsdp_modules if gather_once else [])
     losses = _losses(tr)
     tr.fit()
     tr.close()
+    # resharded after every step (the optimizer updated the sharded parameters)
+    assert not fsdp or all(isinstance(p, DTensor) for p in tr.model_parts[0].parameters())
     return losses
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
-def test_data_parallel_2_matches_one_process(tmp_path, fsdp):
+@pytest.mark.parametrize(
+    ("fsdp", "gather_once"),
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "fsdp2", "fsdp2-gather-once"],
+)
+def test_data_parallel_2_matches_one_process(tmp_path, fsdp, gather_once):
     from tests.loop._lm import load_reference_weights
 
     steps = 6
-    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps, fsdp)
+    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps, fsdp, gather_once)
     assert dp_losses[0] == dp_losses[1]
     single = Trainer(
         _config(tmp_path / "one", steps=steps),

@@ -91,6 +91,7 @@ def build_executor(
     *,
     forward_only: bool = False,
     on_backward: BackwardHook | None = None,
+    fsdp_gather_once: bool = False,
 ) -> Executor:
     """The executor of ``stages`` (stage index -> module of this rank) with ``loss`` as its loss function.
 
@@ -99,6 +100,7 @@ def build_executor(
     :class:`~plait.pipelining.OfflineExecutor` over ``plan.num_microbatches``; with one a
     :class:`~plait.pipelining.PipelineExecutor` of it over ``topology.pp_group``, or of
     :func:`~plait.pipelining.build_forward_program` of it when ``forward_only`` (evaluation).
+    ``fsdp_gather_once``: each FSDP2 module is gathered once per step (``fsdp.gather_once_per_step``).
     """
 
     def stage_inputs(stage: int, mb: MicrobatchView) -> dict[str, torch.Tensor]:
@@ -107,14 +109,14 @@ def build_executor(
     if schedule is None:
         return OfflineExecutor(
             stages, loss, plan.num_microbatches, forward_kwargs_fn=stage_inputs, loss_reduction="sum",
-            forward_only=forward_only, on_backward=on_backward,
+            forward_only=forward_only, on_backward=on_backward, fsdp_gather_once=fsdp_gather_once,
         )  # fmt: skip
     program = build_program(schedule, topology.pp_size)
     assert topology.pp_group is not None
     executor = PipelineExecutor(
         build_forward_program(program) if forward_only else program,
         stages, topology.pp_group, loss, forward_kwargs_fn=stage_inputs,
-        loss_reduction="sum", device=device, on_backward=on_backward,
+        loss_reduction="sum", device=device, on_backward=on_backward, fsdp_gather_once=fsdp_gather_once,
     )  # fmt: skip
     import torch._functorch.config as functorch_config
 

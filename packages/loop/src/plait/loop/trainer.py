@@ -199,7 +199,7 @@ class Trainer:
         hook = None if forward_only else self._after_backward
         return build_executor(
             stages, self.num_stages, loss, self.batch_plan, self.schedule, self.topology, self.device,
-            forward_only=forward_only, on_backward=hook,
+            forward_only=forward_only, on_backward=hook, fsdp_gather_once=self.config.fsdp.gather_once_per_step,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ public API

@@ -176,6 +176,7 @@ def build_pipeline(
     forward_kwargs_fn: ForwardKwargsFn | None = None,
     device: torch.device | str | None = None,
     on_backward: BackwardHook | None = None,
+    fsdp_gather_once: bool = False,
 ) -> PipelineExecutor | OfflineExecutor:
     """Build the executor for `config`: a :class:`PipelineExecutor`, or an :class:`OfflineExecutor` for pp=1.
 
@@ -188,6 +189,8 @@ def build_pipeline(
         device: activation device (defaults to the stage parameters' device).
         on_backward: called with ``(stage, microbatch)`` when that stage's weight gradients of the
             microbatch are complete.
+        fsdp_gather_once: all-gather each FSDP2 module of the stages once per step (see
+            :class:`PipelineExecutor`).
     """
     cfg = parse_schedule_config(config)
     pp = 1 if pp_group is None else dist.get_world_size(pp_group)
@@ -201,6 +204,7 @@ def build_pipeline(
             forward_kwargs_fn=forward_kwargs_fn,
             loss_reduction=cfg.loss_reduction,
             on_backward=on_backward,
+            fsdp_gather_once=fsdp_gather_once,
         )
     assert pp_group is not None
     return PipelineExecutor(
@@ -212,4 +216,5 @@ def build_pipeline(
         loss_reduction=cfg.loss_reduction,
         device=device,
         on_backward=on_backward,
+        fsdp_gather_once=fsdp_gather_once,
     )

@@ -62,6 +62,9 @@ class PipelineExecutor:
         device: device of the activations (defaults to the first parameter's device).
         on_backward: called with ``(stage, microbatch)`` when that stage's weight gradients of the
             microbatch are complete.
+        fsdp_gather_once: all-gather each FSDP2 module of the stages once per step and keep its
+            parameters unsharded over all microbatches (MaxText's ``all_gather_over_fsdp``); resharded at
+            the step's end. Fewer all-gathers for the memory of the unsharded stages over the step.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class PipelineExecutor:
         loss_reduction: Literal["mean", "sum"] = "mean",
         device: torch.device | str | None = None,
         on_backward: BackwardHook | None = None,
+        fsdp_gather_once: bool = False,
     ) -> None:
         from plait.pipelining.lowering import lower
         from plait.pipelining.validation import validate
@@ -112,6 +116,7 @@ class PipelineExecutor:
             has_backward=self.program.has_backward,
             splits_backward=self.splits_backward,
             schedule=self.program.name,
+            gather_once=fsdp_gather_once,
         )
         self.link = P2PLink(pp_group, topo, self.runner, self.device)
         self.link.connect()
@@ -247,6 +252,7 @@ class OfflineExecutor:
         loss_reduction: ``"mean"`` or ``"sum"`` as for :class:`PipelineExecutor`.
         forward_only: compute the losses without gradients (evaluation).
         on_backward: called with ``(stage, microbatch)`` after each backward.
+        fsdp_gather_once: as for :class:`PipelineExecutor`: each FSDP2 module all-gathered once per step.
     """
 
     def __init__(
@@ -259,6 +265,7 @@ class OfflineExecutor:
         loss_reduction: Literal["mean", "sum"] = "mean",
         forward_only: bool = False,
         on_backward: BackwardHook | None = None,
+        fsdp_gather_once: bool = False,
     ) -> None:
         if sorted(stage_modules) != list(range(len(stage_modules))) or not stage_modules:
             raise ValueError(f"OfflineExecutor needs stages 0..n-1, got {sorted(stage_modules)}")
@@ -281,6 +288,7 @@ class OfflineExecutor:
             splits_backward=False,
             schedule="offline",
             finalize=False,
+            gather_once=fsdp_gather_once,
         )
 
     def step(self, inputs: Mapping[str, torch.Tensor] | None, state: PipelineState) -> PipelineStepResult:

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointConfig",
     "DeterminismConfig",
     "EvaluationConfig",
+    "FSDPConfig",
     "GCConfig",
     "GradClipConfig",
     "GradientConfig",
@@ -153,6 +154,20 @@ class GradientConfig(_Section):
         default=None, description="dtype the buckets are summed in; None: the gradients' own dtype"
     )
     bucket_size_mb: float = Field(default=25.0, gt=0, description="flat all-reduce bucket size in MiB")
+
+
+class FSDPConfig(_Section):
+    """How a step treats the FSDP2 modules of the model's stages (the model's parallel plan shards them;
+    without FSDP2 modules nothing here has an effect)."""
+
+    gather_once_per_step: bool = Field(
+        default=False,
+        description=(
+            "MaxText's all_gather_over_fsdp: all-gather each FSDP2 module once per step and keep its parameters "
+            "unsharded over all microbatches (resharded at the step's end), instead of gathering them in every "
+            "microbatch; fewer all-gathers for the memory of the unsharded stages held over the step"
+        ),
+    )
 
 
 class CheckpointConfig(_Section):

@@ -11,6 +11,7 @@ from plait.loop.config.sections import (
     CheckpointConfig,
     DeterminismConfig,
     EvaluationConfig,
+    FSDPConfig,
     GCConfig,
     GradClipConfig,
     GradientConfig,
@@ -48,6 +49,7 @@ class TrainerConfig(BaseModel):
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     grad_clip: GradClipConfig = GradClipConfig()
     gradients: GradientConfig = GradientConfig()
+    fsdp: FSDPConfig = FSDPConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     profiling: ProfilingConfig = ProfilingConfig()
