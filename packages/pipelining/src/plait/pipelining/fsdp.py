@@ -34,6 +34,15 @@ if TYPE_CHECKING:
 __all__ = ["GradientSync"]
 
 
+def _param_groups(state: FSDPState) -> list[FSDPParamGroup]:
+    """The module's FSDP2 parameter groups: a list in newer torch, one optional group in torch <= 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _switchable(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule) or getattr(module, "_plait_replicate", None) is not None
 
@@ -137,7 +146,7 @@ class GradientSync:
         """``gather_once``: no module reshards after forward or backward until :meth:`_reshard`."""
         for m in self.gathered:
             state = m._get_fsdp_state()
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(state):
                 if group not in self._configured:
                     self._configured[group] = (state, group.post_forward_mesh_info)
                 group.post_forward_mesh_info = None  # what fully_shard(reshard_after_forward=False) sets
@@ -150,8 +159,11 @@ class GradientSync:
             m.reshard()
         for group, (state, configured) in self._configured.items():
             # torch's lazy init (at the first forward, possibly within this step) keeps a root's
-            # parameters after forward unless reshard_after_forward was given: apply that rule here too
+            # parameters after forward unless reshard_after_forward was given (torch <= 2.11: always):
+            # apply that rule here too
             group.post_forward_mesh_info = (
-                None if state._is_root and state._auto_reshard_after_forward else configured
+                None
+                if state._is_root and getattr(state, "_auto_reshard_after_forward", True)
+                else configured
             )
         self._configured.clear()
