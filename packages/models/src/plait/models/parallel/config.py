@@ -58,7 +58,7 @@ class ParallelConfig(BaseModel):
             parallelism every expert is local and neither is used.
         expert_chunks: ``all_to_all`` only: token chunks pipelined so that the all-to-alls overlap
             the expert GEMMs (``plait.moe.AllToAllDispatcher``'s ``num_chunks``; 1 = no overlap;
-            None = its default, 2).
+            None = its default, 1).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
