@@ -34,3 +34,36 @@ def test_backends_agree_on_cuda(packed, padded):
         mask = build_attention_mask(b, s, dev, q.dtype, **kw, implementation=backend)
         out = attention(q, k, v, mask, d**-0.5)
         torch.testing.assert_close(out.float()[real], ref[real], atol=2e-2, rtol=2e-2, msg=backend)
+
+
+@pytest.mark.gpu
+def test_block_mask_is_built_without_the_dense_mask():
+    """The FlexAttention block mask of a long packed sequence: the same blocks as eager
+    ``create_block_mask`` (small shape), and at 64k x 128k (a cp=2 shard's queries against the whole
+    sequence) no dense mask: the dense bool mask alone would take 8 GiB."""
+    from plait.models.blocks.attention import flex_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dev = torch.device("cuda")
+
+    def packed_mask(q_len: int, kv_len: int):
+        docs = (torch.arange(kv_len, device=dev) // 3000)[None]  # documents cross block boundaries
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=dev)  # the last q_len positions
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_pos[q_idx] >= kv_idx) & (docs[b, q_pos[q_idx]] == docs[b, kv_idx])
+
+        return mask_mod
+
+    small = packed_mask(1024, 2048)
+    got = flex_block_mask(small, 1, 1024, 2048, dev)
+    want = create_block_mask(small, 1, None, 1024, 2048, device=dev)
+    assert torch.equal(got.to_dense(), want.to_dense())
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mask = flex_block_mask(packed_mask(65536, 131072), 1, 65536, 131072, dev)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 2**30, "the dense mask was materialised"
+    assert mask.shape[-2:] == (65536, 131072)
