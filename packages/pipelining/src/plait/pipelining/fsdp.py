@@ -162,8 +162,6 @@ class GradientSync:
             # parameters after forward unless reshard_after_forward was given (torch <= 2.11: always):
             # apply that rule here too
             group.post_forward_mesh_info = (
-                None
-                if state._is_root and getattr(state, "_auto_reshard_after_forward", True)
-                else configured
+                None if state._is_root and getattr(state, "_auto_reshard_after_forward", True) else configured
             )
         self._configured.clear()
