@@ -51,7 +51,9 @@ class _SingleProcessContext:
     world_size = 1
 
 
-def test_connect_refuses_a_context_whose_dp_size_is_not_the_configs(tmp_path):
+def test_connect_refuses_a_context_whose_dp_size_is_not_the_configs(tmp_path, monkeypatch):
+    # a single process: other tests of the session may have left a default process group behind
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     cfg = _config(tmp_path, "--mesh.data_shard=2")
     with pytest.raises(ValueError, match="data_replicate x data_shard = 2"):
         connect(_SingleProcessContext(), cfg.mesh, torch.device("cpu"), 60.0)  # type: ignore[arg-type]
