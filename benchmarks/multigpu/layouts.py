@@ -14,7 +14,7 @@ Two more parts (``--only`` names them like layouts; both run when ``--only`` is 
   and with FSDP2 on two (same curve), and each exported adapter loaded by ``peft`` onto the
   transformers model gives plait's logits (max abs. difference in the table's last column).
 
-``--cpu-smoke`` runs the same on CPU processes over gloo with a 2-layer model (checks the driver).
+``--cpu-smoke`` runs the same on CPU processes over gloo (checks the driver).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "qwen3_moe"
@@ -84,7 +85,7 @@ BASE = [
     "--no-export",
     "--batching.global_batch_size=16",
     "--batching.microbatch_size=2",
-    f"--model.num_hidden_layers={2 if SMOKE else 8}",
+    "--model.num_hidden_layers=8",  # 8 stages for PP4 with 2 stages per rank
 ]
 LORA = EXAMPLES / "finetune_lora.py"
 LORA_BASE = [*COMMON, "--batching.global_batch_size=8", "--batching.microbatch_size=2", "--optimizer.lr=0.01"]
@@ -143,7 +144,35 @@ def max_rel_diff(got: dict[int, float], ref: dict[int, float]) -> float:
     return max((abs(got[s] - ref[s]) / abs(ref[s]) for s in ref if s in got), default=float("nan"))
 
 
-Row = tuple[str, int, int, float, float, float | None, float | None]
+class Results:
+    """The table: each row is printed, and with ``--out`` the file is rewritten after every row (a run
+    cut off by its time limit keeps the rows that finished)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows: list[tuple[Any, ...]] = []  # name, GPUs, rc, wall s, diff, first loss, last loss
+
+    def add(self, *row: Any) -> None:
+        self.rows.append(row)
+        print(row, flush=True)
+        if self.args.out:
+            Path(self.args.out).write_text(self.markdown() + "\n")
+
+    def markdown(self) -> str:
+        import torch
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() and not SMOKE else "CPU (gloo)"
+        lines = [
+            f"Device: {device} x {self.args.gpus}, torch {torch.__version__}, "
+            f"NCCL (NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}); {self.args.steps} steps from one seed "
+            "checkpoint.",
+            "",
+            "| layout | GPUs | rc | wall s | max rel. loss diff vs 1 GPU | loss first step | loss last step |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, n, rc, secs, diff, first, last in self.rows:
+            lines.append(f"| {name} | {n} | {rc} | {secs:.0f} | {diff:.2e} | {first} | {last} |")
+        return "\n".join(lines)
 
 
 def main() -> None:
@@ -153,7 +182,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/plait_layouts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=240)
-    ap.add_argument("--cpu-smoke", action="store_true", help="CPU processes over gloo, 2-layer model")
+    ap.add_argument("--cpu-smoke", action="store_true", help="CPU processes over gloo (checks the driver)")
     ap.add_argument("--only", default="", help=f"comma-separated layout names and parts {PARTS}")
     ap.add_argument("--skip-resume", action="store_true", help="skip the save-on-all, resume-on-half run")
     args = ap.parse_args()
@@ -167,7 +196,7 @@ def main() -> None:
     seed = work / "seed"
     steps = [f"--steps={args.steps}", f"--init-from={seed}", "--checkpoint.enabled=false"]
     subprocess.run([sys.executable, str(SCRIPT), *BASE, f"--write-seed-checkpoint={seed}"], check=True)
-    rows: list[Row] = []
+    results = Results(args)
     layouts = [(n, p, e) for n, p, e in LAYOUTS if n in only and p <= args.gpus]
     if skipped := sorted(n for n, p, _ in LAYOUTS if n in only and p > args.gpus):
         print(f"skipped (more than --gpus={args.gpus} processes): {', '.join(skipped)}", flush=True)
@@ -175,9 +204,9 @@ def main() -> None:
     if layouts or "resume" in only:
         rc, secs, log = launch(1, work / "ref", steps, args.timeout)
         ref = losses(work / "ref")
-        rows.append(("1 GPU (reference)", 1, rc, secs, 0.0, ref.get(1), ref.get(args.steps)))
         if rc:
             print(log)
+        results.add("1 GPU (reference)", 1, rc, secs, 0.0, ref.get(1), ref.get(args.steps))
     for name, nproc, extra in layouts:
         d = work / name.replace(" ", "_")
         rc, secs, log = launch(nproc, d, steps + extra, args.timeout)
@@ -186,16 +215,17 @@ def main() -> None:
         if rc or len(got) != len(ref):
             print(f"--- {name} failed (rc={rc}) ---\n{log}", flush=True)
             diff = float("nan")
-        rows.append((name, nproc, rc, secs, diff, got.get(1), got.get(args.steps)))
-        print(rows[-1], flush=True)
+        results.add(name, nproc, rc, secs, diff, got.get(1), got.get(args.steps))
     if "resume" in only:
-        rows += resume_rows(args, work, seed, ref)
+        resume_rows(args, work, seed, ref, results)
     if "lora" in only:
-        rows += lora_rows(args, work, seed)
-    write_table(args, rows)
+        lora_rows(args, work, seed, results)
+    print(results.markdown())
 
 
-def resume_rows(args: argparse.Namespace, work: Path, seed: Path, ref: dict[int, float]) -> list[Row]:
+def resume_rows(
+    args: argparse.Namespace, work: Path, seed: Path, ref: dict[int, float], results: Results
+) -> None:
     """Async checkpoint saved halfway with FSDP x EP on all GPUs; resumed on half with other layouts."""
     ck = work / "ckpt"
     n, half, mid = args.gpus, max(1, args.gpus // 2), args.steps // 2
@@ -210,20 +240,19 @@ def resume_rows(args: argparse.Namespace, work: Path, seed: Path, ref: dict[int,
     save = f"FSDP{n} x EP{n}" if n > 1 else "1 GPU"
     rc1, secs, log1 = launch(n, ck, [*ck_args, f"--mesh.data_shard={n}", f"--mesh.expert={n}"], args.timeout)
     saved = losses(ck)
-    rows: list[Row] = [
-        (
-            f"save {save} (async) @ {mid}",
-            n,
-            rc1,
-            secs,
-            max_rel_diff(saved, ref),
-            saved.get(1),
-            saved.get(args.steps),
-        )
-    ]
     if rc1:
         print(f"--- checkpoint save failed rc={rc1} ---\n{log1}", flush=True)
-        return rows
+    results.add(
+        f"save {save} (async) @ {mid}",
+        n,
+        rc1,
+        secs,
+        max_rel_diff(saved, ref),
+        saved.get(1),
+        saved.get(args.steps),
+    )
+    if rc1:
+        return
     shutil.rmtree(ck / "checkpoints" / f"step_{args.steps:08d}", ignore_errors=True)
     (ck / "metrics.jsonl").unlink(missing_ok=True)
     resume = [(f"FSDP{half}", [f"--mesh.data_shard={half}"])] if half > 1 else [("1 GPU", [])]
@@ -238,28 +267,23 @@ def resume_rows(args: argparse.Namespace, work: Path, seed: Path, ref: dict[int,
         if rc2 or len(resumed) != args.steps - mid:
             print(f"--- resume {name} failed rc={rc2} ---\n{log2}", flush=True)
             diff = float("nan")
-        rows.append(
-            (
-                f"resume {name} @ {mid} (from {save})",
-                half,
-                rc2,
-                secs,
-                diff,
-                resumed.get(mid + 1),
-                resumed.get(args.steps),
-            )
+        results.add(
+            f"resume {name} @ {mid} (from {save})",
+            half,
+            rc2,
+            secs,
+            diff,
+            resumed.get(mid + 1),
+            resumed.get(args.steps),
         )
-        print(rows[-1], flush=True)
-    return rows
 
 
-def lora_rows(args: argparse.Namespace, work: Path, seed: Path) -> list[Row]:
+def lora_rows(args: argparse.Namespace, work: Path, seed: Path, results: Results) -> None:
     """LoRA on 1 GPU and FSDP2 on 2 from the seed checkpoint; each adapter checked with peft.
 
-    The "max rel. loss diff" column holds the FSDP2 curve against the 1-GPU one, and "peft" rows the
-    max abs. difference of peft's logits (the exported adapter on the transformers model) from plait's.
+    The "max rel. loss diff" column holds each curve against the 1-GPU LoRA one, and the "in peft" rows
+    the max abs. difference of peft's logits (the exported adapter on the transformers model) from plait's.
     """
-    rows: list[Row] = []
     runs = [("LoRA 1 GPU", 1, [])] + ([("LoRA FSDP2", 2, ["--mesh.data_shard=2"])] if args.gpus >= 2 else [])
     ref: dict[int, float] = {}
     for name, nproc, extra in runs:
@@ -272,21 +296,17 @@ def lora_rows(args: argparse.Namespace, work: Path, seed: Path) -> list[Row]:
         if rc or len(got) != args.steps:
             print(f"--- {name} failed (rc={rc}) ---\n{log}", flush=True)
             diff = float("nan")
-        rows.append((name, nproc, rc, secs, diff, got.get(1), got.get(args.steps)))
+        results.add(name, nproc, rc, secs, diff, got.get(1), got.get(args.steps))
         if not rc:
-            rows.append(
-                (
-                    f"{name}: adapter in peft (max abs logit diff)",
-                    1,
-                    0,
-                    0.0,
-                    peft_logit_diff(seed, d / "adapter"),
-                    None,
-                    None,
-                )
+            results.add(
+                f"{name}: adapter in peft (max abs logit diff)",
+                1,
+                0,
+                0.0,
+                peft_logit_diff(seed, d / "adapter"),
+                None,
+                None,
             )
-        print(*rows[-2:], sep="\n", flush=True)
-    return rows
 
 
 def peft_logit_diff(seed: Path, adapter: Path) -> float:
@@ -309,25 +329,6 @@ def peft_logit_diff(seed: Path, adapter: Path) -> float:
         print(f"--- {adapter}: the adapter does not change the logits (training did not move it)", flush=True)
         return float("nan")
     return (our_logits - theirs).abs().max().item()
-
-
-def write_table(args: argparse.Namespace, rows: list[Row]) -> None:
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not SMOKE else "CPU (gloo)"
-    lines = [
-        f"Device: {device} x {args.gpus}, torch {torch.__version__}, "
-        f"NCCL (NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}); {args.steps} steps from one seed checkpoint.",
-        "",
-        "| layout | GPUs | rc | wall s | max rel. loss diff vs 1 GPU | loss first step | loss last step |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, n, rc, secs, diff, first, last in rows:
-        lines.append(f"| {name} | {n} | {rc} | {secs:.0f} | {diff:.2e} | {first} | {last} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
 
 
 if __name__ == "__main__":
