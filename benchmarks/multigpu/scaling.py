@@ -9,8 +9,9 @@ The model is ``examples/qwen3_moe/configs/gpu1.toml``'s (compiled, bf16 paramete
 Trainer rows, each in its own torchrun: the 1-GPU row, then for every ``--gpus`` count n
 FSDP n (``--parallel.reshard_after_forward=false``), EP=n x FSDP=n, and PP n (1F1B, 2n microbatches).
 A row needing more GPUs than ``torch.cuda.device_count()`` is skipped and the table says so.
-Writes a markdown table (tok/s per GPU, MFU against the bf16 matmul rate measured in the same run, peak GiB,
-per-GPU ratio to the 1-GPU row) to ``--out`` (default ``benchmarks/results/scaling.md``).
+Writes a markdown table (tok/s per GPU, MFU against the bf16 matmul rate measured in the same run, rank 0's peak
+GiB, per-GPU ratio to the 1-GPU row) to ``--out`` (default ``benchmarks/results/scaling.md``). ``--profile``
+prints each row's kernel-time table (rank 0), to see why a layout falls short.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def table(results: list[dict[str, Any]], peak_tflops: float, fpt: float) -> str:
     """Markdown rows: tok/s per GPU, MFU, peak memory and the per-GPU ratio to the 1-GPU row."""
     base = next((r["tok_s_per_gpu"] for r in results if r["row"] == BASELINE and "skipped" not in r), None)
     lines = [
-        "| layout | GPUs | tok/s per GPU | MFU | peak GiB | per GPU vs 1 GPU |",
+        "| layout | GPUs | tok/s per GPU | MFU | peak GiB (rank 0) | per GPU vs 1 GPU |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        n = throughput.trainer_layout(r["row"], 4)[0]
+        n = throughput.trainer_layout(r["row"], batch=4)[0]  # the count does not depend on the batch
         if "skipped" in r:
             lines.append(f"| {label(r['row'])} | {n} | {r['skipped']} | | | |")
             continue
