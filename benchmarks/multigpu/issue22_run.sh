@@ -22,7 +22,7 @@ OUT=${OUT:-/tmp/issue22_out}
 mkdir -p "$OUT"
 
 layouts() {  # part, GPUs, --only list
-  timeout 560 python3 benchmarks/multigpu/layouts.py --gpus "$2" --steps 12 --timeout 75 --only "$3" \
+  timeout 540 python3 benchmarks/multigpu/layouts.py --gpus "$2" --steps 12 --timeout 75 --only "$3" \
     --dir "/tmp/issue22_$1" --out "$OUT/layouts_$1.md" > "$OUT/layouts_$1.log" 2>&1
   echo "layouts $1 rc=$?"
   grep -E "^--- |Error" "$OUT/layouts_$1.log" | head -20
@@ -30,7 +30,7 @@ layouts() {  # part, GPUs, --only list
 }
 
 scaling() {  # part, GPU count
-  timeout 560 python3 benchmarks/multigpu/scaling.py --gpus "$2" --row-timeout 125 --out "$OUT/scaling_$1.md" \
+  timeout 540 python3 benchmarks/multigpu/scaling.py --gpus "$2" --row-timeout 125 --out "$OUT/scaling_$1.md" \
     > "$OUT/scaling_$1.log" 2>&1
   echo "scaling $1 rc=$?"
   grep -E "failed|timed out|skipped" "$OUT/scaling_$1.log" | head -20
@@ -44,10 +44,10 @@ part() {
     c)
       python3 -c "import peft; print('peft', peft.__version__)" || echo "peft missing: the adapter rows will fail"
       layouts c 2 lora
-      timeout 300 torchrun --standalone --nproc-per-node 4 benchmarks/pipelining/schedules.py --batch 32 --seq 2048 \
-        --microbatches 8 > "$OUT/schedules_pp4.log" 2>&1
+      bash benchmarks/multigpu/with_stacks.sh 300 "$OUT/schedules_pp4.log" torchrun --standalone --nproc-per-node 4 \
+        benchmarks/pipelining/schedules.py --batch 32 --seq 2048 --microbatches 8
       echo "schedules pp=4 rc=$?"
-      grep -E "^\||x4|^- " "$OUT/schedules_pp4.log"
+      grep -E "^\||^- |TFLOP|hidden|Error|TIMEOUT" "$OUT/schedules_pp4.log"
       ;;
     d) scaling d 4 ;;
     e) scaling e 2 ;;
