@@ -461,7 +461,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv``) with the model, device and batch it implies."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--rows", nargs="+", default=None, help=f"rows to run (default: all): {ROWS_1GPU + ROWS_2GPU}"
+        "--rows",
+        nargs="+",
+        default=None,
+        help=f"rows to run (default: all): {ROWS_1GPU + ROWS_2GPU}, or plait_trainer_{{fsdp,ep,pp}}<n>",
     )
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process
     ap.add_argument("--steps", type=int, default=20)
@@ -481,6 +484,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the 1.14B benchmark model, or the main job's GPU model (configs/gpu1.toml's [model])",
     )
     args = ap.parse_args(argv)
+    if bad := [r for r in args.rows or [] if r not in ROWS_1GPU and trainer_layout(r, 2)[0] == 1]:
+        ap.error(f"--rows: unknown {bad}; known: {ROWS_1GPU} and plait_trainer_{{fsdp,ep,pp}}<n> (n >= 2)")
     if args.smoke:
         args.model = SMOKE_MODEL
     elif args.model_name == "gpu1":
