@@ -12,7 +12,8 @@ Two more parts (``--only`` names them like layouts; both run when ``--only`` is 
   with other layouts (FSDP, and PP 1F1B when half >= 2): each resumed curve must continue the reference.
 - ``lora``: LoRA fine-tuning (``examples/qwen3_moe/finetune_lora.py``) of the seed checkpoint on one GPU
   and with FSDP2 on two (same curve), and each exported adapter loaded by ``peft`` onto the
-  transformers model gives plait's logits (max abs. difference in the table's last column).
+  transformers model gives plait's logits (an "adapter in peft" row: max abs. logit difference in the
+  diff column; nan when the adapter left the logits unchanged).
 
 ``--cpu-smoke`` runs the same on CPU processes over gloo (checks the driver).
 """
