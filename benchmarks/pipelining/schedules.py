@@ -1,8 +1,9 @@
-"""Pipeline schedules on 2 GPUs: plait vs torch.distributed.pipelining, and simulated vs measured bubble.
+"""Pipeline schedules on 2 or more GPUs: plait vs torch.distributed.pipelining, simulated vs measured bubble.
 
-Run (one command, 2 GPUs):
+Run (one command; one pipeline rank per GPU, pp = the number of processes):
 
     torchrun --nproc-per-node 2 benchmarks/pipelining/schedules.py
+    torchrun --nproc-per-node 4 benchmarks/pipelining/schedules.py --batch 32 --seq 2048 --microbatches 8
 
 Simulator only (no GPU, no process group): DualPipeV's greedy order vs DeepSeek's reference order, bubble and
 peak activations, on unit costs and, with ``--stage-costs``, on per-stage costs measured earlier:
@@ -145,12 +146,14 @@ def _ev(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def transfer_time(a: argparse.Namespace, dev: torch.device) -> float:
-    """One microbatch's activations exchanged between the 2 ranks (each direction at once)."""
+    """One microbatch's activations sent to the next rank while the previous one's arrive (a ring: with 2
+    ranks, both directions between them at once)."""
     buf = torch.empty(a.batch // a.microbatches, a.seq, a.hidden, device=dev, dtype=torch.bfloat16)
-    peer = 1 - dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
 
     def xfer() -> None:
-        ops = [dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, torch.empty_like(buf), peer)]
+        ops = [dist.P2POp(dist.isend, buf, nxt), dist.P2POp(dist.irecv, torch.empty_like(buf), prev)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 

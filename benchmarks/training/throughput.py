@@ -17,8 +17,14 @@ Rows (each in its own process; ``--rows`` picks some):
   plait_step_eager / _compiled    plait's model: forward + backward + StochasticAdamW on the Trainer's own
                                   batches (packed documents, document masking, aux loss), no Trainer
   plait_trainer_eager / _compiled the main job (examples/qwen3_moe/pretrain.py) with this model
-  plait_trainer_fsdp2 / _ep2      the main job on 2 GPUs (torchrun): FSDP2 (reshard_after_forward=false), and
-                                  EP=2 x FSDP2, at the 1-GPU row's tokens per GPU (needs 2 GPUs; skipped otherwise)
+  plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
+                                  over n (``--parallel.reshard_after_forward=false``); skipped when fewer
+                                  than n GPUs are present (``--smoke``: n CPU processes over gloo)
+  plait_trainer_ep<n>             the same with EP=n x FSDP=n
+  plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
+
+``--model gpu1`` measures the main job's GPU model instead (the ``[model]`` table of
+``examples/qwen3_moe/configs/gpu1.toml``; ``benchmarks/multigpu/scaling.py`` uses it) and writes no results file.
 
 Each row runs ``--warmup`` steps, then times ``--steps`` steps with the device synchronised at both ends.
 It prints tok/s (per GPU), MFU against the bf16 matmul rate measured at the start of the same run, and
@@ -31,10 +37,12 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +76,19 @@ ROWS_1GPU = [
     "plait_step_eager", "plait_step_compiled", "plait_trainer_eager", "plait_trainer_compiled",
 ]  # fmt: skip
 ROWS_2GPU = ["plait_trainer_fsdp2", "plait_trainer_ep2"]
+GPU1_TOML = ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml"
+
+
+def trainer_layout(row: str, batch: int) -> tuple[int, list[str]]:
+    """Processes and main-job arguments of a Trainer row (``plait_trainer_{fsdp,ep,pp}<n>``; else 1, [])."""
+    m = re.fullmatch(r"plait_trainer_(fsdp|ep|pp)(\d+)", row)
+    if m is None:
+        return 1, []
+    n = int(m[2])
+    if m[1] == "pp":  # global batch batch x n sequences in microbatches of batch // 2: 2n microbatches
+        return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
+    expert = [f"--mesh.expert={n}"] if m[1] == "ep" else []
+    return n, [f"--mesh.data_shard={n}", *expert, "--parallel.reshard_after_forward=false"]
 
 
 def _src_path() -> None:
@@ -376,12 +397,7 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
         return row_torchtitan(args, name == "torchtitan_compiled")
     if name.startswith("plait_step_"):
         return row_plait_step(args, name == "plait_step_compiled")
-    extra = {
-        # reshard_after_forward=false: the backward needs no second all-gather (+1.2 GiB per GPU here); with
-        # FSDP's default the 2-GPU step is bound by the host time of FSDP's per-layer hooks (0.50x vs 0.83x).
-        "plait_trainer_fsdp2": ["--mesh.data_shard=2", "--parallel.reshard_after_forward=false"],
-        "plait_trainer_ep2": ["--mesh.data_shard=2", "--mesh.expert=2"],
-    }.get(name, [])
+    extra = trainer_layout(name, args.batch)[1]
     return row_plait_trainer(args, name != "plait_trainer_eager", extra + args.trainer_args.split())
 
 
@@ -391,14 +407,22 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
     common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
-    if row in ROWS_2GPU:
-        if torch.cuda.device_count() < 2:
-            return {"row": row, "skipped": "needs 2 GPUs"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, *common]
+    common += ["--model", args.model_name]
+    nproc = trainer_layout(row, args.batch)[0]
+    if nproc > 1:
+        if not args.smoke and torch.cuda.device_count() < nproc:
+            print(f"{row}: skipped, needs {nproc} GPUs ({torch.cuda.device_count()} present)", flush=True)
+            return {"row": row, "skipped": f"needs {nproc} GPUs ({torch.cuda.device_count()} present)"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += [__file__, *common]
     else:
         cmd = [sys.executable, __file__, *common]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"--- {row} timed out after {args.row_timeout:.0f} s", flush=True)
+        return {"row": row, "skipped": f"timed out after {args.row_timeout:.0f} s"}
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if args.profile:
         body = [ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")]
@@ -423,7 +447,7 @@ def _table(results: list[dict[str, Any]], peak_tflops: float, fpt: float) -> str
         tps = r["tok_s_per_gpu"]
         mfu = fpt * tps / (peak_tflops * 1e12) if peak_tflops == peak_tflops else float("nan")
         base = by.get("hf_compiled", {}).get("tok_s_per_gpu")
-        mode = "compiled" if r["row"].endswith(("compiled", "fsdp2", "ep2")) else "eager"
+        mode = "eager" if r["row"].endswith("eager") else "compiled"
         step = by.get(f"plait_step_{mode}", {}).get("tok_s_per_gpu")
         ratio = f"{tps / base:.2f}x" if base else ""
         vs_step = f"{tps / step:.2f}x" if step and r["row"].startswith("plait_trainer") else ""
@@ -433,10 +457,14 @@ def _table(results: list[dict[str, Any]], peak_tflops: float, fpt: float) -> str
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv``) with the model, device and batch it implies."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--rows", nargs="+", default=None, help=f"rows to run (default: all): {ROWS_1GPU + ROWS_2GPU}"
+        "--rows",
+        nargs="+",
+        default=None,
+        help=f"rows to run (default: all): {ROWS_1GPU + ROWS_2GPU}, or plait_trainer_{{fsdp,ep,pp}}<n>",
     )
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process
     ap.add_argument("--steps", type=int, default=20)
@@ -448,23 +476,33 @@ def main() -> None:
     ap.add_argument(
         "--trainer-args", default="", help="more main-job arguments for the Trainer rows (space-separated)"
     )
-    args = ap.parse_args()
-    args.model = SMOKE_MODEL if args.smoke else MODEL
+    ap.add_argument(
+        "--model",
+        dest="model_name",
+        choices=["benchmark", "gpu1"],
+        default="benchmark",
+        help="the 1.14B benchmark model, or the main job's GPU model (configs/gpu1.toml's [model])",
+    )
+    args = ap.parse_args(argv)
+    if bad := [r for r in args.rows or [] if r not in ROWS_1GPU and trainer_layout(r, 2)[0] == 1]:
+        ap.error(f"--rows: unknown {bad}; known: {ROWS_1GPU} and plait_trainer_{{fsdp,ep,pp}}<n> (n >= 2)")
+    if args.smoke:
+        args.model = SMOKE_MODEL
+    elif args.model_name == "gpu1":
+        args.model = tomllib.loads(GPU1_TOML.read_text())["model"]
+    else:
+        args.model = MODEL
     args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     args.batch, args.seq = (2, 64) if args.smoke else (4, 2048)
     if args.smoke:
         args.steps, args.warmup = 2, 1
     if args.steps % args.warmup:
         ap.error("--steps must be a multiple of --warmup (the Trainer rows log every --warmup steps)")
-    if args.row:
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        res = run_row(args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("RESULT " + json.dumps(res), flush=True)
-        return
+    return args
 
-    rows = args.rows or ROWS_1GPU + ROWS_2GPU
+
+def measure(args: argparse.Namespace, rows: list[str]) -> tuple[list[dict[str, Any]], float, float, str]:
+    """Run ``rows`` (one process or torchrun each): results, bf16 TFLOP/s, FLOPs per token, environment."""
     peak = bf16_matmul_tflops() if args.device == "cuda" else float("nan")
     fpt = flops_per_token(args.model, args.seq)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke)"
@@ -473,10 +511,23 @@ def main() -> None:
     env = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}, "
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
     print(f"{env}; bf16 matmul {peak:.0f} TFLOP/s; {fpt / 1e9:.2f} GFLOP/token", flush=True)
-    results = [_spawn(r, args) for r in rows]
+    return [_spawn(r, args) for r in rows], peak, fpt, env
+
+
+def main() -> None:
+    args = parse_args()
+    if args.row:
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        res = run_row(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(res), flush=True)
+        return
+
+    results, peak, fpt, env = measure(args, args.rows or ROWS_1GPU + ROWS_2GPU)
     table = _table(results, peak, fpt)
     print(table)
-    if not args.no_write and not args.smoke:
+    if not args.no_write and not args.smoke and args.model_name == "benchmark":
         RESULTS.write_text(
             "# Training throughput: plait vs transformers and torchtitan\n\n"
             f"`python3 benchmarks/training/throughput.py {' '.join(sys.argv[1:])}`: {env}. "

@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         trainer.fit()
         out = trainer.run_dir / "adapter"
+        # a collective with FSDP-sharded adapters: every rank gathers, rank 0 writes
+        export_hf_adapter(trainer.model_parts[0], out, base_model_name_or_path=str(args.base))
         if trainer.topology.is_main:
-            export_hf_adapter(trainer.model_parts[0], out, base_model_name_or_path=str(args.base))
             print(f"PEFT adapter: {out}")
     finally:
         trainer.close()

@@ -9,12 +9,15 @@ import torch
 from plait.dist_core import DeviceMeshParameters, DistributedContext, clip_grad_norm_, global_grad_norm
 from plait.dist_core.testing import run_distributed
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # (name, pipeline stage, how the gradient is laid out, global shape)
 LAYOUTS = [
     ("fsdp_uneven", 0, "fsdp", (3, 4)),  # Shard(0) over dp_cp_shard, 3 rows on 2 ranks
     ("replicated", 0, "replicate", (5,)),  # Replicate over dp_cp_shard
     ("experts", 0, "expert", (4, 2, 3)),  # (Replicate on ep_replicate, Shard(0) on ep_shard)
+    # FSDP over EP: (_StridedShard(0) on ep_replicate, Shard(0) on ep_shard), as fully_shard lays out experts
+    ("experts_fsdp", 0, "expert_fsdp", (8, 3)),
     ("plain", 0, "plain", (2, 2)),  # plain tensor on every rank of the stage
     ("fsdp_dim1", 1, "fsdp1", (2, 5)),  # Shard(1) on stage 1
     ("experts_s1", 1, "expert", (2, 3)),
@@ -48,6 +51,7 @@ def _mixed_norms(
                 "fsdp1": (dense, [Shard(1)]),
                 "replicate": (dense, [Replicate()]),
                 "expert": (expert, [Replicate(), Shard(0)]),
+                "expert_fsdp": (expert, [_StridedShard(0, split_factor=expert.size(1)), Shard(0)]),
             }[layout]
             p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, placements))
             p.grad = distribute_tensor(g.clone(), mesh, placements)
@@ -75,8 +79,12 @@ def _reference(grads: dict[str, torch.Tensor], p: float) -> float:
 
 @pytest.mark.parametrize(
     "config",
-    [{"pipeline": 2, "data_shard": 2, "expert": 2}, {"data_shard": 2, "tensor": 2, "expert": 2}],
-    ids=["pp2-dp2-ep2", "dp2-tp2-ep2"],
+    [
+        {"pipeline": 2, "data_shard": 2, "expert": 2},
+        {"data_shard": 2, "tensor": 2, "expert": 2},
+        {"data_shard": 4, "expert": 2},
+    ],
+    ids=["pp2-dp2-ep2", "dp2-tp2-ep2", "fsdp4-ep2"],
 )
 def test_mixed_mesh_norm_equals_single_process(config: dict[str, int]) -> None:
     check_mixed_norms(config)

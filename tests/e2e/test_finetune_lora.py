@@ -8,9 +8,20 @@ from pathlib import Path
 
 import peft
 import torch
+from plait.dist_core.testing import run_distributed
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.e2e._pretrain_runner import EXAMPLE_DIR, FAST, run
+
+
+def _finetune(argv: list[str]) -> str:
+    """``finetune_lora.main(argv)`` in this process (one rank under the harness): the adapter directory."""
+    if str(EXAMPLE_DIR) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE_DIR))
+    import finetune_lora
+
+    return str(finetune_lora.main(argv))
 
 
 def test_finetune_lora_exports_an_adapter_peft_loads(tmp_path: Path) -> None:
@@ -49,3 +60,25 @@ def test_finetune_lora_exports_an_adapter_peft_loads(tmp_path: Path) -> None:
         our_logits = ours(input_ids=ids, return_logits=True)["logits"]
     assert not torch.allclose(their_logits, base_logits, atol=1e-4), "training must have moved the adapters"
     torch.testing.assert_close(our_logits, their_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_finetune_lora_fsdp2_exports_the_one_process_adapter(tmp_path: Path) -> None:
+    """With FSDP2 the export gathers the sharded adapters on every rank (a collective) and rank 0 writes
+    the adapter the one-process run writes."""
+    seed = tmp_path / "base"
+    run([*FAST, f"--write-seed-checkpoint={seed}"])
+
+    def argv(name: str) -> list[str]:
+        return ["--base", str(seed), "--steps", "3", "--run-dir", str(tmp_path / name), *FAST,
+                "--optimizer.lr=0.01", "--batching.microbatch_size=4"]  # fmt: skip
+
+    single = Path(_finetune(argv("single")))
+    fsdp2 = Path(run_distributed(_finetune, 2, [*argv("fsdp2"), "--mesh.data_shard=2"], timeout=300)[0])
+    want = load_file(single / "adapter_model.safetensors")
+    got = load_file(fsdp2 / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in want.items()), (
+        "adapters must train"
+    )
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)

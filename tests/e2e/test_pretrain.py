@@ -194,3 +194,33 @@ def test_resume_continues_the_curve(seed_checkpoint: Path, tmp_path: Path) -> No
         assert second[step] == first[step], (
             f"step {step}: resumed {second[step]!r} != first run {first[step]!r}"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["fsdp2", "pp2_1f1b"])
+def test_resume_on_another_layout_continues_the_curve(
+    layout: str, seed_checkpoint: Path, reference_curves: dict[int, dict[int, float]], tmp_path: Path
+) -> None:
+    """A 1-process checkpoint at step 5 resumed on 2 ranks (each pipeline stage loads its part of the
+    model and optimizer state): steps 6..10 follow the 1-process curve."""
+    run_dir = tmp_path / "run"
+    ckpt_args = [
+        "--checkpoint.enabled=true",
+        "--checkpoint.interval=5",
+        "--checkpoint.async_mode=off",
+        "--no-export",
+    ]
+    run(_argv(run_dir, "--init-from", str(seed_checkpoint), *ckpt_args))  # the LR schedule spans 10 steps
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000010")
+    (run_dir / "metrics.jsonl").unlink()
+    world_size, microbatch, mesh_args = LAYOUTS[layout]
+    assert microbatch == 4  # the 1-process run's (BATCH)
+    run_distributed(run, world_size, _argv(run_dir, *ckpt_args, *mesh_args), timeout=200)
+    resumed, want = losses(run_dir), reference_curves[4]
+    assert sorted(resumed) == list(range(6, STEPS + 1)), (
+        f"expected a resume from step 5, logged {sorted(resumed)}"
+    )
+    got = torch.tensor([resumed[s] for s in sorted(resumed)], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor([want[s] for s in sorted(resumed)], dtype=torch.float64),
+                               rtol=LOSS_RTOL, atol=LOSS_ATOL)  # fmt: skip

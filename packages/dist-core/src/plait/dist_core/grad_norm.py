@@ -1,10 +1,10 @@
 """Global gradient norm and clipping over parameters that live on different meshes.
 
 Each gradient is a plain tensor or a DTensor on any mesh (FSDP ``Shard``, ``Replicate``,
-expert-sharded, HSDP ...). The norm counts every element exactly once:
+expert-sharded, FSDP over experts (``_StridedShard``), HSDP ...). The norm counts every element exactly once:
 
 1. per gradient, the local shard's ``sum |g|^p`` (``max |g|`` for the inf-norm), in float32;
-2. grouped by (mesh, the mesh dims where the gradient is ``Shard``), summed (max-ed) over the
+2. grouped by (mesh, the mesh dims where the gradient is ``Shard`` or ``_StridedShard``), summed (max-ed) over the
    ranks of those dims only: dims where it is ``Replicate`` hold copies and are not summed;
    plain tensors are taken as they are (copies on ranks that hold them);
 3. summed over pipeline stages through ``pipeline_group`` (each stage holds different parameters).
@@ -22,6 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+# FSDP over expert-parallel parameters shards dim 0 twice (_StridedShard on the outer mesh dim); newer torch
+# no longer derives _StridedShard from Shard. Either way each rank holds a disjoint piece of the tensor.
+_SHARDS = (Shard, _StridedShard)
 
 _TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
@@ -87,11 +92,11 @@ def global_grad_norm(
     for g in grads:
         if isinstance(g, DTensor):
             placements = g.placements
-            if any(not isinstance(pl, Shard | Replicate) for pl in placements):
+            if any(not isinstance(pl, (*_SHARDS, Replicate)) for pl in placements):
                 raise ValueError(
                     f"gradient with placements {placements}: reduce partial gradients before the norm"
                 )
-            shard_dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+            shard_dims = [i for i, pl in enumerate(placements) if isinstance(pl, _SHARDS)]
             key = (_mesh_key(g.device_mesh), tuple(shard_dims))
             by_group.setdefault(key, (g.device_mesh, shard_dims, []))[2].append(g.to_local())
         else:

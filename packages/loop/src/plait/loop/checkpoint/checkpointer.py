@@ -570,7 +570,7 @@ class Checkpointer:
         """Restore ``state`` in place from checkpoint ``path``; returns the checkpoint's marker metadata.
 
         The checkpoint's structure is checked against ``state`` first: missing keys, shape
-        mismatches and (with ``strict``) keys the state does not have raise
+        mismatches and (with ``strict``) keys that no rank's state has (a pipeline stage holds its part) raise
         :class:`CheckpointMismatchError` naming them. Per-rank states (RNG, metric accumulators) of ranks that did not exist
         when the checkpoint was saved (a different world size) are skipped with a warning.
         """
@@ -668,8 +668,14 @@ class Checkpointer:
             ):
                 problems.append(f"{key}: checkpoint shape {tuple(md.size)} != current {tuple(value.shape)}")
         if strict:
+            # keys of any rank's state: pipeline stages each hold part of the model (and of the optimizer)
+            every = set(expected)
+            if _initialised():
+                keys: list[Any] = [None] * dist.get_world_size(self.pg)
+                dist.all_gather_object(keys, sorted(expected), group=self.pg)
+                every = every.union(*keys)
             own = tuple(f"{k}." for k in rank_keyed)
-            unexpected = sorted(k for k in saved if k not in expected and not k.startswith(own))
+            unexpected = sorted(k for k in saved if k not in every and not k.startswith(own))
             if unexpected:
                 problems.append(
                     f"not in the current state: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
