@@ -84,3 +84,16 @@ def load_reference_weights(modules) -> None:
                     p.copy_(distribute_tensor(ref[name], p.device_mesh, p.placements))
                 else:
                     p.copy_(ref[name])
+
+
+class MeshContext:
+    """The slice of ``plait.dist_core.DistributedContext`` the trainer reads: ``mesh_for("batch")``."""
+
+    def __init__(self, pp: int, dp: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cpu", (pp, dp, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+
+    def mesh_for(self, name: str):
+        assert name == "batch"
+        return self.mesh

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from plait.dist_core.testing import run_distributed
 from plait.loop import CausalLMTask, DatasetProvider, ModuleProvider, Trainer, load_config, pack_documents
 
-from tests.loop._lm import VOCAB, TinyLM, load_reference_weights, pattern_tokens, tiny_stage
+from tests.loop._lm import VOCAB, MeshContext, TinyLM, load_reference_weights, pattern_tokens, tiny_stage
 
 GB = 8
 
@@ -91,17 +91,6 @@ def test_evaluation_needs_validation_data(tmp_path):
         Trainer(_config(tmp_path), _provider(), DatasetProvider(_train_data()), CausalLMTask())
 
 
-class _MeshContext:
-    def __init__(self, pp: int, dp: int) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.mesh = init_device_mesh("cpu", (pp, dp, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
-
-    def mesh_for(self, name: str):
-        assert name == "batch"
-        return self.mesh
-
-
 def _fsdp(module, ctx, config):
     from plait.dist_core import fully_shard_module
 
@@ -114,7 +103,7 @@ def _distributed_eval(run_dir: str, layout: str) -> float:
     if layout == "pp2":
         cfg = _config(run_dir, "--mesh.pipeline=2", "--pipeline.kind=1f1b")
         provider = ModuleProvider(tiny_stage, stages=True, initial_weights=load_reference_weights)
-        tr = Trainer(cfg, provider, data, CausalLMTask(), ctx=_MeshContext(2, 1))
+        tr = Trainer(cfg, provider, data, CausalLMTask(), ctx=MeshContext(2, 1))
     else:
         once = f"--fsdp.gather_once_per_step={str(layout == 'fsdp2-gather-once').lower()}"
         cfg = _config(run_dir, "--mesh.data_shard=2", once)

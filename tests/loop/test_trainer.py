@@ -24,7 +24,7 @@ from plait.loop import (
     pack_documents,
 )
 
-from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
+from tests.loop._lm import VOCAB, MeshContext, TinyLM, pattern_tokens
 
 
 def _config(tmp_path, *extra: str, steps: int = 12, dp: int = 1):
@@ -267,19 +267,6 @@ def test_profiler_writes_a_trace(tmp_path):
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
 
 
-class _MeshContext:
-    """The slice of ``plait.dist_core.DistributedContext`` the trainer reads: ``mesh_for("batch")``."""
-
-    def __init__(self, pp: int, dp: int) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.mesh = init_device_mesh("cpu", (pp, dp, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
-
-    def mesh_for(self, name: str):
-        assert name == "batch"
-        return self.mesh
-
-
 def _pp_run(run_dir: str, steps: int, schedule: str) -> tuple[list[float], bool]:
     import torch._functorch.config as functorch_config
 
@@ -301,7 +288,7 @@ def _pp_run(run_dir: str, steps: int, schedule: str) -> tuple[list[float], bool]
         ]
     )
     provider = ModuleProvider(tiny_stage, stages=True, initial_weights=load_reference_weights)
-    tr = Trainer(cfg, provider, DatasetProvider(_dataset()), CausalLMTask(), ctx=_MeshContext(2, 1))
+    tr = Trainer(cfg, provider, DatasetProvider(_dataset()), CausalLMTask(), ctx=MeshContext(2, 1))
     losses = _losses(tr)
     tr.fit()
     tr.close()
