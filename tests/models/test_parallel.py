@@ -188,6 +188,8 @@ def _missing_deepep_worker() -> str:
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
     expert = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=EXPERT)
+    # Neither rank may leave (and rank 0 tear down the store) while the other still builds the mesh's group.
+    dist.barrier()
     saved = sys.modules.get("deep_ep")
     sys.modules["deep_ep"] = None  # type: ignore[assignment]  # `import deep_ep` fails, as when absent
     try:
