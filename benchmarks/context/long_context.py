@@ -129,7 +129,7 @@ class Trainer:
     def longest(self) -> int:
         """Doubling from ``--search-from`` (default ``--granularity``) up to ``--max-seq``, then bisection to ``--granularity``."""
         gran, top = self.args.granularity, self.args.max_seq
-        good, bad, seq = 0, top + gran, self.args.search_from or gran
+        good, bad, seq = self.args.fits_at, top + gran, self.args.search_from or gran
         while seq <= top:
             if not self.fits(seq):
                 bad = seq
@@ -169,6 +169,20 @@ class Trainer:
             torch.cuda.synchronize()
 
 
+def search_only(cfg: Any, args: argparse.Namespace, device: torch.device, rank: int, host: Any) -> None:
+    """``--search-only``: the longest sequence of the layouts ``--search`` names, printed; no throughput."""
+    if args.search in ("both", "cp1") and rank == 0:
+        print(f"Longest cp=1: {Trainer(cfg, args, device, None).longest()}", flush=True)
+    dist.barrier(group=host)
+    if args.search in ("both", "cp2"):
+        ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device=device)
+        longest = Trainer(cfg, args, device, ctx).longest()
+        if rank == 0:
+            print(f"Longest cp=2 ({args.mode}): {longest}", flush=True)
+        ctx.shutdown()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "examples/qwen3_moe/configs/gpu1.toml")
@@ -186,6 +200,8 @@ def main() -> None:
         default="both",
         help="which layouts search for their longest sequence (none: throughput only)",
     )
+    p.add_argument("--fits-at", type=int, default=0, help="a length known to fit (the bisection's lower end)")
+    p.add_argument("--search-only", action="store_true", help="print the longest sequence(s); no throughput")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900.0, help="collective timeout (seconds)")
@@ -212,6 +228,9 @@ def main() -> None:
     cfg = model_config(args)
 
     # 1. cp=1 on rank 0 alone; rank 1 waits on a CPU barrier with a long timeout.
+    if args.search_only:
+        search_only(cfg, args, device, rank, host)
+        return
     cp1: dict[str, Any] = {}
     if rank == 0:
         t = Trainer(cfg, args, device, None)
