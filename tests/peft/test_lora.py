@@ -193,3 +193,21 @@ def test_discriminated_union_and_errors() -> None:
         apply_peft(copy.deepcopy(model), LoRAConfig(target_modules=r".*\.norm"))
     with pytest.raises(ValueError, match="already adapted"):
         apply_peft(model, [LoRAConfig(target_modules=ATTN), DoRAConfig(target_modules=r"0\.q_proj")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_adapter_init_does_not_depend_on_the_cuda_generator() -> None:
+    # Sharded (DTensor) random ops advance the CUDA generator differently from plain ones, so an init
+    # drawn from it would differ between a 1-GPU and an FSDP2 run; the adapters are drawn on the CPU.
+    ref, got = nn.Sequential(nn.Linear(64, 32)), nn.Sequential(nn.Linear(64, 32)).cuda()
+    for m in (ref, got):
+        apply_peft(m, LoRAConfig(r=4, target_modules=".*"))
+    torch.manual_seed(0)
+    ref[0].reset_adapter_parameters()
+    torch.manual_seed(0)
+    torch.rand(12345, device="cuda")  # other CUDA draws in between
+    got[0].reset_adapter_parameters()
+    assert isinstance(got[0], LoRALinear) and got[0].lora_A.weight.is_cuda
+    assert torch.equal(got[0].lora_A.weight.cpu(), ref[0].lora_A.weight)
+    assert bool(ref[0].lora_A.weight.abs().sum() > 0)

@@ -30,17 +30,21 @@ def init_factors(
     """
     if init == "pissa":
         raise ValueError("init_factors: PiSSA is computed from the base weight (pissa_factors)")
-    a = torch.empty(a_shape, device=device)
+    # Drawn on the generator's device (the CPU without one) and then moved: the numbers do not depend on
+    # the target device nor on the CUDA generator's offset, which DTensor's RNG tracker advances
+    # differently from plain-tensor ops, so a sharded CUDA run would otherwise draw other adapters.
+    draw = generator.device if generator is not None else torch.device("cpu")
+    a = torch.empty(a_shape, device=draw)
     if init == "gaussian":
         a.normal_(0.0, 1.0 / r, generator=generator)
     else:
         bound = 1.0 / math.sqrt(fan_in)
         a.uniform_(-bound, bound, generator=generator)
-    b = torch.zeros(b_shape, device=device)
+    b = torch.zeros(b_shape, device=draw)
     if init == "random":
         bound = 1.0 / math.sqrt(r)
         b.uniform_(-bound, bound, generator=generator)
-    return a, b
+    return a.to(device), b.to(device)
 
 
 def pissa_factors(
