@@ -247,7 +247,10 @@ def main() -> None:
     # 2. cp=2 over both ranks.
     ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device=device)
     t = Trainer(cfg, args, device, ctx)
-    cp2 = {"longest": t.longest() if args.search in ("both", "cp2") else 0, "seq": t.tok_per_s_per_gpu(args.seq)}
+    cp2 = {
+        "longest": t.longest() if args.search in ("both", "cp2") else 0,
+        "seq": t.tok_per_s_per_gpu(args.seq),
+    }
     peak = bf16_matmul_tflops()
 
     if rank == 0:
@@ -270,7 +273,9 @@ def main() -> None:
             "vs cp=1 @ base",
             "peak GiB",
         ]
-        ratio = f"{cp2['longest'] / cp1['longest']:.2f}x" if cp1["longest"] and cp2["longest"] else "not searched"
+        ratio = (
+            f"{cp2['longest'] / cp1['longest']:.2f}x" if cp1["longest"] and cp2["longest"] else "not searched"
+        )
         text = (
             "# Long context: context parallelism (cp=2) vs one GPU (cp=1)\n\n"
             f"{env['device']}; torch {env['torch']}, triton {env['triton']}; {env['date']}\n\n"

@@ -77,7 +77,11 @@ class Qwen3Provider:
         # manual_seed seeds every device: fork the CUDA generator too, so that the caller's CUDA stream
         # of random numbers is left as it was (sharded and plain inits advance it by different amounts).
         dev = torch.device(device)
-        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+        cuda = (
+            [dev.index if dev.index is not None else torch.cuda.current_device()]
+            if dev.type == "cuda"
+            else []
+        )
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(self.seed + module.stage_index)
             module.reset_parameters()
