@@ -8,10 +8,10 @@ Run with torchrun (one process per GPU):
 The MoE layer of the main GPU model (hidden 1024, 64 experts top-8, expert FFN 512, bf16), every
 rank routing its own 8192 tokens, forward + backward. Rows, in the same run at equal tokens per
 rank: no expert parallelism (every GPU holds all experts, no communication), then EP over all
-ranks with ``num_chunks`` = 1 (dispatch, experts, combine in sequence) and the chunked pipelines
-(``--chunks``, default 2 and 4). Each EP row's output is compared with the no-EP layer's (relative L2).
+ranks with ``num_chunks`` = 1 (dispatch, experts, combine in sequence), the chunked pipelines
+(``--chunks``, default 2 and 4), and the padded dispatch (worst-case buffers, no host sync). Each EP row's output is compared with the no-EP layer's (relative L2).
 ``--profile DIR`` writes a torch.profiler chrome trace of rank 0 for each EP row, 3 steps
-(``DIR/ep_overlap_rank0_chunks{N}.json``): with N > 1 the NCCL all-to-all kernels run concurrently
+(``DIR/ep_overlap_rank0_chunks{N}.json``, ``..._padded.json``): with N > 1 the NCCL all-to-all kernels run concurrently
 with the grouped GEMMs of the neighbouring chunk; with N = 1 they alternate.
 ``--smoke`` runs tiny shapes on CPU with gloo (checks the script, times nothing meaningful).
 """
@@ -38,12 +38,18 @@ def main() -> None:
     b = EPBench.start(args)
     dev, dtype, world = b.dev, b.dtype, b.world
     ep_layer = expert_parallel(b.make_layer(), b.mesh)  # every EP row: these weights, its own dispatcher
-    layers: list[tuple[str, MoELayer, int | None]] = [("no EP (all experts per GPU)", b.make_layer(), None)]
-    layers += [(f"EP={world}, num_chunks={c}", ep_layer, c) for c in [1, *args.chunks]]
+    group = b.mesh.get_group()
+    layers: list[tuple[str, MoELayer, AllToAllDispatcher | None]] = [
+        ("no EP (all experts per GPU)", b.make_layer(), None)
+    ]
+    layers += [
+        (f"EP={world}, num_chunks={c}", ep_layer, AllToAllDispatcher(group, c)) for c in [1, *args.chunks]
+    ]
+    layers.append((f"EP={world}, padded (no host sync)", ep_layer, AllToAllDispatcher(group, padded=True)))
 
-    def use(layer: MoELayer, num_chunks: int | None) -> MoELayer:
-        if num_chunks is not None:
-            layer.dispatcher = AllToAllDispatcher(b.mesh.get_group(), num_chunks)
+    def use(layer: MoELayer, dispatcher: AllToAllDispatcher | None) -> MoELayer:
+        if dispatcher is not None:
+            layer.dispatcher = dispatcher
         return layer
 
     with torch.no_grad():
@@ -52,14 +58,14 @@ def main() -> None:
             name: ((use(layer, c)(b.x).hidden_states.float() - y_ref).norm() / y_ref.norm()).item()
             for name, layer, c in layers[1:]
         }
-    results = [(name, *b.time(use(layer, num_chunks))) for name, layer, num_chunks in layers]
+    results = [(name, *b.time(use(layer, dispatcher))) for name, layer, dispatcher in layers]
 
     if args.profile is not None:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if dev.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        for _, layer, num_chunks in layers[1:]:
-            use(layer, num_chunks)
+        for _, layer, dispatcher in layers[1:]:
+            use(layer, dispatcher)
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(3):
                     b.step(layer)
@@ -67,7 +73,9 @@ def main() -> None:
                     torch.cuda.synchronize()
             if b.rank == 0:
                 args.profile.mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(str(args.profile / f"ep_overlap_rank0_chunks{num_chunks}.json"))
+                assert dispatcher is not None
+                label = "padded" if dispatcher.padded else f"chunks{dispatcher.num_chunks}"
+                prof.export_chrome_trace(str(args.profile / f"ep_overlap_rank0_{label}.json"))
 
     base = results[0][1]
     rows = [

@@ -58,6 +58,7 @@ LAYOUTS = {
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
     "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),
+    "ctx_ep2_fsdp2_padded": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "all_to_all_padded"}),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
@@ -112,6 +113,8 @@ def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
         assert all(isinstance(moe.dispatcher, dispatcher) for moe in model.moe_layers())
     if "expert_chunks" in pkw:
         assert all(moe.dispatcher.num_chunks == pkw["expert_chunks"] for moe in model.moe_layers())
+    if pkw.get("expert_dispatch") == "all_to_all_padded":
+        assert all(moe.dispatcher.padded for moe in model.moe_layers())
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()

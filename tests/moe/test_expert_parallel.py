@@ -75,10 +75,10 @@ def _ep_worker(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str = "cpu",
-    backend: Literal["all_to_all", "deepep"] = "all_to_all",
+    backend: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
 ) -> dict[str, Any]:
-    if backend == "all_to_all":
+    if backend != "deepep":
         return _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks)
     with fake_deep_ep() as buffer:  # DeepEP's Buffer API over gloo (tests/moe/_fake_deep_ep.py)
         result = _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks)
@@ -93,20 +93,33 @@ def _ep_run(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str,
-    backend: Literal["all_to_all", "deepep"],
+    backend: Literal["all_to_all", "all_to_all_padded", "deepep"],
     num_chunks: int | None,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
     expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)
-    expected = AllToAllDispatcher if backend == "all_to_all" else DeepEPDispatcher
+    expected = DeepEPDispatcher if backend == "deepep" else AllToAllDispatcher
     assert isinstance(layer.dispatcher, expected)
+    assert getattr(layer.dispatcher, "padded", False) == (backend == "all_to_all_padded")
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
     x = x_all[rank].to(device).requires_grad_()
-    if num_chunks is None or device != "cpu":
+    if backend == "all_to_all_padded" and device == "cpu":
+        with _count_collectives() as calls:
+            out = layer(x)
+        # The counts, rows, weights and results exchanges; no host copy of the dispatch's own (the CPU
+        # grouped-GEMM reference still reads its group sizes: 2 host copies).
+        assert calls == {"all_to_all_single": 4, "tolist": 2}, calls
+    elif backend == "all_to_all_padded":  # on CUDA: the forward never waits for the device on the host
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    elif num_chunks is None or device != "cpu":
         out = layer(x)
     else:
         with _count_collectives() as calls:
@@ -136,7 +149,7 @@ def _check(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None = None,
     device: str = "cpu",
-    dispatch: Literal["all_to_all", "deepep"] = "all_to_all",
+    dispatch: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
@@ -230,6 +243,27 @@ def test_ep2_chunked_matches_reference(num_chunks: int) -> None:
     _check(2, seed=6, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, num_chunks=num_chunks)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_padded_dispatch_matches_reference(world: int) -> None:
+    """Worst-case-size buffers, no host read of the split sizes: the same float64 parity, with dropped
+    slots (capacity), a rank that receives nothing (one-hot expert), top-k above and below E/P."""
+    _check(
+        world,
+        seed=9,
+        layer_kwargs={"shared_expert_intermediate_size": 5, "capacity_factor": 0.75},
+        router_kwargs={"top_k": 3, "norm_topk_prob": True, "aux_loss_coef": 0.05, "bias_update_rate": 0.01},
+        dispatch="all_to_all_padded",
+    )
+    _check(
+        world,
+        seed=10,
+        layer_kwargs={},
+        router_kwargs={"top_k": 1},
+        one_hot_expert=5,
+        dispatch="all_to_all_padded",
+    )
+
+
 def test_ep4_chunked_matches_reference() -> None:
     _check(
         4,
@@ -249,6 +283,18 @@ def test_ep2_nccl_chunked_matches_reference() -> None:
         router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
         device="cuda",
         num_chunks=4,
+    )
+
+
+@pytest.mark.multigpu
+def test_ep2_nccl_padded_matches_reference_without_host_sync() -> None:
+    _check(
+        2,
+        seed=11,
+        layer_kwargs={"capacity_factor": 1.25},
+        router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
+        device="cuda",
+        dispatch="all_to_all_padded",
     )
 
 
@@ -355,7 +401,7 @@ def _errors_worker() -> list[str]:
                 assert isinstance(layer.dispatcher, LocalDispatcher)
         else:
             msgs.append("no error")
-    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2)):
+    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2), ("all_to_all_padded", 2)):
         layer = MoELayer(H, FFN, E, RouterConfig(top_k=1))
         with pytest.raises(ValueError) as info:
             expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)  # type: ignore[arg-type]
@@ -371,13 +417,35 @@ def test_expert_parallel_errors() -> None:
         has_deep_ep = False
     else:
         has_deep_ep = True
-    deepep_msg, divisible_msg, twice_msg, backend_msg, chunks_msg, deepep_chunks_msg = run_distributed(
-        _errors_worker, 2
-    )[0]
+    deepep_msg, divisible_msg, twice_msg, backend_msg, chunks_msg, deepep_chunks_msg, padded_msg = (
+        run_distributed(_errors_worker, 2)[0]
+    )
     assert "num_chunks must be >= 1, got 0" in chunks_msg
-    assert "num_chunks applies to backend='all_to_all' only" in deepep_chunks_msg
+    assert "num_chunks applies to backend='all_to_all' only, not 'deepep'" in deepep_chunks_msg
+    assert "num_chunks applies to backend='all_to_all' only, not 'all_to_all_padded'" in padded_msg
     if not has_deep_ep:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg
     assert "already a DTensor" in twice_msg
-    assert "backend must be 'all_to_all' or 'deepep', got 'nccl'" in backend_msg
+    assert "backend must be 'all_to_all', 'all_to_all_padded' or 'deepep', got 'nccl'" in backend_msg
+
+
+def _padded_vs_exact_worker() -> list[bool]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    x_all, g_all = _inputs(world, 12, None)
+    outs = []
+    for backend in ("all_to_all", "all_to_all_padded"):
+        layer = _make_layer(12, {"capacity_factor": 0.75}, {"top_k": 3, "norm_topk_prob": True}, None)
+        expert_parallel(layer, mesh, backend=backend)  # type: ignore[arg-type]
+        x = x_all[rank].clone().requires_grad_()
+        (layer(x).hidden_states * g_all[rank]).sum().backward()
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in layer.parameters()]
+        outs.append([layer(x).hidden_states.detach(), x.grad, *grads])
+    return [torch.equal(a, b) for a, b in zip(*outs, strict=True)]
+
+
+def test_padded_dispatch_equals_exact_splits_bitwise() -> None:
+    """Same rows, same order per expert, same sums: the padded path is the exact-split path's numerics."""
+    for equal in run_distributed(_padded_vs_exact_worker, 2):
+        assert all(equal), equal

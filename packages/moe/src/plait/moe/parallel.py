@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 def expert_parallel(
     layer: MoELayer,
     ep_mesh: DeviceMesh,
-    backend: Literal["all_to_all", "deepep"] = "all_to_all",
+    backend: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
 ) -> MoELayer:
     """Shard ``layer``'s experts over ``ep_mesh`` and switch it to expert-parallel dispatch.
@@ -28,8 +28,9 @@ def expert_parallel(
         layer: The layer, modified in place. Its weights must be identical on all ranks of the mesh
             (rank 0's values are scattered); meta-device weights stay on meta.
         ep_mesh: A 1-D mesh, e.g. ``ctx.mesh_for("expert")["ep_shard"]``.
-        backend: ``"all_to_all"`` (torch.distributed, any device) or ``"deepep"`` (CUDA; needs
-            ``plait-moe[deepep]``).
+        backend: ``"all_to_all"`` (torch.distributed, any device), ``"all_to_all_padded"`` (the
+            same with worst-case-size buffers and no host synchronisation: see
+            :class:`AllToAllDispatcher`'s ``padded``) or ``"deepep"`` (CUDA; needs ``plait-moe[deepep]``).
         num_chunks: ``"all_to_all"`` only: token chunks pipelined so that the all-to-alls overlap
             the expert compute (see :class:`AllToAllDispatcher`); ``None`` = its default.
 
@@ -39,7 +40,7 @@ def expert_parallel(
     Raises:
         ImportError: ``backend="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
         ValueError: a mesh that is not 1-D, experts not divisible by its size, applied twice, or
-            ``num_chunks`` set for ``backend="deepep"`` or below 1.
+            ``num_chunks`` set for a backend other than ``"all_to_all"`` or below 1.
     """
     if ep_mesh.ndim != 1:
         raise ValueError(
@@ -49,16 +50,17 @@ def expert_parallel(
     group = ep_mesh.get_group()
     # Before touching the layer, so a missing DeepEP or a bad backend leaves it unchanged.
     dispatcher: AllToAllDispatcher | DeepEPDispatcher
-    if backend == "all_to_all":
-        dispatcher = (
-            AllToAllDispatcher(group) if num_chunks is None else AllToAllDispatcher(group, num_chunks)
+    if backend not in ("all_to_all", "all_to_all_padded", "deepep"):
+        raise ValueError(
+            f"expert_parallel: backend must be 'all_to_all', 'all_to_all_padded' or 'deepep', got {backend!r}"
         )
-    elif backend == "deepep":
-        if num_chunks is not None:
-            raise ValueError("expert_parallel: num_chunks applies to backend='all_to_all' only, not 'deepep'")
+    if num_chunks is not None and backend != "all_to_all":
+        raise ValueError(f"expert_parallel: num_chunks applies to backend='all_to_all' only, not {backend!r}")
+    if backend == "deepep":
         dispatcher = DeepEPDispatcher(group, layer.num_experts)
     else:
-        raise ValueError(f"expert_parallel: backend must be 'all_to_all' or 'deepep', got {backend!r}")
+        chunks = 1 if num_chunks is None else num_chunks
+        dispatcher = AllToAllDispatcher(group, chunks, padded=backend == "all_to_all_padded")
     ep = ep_mesh.size()
     if layer.num_experts % ep:
         raise ValueError(

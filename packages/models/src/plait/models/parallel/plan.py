@@ -124,7 +124,7 @@ def apply_context_parallel(
 def apply_expert_parallel(
     model: Qwen3Stage,
     ep_mesh: DeviceMesh,
-    dispatch: Literal["all_to_all", "deepep"] = "all_to_all",
+    dispatch: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
 ) -> None:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``.
@@ -137,7 +137,7 @@ def apply_expert_parallel(
 
     Raises:
         ImportError: ``dispatch="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
-        ValueError: ``num_chunks`` set with ``dispatch="deepep"``.
+        ValueError: ``num_chunks`` set with a ``dispatch`` other than ``"all_to_all"``.
     """
     from plait.moe import expert_parallel
 
