@@ -7,12 +7,14 @@ import math
 import torch
 from plait.kernels import gmm, swiglu, swiglu_fused
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor parameter (differentiable), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    # isinstance, not getattr(t, "to_local", None): torch.compile traces the former (the latter gave
+    # the global shape under Dynamo).
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GroupedExperts(nn.Module):

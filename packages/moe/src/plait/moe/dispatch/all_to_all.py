@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from plait.kernels import permute, unpermute
 from torch import Tensor
 
@@ -222,7 +223,6 @@ class AllToAllDispatcher:
         num_experts, ep = experts.num_experts, self.ep_size
         n_local = num_experts // ep
         cap = topk_idx.shape[0] * min(topk_idx.shape[1], n_local)  # rows one peer can get from us, at most
-        splits = [cap] * ep
         rows, row_w, row_map, counts = permute(x, topk_idx, num_experts, topk_weights)
         assert row_w is not None
         # Send buffer [dst rank][slot]: rank p's rows (contiguous in the expert-major buffer), then zeros.
@@ -233,20 +233,20 @@ class AllToAllDispatcher:
         src = ((dst_end - dst_count)[:, None] + slot).reshape(-1).clamp(max=max(rows.shape[0] - 1, 0))
         send = torch.where(used[:, None], rows.index_select(0, src), 0)
         send_w = torch.where(used, row_w.index_select(0, src), 0)
-        recv_counts = torch.empty_like(counts.view(ep, n_local))  # [src rank][local expert]
-        dist.all_to_all_single(recv_counts, counts.view(ep, n_local).contiguous(), group=self.group)
-        recv = _AsyncAllToAll(send, splits, splits, self.group)
-        recv_w = _AsyncAllToAll(send_w, splits, splits, self.group)
+        # Equal splits: functional collectives (traceable by torch.compile; waited for where first used).
+        recv_counts = funcol.all_to_all_single(counts.view(ep, n_local).contiguous(), None, None, self.group)
+        recv = funcol.all_to_all_single_autograd(send, None, None, self.group)
+        recv_w = funcol.all_to_all_single_autograd(send_w, None, None, self.group)
         # Each received slot's local expert (n_local past a source's rows: skipped by permute); a stable
         # permute by it gives [local expert][source rank] order, as the exact-split path.
         expert = torch.searchsorted(
             torch.cumsum(recv_counts, 1), slot.expand(ep, cap).contiguous(), right=True
         )
         local_rows, local_w, local_map, local_counts = permute(
-            recv.wait(), expert.view(-1, 1), n_local, recv_w.wait().unsqueeze(1)
+            recv, expert.view(-1, 1), n_local, recv_w.unsqueeze(1)
         )
         out = unpermute(experts(local_rows, local_counts, local_w), local_map)
-        back = _AsyncAllToAll(out, splits, splits, self.group).wait()
+        back = funcol.all_to_all_single_autograd(out, None, None, self.group)
         # Back to this rank's expert-major rows (row i sits in slot i - start of its destination); the
         # dropped tail maps anywhere in range and is never read by unpermute.
         i = torch.arange(rows.shape[0], device=x.device)
