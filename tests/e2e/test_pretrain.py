@@ -121,6 +121,11 @@ LAYOUTS = {  # name: (world size, microbatch size, mesh arguments)
     "dp2": (2, 4, ["--mesh.data_replicate=2"]),
     "fsdp2": (2, 4, ["--mesh.data_shard=2"]),
     "ep2": (2, 4, ["--mesh.data_shard=2", "--mesh.expert=2"]),
+    "ep2_padded": (
+        2,
+        4,
+        ["--mesh.data_shard=2", "--mesh.expert=2", "--parallel.expert_dispatch=all_to_all_padded"],
+    ),
     "pp2_1f1b": (2, 4, ["--mesh.pipeline=2", "--pipeline.kind=1f1b"]),
     "pp2_zbv": (2, 4, ["--mesh.pipeline=2", "--pipeline.kind=zbv"]),
     # 4 ranks: microbatch 2 so that 8 = 2 x dp 2 x 2 microbatches per rank (>= pp for the schedule).
