@@ -20,6 +20,10 @@ Printed: the longest trainable sequence of each and their ratio (target >= 1.9x)
 ``--seq`` with cp=2 against cp=1 at ``--base-seq`` (target >= 0.85x) and against cp=1 at ``--seq``,
 and the model FLOP utilisation against the measured bf16 matmul rate.
 
+``--search {both,cp1,cp2,none}`` picks the layouts that search (``none``: throughput only);
+``--search-only`` prints the longest sequences and times nothing; ``--fits-at N`` starts the bisection
+from a length known to fit (with ``--search-from`` and ``--max-seq`` around a known bound: a few trials).
+
 A cp=2 trial that runs out of memory on one rank but not the other can leave the other waiting
 in a collective: the process group times out after ``--timeout`` seconds and the run ends with that
 error; rerun with ``--max-seq`` below the length it reached. ``--smoke`` runs a tiny model on CPU
