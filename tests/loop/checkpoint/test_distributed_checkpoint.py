@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,8 +90,17 @@ def _train_save_snapshot(
         if step == save_at:
             saved = _full(model, opt)
             ck.save(step, _state(model, opt, step))
+    writer = _dcp_writer_process()
     ck.close()
+    if mode == "process":  # the last process-mode Checkpointer stops DCP's writer process on close
+        assert writer is not None and not writer._save_process.is_alive() and _dcp_writer_process() is None
     return losses, saved
+
+
+def _dcp_writer_process() -> Any:
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    return ape._CHECKPOINT_PROCESS
 
 
 def _resume(root: str, total: int) -> list[float]:

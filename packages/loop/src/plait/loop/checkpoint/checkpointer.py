@@ -284,8 +284,11 @@ class Checkpointer:
         self.async_mode: AsyncMode = async_mode
         self.checksums = checksums
         self.on_damaged: OnDamaged = on_damaged
+        self._holds_writer = async_mode == "process"  # counted in _OPEN_WRITERS until close()
         if async_mode == "process":
             _join_job_store(dist.get_world_size(process_group))
+            global _OPEN_WRITERS
+            _OPEN_WRITERS += 1
         # DCP's writes coordinate through collectives; a background thread must not interleave them
         # with the training thread's collectives on the same group, so it gets a group of its own.
         self._dcp_pg = process_group
@@ -501,6 +504,12 @@ class Checkpointer:
         key = getattr(self._planner, "_cached_plans_key", None)
         for cache in _PLAN_CACHES:
             getattr(SavePlanner, cache, {}).pop(key, None)
+        if self._holds_writer:
+            global _OPEN_WRITERS
+            self._holds_writer = False
+            _OPEN_WRITERS -= 1
+            if _OPEN_WRITERS == 0:
+                _stop_writer_process()
 
     # -- resuming --------------------------------------------------------------------------------
     def latest(self, *, clean: bool = True, exclude: frozenset[Path] = frozenset()) -> Path | None:
@@ -687,6 +696,23 @@ class Checkpointer:
 
 
 _LOOPBACK_STORE: Any = None  # a one-process job's store for the writer process (lives as long as it)
+_OPEN_WRITERS = 0  # process-mode Checkpointers not yet closed (they share DCP's one writer process)
+
+
+def _stop_writer_process() -> None:
+    """Stop DCP's background writer process (one per process, shared by process-mode saves) now.
+
+    DCP keeps it until its ``__del__`` runs at interpreter exit, when the process group and store it
+    was started with are already gone and the order of teardown is arbitrary; a job that ended its
+    training could then still exit with an abort. Called by the last process-mode Checkpointer's
+    ``close()``; a later process-mode save starts a new writer process.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        ape._CHECKPOINT_PROCESS = None
+        proc.__del__()  # sends TERMINATE and joins (SIGTERM after 5 s); a second call is a no-op
 
 
 def _join_job_store(world_size: int) -> None:
