@@ -83,6 +83,24 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def layer_flops(tokens: int, topk: int, hidden: int, ffn: int, experts: int) -> int:
+    """FLOPs of a MoE layer's forward + backward (2x forward): experts' three matmuls and the router."""
+    return 3 * (6 * tokens * topk * hidden * ffn + 2 * tokens * hidden * experts)
+
+
+def timing_rows(
+    results: list[tuple[str, float, float]], flops: float, peak: float, tokens: int, base_ms: float | None
+) -> list[list[str]]:
+    """Table rows of ``(name, ms, peak GiB)`` results: ms, Mtok/s (``tokens`` per step), TFLOP/s, share
+    of the bf16 matmul ``peak``, speed against ``base_ms`` ("-" without one) and memory."""
+    rows = []
+    for name, ms, mem in results:
+        tflops = flops / (ms * 1e-3) / 1e12
+        vs = f"{base_ms / ms:.2f}x" if base_ms else "-"
+        rows.append([name, f"{ms:.2f}", f"{tokens / (ms * 1e-3) / 1e6:.2f}", f"{tflops:.0f}", f"{tflops / peak:.0%}", vs, f"{mem:.1f}"])  # fmt: skip
+    return rows
+
+
 def ep_parser(doc: str, *, tokens: int, hidden: int, experts: int, ffn: int) -> argparse.ArgumentParser:
     """The arguments every expert-parallel benchmark takes (shapes per rank, timing, output, ``--smoke``)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

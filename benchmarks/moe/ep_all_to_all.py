@@ -26,7 +26,9 @@ from _common import (
     ensure_plait_importable,
     environment,
     ep_parser,
+    layer_flops,
     markdown_table,
+    timing_rows,
 )
 
 ensure_plait_importable()
@@ -60,22 +62,8 @@ def main() -> None:
     peak = bf16_matmul_tflops()
 
     t, k, h, f, e = args.tokens, args.topk, args.hidden, args.ffn, args.experts
-    flops = 3 * (6 * t * k * h * f + 2 * t * h * e)  # per rank
-    base = results[1][1]
-    rows = []
-    for name, ms, mem in results:
-        tflops = flops / (ms * 1e-3) / 1e12
-        rows.append(
-            [
-                name,
-                f"{ms:.2f}",
-                f"{world * t / (ms * 1e-3) / 1e6:.2f}",
-                f"{tflops:.0f}",
-                f"{tflops / peak:.0%}",
-                f"{base / ms:.2f}x",
-                f"{mem:.1f}",
-            ]
-        )
+    flops = layer_flops(t, k, h, f, e)  # per rank
+    rows = timing_rows(results, flops, peak, world * t, results[1][1])
     env = environment()
     header = [
         "layout",

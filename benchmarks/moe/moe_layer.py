@@ -22,7 +22,9 @@ from _common import (
     cuda_time_ms,
     ensure_plait_importable,
     environment,
+    layer_flops,
     markdown_table,
+    timing_rows,
 )
 
 ensure_plait_importable()
@@ -119,7 +121,7 @@ def main() -> None:
         return y
 
     t, k, h, f, e = args.tokens, args.topk, args.hidden, args.ffn, args.experts
-    flops = 3 * (6 * t * k * h * f + 2 * t * h * e)  # fwd + bwd (2x fwd) of experts + router
+    flops = layer_flops(t, k, h, f, e)
     peak = bf16_matmul_tflops()
 
     results: list[tuple[str, float, float]] = []
@@ -143,21 +145,7 @@ def main() -> None:
         rel = (y_ours - y_hf).norm() / y_hf.norm()
         max_diff = f"{rel.item():.2e}"
 
-    base_ms = results[1][1] if len(results) > 1 else None
-    rows = []
-    for name, ms, mem in results:
-        tflops = flops / (ms * 1e-3) / 1e12
-        rows.append(
-            [
-                name,
-                f"{ms:.2f}",
-                f"{t / (ms * 1e-3) / 1e6:.2f}",
-                f"{tflops:.0f}",
-                f"{tflops / peak:.0%}",
-                f"{base_ms / ms:.2f}x" if base_ms else "-",
-                f"{mem:.1f}",
-            ]
-        )
+    rows = timing_rows(results, flops, peak, t, results[1][1] if len(results) > 1 else None)
     env = environment()
     header = ["layer", "fwd+bwd ms", "Mtok/s", "TFLOP/s", "of bf16 mm peak", "vs HF", "peak mem GiB"]
     table = markdown_table(header, rows)
