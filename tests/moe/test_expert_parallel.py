@@ -430,19 +430,32 @@ def test_expert_parallel_errors() -> None:
     assert "backend must be 'all_to_all', 'all_to_all_padded' or 'deepep', got 'nccl'" in backend_msg
 
 
-def _padded_vs_exact_worker() -> list[bool]:
+def _ep_outputs(
+    seed: int, router_kwargs: dict[str, Any], backend: str, compiled: bool = False
+) -> list[torch.Tensor]:
+    """This rank's output, input gradient and local parameter gradients of an EP layer (capacity 0.75),
+    eager or compiled with ``fullgraph=True`` (a graph break fails)."""
+    from torch._dynamo.utils import counters
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    x_all, g_all = _inputs(world, 12, None)
-    outs = []
-    for backend in ("all_to_all", "all_to_all_padded"):
-        layer = _make_layer(12, {"capacity_factor": 0.75}, {"top_k": 3, "norm_topk_prob": True}, None)
-        expert_parallel(layer, mesh, backend=backend)  # type: ignore[arg-type]
-        x = x_all[rank].clone().requires_grad_()
-        (layer(x).hidden_states * g_all[rank]).sum().backward()
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in layer.parameters()]
-        outs.append([layer(x).hidden_states.detach(), x.grad, *grads])
-    return [torch.equal(a, b) for a, b in zip(*outs, strict=True)]
+    x_all, g_all = _inputs(world, seed, None)
+    layer = _make_layer(seed, {"capacity_factor": 0.75}, router_kwargs, None)
+    expert_parallel(layer, init_device_mesh("cpu", (world,)), backend=backend)  # type: ignore[arg-type]
+    counters.clear()
+    torch._dynamo.reset()
+    fn = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    x = x_all[rank].clone().requires_grad_()
+    out = fn(x)
+    ((out.hidden_states * g_all[rank]).sum() + out.aux_loss).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in layer.parameters()]
+    return [out.hidden_states.detach(), x.grad, *grads]
+
+
+def _padded_vs_exact_worker() -> list[bool]:
+    router = {"top_k": 3, "norm_topk_prob": True}
+    exact, padded = (_ep_outputs(12, router, b) for b in ("all_to_all", "all_to_all_padded"))
+    return [torch.equal(a, b) for a, b in zip(exact, padded, strict=True)]
 
 
 def test_padded_dispatch_equals_exact_splits_bitwise() -> None:
@@ -452,25 +465,9 @@ def test_padded_dispatch_equals_exact_splits_bitwise() -> None:
 
 
 def _padded_compiled_worker() -> list[float]:
-    from torch._dynamo.utils import counters
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    x_all, g_all = _inputs(world, 13, None)
-    results = []
-    for compiled in (False, True):
-        layer = _make_layer(13, {"capacity_factor": 0.75}, {"top_k": 3, "aux_loss_coef": 0.05}, None)
-        expert_parallel(layer, mesh, backend="all_to_all_padded")
-        counters.clear()
-        torch._dynamo.reset()
-        fn = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
-        x = x_all[rank].clone().requires_grad_()
-        out = fn(x)
-        ((out.hidden_states * g_all[rank]).sum() + out.aux_loss).backward()
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in layer.parameters()]
-        results.append([out.hidden_states.detach(), x.grad, *grads])
-    return [float((a - b).abs().max()) for a, b in zip(*results, strict=True)]
+    router = {"top_k": 3, "aux_loss_coef": 0.05}
+    eager, compiled = (_ep_outputs(13, router, "all_to_all_padded", c) for c in (False, True))
+    return [float((a - b).abs().max()) for a, b in zip(eager, compiled, strict=True)]
 
 
 def test_padded_dispatch_compiles_fullgraph() -> None:
