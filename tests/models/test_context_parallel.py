@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,8 +100,21 @@ def _attention_rank(
     if forward_only:
         out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
         return {"out": gather_sequence(out, group).double()}  # type: ignore[arg-type]
-    out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
-    out.backward(local["grad"])
+    gathers = []  # K/V all-gathers: the forward's, and the backward's when the attention unpacks K/V
+    all_gather = dist.all_gather_into_tensor
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers.append("backward" if torch._C._current_graph_task_id() >= 0 else "forward")
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+    try:
+        out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
+        out.backward(local["grad"])
+    finally:
+        dist.all_gather_into_tensor = all_gather
+    # all-gather: the attention keeps this rank's K/V shard, not the gathered K/V, for its backward.
+    assert gathers == (["forward", "backward"] if mode == "allgather" else []), gathers
     return {
         "out": gather_sequence(out.detach(), group).double(),  # type: ignore[arg-type]
         "dq": gather_sequence(local["q"].grad, group).double(),  # type: ignore[arg-type]

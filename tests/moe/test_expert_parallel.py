@@ -87,6 +87,25 @@ def _ep_worker(
     return result
 
 
+def _assert_no_host_sync(router_kwargs: dict[str, Any], layer_kwargs: dict[str, Any], mesh: Any) -> None:
+    """On CUDA, a padded-dispatch step (forward and backward) never makes the host wait for the device.
+
+    Run in bf16 at shapes the grouped GEMM's CUDA kernel takes (the fp32 test layer's odd sizes take the
+    per-expert loop, which reads the group sizes on the host).
+    """
+    torch.manual_seed(0)
+    layer = MoELayer(64, 64, E, RouterConfig(**router_kwargs), **layer_kwargs).to("cuda", torch.bfloat16)
+    expert_parallel(layer, mesh, backend="all_to_all_padded")
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for debug_mode in ("default", "error"):  # a first step (lazy initialisation may sync), then the check
+        torch.cuda.set_sync_debug_mode(debug_mode)
+        try:
+            out = layer(x)
+            (out.hidden_states.float().square().mean() + out.aux_loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def _ep_run(
     seed: int,
     layer_kwargs: dict[str, Any],
@@ -113,12 +132,9 @@ def _ep_run(
         # No host copy of the dispatch's own (the CPU grouped-GEMM reference still reads its group sizes:
         # 2 host copies); its exchanges are functional collectives, not dist.all_to_all_single.
         assert calls == {"all_to_all_single": 0, "tolist": 2}, calls
-    elif backend == "all_to_all_padded":  # on CUDA: the forward never waits for the device on the host
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = layer(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    elif backend == "all_to_all_padded":
+        _assert_no_host_sync(router_kwargs, layer_kwargs, mesh)
+        out = layer(x)
     elif num_chunks is None or device != "cpu":
         out = layer(x)
     else:

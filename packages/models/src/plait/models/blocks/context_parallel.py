@@ -197,17 +197,7 @@ class ContextParallelMask:
         """
         if self.mode == "ring":
             return _RingAttention.apply(q, k, v, self, scale)  # type: ignore[no-any-return]
-        kv = _AllGather.apply(torch.stack([k, v]), self.group)
-        kv = unshard_sequence(list(kv.unbind(0)), dim=2)
-        qt, kt, vt = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-        if mask.backend == "flex":
-            out = _flex(qt, kt, vt, mask.block_mask, scale)
-        else:
-            gqa = qt.shape[1] != kt.shape[1]
-            out = F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask.dense_mask, scale=scale, enable_gqa=gqa
-            )
-        return out.transpose(1, 2)
+        return _allgather_attention(q, k, v, mask, scale, self.group)
 
     # -- ring helpers ----------------------------------------------------------------------------
     def chunks_of(self, rank: int) -> tuple[int, int]:
@@ -241,6 +231,70 @@ class _AllGather(torch.autograd.Function):
         out = grad.new_empty(grad.shape[1:])
         dist.reduce_scatter_tensor(out, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
         return out, None
+
+
+@torch.compiler.disable  # collectives and saved-tensor hooks run eagerly (the attention kernel is compiled)
+def _allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Local ``q [B, S, Hq, D]`` attending to the K/V of all ranks, all-gathered (``[B, S, Hq, D]`` out)."""
+    local = torch.stack([k, v])
+    kv = _unshard_kv(_AllGather.apply(local, group))
+    qt, kt, vt = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    # The attention saves the gathered K/V for its backward: keep this rank's shard instead and
+    # gather again when the backward needs them (1/size of the memory, one more all-gather).
+    regather = _RegatherSaved(kv, local.detach(), group)
+    with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+        if mask.backend == "flex":
+            out = _flex(qt, kt, vt, mask.block_mask, scale)
+        else:
+            gqa = qt.shape[1] != kt.shape[1]
+            out = F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=mask.dense_mask, scale=scale, enable_gqa=gqa
+            )
+    return out.transpose(1, 2)
+
+
+def _unshard_kv(gathered: torch.Tensor) -> torch.Tensor:
+    """``[n, 2, B, S/n, Hk, D]`` gathered shards -> ``[2, B, S, Hk, D]`` K/V in sequence order."""
+    return unshard_sequence(list(gathered.unbind(0)), dim=2)
+
+
+class _RegatherSaved:
+    """``saved_tensors_hooks`` that store a saved view of the gathered K/V as this rank's shard.
+
+    ``pack`` replaces a saved tensor that shares the storage of ``full`` by its view geometry;
+    ``unpack`` all-gathers the shards again (once per backward: the views saved by one forward
+    share one gather) and returns the same view of the new tensor. Other saved tensors pass through.
+    Both ranks unpack in the same backward node, so the all-gathers pair up.
+    """
+
+    def __init__(self, full: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.storage = full.untyped_storage().data_ptr()
+        self.local, self.group = local, group
+        self.pending = 0  # packed views not yet unpacked
+        self.full: torch.Tensor | None = None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() != self.storage or t.device != self.local.device:
+            return t
+        self.pending += 1
+        return tuple(t.shape), t.stride(), t.storage_offset()
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        shape, stride, offset = packed
+        if self.full is None:
+            n = dist.get_world_size(self.group)
+            out = self.local.new_empty((n * self.local.shape[0], *self.local.shape[1:]))
+            dist.all_gather_into_tensor(out, self.local, group=self.group)
+            self.full = _unshard_kv(out.view(n, *self.local.shape))
+        view = self.full.as_strided(shape, stride, offset)
+        self.pending -= 1
+        if self.pending <= 0:  # every view has its tensor: drop the reference (retain_graph re-gathers)
+            self.full, self.pending = None, 0
+        return view
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallelMask, tag: int) -> list[Any]:
