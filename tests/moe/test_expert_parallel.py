@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
 from plait.moe import (
+    AllGatherDispatcher,
     AllToAllDispatcher,
     DeepEPDispatcher,
     LocalDispatcher,
@@ -26,6 +27,8 @@ from ._fake_deep_ep import fake_deep_ep
 from ._reference import reference_moe
 
 H, FFN, E, T = 8, 6, 8, 12
+Dispatch = Literal["all_to_all", "all_to_all_padded", "all_gather", "deepep"]
+NO_SYNC = ("all_to_all_padded", "all_gather")  # dispatches whose sizes stay on the device
 
 
 def _inputs(world: int, seed: int, one_hot_expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +78,7 @@ def _ep_worker(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str = "cpu",
-    backend: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all",
+    backend: Dispatch = "all_to_all",
     num_chunks: int | None = None,
 ) -> dict[str, Any]:
     if backend != "deepep":
@@ -87,15 +90,17 @@ def _ep_worker(
     return result
 
 
-def _assert_no_host_sync(router_kwargs: dict[str, Any], layer_kwargs: dict[str, Any], mesh: Any) -> None:
-    """On CUDA, a padded-dispatch step (forward and backward) never makes the host wait for the device.
+def _assert_no_host_sync(
+    router_kwargs: dict[str, Any], layer_kwargs: dict[str, Any], mesh: Any, backend: Dispatch
+) -> None:
+    """On CUDA, a step of a no-sync dispatch (forward and backward) never makes the host wait for the device.
 
     Run in bf16 at shapes the grouped GEMM's CUDA kernel takes (the fp32 test layer's odd sizes take the
     per-expert loop, which reads the group sizes on the host).
     """
     torch.manual_seed(0)
     layer = MoELayer(64, 64, E, RouterConfig(**router_kwargs), **layer_kwargs).to("cuda", torch.bfloat16)
-    expert_parallel(layer, mesh, backend="all_to_all_padded")
+    expert_parallel(layer, mesh, backend=backend)
     x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for debug_mode in ("default", "error"):  # a first step (lazy initialisation may sync), then the check
         torch.cuda.set_sync_debug_mode(debug_mode)
@@ -112,28 +117,28 @@ def _ep_run(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str,
-    backend: Literal["all_to_all", "all_to_all_padded", "deepep"],
+    backend: Dispatch,
     num_chunks: int | None,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
     expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)
-    expected = DeepEPDispatcher if backend == "deepep" else AllToAllDispatcher
+    expected = {"deepep": DeepEPDispatcher, "all_gather": AllGatherDispatcher}.get(backend, AllToAllDispatcher)
     assert isinstance(layer.dispatcher, expected)
     assert getattr(layer.dispatcher, "padded", False) == (backend == "all_to_all_padded")
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
     x = x_all[rank].to(device).requires_grad_()
-    if backend == "all_to_all_padded" and device == "cpu":
+    if backend in NO_SYNC and device == "cpu":
         with _count_collectives() as calls:
             out = layer(x)
         # No host copy of the dispatch's own (the CPU grouped-GEMM reference still reads its group sizes:
         # 2 host copies); its exchanges are functional collectives, not dist.all_to_all_single.
         assert calls == {"all_to_all_single": 0, "tolist": 2}, calls
-    elif backend == "all_to_all_padded":
-        _assert_no_host_sync(router_kwargs, layer_kwargs, mesh)
+    elif backend in NO_SYNC:
+        _assert_no_host_sync(router_kwargs, layer_kwargs, mesh, backend)
         out = layer(x)
     elif num_chunks is None or device != "cpu":
         out = layer(x)
@@ -165,7 +170,7 @@ def _check(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None = None,
     device: str = "cpu",
-    dispatch: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all",
+    dispatch: Dispatch = "all_to_all",
     num_chunks: int | None = None,
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
@@ -259,25 +264,20 @@ def test_ep2_chunked_matches_reference(num_chunks: int) -> None:
     _check(2, seed=6, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, num_chunks=num_chunks)
 
 
+@pytest.mark.parametrize("dispatch", NO_SYNC)
 @pytest.mark.parametrize("world", [2, 4])
-def test_padded_dispatch_matches_reference(world: int) -> None:
-    """Worst-case-size buffers, no host read of the split sizes: the same float64 parity, with dropped
-    slots (capacity), a rank that receives nothing (one-hot expert), top-k above and below E/P."""
+def test_no_sync_dispatch_matches_reference(world: int, dispatch: Dispatch) -> None:
+    """No host read of the split sizes (worst-case-size all-to-all buffers, or all-gathered tokens): the
+    same float64 parity, with dropped slots (capacity), a rank whose experts get no token (one-hot
+    expert), top-k above and below E/P."""
     _check(
         world,
         seed=9,
         layer_kwargs={"shared_expert_intermediate_size": 5, "capacity_factor": 0.75},
         router_kwargs={"top_k": 3, "norm_topk_prob": True, "aux_loss_coef": 0.05, "bias_update_rate": 0.01},
-        dispatch="all_to_all_padded",
+        dispatch=dispatch,
     )
-    _check(
-        world,
-        seed=10,
-        layer_kwargs={},
-        router_kwargs={"top_k": 1},
-        one_hot_expert=5,
-        dispatch="all_to_all_padded",
-    )
+    _check(world, seed=10, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, dispatch=dispatch)
 
 
 def test_ep4_chunked_matches_reference() -> None:
@@ -303,14 +303,15 @@ def test_ep2_nccl_chunked_matches_reference() -> None:
 
 
 @pytest.mark.multigpu
-def test_ep2_nccl_padded_matches_reference_without_host_sync() -> None:
+@pytest.mark.parametrize("dispatch", NO_SYNC)
+def test_ep2_nccl_no_sync_dispatch_matches_reference_without_host_sync(dispatch: Dispatch) -> None:
     _check(
         2,
         seed=11,
         layer_kwargs={"capacity_factor": 1.25},
         router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
         device="cuda",
-        dispatch="all_to_all_padded",
+        dispatch=dispatch,
     )
 
 
@@ -443,7 +444,7 @@ def test_expert_parallel_errors() -> None:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg
     assert "already a DTensor" in twice_msg
-    assert "backend must be 'all_to_all', 'all_to_all_padded' or 'deepep', got 'nccl'" in backend_msg
+    assert "backend must be 'all_to_all', 'all_to_all_padded', 'all_gather' or 'deepep', got 'nccl'" in backend_msg
 
 
 def _ep_outputs(
@@ -480,13 +481,14 @@ def test_padded_dispatch_equals_exact_splits_bitwise() -> None:
         assert all(equal), equal
 
 
-def _padded_compiled_worker() -> list[float]:
+def _compiled_worker(backend: str) -> list[float]:
     router = {"top_k": 3, "aux_loss_coef": 0.05}
-    eager, compiled = (_ep_outputs(13, router, "all_to_all_padded", c) for c in (False, True))
+    eager, compiled = (_ep_outputs(13, router, backend, c) for c in (False, True))
     return [float((a - b).abs().max()) for a, b in zip(eager, compiled, strict=True)]
 
 
-def test_padded_dispatch_compiles_fullgraph() -> None:
-    """The padded EP layer is one graph for torch.compile (no break at the dispatch) and equals eager."""
-    for diffs in run_distributed(_padded_compiled_worker, 2):
+@pytest.mark.parametrize("dispatch", NO_SYNC)
+def test_no_sync_dispatch_compiles_fullgraph(dispatch: str) -> None:
+    """The EP layer is one graph for torch.compile (no break at the dispatch) and equals eager."""
+    for diffs in run_distributed(_compiled_worker, 2, dispatch):
         assert max(diffs) <= 1e-6, diffs

@@ -5,6 +5,7 @@ from plait.moe.balancing import expert_load_stats, register_expert_bias_hook, up
 from plait.moe.capacity import apply_capacity, expert_capacity
 from plait.moe.config import RouterConfig
 from plait.moe.dispatch import (
+    AllGatherDispatcher,
     AllToAllDispatcher,
     DeepEPDispatcher,
     LocalDispatcher,
@@ -24,6 +25,7 @@ from plait.moe.parallel import expert_parallel
 from plait.moe.router import RouterOutput, TopKRouter
 
 __all__ = [
+    "AllGatherDispatcher",
     "AllToAllDispatcher",
     "DeepEPDispatcher",
     "GroupedExperts",

@@ -54,7 +54,10 @@ class ParallelConfig(BaseModel):
         expert_dispatch: How MoE tokens reach their experts when the expert mesh's ``ep_shard`` dim
             is > 1: ``all_to_all`` (``torch.distributed``, NCCL or gloo), ``all_to_all_padded`` (the
             same with worst-case-size buffers, so the split sizes stay on the device and the forward
-            never waits for it on the host; ``P`` times the all-to-all volume) or ``deepep`` (DeepEP's
+            never waits for it on the host; ``P`` times the all-to-all volume), ``all_gather`` (tokens
+            all-gathered over the EP group and expert outputs reduce-scattered: no host wait either,
+            ``(P-1) * T`` rows each way, fewer bytes than the all-to-all when ``P`` is below top-k;
+            ``plait.moe.AllGatherDispatcher``) or ``deepep`` (DeepEP's
             normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install "plait-moe[deepep]"``,
             else applying the plan raises an ``ImportError`` naming that extra). Without expert
             parallelism every expert is local and neither is used.
@@ -72,5 +75,5 @@ class ParallelConfig(BaseModel):
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     compile: bool = False
     context_parallel_attention: Literal["ring", "allgather"] = "allgather"
-    expert_dispatch: Literal["all_to_all", "all_to_all_padded", "deepep"] = "all_to_all"
+    expert_dispatch: Literal["all_to_all", "all_to_all_padded", "all_gather", "deepep"] = "all_to_all"
     expert_chunks: int | None = Field(default=None, ge=1)

@@ -1,0 +1,63 @@
+"""Expert-parallel dispatch by all-gather and reduce-scatter of tokens (no host synchronisation).
+
+Per forward: (1) all-gather every rank's tokens, routing weights and expert ids over the EP group
+(``[P*T, H]``: every rank sees every token once, however many of its experts the token picked);
+(2) permute the assignments to this rank's experts (other ranks' experts are skipped), grouped GEMM,
+and sum each token's local expert outputs; (3) reduce-scatter the ``[P*T, H]`` partial sums, so each
+rank gets its own tokens' outputs summed over all ranks' experts. The backward is the mirror image
+(the all-gathers' backward reduce-scatters, the reduce-scatter's all-gathers).
+
+All shapes are static and every index stays on the device, so the host never waits for the GPU and
+a MoE decoder layer compiles as one graph. The exchanges move ``(P-1) * T`` token rows each way per
+rank, against ``(P-1)/P * T * k`` rows for the exact-split all-to-all: fewer bytes whenever the EP
+size is below ``k`` (top-``k``) or about. Each rank computes exactly its experts' assignments, as the
+all-to-all does; its permuted buffer is sized for ``P * T * k`` rows (the static bound), of which the
+grouped GEMM computes only the used ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from plait.kernels import permute, unpermute
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from plait.moe.experts import GroupedExperts
+
+
+class AllGatherDispatcher:
+    """Dispatch by all-gathering tokens over the EP group and reduce-scattering the expert outputs.
+
+    Every rank of ``group`` must pass the same number of tokens (equal-shaped microbatches).
+    Functional collectives (``torch.distributed._functional_collectives``): traceable by
+    ``torch.compile``, waited for where their results are first used.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def __call__(
+        self,
+        x: Tensor,
+        topk_idx: Tensor,
+        topk_weights: Tensor,
+        experts: GroupedExperts,
+        has_dropped: bool = False,
+    ) -> Tensor:
+        n_local = experts.num_experts // self.ep_size
+        xs = funcol.all_gather_tensor_autograd(x.contiguous(), 0, self.group)
+        ws = funcol.all_gather_tensor_autograd(topk_weights.contiguous(), 0, self.group)
+        # Ids of this rank's experts become [0, n_local); other ranks' experts and the dropped
+        # sentinel E fall outside that range and are skipped by permute.
+        ids = funcol.all_gather_tensor(topk_idx.contiguous(), 0, self.group) - self.rank * n_local
+        rows, row_w, row_map, counts = permute(xs, ids, n_local, ws)
+        partial = unpermute(experts(rows, counts, row_w), row_map)
+        return funcol.reduce_scatter_tensor_autograd(partial, "sum", 0, self.group)
+
+    def __repr__(self) -> str:
+        return f"AllGatherDispatcher(ep_size={self.ep_size})"
