@@ -9,11 +9,10 @@ The MoE layer of the main GPU model (hidden 1024, 64 experts top-8, expert FFN 5
 rank routing its own 8192 tokens, forward + backward. Rows, in the same run at equal tokens per
 rank: no expert parallelism (every GPU holds all experts, no communication), then EP over all
 ranks with ``num_chunks`` = 1 (dispatch, experts, combine in sequence), the chunked pipelines
-(``--chunks``, default 2 and 4), the padded dispatch (worst-case buffers, no host sync) and the
-all-gather dispatch (tokens all-gathered, outputs reduce-scattered, no host sync). Each EP row's output
+(``--chunks``, default 2 and 4) and the all-gather dispatch (tokens all-gathered, outputs reduce-scattered, no host sync). Each EP row's output
 is compared with the no-EP layer's (relative L2).
 ``--profile DIR`` writes a torch.profiler chrome trace of rank 0 for each EP row, 3 steps
-(``DIR/ep_overlap_rank0_chunks{N}.json``, ``..._padded.json``, ``..._all_gather.json``): with N > 1 the NCCL all-to-all kernels run concurrently
+(``DIR/ep_overlap_rank0_chunks{N}.json``, ``..._all_gather.json``): with N > 1 the NCCL all-to-all kernels run concurrently
 with the grouped GEMMs of the neighbouring chunk; with N = 1 they alternate.
 ``--smoke`` runs tiny shapes on CPU with gloo (checks the script, times nothing meaningful).
 """
@@ -47,7 +46,6 @@ def main() -> None:
     layers += [
         (f"EP={world}, num_chunks={c}", ep_layer, AllToAllDispatcher(group, c)) for c in [1, *args.chunks]
     ]
-    layers.append((f"EP={world}, padded (no host sync)", ep_layer, AllToAllDispatcher(group, padded=True)))
     layers.append((f"EP={world}, all-gather (no host sync)", ep_layer, AllGatherDispatcher(group)))
 
     def use(layer: MoELayer, dispatcher: AllToAllDispatcher | AllGatherDispatcher | None) -> MoELayer:
@@ -80,7 +78,7 @@ def main() -> None:
                 label = (
                     "all_gather"
                     if isinstance(dispatcher, AllGatherDispatcher)
-                    else ("padded" if dispatcher.padded else f"chunks{dispatcher.num_chunks}")
+                    else f"chunks{dispatcher.num_chunks}"
                 )
                 prof.export_chrome_trace(str(args.profile / f"ep_overlap_rank0_{label}.json"))
 

@@ -1,6 +1,7 @@
 # Device run (2 x H200), session 7, call A: the padded EP dispatch's no-sync test (bf16, forward + backward);
 # the CP multigpu tests with the all-gather attention re-gathering K/V in the backward; the longest cp=2
 # sequence above 598016 (session 6's bound) and the 32k throughput with the re-gather.
+# As run at commit 5a9995a; the padded dispatch it tests was removed after call C (all_gather replaced it).
 source benchmarks/multigpu/device_setup.sh >/dev/null
 echo "== tests"; date
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/models/test_context_parallel.py \

@@ -20,7 +20,7 @@ Rows (each in its own process; ``--rows`` picks some):
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
                                   over n (``--parallel.reshard_after_forward=false``); skipped when fewer
                                   than n GPUs are present (``--smoke``: n CPU processes over gloo)
-  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_to_all_padded` dispatch, as gpu2.toml)
+  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
 
 ``--model gpu1`` measures the main job's GPU model instead (the ``[model]`` table of
@@ -87,8 +87,8 @@ def trainer_layout(row: str, batch: int) -> tuple[int, list[str]]:
     n = int(m[2])
     if m[1] == "pp":  # global batch batch x n sequences in microbatches of batch // 2: 2n microbatches
         return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
-    # EP rows: gpu2.toml's dispatch (split sizes on the device: no host sync, one graph per layer)
-    expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_to_all_padded"] if m[1] == "ep" else []
+    # EP rows: gpu2.toml's dispatch (every size on the device: no host sync, one graph per layer)
+    expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather"] if m[1] == "ep" else []
     return n, [f"--mesh.data_shard={n}", *expert, "--parallel.reshard_after_forward=false"]
 
 

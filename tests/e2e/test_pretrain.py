@@ -121,10 +121,10 @@ LAYOUTS = {  # name: (world size, microbatch size, mesh arguments)
     "dp2": (2, 4, ["--mesh.data_replicate=2"]),
     "fsdp2": (2, 4, ["--mesh.data_shard=2"]),
     "ep2": (2, 4, ["--mesh.data_shard=2", "--mesh.expert=2"]),
-    "ep2_padded": (
+    "ep2_all_gather": (
         2,
         4,
-        ["--mesh.data_shard=2", "--mesh.expert=2", "--parallel.expert_dispatch=all_to_all_padded"],
+        ["--mesh.data_shard=2", "--mesh.expert=2", "--parallel.expert_dispatch=all_gather"],
     ),
     "pp2_1f1b": (2, 4, ["--mesh.pipeline=2", "--pipeline.kind=1f1b"]),
     "pp2_zbv": (2, 4, ["--mesh.pipeline=2", "--pipeline.kind=zbv"]),

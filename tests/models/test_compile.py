@@ -196,7 +196,7 @@ def test_compiled_layer_under_checkpointing_counts_each_forward_once() -> None:
     assert int(layer.mlp.router._bias_counts.sum()) == x.shape[0] * x.shape[1] * 2
 
 
-def _ep_padded_layer_worker() -> list[list[torch.Tensor]]:
+def _ep_all_gather_layer_worker() -> list[list[torch.Tensor]]:
     import torch.distributed as dist
     from plait.moe import expert_parallel
     from torch.distributed.device_mesh import init_device_mesh
@@ -207,7 +207,7 @@ def _ep_padded_layer_worker() -> list[list[torch.Tensor]]:
     for compiled in (False, True):
         layer, x, g, rope, mask = _setup("cpu", torch.float32, "sdpa")
         x, g = x + rank, g * (rank + 1)  # each rank its own tokens
-        expert_parallel(layer.mlp, mesh, backend="all_to_all_padded")
+        expert_parallel(layer.mlp, mesh, backend="all_gather")
         counters.clear()
         torch._dynamo.reset()
         fn = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
@@ -219,11 +219,11 @@ def _ep_padded_layer_worker() -> list[list[torch.Tensor]]:
     return results
 
 
-def test_expert_parallel_layer_compiles_fullgraph_with_padded_dispatch() -> None:
-    # EP=2 on gloo: the padded dispatch keeps the split sizes on the device, so the whole decoder layer,
-    # all-to-alls included, is one graph, forward and backward, and equals eager.
+def test_expert_parallel_layer_compiles_fullgraph_with_all_gather_dispatch() -> None:
+    # EP=2 on gloo: the all-gather dispatch keeps every size on the device, so the whole decoder layer,
+    # its collectives included, is one graph, forward and backward, and equals eager.
     from plait.dist_core.testing import run_distributed
 
-    for eager, compiled in run_distributed(_ep_padded_layer_worker, 2):
+    for eager, compiled in run_distributed(_ep_all_gather_layer_worker, 2):
         for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"output {i}: {m}")

@@ -9,7 +9,6 @@ FSDP over ``dp_cp_shard``) gives the loss and the gradients of the 1-process mod
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 import pytest

@@ -22,7 +22,7 @@ from plait.models import (
     parallelize,
     save_hf_checkpoint,
 )
-from plait.moe import AllToAllDispatcher, DeepEPDispatcher
+from plait.moe import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -58,7 +58,7 @@ LAYOUTS = {
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
     "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),
-    "ctx_ep2_fsdp2_padded": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "all_to_all_padded"}),
+    "ctx_ep2_fsdp2_all_gather": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "all_gather"}),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
@@ -108,13 +108,13 @@ def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
         dense = init_device_mesh("cpu", dshape, mesh_dim_names=DENSE)
         expert = init_device_mesh("cpu", eshape, mesh_dim_names=EXPERT)
         parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig(**pkw))
-    dispatcher = DeepEPDispatcher if pkw.get("expert_dispatch") == "deepep" else AllToAllDispatcher
+    dispatcher = {"deepep": DeepEPDispatcher, "all_gather": AllGatherDispatcher}.get(
+        pkw.get("expert_dispatch", ""), AllToAllDispatcher
+    )
     if eshape[2] > 1:
         assert all(isinstance(moe.dispatcher, dispatcher) for moe in model.moe_layers())
     if "expert_chunks" in pkw:
         assert all(moe.dispatcher.num_chunks == pkw["expert_chunks"] for moe in model.moe_layers())
-    if pkw.get("expert_dispatch") == "all_to_all_padded":
-        assert all(moe.dispatcher.padded for moe in model.moe_layers())
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()

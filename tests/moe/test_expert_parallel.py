@@ -27,8 +27,7 @@ from ._fake_deep_ep import fake_deep_ep
 from ._reference import reference_moe
 
 H, FFN, E, T = 8, 6, 8, 12
-Dispatch = Literal["all_to_all", "all_to_all_padded", "all_gather", "deepep"]
-NO_SYNC = ("all_to_all_padded", "all_gather")  # dispatches whose sizes stay on the device
+Dispatch = Literal["all_to_all", "all_gather", "deepep"]
 
 
 def _inputs(world: int, seed: int, one_hot_expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +92,7 @@ def _ep_worker(
 def _assert_no_host_sync(
     router_kwargs: dict[str, Any], layer_kwargs: dict[str, Any], mesh: Any, backend: Dispatch
 ) -> None:
-    """On CUDA, a step of a no-sync dispatch (forward and backward) never makes the host wait for the device.
+    """On CUDA, an all-gather-dispatch step (forward and backward) never makes the host wait for the device.
 
     Run in bf16 at shapes the grouped GEMM's CUDA kernel takes (the fp32 test layer's odd sizes take the
     per-expert loop, which reads the group sizes on the host).
@@ -124,20 +123,21 @@ def _ep_run(
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
     expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)
-    expected = {"deepep": DeepEPDispatcher, "all_gather": AllGatherDispatcher}.get(backend, AllToAllDispatcher)
+    expected = {"deepep": DeepEPDispatcher, "all_gather": AllGatherDispatcher}.get(
+        backend, AllToAllDispatcher
+    )
     assert isinstance(layer.dispatcher, expected)
-    assert getattr(layer.dispatcher, "padded", False) == (backend == "all_to_all_padded")
     w = layer.experts.gate_up_proj
     assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.to_local().shape[0] == E // world
     x_all, g_all = _inputs(world, seed, one_hot_expert)
     x = x_all[rank].to(device).requires_grad_()
-    if backend in NO_SYNC and device == "cpu":
+    if backend == "all_gather" and device == "cpu":
         with _count_collectives() as calls:
             out = layer(x)
         # No host copy of the dispatch's own (the CPU grouped-GEMM reference still reads its group sizes:
-        # 2 host copies); its exchanges are functional collectives, not dist.all_to_all_single.
+        # 2 host copies); its exchanges are functional all-gathers and a reduce-scatter.
         assert calls == {"all_to_all_single": 0, "tolist": 2}, calls
-    elif backend in NO_SYNC:
+    elif backend == "all_gather":
         _assert_no_host_sync(router_kwargs, layer_kwargs, mesh, backend)
         out = layer(x)
     elif num_chunks is None or device != "cpu":
@@ -264,20 +264,21 @@ def test_ep2_chunked_matches_reference(num_chunks: int) -> None:
     _check(2, seed=6, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, num_chunks=num_chunks)
 
 
-@pytest.mark.parametrize("dispatch", NO_SYNC)
 @pytest.mark.parametrize("world", [2, 4])
-def test_no_sync_dispatch_matches_reference(world: int, dispatch: Dispatch) -> None:
-    """No host read of the split sizes (worst-case-size all-to-all buffers, or all-gathered tokens): the
-    same float64 parity, with dropped slots (capacity), a rank whose experts get no token (one-hot
-    expert), top-k above and below E/P."""
+def test_all_gather_dispatch_matches_reference(world: int) -> None:
+    """Tokens all-gathered, outputs reduce-scattered (no host read of any size): the same float64
+    parity, with dropped slots (capacity), a rank whose experts get no token (one-hot expert), top-k
+    above and below E/P."""
     _check(
         world,
         seed=9,
         layer_kwargs={"shared_expert_intermediate_size": 5, "capacity_factor": 0.75},
         router_kwargs={"top_k": 3, "norm_topk_prob": True, "aux_loss_coef": 0.05, "bias_update_rate": 0.01},
-        dispatch=dispatch,
+        dispatch="all_gather",
     )
-    _check(world, seed=10, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, dispatch=dispatch)
+    _check(
+        world, seed=10, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, dispatch="all_gather"
+    )
 
 
 def test_ep4_chunked_matches_reference() -> None:
@@ -303,15 +304,14 @@ def test_ep2_nccl_chunked_matches_reference() -> None:
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("dispatch", NO_SYNC)
-def test_ep2_nccl_no_sync_dispatch_matches_reference_without_host_sync(dispatch: Dispatch) -> None:
+def test_ep2_nccl_all_gather_dispatch_matches_reference_without_host_sync() -> None:
     _check(
         2,
         seed=11,
         layer_kwargs={"capacity_factor": 1.25},
         router_kwargs={"top_k": 2, "norm_topk_prob": True, "aux_loss_coef": 0.05},
         device="cuda",
-        dispatch=dispatch,
+        dispatch="all_gather",
     )
 
 
@@ -418,7 +418,7 @@ def _errors_worker() -> list[str]:
                 assert isinstance(layer.dispatcher, LocalDispatcher)
         else:
             msgs.append("no error")
-    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2), ("all_to_all_padded", 2)):
+    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2), ("all_gather", 2)):
         layer = MoELayer(H, FFN, E, RouterConfig(top_k=1))
         with pytest.raises(ValueError) as info:
             expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)  # type: ignore[arg-type]
@@ -434,17 +434,17 @@ def test_expert_parallel_errors() -> None:
         has_deep_ep = False
     else:
         has_deep_ep = True
-    deepep_msg, divisible_msg, twice_msg, backend_msg, chunks_msg, deepep_chunks_msg, padded_msg = (
+    deepep_msg, divisible_msg, twice_msg, backend_msg, chunks_msg, deepep_chunks_msg, gather_msg = (
         run_distributed(_errors_worker, 2)[0]
     )
     assert "num_chunks must be >= 1, got 0" in chunks_msg
     assert "num_chunks applies to backend='all_to_all' only, not 'deepep'" in deepep_chunks_msg
-    assert "num_chunks applies to backend='all_to_all' only, not 'all_to_all_padded'" in padded_msg
+    assert "num_chunks applies to backend='all_to_all' only, not 'all_gather'" in gather_msg
     if not has_deep_ep:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg
     assert "already a DTensor" in twice_msg
-    assert "backend must be 'all_to_all', 'all_to_all_padded', 'all_gather' or 'deepep', got 'nccl'" in backend_msg
+    assert "backend must be 'all_to_all', 'all_gather' or 'deepep', got 'nccl'" in backend_msg
 
 
 def _ep_outputs(
@@ -469,26 +469,13 @@ def _ep_outputs(
     return [out.hidden_states.detach(), x.grad, *grads]
 
 
-def _padded_vs_exact_worker() -> list[bool]:
-    router = {"top_k": 3, "norm_topk_prob": True}
-    exact, padded = (_ep_outputs(12, router, b) for b in ("all_to_all", "all_to_all_padded"))
-    return [torch.equal(a, b) for a, b in zip(exact, padded, strict=True)]
-
-
-def test_padded_dispatch_equals_exact_splits_bitwise() -> None:
-    """Same rows, same order per expert, same sums: the padded path is the exact-split path's numerics."""
-    for equal in run_distributed(_padded_vs_exact_worker, 2):
-        assert all(equal), equal
-
-
-def _compiled_worker(backend: str) -> list[float]:
+def _compiled_worker() -> list[float]:
     router = {"top_k": 3, "aux_loss_coef": 0.05}
-    eager, compiled = (_ep_outputs(13, router, backend, c) for c in (False, True))
+    eager, compiled = (_ep_outputs(13, router, "all_gather", c) for c in (False, True))
     return [float((a - b).abs().max()) for a, b in zip(eager, compiled, strict=True)]
 
 
-@pytest.mark.parametrize("dispatch", NO_SYNC)
-def test_no_sync_dispatch_compiles_fullgraph(dispatch: str) -> None:
+def test_all_gather_dispatch_compiles_fullgraph() -> None:
     """The EP layer is one graph for torch.compile (no break at the dispatch) and equals eager."""
-    for diffs in run_distributed(_compiled_worker, 2, dispatch):
+    for diffs in run_distributed(_compiled_worker, 2):
         assert max(diffs) <= 1e-6, diffs

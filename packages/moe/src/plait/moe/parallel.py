@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 def expert_parallel(
     layer: MoELayer,
     ep_mesh: DeviceMesh,
-    backend: Literal["all_to_all", "all_to_all_padded", "all_gather", "deepep"] = "all_to_all",
+    backend: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
 ) -> MoELayer:
     """Shard ``layer``'s experts over ``ep_mesh`` and switch it to expert-parallel dispatch.
@@ -29,9 +29,7 @@ def expert_parallel(
         layer: The layer, modified in place. Its weights must be identical on all ranks of the mesh
             (rank 0's values are scattered); meta-device weights stay on meta.
         ep_mesh: A 1-D mesh, e.g. ``ctx.mesh_for("expert")["ep_shard"]``.
-        backend: ``"all_to_all"`` (torch.distributed, any device), ``"all_to_all_padded"`` (the
-            same with worst-case-size buffers and no host synchronisation: see
-            :class:`AllToAllDispatcher`'s ``padded``), ``"all_gather"`` (tokens all-gathered, outputs
+        backend: ``"all_to_all"`` (torch.distributed, any device), ``"all_gather"`` (tokens all-gathered, outputs
             reduce-scattered: no host synchronisation, fewer bytes than the all-to-all when the EP size is
             below top-k: :class:`AllGatherDispatcher`) or ``"deepep"`` (CUDA; needs ``plait-moe[deepep]``).
         num_chunks: ``"all_to_all"`` only: token chunks pipelined so that the all-to-alls overlap
@@ -53,10 +51,9 @@ def expert_parallel(
     group = ep_mesh.get_group()
     # Before touching the layer, so a missing DeepEP or a bad backend leaves it unchanged.
     dispatcher: AllToAllDispatcher | AllGatherDispatcher | DeepEPDispatcher
-    if backend not in ("all_to_all", "all_to_all_padded", "all_gather", "deepep"):
+    if backend not in ("all_to_all", "all_gather", "deepep"):
         raise ValueError(
-            "expert_parallel: backend must be 'all_to_all', 'all_to_all_padded', 'all_gather' or 'deepep', "
-            f"got {backend!r}"
+            f"expert_parallel: backend must be 'all_to_all', 'all_gather' or 'deepep', got {backend!r}"
         )
     if num_chunks is not None and backend != "all_to_all":
         raise ValueError(f"expert_parallel: num_chunks applies to backend='all_to_all' only, not {backend!r}")
@@ -66,7 +63,7 @@ def expert_parallel(
         dispatcher = AllGatherDispatcher(group)
     else:
         chunks = 1 if num_chunks is None else num_chunks
-        dispatcher = AllToAllDispatcher(group, chunks, padded=backend == "all_to_all_padded")
+        dispatcher = AllToAllDispatcher(group, chunks)
     ep = ep_mesh.size()
     if layer.num_experts % ep:
         raise ValueError(

@@ -235,7 +235,12 @@ class _AllGather(torch.autograd.Function):
 
 @torch.compiler.disable  # collectives and saved-tensor hooks run eagerly (the attention kernel is compiled)
 def _allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float, group: dist.ProcessGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    scale: float,
+    group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """Local ``q [B, S, Hq, D]`` attending to the K/V of all ranks, all-gathered (``[B, S, Hq, D]`` out)."""
     local = torch.stack([k, v])

@@ -52,15 +52,14 @@ class ParallelConfig(BaseModel):
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
             :mod:`plait.models.blocks.context_parallel`.
         expert_dispatch: How MoE tokens reach their experts when the expert mesh's ``ep_shard`` dim
-            is > 1: ``all_to_all`` (``torch.distributed``, NCCL or gloo), ``all_to_all_padded`` (the
-            same with worst-case-size buffers, so the split sizes stay on the device and the forward
-            never waits for it on the host; ``P`` times the all-to-all volume), ``all_gather`` (tokens
-            all-gathered over the EP group and expert outputs reduce-scattered: no host wait either,
-            ``(P-1) * T`` rows each way, fewer bytes than the all-to-all when ``P`` is below top-k;
-            ``plait.moe.AllGatherDispatcher``) or ``deepep`` (DeepEP's
-            normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install "plait-moe[deepep]"``,
-            else applying the plan raises an ``ImportError`` naming that extra). Without expert
-            parallelism every expert is local and neither is used.
+            is > 1: ``all_to_all`` (``torch.distributed``, NCCL or gloo; the split sizes are read on
+            the host, a sync per MoE layer), ``all_gather`` (tokens all-gathered over the EP group
+            and expert outputs reduce-scattered: every size stays on the device, so the host never
+            waits and a compiled MoE layer is one graph; ``(P-1) * T`` rows each way, fewer bytes
+            than the all-to-all when ``P`` is below top-k; ``plait.moe.AllGatherDispatcher``) or
+            ``deepep`` (DeepEP's normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install
+            "plait-moe[deepep]"``, else applying the plan raises an ``ImportError`` naming that extra).
+            Without expert parallelism every expert is local and none is used.
         expert_chunks: ``all_to_all`` only: token chunks pipelined so that the all-to-alls overlap
             the expert GEMMs (``plait.moe.AllToAllDispatcher``'s ``num_chunks``; 1 = no overlap;
             None = its default, 1).
@@ -75,5 +74,5 @@ class ParallelConfig(BaseModel):
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     compile: bool = False
     context_parallel_attention: Literal["ring", "allgather"] = "allgather"
-    expert_dispatch: Literal["all_to_all", "all_to_all_padded", "all_gather", "deepep"] = "all_to_all"
+    expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all"
     expert_chunks: int | None = Field(default=None, ge=1)

@@ -124,7 +124,7 @@ def apply_context_parallel(
 def apply_expert_parallel(
     model: Qwen3Stage,
     ep_mesh: DeviceMesh,
-    dispatch: Literal["all_to_all", "all_to_all_padded", "all_gather", "deepep"] = "all_to_all",
+    dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
 ) -> None:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``.

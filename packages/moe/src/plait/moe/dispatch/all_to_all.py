@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from plait.kernels import permute, unpermute
 from torch import Tensor
 
@@ -134,25 +133,17 @@ class AllToAllDispatcher:
         num_chunks: Token chunks pipelined through dispatch, experts and combine so that the
             all-to-alls overlap the grouped GEMMs (1 = no overlap: dispatch, compute, combine in
             sequence). Outputs do not depend on it. Every rank of ``group`` must use the same value.
-        padded: Send every peer a buffer of the worst-case size (``T * min(k, E/P)`` rows for ``T``
-            local tokens) so that the split sizes never leave the device: no host synchronisation
-            in the forward, at the price of ``P`` times the all-to-all volume and buffer memory
-            (the rows themselves and the experts' work are unchanged; empty slots are zero and
-            skipped). Outputs equal the exact-split path's. Needs ``num_chunks == 1``.
 
     Raises:
-        ValueError: ``num_chunks < 1``, or ``num_chunks > 1`` with ``padded``.
+        ValueError: ``num_chunks < 1``.
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_chunks: int = 1, padded: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_chunks: int = 1) -> None:
         if num_chunks < 1:
             raise ValueError(f"AllToAllDispatcher: num_chunks must be >= 1, got {num_chunks}")
-        if padded and num_chunks > 1:
-            raise ValueError(f"AllToAllDispatcher: padded dispatch is not chunked (num_chunks={num_chunks})")
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.num_chunks = num_chunks
-        self.padded = padded
 
     def __call__(
         self,
@@ -162,8 +153,6 @@ class AllToAllDispatcher:
         experts: GroupedExperts,
         has_dropped: bool = False,
     ) -> Tensor:
-        if self.padded:
-            return self._padded(x, topk_idx, topk_weights, experts)
         num_experts, ep = experts.num_experts, self.ep_size
         n_local = num_experts // ep
         # The same chunk count on every rank (each chunk is a collective), whatever its token count:
@@ -218,42 +207,5 @@ class AllToAllDispatcher:
             outs.append(unpermute(back, row_map))
         return outs[0] if n == 1 else torch.cat(outs)
 
-    def _padded(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, experts: GroupedExperts) -> Tensor:
-        """The ``padded`` dispatch: fixed-size buffers, every index computed on the device."""
-        num_experts, ep = experts.num_experts, self.ep_size
-        n_local = num_experts // ep
-        cap = topk_idx.shape[0] * min(topk_idx.shape[1], n_local)  # rows one peer can get from us, at most
-        rows, row_w, row_map, counts = permute(x, topk_idx, num_experts, topk_weights)
-        assert row_w is not None
-        # Send buffer [dst rank][slot]: rank p's rows (contiguous in the expert-major buffer), then zeros.
-        dst_count = counts.view(ep, n_local).sum(1)
-        dst_end = torch.cumsum(dst_count, 0)
-        slot = torch.arange(cap, device=x.device)
-        used = (slot < dst_count[:, None]).reshape(-1)
-        src = ((dst_end - dst_count)[:, None] + slot).reshape(-1).clamp(max=max(rows.shape[0] - 1, 0))
-        send = torch.where(used[:, None], rows.index_select(0, src), 0)
-        send_w = torch.where(used, row_w.index_select(0, src), 0)
-        # Equal splits: functional collectives (traceable by torch.compile; waited for where first used).
-        recv_counts = funcol.all_to_all_single(counts.view(ep, n_local).contiguous(), None, None, self.group)
-        recv = funcol.all_to_all_single_autograd(send, None, None, self.group)
-        recv_w = funcol.all_to_all_single_autograd(send_w, None, None, self.group)
-        # Each received slot's local expert (n_local past a source's rows: skipped by permute); a stable
-        # permute by it gives [local expert][source rank] order, as the exact-split path.
-        expert = torch.searchsorted(
-            torch.cumsum(recv_counts, 1), slot.expand(ep, cap).contiguous(), right=True
-        )
-        local_rows, local_w, local_map, local_counts = permute(
-            recv, expert.view(-1, 1), n_local, recv_w.unsqueeze(1)
-        )
-        out = unpermute(experts(local_rows, local_counts, local_w), local_map)
-        back = funcol.all_to_all_single_autograd(out, None, None, self.group)
-        # Back to this rank's expert-major rows (row i sits in slot i - start of its destination); the
-        # dropped tail maps anywhere in range and is never read by unpermute.
-        i = torch.arange(rows.shape[0], device=x.device)
-        dst = torch.searchsorted(dst_end, i, right=True).clamp(max=ep - 1)
-        at = (dst * cap + i - (dst_end - dst_count)[dst]).clamp(0, max(ep * cap - 1, 0))
-        return unpermute(back.index_select(0, at), row_map)
-
     def __repr__(self) -> str:
-        padded = ", padded=True" if self.padded else ""
-        return f"AllToAllDispatcher(ep_size={self.ep_size}, num_chunks={self.num_chunks}{padded})"
+        return f"AllToAllDispatcher(ep_size={self.ep_size}, num_chunks={self.num_chunks})"
