@@ -23,6 +23,7 @@ from plait.dist_core import (
 )
 from plait.dist_core.testing import run_distributed
 from plait.models import (
+    ActivationCheckpointing,
     AttentionMask,
     ParallelConfig,
     Qwen3ForCausalLM,
@@ -349,6 +350,7 @@ def _model_rank(
     degrees: dict[str, int],
     stages: int,
     device: str = "cpu",
+    checkpointing: str = "none",
 ) -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it (and the environment)
     # The float64 comparison is about context parallelism over NCCL, not the fp32 Triton kernels.
@@ -358,7 +360,11 @@ def _model_rank(
         cfg = Qwen3MoeConfig(**CFG, attn_implementation="sdpa", router_aux_loss_pooling=pooling)
         parts = [Qwen3ForCausalLM(cfg, stage_index=i, num_stages=stages) for i in range(stages)]
     for part in parts:
-        parallelize(part, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
+        config = ParallelConfig(
+            context_parallel_attention=mode,
+            activation_checkpointing=ActivationCheckpointing(mode=checkpointing),
+        )
+        parallelize(part, context=ctx, config=config)
         part.to_empty(device=ctx.device)
         part.reset_parameters()
     load_hf_checkpoint(parts, ckpt)
@@ -416,7 +422,11 @@ LAYOUTS = {
         1,
     ),
     "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True, False, "per_layer", 1),
+    # activation checkpointing around the collectives (the all-gather mode's saved-tensor hooks included)
+    "cp2_allgather_packed_full_ac": ({"context_shard": 2}, "allgather", True, False, "all_layers", 1),
+    "cp2_ring_padded_selective_ac": ({"context_shard": 2}, "ring", False, True, "per_layer", 1),
 }
+CHECKPOINTING = {"cp2_allgather_packed_full_ac": "full", "cp2_ring_padded_selective_ac": "selective"}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -470,6 +480,7 @@ def check_model_layout(layout: str, tmp_path, device: str) -> None:
         degrees,
         stages,
         device,
+        CHECKPOINTING.get(layout, "none"),
         backend=backend,
         timeout=300.0,
     )
