@@ -26,7 +26,9 @@ from a length known to fit (with ``--search-from`` and ``--max-seq`` around a kn
 
 A cp=2 trial that runs out of memory on one rank but not the other can leave the other waiting
 in a collective: the process group times out after ``--timeout`` seconds and the run ends with that
-error; rerun with ``--max-seq`` below the length it reached. ``--smoke`` runs a tiny model on CPU
+error; rerun with ``--max-seq`` below the length it reached. ``--profile`` prints, after the timings, a
+torch.profiler table of 3 steps at ``--seq`` for cp=1 and for cp=2 (rank 0; where the cp=2 step's time
+goes). ``--smoke`` runs a tiny model on CPU
 (gloo) to check the script.
 """
 
@@ -168,6 +170,20 @@ class Trainer:
         mem = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else math.nan
         return seq / dt / self.cp_size, mem
 
+    def profile(self, seq: int) -> None:
+        """``--profile``: a torch.profiler table of 3 training steps at ``seq`` (printed by context rank 0)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            for _ in range(3):
+                self.step(seq)
+            self._sync()
+        if self.cp_rank == 0:
+            key = "self_device_time_total" if cuda else "self_cpu_time_total"
+            print(f"--- profile: cp={self.cp_size}, seq {seq}, 3 steps", flush=True)
+            print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -210,6 +226,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900.0, help="collective timeout (seconds)")
     p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--profile", action="store_true", help="after the timings: kernel table of 3 steps at --seq")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU + gloo: checks the script runs")
     args = p.parse_args()
     if args.smoke:
@@ -243,6 +260,8 @@ def main() -> None:
             "base": t.tok_per_s_per_gpu(args.base_seq),
             "seq": t.tok_per_s_per_gpu(args.seq),
         }
+        if args.profile:
+            t.profile(args.seq)
         del t
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -255,6 +274,8 @@ def main() -> None:
         "longest": t.longest() if args.search in ("both", "cp2") else 0,
         "seq": t.tok_per_s_per_gpu(args.seq),
     }
+    if args.profile:
+        t.profile(args.seq)
     peak = bf16_matmul_tflops()
 
     if rank == 0:

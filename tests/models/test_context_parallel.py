@@ -435,7 +435,9 @@ def test_moe_model_with_context_parallel_matches_single_process(layout: str, tmp
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("layout", ["cp2_ring_packed_per_layer", "cp2_allgather_packed_padded"])
+@pytest.mark.parametrize(
+    "layout", ["cp2_ring_packed_per_layer", "cp2_allgather_packed_padded", "cp2_allgather_packed_full_ac"]
+)
 def test_moe_model_with_context_parallel_on_two_gpus_nccl(layout: str, tmp_path) -> None:
     check_model_layout(layout, tmp_path, "cuda")
 
