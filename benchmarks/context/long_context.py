@@ -226,7 +226,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900.0, help="collective timeout (seconds)")
     p.add_argument("--markdown", type=Path, default=None)
-    p.add_argument("--profile", action="store_true", help="after the timings: kernel table of 3 steps at --seq")
+    p.add_argument(
+        "--profile", action="store_true", help="after the timings: kernel table of 3 steps at --seq"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU + gloo: checks the script runs")
     args = p.parse_args()
     if args.smoke:
