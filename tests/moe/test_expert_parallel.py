@@ -479,3 +479,18 @@ def test_all_gather_dispatch_compiles_fullgraph() -> None:
     """The EP layer is one graph for torch.compile (no break at the dispatch) and equals eager."""
     for diffs in run_distributed(_compiled_worker, 2):
         assert max(diffs) <= 1e-6, diffs
+
+
+def _unequal_tokens_worker() -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = _make_layer(3, {}, {"top_k": 2}, None)
+    expert_parallel(layer, init_device_mesh("cpu", (world,)), backend="all_gather")
+    x, _ = _inputs(world, 3, None)
+    with pytest.raises(RuntimeError) as info:
+        layer(x[rank, : T - rank])  # rank 1 passes one token fewer
+    return str(info.value)
+
+
+def test_all_gather_dispatch_refuses_unequal_token_counts() -> None:
+    for msg in run_distributed(_unequal_tokens_worker, 2):
+        assert "every rank of the EP group must pass the same number of tokens" in msg

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from plait.kernels import permute, unpermute
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 class AllGatherDispatcher:
     """Dispatch by all-gathering tokens over the EP group and reduce-scattering the expert outputs.
 
-    Every rank of ``group`` must pass the same number of tokens (equal-shaped microbatches).
+    Every rank of ``group`` must pass the same number of tokens (equal-shaped microbatches); a
+    device-side assert stops the step otherwise (on CUDA an asynchronous error, raised at the next
+    synchronisation).
     Functional collectives (``torch.distributed._functional_collectives``): traceable by
     ``torch.compile``, waited for where their results are first used.
     """
@@ -50,6 +53,13 @@ class AllGatherDispatcher:
         has_dropped: bool = False,
     ) -> Tensor:
         n_local = experts.num_experts // self.ep_size
+        # Equal token counts on every rank, checked on the device (no host wait): an all-gather of
+        # unequal shards would read past the smaller ones.
+        tokens = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+        torch._assert_async(
+            torch.all(funcol.all_gather_tensor(tokens, 0, self.group) == tokens),
+            "AllGatherDispatcher: every rank of the EP group must pass the same number of tokens",
+        )
         xs = funcol.all_gather_tensor_autograd(x.contiguous(), 0, self.group)
         ws = funcol.all_gather_tensor_autograd(topk_weights.contiguous(), 0, self.group)
         # Ids of this rank's experts become [0, n_local); other ranks' experts and the dropped
