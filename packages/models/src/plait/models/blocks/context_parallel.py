@@ -215,16 +215,21 @@ class ContextParallelMask:
         return self.document_ids[:, chunk * self.chunk : (chunk + 1) * self.chunk]
 
 
+def _gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new leading dim ``[n, *x.shape]`` (one all-gather, no gradient)."""
+    n = dist.get_world_size(group)
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view(n, *x.shape)
+
+
 class _AllGather(torch.autograd.Function):
     """All-gather along a new leading dim ``[n, *x.shape]``; the backward reduce-scatters (sums)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        n = dist.get_world_size(group)
-        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out.view(n, *x.shape)
+        return _gather_stacked(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -291,10 +296,7 @@ class _RegatherSaved:
             return packed
         shape, stride, offset = packed
         if self.full is None:
-            n = dist.get_world_size(self.group)
-            out = self.local.new_empty((n * self.local.shape[0], *self.local.shape[1:]))
-            dist.all_gather_into_tensor(out, self.local, group=self.group)
-            self.full = _unshard_kv(out.view(n, *self.local.shape))
+            self.full = _unshard_kv(_gather_stacked(self.local, self.group))
         view = self.full.as_strided(shape, stride, offset)
         self.pending -= 1
         if self.pending <= 0:  # every view has its tensor: drop the reference (retain_graph re-gathers)
