@@ -28,8 +28,9 @@ A cp=2 trial that runs out of memory on one rank but not the other can leave the
 in a collective: the process group times out after ``--timeout`` seconds and the run ends with that
 error; rerun with ``--max-seq`` below the length it reached. ``--profile`` prints, after the timings, a
 torch.profiler table of 3 steps at ``--seq`` for cp=1 and for cp=2 (rank 0; where the cp=2 step's time
-goes). ``--smoke`` runs a tiny model on CPU
-(gloo) to check the script.
+goes). ``--compile`` compiles every decoder layer (both layouts); ``--flex-row`` adds a cp=2 row with
+``attn_implementation="flex"`` (the block-mask kernel; plain causal rows otherwise run cuDNN per chunk).
+``--smoke`` runs a tiny model on CPU (gloo) to check the script.
 """
 
 from __future__ import annotations
@@ -89,11 +90,15 @@ class Trainer:
             model = Qwen3ForCausalLM(cfg)
         model.to(args.dtype)
         if ctx is not None:
-            parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=args.mode))
+            config = ParallelConfig(context_parallel_attention=args.mode, compile=args.compile)
+            parallelize(model, context=ctx, config=config)
             cp = ctx.mesh_for("batch")["cp"]
             self.cp_size, self.cp_rank = cp.size(), cp.get_local_rank()
         else:
             self.cp_size, self.cp_rank = 1, 0
+            if args.compile:
+                for layer in model.decoder_layers():
+                    layer.compile()
         model.to_empty(device=device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -229,6 +234,12 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="after the timings: kernel table of 3 steps at --seq"
     )
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (every layout)")
+    p.add_argument(
+        "--flex-row",
+        action="store_true",
+        help="also time cp=2 with attn_implementation='flex' (the all-gather mode's FlexAttention kernel)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU + gloo: checks the script runs")
     args = p.parse_args()
     if args.smoke:
@@ -278,6 +289,12 @@ def main() -> None:
     }
     if args.profile:
         t.profile(args.seq)
+    del t
+    flex: tuple[float, float] | None = None
+    if args.flex_row:
+        flex = Trainer(
+            cfg.model_copy(update={"attn_implementation": "flex"}), args, device, ctx
+        ).tok_per_s_per_gpu(args.seq)
     peak = bf16_matmul_tflops()
 
     if rank == 0:
@@ -291,6 +308,8 @@ def main() -> None:
             ["cp=1, 1 GPU", "", f"{args.seq}", f"{cp1['seq'][0]:.0f}", mfu(cp1["seq"][0], args.seq), f"{cp1['seq'][0] / cp1['base'][0]:.2f}x", f"{cp1['seq'][1]:.1f}"],
             [f"cp=2 ({args.mode}), 2 GPUs", f"{cp2['longest'] or 'not searched'}", f"{args.seq}", f"{cp2['seq'][0]:.0f}", mfu(cp2["seq"][0], args.seq), f"{cp2['seq'][0] / cp1['base'][0]:.2f}x", f"{cp2['seq'][1]:.1f}"],
         ]  # fmt: skip
+        if flex is not None:
+            rows.append([f"cp=2 ({args.mode}, flex), 2 GPUs", "", f"{args.seq}", f"{flex[0]:.0f}", mfu(flex[0], args.seq), f"{flex[0] / cp1['base'][0]:.2f}x", f"{flex[1]:.1f}"])  # fmt: skip
         header = [
             "layout",
             "longest seq",
@@ -309,7 +328,8 @@ def main() -> None:
             f"Model {args.config.name if not args.smoke else 'smoke'} ({cfg.num_hidden_layers} layers, hidden "
             f"{cfg.hidden_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}), "
             f"{str(args.dtype).removeprefix('torch.')} parameters, AdamW, one sequence per step, no activation "
-            f"checkpointing; cp=2 = FSDP2 over dp_cp_shard + `{args.mode}` attention. Longest sequence: "
+            f"checkpointing, decoder layers {'compiled' if args.compile else 'eager'}; cp=2 = FSDP2 over "
+            f"dp_cp_shard + `{args.mode}` attention (attn_implementation {cfg.attn_implementation!r}). Longest sequence: "
             f"search step {args.granularity}, up to {args.max_seq}. Throughput: mean of {args.iters} steps "
             f"after {args.warmup}, slowest rank. bf16 matmul peak {peak:.0f} TFLOP/s.\n\n"
             f"{markdown_table(header, rows)}\n\n"

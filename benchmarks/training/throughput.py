@@ -164,9 +164,17 @@ class _Profile:
             return
         self.prof.__exit__(None, None, None)
         events = self.prof.key_averages()
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        # Device time of kernels only: not the step / NCCL annotations that span them.
+        annotations = ("ProfilerStep", "nccl:", "record_param_comms")
+        kernels = [
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(annotations)
+        ]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3  # seconds of kernels per step
         print(events.table(sort_by="self_device_time_total", row_limit=30), flush=True)
+        print("PROFILE host time (CPU total, all threads):", flush=True)
+        print(events.table(sort_by="cpu_time_total", row_limit=40), flush=True)
         print(f"PROFILE kernel time {busy * 1e3:.1f} ms/step of {s_per_step * 1e3:.1f} ms/step wall "
               f"({busy / s_per_step:.0%} busy)", flush=True)  # fmt: skip
         for e in events:  # host waits on the device: what stops the host from running ahead

@@ -94,7 +94,7 @@ def _attention_rank(
         for k, v in _tensors().items()
     }
     doc_ids = shard_sequence(_doc_ids(), n, r).to(dev) if docs else None
-    mask = cp.build_mask(B, T // n, dev, document_ids=doc_ids, implementation=impl)
+    mask = cp.build_mask(B, T // n, dev, document_ids=doc_ids, implementation=impl, dtype=dtype)
     assert isinstance(mask, AttentionMask) and mask.context is not None
     group = dist.group.WORLD
     if forward_only:
@@ -116,6 +116,9 @@ def _attention_rank(
     # all-gather: the attention keeps this rank's K/V shard, not the gathered K/V, for its backward.
     assert gathers == (["forward", "backward"] if mode == "allgather" else []), gathers
     return {
+        "chunk_kernels": torch.tensor(
+            mode == "allgather" and mask.block_mask is None and mask.dense_mask is None
+        ),
         "out": gather_sequence(out.detach(), group).double(),  # type: ignore[arg-type]
         "dq": gather_sequence(local["q"].grad, group).double(),  # type: ignore[arg-type]
         "dk": gather_sequence(local["k"].grad, group).double(),  # type: ignore[arg-type]
@@ -130,6 +133,8 @@ def test_attention_matches_single_process(mode: str, cp: int, docs: bool) -> Non
     ref = _reference(docs)
     tile = 2 if cp == 2 else cp_mod._Q_TILE  # small query tiles exercise the ring kernel's tiling
     for rank, res in enumerate(run_distributed(_attention_rank, cp, mode, docs, tile)):
+        # Plain causal rows of the all-gather mode: per-chunk SDPA kernels merged by log-sum-exp.
+        assert bool(res["chunk_kernels"]) == (mode == "allgather" and not docs)
         for key, want in ref.items():
             torch.testing.assert_close(res[key], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {key}")
 
@@ -148,11 +153,16 @@ def test_allgather_flex_forward_on_cpu(docs: bool) -> None:
 @pytest.mark.parametrize(
     ("dtype", "tol"), [(torch.float32, 2e-4), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"]
 )
-def test_attention_on_two_gpus_nccl(mode: str, dtype: torch.dtype, tol: float) -> None:
-    # bf16 runs the ring's tensor-core kernel (bf16 operands, fp32 accumulation).
-    ref = _reference(docs=True)
-    results = run_distributed(_attention_rank, 2, mode, True, 4, "cuda", dtype, backend="nccl")
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_attention_on_two_gpus_nccl(mode: str, dtype: torch.dtype, tol: float, docs: bool) -> None:
+    # bf16 runs the ring's tensor-core kernel (bf16 operands, fp32 accumulation); plain causal bf16
+    # rows of the all-gather mode run cuDNN per chunk on Hopper (FlexAttention otherwise).
+    ref = _reference(docs=docs)
+    results = run_distributed(_attention_rank, 2, mode, docs, 4, "cuda", dtype, backend="nccl")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
     for rank, res in enumerate(results):
+        want_chunks = mode == "allgather" and not docs and dtype == torch.bfloat16 and hopper
+        assert bool(res["chunk_kernels"]) == want_chunks
         for key, want in ref.items():
             torch.testing.assert_close(res[key], want, rtol=tol, atol=tol, msg=f"rank {rank} {key}")
 
@@ -351,6 +361,7 @@ def _model_rank(
     stages: int,
     device: str = "cpu",
     checkpointing: str = "none",
+    compile: bool = False,
 ) -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it (and the environment)
     # The float64 comparison is about context parallelism over NCCL, not the fp32 Triton kernels.
@@ -363,6 +374,7 @@ def _model_rank(
         config = ParallelConfig(
             context_parallel_attention=mode,
             activation_checkpointing=ActivationCheckpointing(mode=checkpointing),
+            compile=compile,
         )
         parallelize(part, context=ctx, config=config)
         part.to_empty(device=ctx.device)
@@ -425,8 +437,11 @@ LAYOUTS = {
     # activation checkpointing around the collectives (the all-gather mode's saved-tensor hooks included)
     "cp2_allgather_packed_full_ac": ({"context_shard": 2}, "allgather", True, False, "all_layers", 1),
     "cp2_ring_padded_selective_ac": ({"context_shard": 2}, "ring", False, True, "per_layer", 1),
+    # compiled decoder layers (the all-gather attention runs eagerly between their graphs)
+    "cp2_allgather_compiled": ({"context_shard": 2}, "allgather", False, False, "all_layers", 1),
 }
 CHECKPOINTING = {"cp2_allgather_packed_full_ac": "full", "cp2_ring_padded_selective_ac": "selective"}
+COMPILED = {"cp2_allgather_compiled"}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -483,6 +498,7 @@ def check_model_layout(layout: str, tmp_path, device: str) -> None:
         stages,
         device,
         CHECKPOINTING.get(layout, "none"),
+        layout in COMPILED,
         backend=backend,
         timeout=300.0,
     )

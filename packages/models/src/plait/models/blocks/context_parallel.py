@@ -6,9 +6,12 @@ q/k norms, RoPE (with global positions) and the MLP are per token and run on the
 only attention needs the other ranks' keys and values. Two ways, chosen by ``mode``:
 
 - ``"allgather"`` (Llama 3): all-gather K and V over the group (differentiable; the backward
-  reduce-scatters their gradients), then attend the local queries to the whole sequence with one
-  SDPA (CPU) or FlexAttention (CUDA) call whose mask is causal in global positions and per
-  document.
+  reduce-scatters their gradients), then attend the local queries to the whole sequence. Plain
+  causal rows (no documents, no padding) run SDPA kernels per local chunk: the chunk against its
+  own keys (causal) and against the keys before it (no mask), merged by the log-sum-exp rule
+  (cuDNN on Hopper+ GPUs for fp16/bf16, FlashAttention-for-CPU on CPU); otherwise one
+  FlexAttention (CUDA) or dense-mask SDPA (CPU) call whose mask is causal in global positions and
+  per document.
 - ``"ring"``: K/V blocks travel around the group with point-to-point sends; the transfer of the
   next block is posted before the current block is computed, so the two overlap. Block results
   merge with the log-sum-exp rule; the backward recomputes each block's probabilities from the
@@ -90,6 +93,7 @@ class ContextParallel:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         implementation: str = "auto",
+        dtype: torch.dtype | None = None,
     ) -> AttentionMask:
         """The attention mask of one forward for this rank's shard (collective over the group).
 
@@ -104,8 +108,11 @@ class ContextParallel:
                 token, 0 = padding). It is all-gathered, and each padding token of the full row
                 becomes a document of its own, as in :func:`build_attention_mask`; the returned
                 mask's ``padding_mask`` is this rank's part (MoE layers leave padding out).
-            implementation: ``auto``, ``sdpa`` or ``flex`` (the ``allgather`` kernel; ``auto`` is
-                FlexAttention on CUDA, SDPA elsewhere). The ring has its own kernel.
+            implementation: ``auto``, ``sdpa`` or ``flex`` (the ``allgather`` kernel). ``auto`` and
+                ``sdpa`` run plain causal rows as per-chunk SDPA kernels where one returns its
+                log-sum-exp (CPU; CUDA fp16/bf16 on Hopper or newer: cuDNN); otherwise ``auto`` is
+                FlexAttention on CUDA and SDPA with a dense mask elsewhere. The ring has its own kernel.
+            dtype: Activation dtype (the per-chunk cuDNN kernels need fp16/bf16); None: not known.
 
         Raises:
             ValueError: ``flash`` or an unknown implementation, or shapes that do not match.
@@ -144,6 +151,8 @@ class ContextParallel:
         cp = ContextParallelMask(self.group, self.mode, n, self.rank, local_len // 2, q_pos, docs)
         if self.mode == "ring":
             return AttentionMask("sdpa", context=cp, padding_mask=padding)
+        if docs is None and implementation != "flex" and _chunk_kernels_available(device, dtype):
+            return AttentionMask("sdpa", context=cp)  # no mask: the chunks' kernels are causal
         backend = (
             implementation if implementation != "auto" else ("flex" if device.type == "cuda" else "sdpa")
         )
@@ -197,7 +206,7 @@ class ContextParallelMask:
         """
         if self.mode == "ring":
             return _RingAttention.apply(q, k, v, self, scale)  # type: ignore[no-any-return]
-        return _allgather_attention(q, k, v, mask, scale, self.group)
+        return _allgather_attention(q, k, v, mask, scale, self)
 
     # -- ring helpers ----------------------------------------------------------------------------
     def chunks_of(self, rank: int) -> tuple[int, int]:
@@ -245,16 +254,18 @@ def _allgather_attention(
     v: torch.Tensor,
     mask: AttentionMask,
     scale: float,
-    group: dist.ProcessGroup,
+    cp: ContextParallelMask,
 ) -> torch.Tensor:
     """Local ``q [B, S, Hq, D]`` attending to the K/V of all ranks, all-gathered (``[B, S, Hq, D]`` out)."""
     local = torch.stack([k, v])
-    kv = _unshard_kv(_AllGather.apply(local, group))
-    qt, kt, vt = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    kv = _unshard_kv(_AllGather.apply(local, cp.group))
     # The attention saves the gathered K/V for its backward: keep this rank's shard instead and
     # gather again when the backward needs them (1/size of the memory, one more all-gather).
-    regather = _RegatherSaved(kv, local.detach(), group)
+    regather = _RegatherSaved(kv, local.detach(), cp.group)
     with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+        if mask.block_mask is None and mask.dense_mask is None:  # plain causal
+            return _CausalChunks.apply(q, kv, cp, scale)  # type: ignore[no-any-return]
+        qt, kt, vt = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         if mask.backend == "flex":
             out = _flex(qt, kt, vt, mask.block_mask, scale)
         else:
@@ -263,6 +274,146 @@ def _allgather_attention(
                 qt, kt, vt, attn_mask=mask.dense_mask, scale=scale, enable_gqa=gqa
             )
     return out.transpose(1, 2)
+
+
+def _chunk_kernels_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether :class:`_SdpaKernel` serves ``device`` and ``dtype`` (CPU; CUDA cuDNN fp16/bf16, Hopper+)."""
+    if device.type == "cpu":
+        return True
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and torch.backends.cudnn.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+class _SdpaKernel:
+    """An SDPA kernel that returns its log-sum-exp, and its backward given any output and log-sum-exp.
+
+    cuDNN on CUDA, FlashAttention-for-CPU on CPU (both take fewer K/V heads than query heads).
+    Tensors are ``[B, H, L, D]``; the log-sum-exp is ``[B, Hq, L]``.
+    """
+
+    def __init__(self, device: torch.device, scale: float) -> None:
+        self.cuda, self.scale = device.type == "cuda", scale
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+        """(out, log-sum-exp, what the backward needs of this call)."""
+        aten = torch.ops.aten
+        if self.cuda:
+            r = aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=self.scale
+            )
+            return r[0], r[1].squeeze(-1), tuple(r[2:8])
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
+        return out, lse, ()
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        state: tuple[Any, ...],
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of one call, with the softmax of ``out`` / ``lse`` (those of the whole row)."""
+        aten = torch.ops.aten
+        if self.cuda:
+            cum_q, cum_k, max_q, max_k, seed, offset = state
+            return aten._scaled_dot_product_cudnn_attention_backward(  # type: ignore[no-any-return]
+                grad,
+                q,
+                k,
+                v,
+                out,
+                lse.unsqueeze(-1),
+                seed,
+                offset,
+                None,
+                cum_q,
+                cum_k,
+                max_q,
+                max_k,
+                0.0,
+                causal,
+                scale=self.scale,
+            )
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
+            grad, q, k, v, out, lse, 0.0, causal, scale=self.scale
+        )
+
+
+def _chunk_blocks(chunk: int, size: int) -> list[tuple[slice, bool]]:
+    """Key ranges of global chunk ``chunk`` (``size`` tokens each) and whether each is causal:
+    its own keys (causal), then the keys before it (no mask; none for the first chunk)."""
+    own = slice(chunk * size, (chunk + 1) * size)
+    return [(own, True)] + ([(slice(0, chunk * size), False)] if chunk else [])
+
+
+class _CausalChunks(torch.autograd.Function):
+    """Plain causal attention of the local chunks to the gathered K/V, with SDPA kernels.
+
+    ``q [B, S, Hq, D]`` (this rank's two chunks), ``kv [2, B, T, Hk, D]`` (the whole sequence, in
+    order) -> ``[B, S, Hq, D]``. Each chunk's blocks (:func:`_chunk_blocks`) merge by the
+    log-sum-exp rule in fp32; the backward runs each block's kernel backward with the merged
+    output and log-sum-exp (the whole row's softmax), summing dq over blocks and dK/dV in fp32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, kv: torch.Tensor, cp: ContextParallelMask, scale: float
+    ) -> torch.Tensor:
+        kern = _SdpaKernel(q.device, scale)
+        c = cp.chunk
+        qt, k, v = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        out = q.new_empty(q.shape)  # contiguous [B, S, Hq, D], like the gradient the backward gets
+        lse = torch.empty(qt.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        states = []
+        for slot, chunk in enumerate(cp.chunks_of(cp.rank)):
+            rows = slice(slot * c, (slot + 1) * c)
+            o: torch.Tensor | None = None
+            for keys, causal in _chunk_blocks(chunk, c):
+                o_b, l_b, state = kern.forward(qt[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
+                states.append(state)
+                if o is None:
+                    o, lse[:, :, rows] = o_b.to(lse.dtype), l_b
+                else:
+                    o, lse[:, :, rows] = _merge(o, lse[:, :, rows], o_b, l_b)
+            assert o is not None
+            out.transpose(1, 2)[:, :, rows] = o
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.cp, ctx.kern, ctx.states = cp, kern, states
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        q, kv, out, lse = ctx.saved_tensors
+        cp: ContextParallelMask = ctx.cp
+        c, acc = cp.chunk, lse.dtype
+        qt, k, v = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        grad = grad_out.contiguous().transpose(1, 2)  # the layout of out (the kernels' output)
+        dq = torch.zeros(qt.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # [2, B, Hk, T, D]
+        states = iter(ctx.states)
+        for slot, chunk in enumerate(cp.chunks_of(cp.rank)):
+            rows = slice(slot * c, (slot + 1) * c)
+            args = (grad[:, :, rows], qt[:, :, rows])
+            o, lse_rows = out.transpose(1, 2)[:, :, rows], lse[:, :, rows].contiguous()
+            for keys, causal in _chunk_blocks(chunk, c):
+                dq_b, dk_b, dv_b = ctx.kern.backward(
+                    *args, k[:, :, keys], v[:, :, keys], o, lse_rows, next(states), causal
+                )
+                dq[:, :, rows] += dq_b
+                dkv[0, :, :, keys] += dk_b
+                dkv[1, :, :, keys] += dv_b
+        return dq.transpose(1, 2).to(q.dtype), dkv.transpose(2, 3).to(kv.dtype), None, None
 
 
 def _unshard_kv(gathered: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,7 @@ class Qwen3Model(nn.Module):
                 position_ids=position_ids,
                 attention_mask=attention_mask,
                 implementation=self.config.attn_implementation,
+                dtype=h.dtype,
             )
             if position_ids is None:
                 position_ids = cp.local_positions(s, h.device).unsqueeze(0)
