@@ -28,7 +28,7 @@ A cp=2 trial that runs out of memory on one rank but not the other can leave the
 in a collective: the process group times out after ``--timeout`` seconds and the run ends with that
 error; rerun with ``--max-seq`` below the length it reached. ``--profile`` prints, after the timings, a
 torch.profiler table of 3 steps at ``--seq`` for cp=1 and for cp=2 (rank 0; where the cp=2 step's time
-goes). ``--compile`` compiles every decoder layer (both layouts); ``--flex-row`` adds a cp=2 row with
+goes; with ``PROFILE_TRACE_DIR`` set, also their timelines). ``--compile`` compiles every decoder layer (both layouts); ``--flex-row`` adds a cp=2 row with
 ``attn_implementation="flex"`` (the block-mask kernel; plain causal rows otherwise run cuDNN per chunk).
 ``--smoke`` runs a tiny model on CPU (gloo) to check the script.
 """
@@ -188,6 +188,8 @@ class Trainer:
             key = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(f"--- profile: cp={self.cp_size}, seq {seq}, 3 steps", flush=True)
             print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
+            if trace_dir := os.environ.get("PROFILE_TRACE_DIR"):  # a timeline to read (chrome://tracing)
+                prof.export_chrome_trace(f"{trace_dir}/trace_cp{self.cp_size}_{seq}.json.gz")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
