@@ -55,6 +55,9 @@ CFG = dict(
 # "ctx_*" build plait.dist_core's DistributedContext from the matching degrees instead of meshes.
 LAYOUTS = {
     "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
+    # two decoder layers per FSDP unit (layers 0-1, then 2); with EP the experts stay out of the units
+    "fsdp2_units2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {"fsdp_layers_per_unit": 2}),
+    "ctx_ep2_fsdp2_units2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"fsdp_layers_per_unit": 2}),
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
     "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),
@@ -115,6 +118,13 @@ def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
         assert all(isinstance(moe.dispatcher, dispatcher) for moe in model.moe_layers())
     if "expert_chunks" in pkw:
         assert all(moe.dispatcher.num_chunks == pkw["expert_chunks"] for moe in model.moe_layers())
+    if dshape[1] * dshape[2] > 1:  # FSDP: one parameter group (all-gather, reduce-scatter) per unit
+        from torch.distributed.fsdp import fully_shard
+
+        layers = list(model.decoder_layers())
+        groups = [fully_shard.state(layer)._fsdp_param_group for layer in layers]  # type: ignore[attr-defined]
+        per_unit = pkw.get("fsdp_layers_per_unit", 1)
+        assert [groups.index(g) for g in groups] == [i // per_unit * per_unit for i in range(len(layers))]
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()

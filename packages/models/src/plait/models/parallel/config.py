@@ -43,6 +43,10 @@ class ParallelConfig(BaseModel):
             replicates over ``dp_replicate`` (HSDP when both > 1; plain replication when only
             ``dp_replicate`` > 1); ``none`` leaves gradient synchronisation to the caller.
         reshard_after_forward: FSDP2 ``reshard_after_forward`` (None: FSDP's default).
+        fsdp_layers_per_unit: Consecutive decoder layers that share one FSDP2 unit (one
+            all-gather, one reduce-scatter and one set of hooks per unit). 1 = a unit per layer;
+            more trades peak memory (that many layers' unsharded parameters) for fewer, larger
+            collectives and less host time per step (what small, host-bound layers need).
         param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
@@ -69,6 +73,7 @@ class ParallelConfig(BaseModel):
 
     data_parallel: Literal["fsdp", "none"] = "fsdp"
     reshard_after_forward: bool | None = None
+    fsdp_layers_per_unit: int = Field(default=1, ge=1)
     param_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()

@@ -153,29 +153,37 @@ def apply_fsdp(
     expert_dp_mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    layers_per_unit: int = 1,
 ) -> None:
-    """FSDP2 per decoder layer and on the root, over ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
+    """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers and on the root, over
+    ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
-    get their own ``fully_shard`` so their gradients are reduced over the expert replicas.
+    get their own ``fully_shard`` (one per layer) so their gradients are reduced over the expert
+    replicas.
     """
     kwargs: dict[str, Any] = {}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = reshard_after_forward
+    layers = list(model.decoder_layers())
     ignored_all: set[nn.Parameter] = set()
-    for layer in model.decoder_layers():
+    for start in range(0, len(layers), layers_per_unit):
+        unit = layers[start : start + layers_per_unit]
         ignored: set[nn.Parameter] = set()
-        if isinstance(layer.mlp, MoELayer) and experts_sharded:
-            experts = layer.mlp.experts
-            if expert_dp_mesh is not None:
-                fully_shard(experts, mesh=expert_dp_mesh, **kwargs)
-            else:
-                ignored = set(experts.parameters())
-                ignored_all |= ignored
-        fully_shard(layer, mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
+        for layer in unit:
+            if isinstance(layer.mlp, MoELayer) and experts_sharded:
+                experts = layer.mlp.experts
+                if expert_dp_mesh is not None:
+                    fully_shard(experts, mesh=expert_dp_mesh, **kwargs)
+                else:
+                    ignored |= set(experts.parameters())
+        ignored_all |= ignored
+        fully_shard(
+            unit if len(unit) > 1 else unit[0], mesh=dp_mesh, ignored_params=ignored or None, **kwargs
+        )
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
 
 
@@ -265,5 +273,6 @@ def parallelize(
             expert_dp_mesh=ep_rep,
             reshard_after_forward=config.reshard_after_forward,
             mp_policy=mp,
+            layers_per_unit=config.fsdp_layers_per_unit,
         )
     return model
