@@ -18,9 +18,11 @@ Rows (each in its own process; ``--rows`` picks some):
                                   batches (packed documents, document masking, aux loss), no Trainer
   plait_trainer_eager / _compiled the main job (examples/qwen3_moe/pretrain.py) with this model
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
-                                  over n (``--parallel.reshard_after_forward=false``); skipped when fewer
-                                  than n GPUs are present (``--smoke``: n CPU processes over gloo)
-  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml)
+                                  over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
+                                  FSDP unit); skipped when fewer than n GPUs are present (``--smoke``: n CPU
+                                  processes over gloo)
+  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml; all 8
+                                  layers in one FSDP unit: with EP it holds only the dense weights)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
 
 ``--model gpu1`` measures the main job's GPU model instead (the ``[model]`` table of
@@ -89,7 +91,15 @@ def trainer_layout(row: str, batch: int) -> tuple[int, list[str]]:
         return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
     # EP rows: gpu2.toml's dispatch (every size on the device: no host sync, one graph per layer)
     expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather"] if m[1] == "ep" else []
-    return n, [f"--mesh.data_shard={n}", *expert, "--parallel.reshard_after_forward=false"]
+    # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (session 8): 4 with FSDP alone; with
+    # EP the units hold only the small dense weights, so one unit for all 8 layers.
+    units = 8 if m[1] == "ep" else 4
+    return n, [
+        f"--mesh.data_shard={n}",
+        *expert,
+        "--parallel.reshard_after_forward=false",
+        f"--parallel.fsdp_layers_per_unit={units}",
+    ]
 
 
 def _src_path() -> None:
