@@ -437,10 +437,22 @@ LAYOUTS = {
     # activation checkpointing around the collectives (the all-gather mode's saved-tensor hooks included)
     "cp2_allgather_packed_full_ac": ({"context_shard": 2}, "allgather", True, False, "all_layers", 1),
     "cp2_ring_padded_selective_ac": ({"context_shard": 2}, "ring", False, True, "per_layer", 1),
+    "cp2_allgather_full_ac": (
+        {"context_shard": 2},
+        "allgather",
+        False,
+        False,
+        "per_layer",
+        1,
+    ),  # per-chunk kernels
     # compiled decoder layers (the all-gather attention runs eagerly between their graphs)
     "cp2_allgather_compiled": ({"context_shard": 2}, "allgather", False, False, "all_layers", 1),
 }
-CHECKPOINTING = {"cp2_allgather_packed_full_ac": "full", "cp2_ring_padded_selective_ac": "selective"}
+CHECKPOINTING = {
+    "cp2_allgather_packed_full_ac": "full",
+    "cp2_ring_padded_selective_ac": "selective",
+    "cp2_allgather_full_ac": "full",
+}
 COMPILED = {"cp2_allgather_compiled"}
 
 
