@@ -21,7 +21,7 @@ Rows (each in its own process; ``--rows`` picks some):
                                   over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
                                   FSDP unit); skipped when fewer than n GPUs are present (``--smoke``: n CPU
                                   processes over gloo)
-  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml; all 8
+  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml; all
                                   layers in one FSDP unit: with EP it holds only the dense weights)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
 
@@ -81,8 +81,9 @@ ROWS_2GPU = ["plait_trainer_fsdp2", "plait_trainer_ep2"]
 GPU1_TOML = ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml"
 
 
-def trainer_layout(row: str, batch: int) -> tuple[int, list[str]]:
-    """Processes and main-job arguments of a Trainer row (``plait_trainer_{fsdp,ep,pp}<n>``; else 1, [])."""
+def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str]]:
+    """Processes and main-job arguments of a Trainer row (``plait_trainer_{fsdp,ep,pp}<n>``; else 1, []);
+    ``layers``: the model's decoder layers."""
     m = re.fullmatch(r"plait_trainer_(fsdp|ep|pp)(\d+)", row)
     if m is None:
         return 1, []
@@ -91,9 +92,9 @@ def trainer_layout(row: str, batch: int) -> tuple[int, list[str]]:
         return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
     # EP rows: gpu2.toml's dispatch (every size on the device: no host sync, one graph per layer)
     expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather"] if m[1] == "ep" else []
-    # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (session 8): 4 with FSDP alone; with
-    # EP the units hold only the small dense weights, so one unit for all 8 layers.
-    units = 8 if m[1] == "ep" else 4
+    # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (session 8, 8 layers): 4 with FSDP
+    # alone; with EP the units hold only the small dense weights, so one unit for all layers.
+    units = layers if m[1] == "ep" else 4
     return n, [
         f"--mesh.data_shard={n}",
         *expert,
@@ -416,7 +417,7 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
         return row_torchtitan(args, name == "torchtitan_compiled")
     if name.startswith("plait_step_"):
         return row_plait_step(args, name == "plait_step_compiled")
-    extra = trainer_layout(name, args.batch)[1]
+    extra = trainer_layout(name, args.batch, int(args.model["num_hidden_layers"]))[1]
     return row_plait_trainer(args, name != "plait_trainer_eager", extra + args.trainer_args.split())
 
 
