@@ -10,3 +10,7 @@ for u in 2 4; do
     | tee $OUT/units$u.log | grep -E "^plait|failed"
 done
 date
+# Two follow-up calls on the same warm machine ran, with the same $T:
+#   FSDP2 with 8 layers per unit; EP2 (plait_trainer_ep2) with 1 and 8 layers per unit;
+#   then EP2 with 4 layers per unit and plait_trainer_compiled again (1-GPU repeat: 151.6k).
+# (Since then the EP rows pass all of the model's layers by default: --parallel.fsdp_layers_per_unit=<layers>.)
