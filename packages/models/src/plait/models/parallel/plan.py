@@ -181,9 +181,10 @@ def apply_fsdp(
                 else:
                     ignored |= set(experts.parameters())
         ignored_all |= ignored
-        fully_shard(
-            unit if len(unit) > 1 else unit[0], mesh=dp_mesh, ignored_params=ignored or None, **kwargs
-        )
+        if len(unit) == 1:
+            fully_shard(unit[0], mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
+        else:
+            fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
 
 
