@@ -28,9 +28,11 @@ A cp=2 trial that runs out of memory on one rank but not the other can leave the
 in a collective: the process group times out after ``--timeout`` seconds and the run ends with that
 error; rerun with ``--max-seq`` below the length it reached. ``--profile`` prints, after the timings, a
 torch.profiler table of 3 steps at ``--seq`` for cp=1 and for cp=2 (rank 0; where the cp=2 step's time
-goes; with ``PROFILE_TRACE_DIR`` set, also their timelines). ``--compile`` compiles every decoder layer (both layouts); ``--flex-row`` adds a cp=2 row with
-``attn_implementation="flex"`` (the block-mask kernel; plain causal rows otherwise run cuDNN per chunk).
-``--smoke`` runs a tiny model on CPU (gloo) to check the script.
+goes; with ``PROFILE_TRACE_DIR`` set, also every rank's timeline).
+
+``--compile`` compiles every decoder layer (both layouts); ``--flex-row`` adds a cp=2 row with
+``attn_implementation="flex"`` (the block-mask kernel; plain causal rows otherwise run cuDNN per
+chunk). ``--smoke`` runs a tiny model on CPU (gloo) to check the script.
 """
 
 from __future__ import annotations
@@ -184,12 +186,12 @@ class Trainer:
             for _ in range(3):
                 self.step(seq)
             self._sync()
+        if trace_dir := os.environ.get("PROFILE_TRACE_DIR"):  # every rank's timeline (chrome://tracing)
+            prof.export_chrome_trace(f"{trace_dir}/trace_cp{self.cp_size}_{seq}_rank{self.cp_rank}.json.gz")
         if self.cp_rank == 0:
             key = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(f"--- profile: cp={self.cp_size}, seq {seq}, 3 steps", flush=True)
             print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
-            if trace_dir := os.environ.get("PROFILE_TRACE_DIR"):  # a timeline to read (chrome://tracing)
-                prof.export_chrome_trace(f"{trace_dir}/trace_cp{self.cp_size}_{seq}.json.gz")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
