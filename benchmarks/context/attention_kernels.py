@@ -11,12 +11,16 @@ block, FlexAttention with the block mask, and ``causal_lower_right`` SDPA, again
 SDPA over 32k.
 """
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe"))
+from _common import cuda_time_ms
 
 aten = torch.ops.aten
 dev, dt = "cuda", torch.bfloat16
@@ -83,17 +87,6 @@ except Exception as e:
     print("cudnn bwd FAILED", type(e).__name__, str(e)[:300])
 
 
-def timeit(f, it=10):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(it):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / it * 1e3
-
-
 # cp=1 full 32k causal (public SDPA)
 qf = torch.randn(B, HQ, T, D, device=dev, dtype=dt, requires_grad=True)
 kf = torch.randn(B, HK, T, D, device=dev, dtype=dt, requires_grad=True)
@@ -104,7 +97,7 @@ def full():
     F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=sc, enable_gqa=True).sum().backward()
 
 
-print(f"cp=1 sdpa causal 32k fwd+bwd: {timeit(full):.2f} ms")
+print(f"cp=1 sdpa causal 32k fwd+bwd: {cuda_time_ms(full, 3, 10):.2f} ms")
 # cp=2 rank 0: query chunks 0 and 3 (of 4)
 ql = torch.randn(B, HQ, 2 * c, D, device=dev, dtype=dt, requires_grad=True)
 qpos = torch.cat([torch.arange(0, c), torch.arange(3 * c, 4 * c)]).to(dev)
@@ -116,7 +109,7 @@ def flex():
     fx(ql, kf, vf, block_mask=bm, scale=sc, enable_gqa=True).sum().backward()
 
 
-print(f"cp=2 flex fwd+bwd: {timeit(flex):.2f} ms")
+print(f"cp=2 flex fwd+bwd: {cuda_time_ms(flex, 3, 10):.2f} ms")
 
 
 def blocks(bwd=True):
@@ -150,7 +143,7 @@ def blocks(bwd=True):
 
 try:
     print(
-        f"cp=2 cudnn blocks fwd+bwd: {timeit(blocks):.2f} ms; fwd only {timeit(lambda: blocks(False)):.2f} ms"
+        f"cp=2 cudnn blocks fwd+bwd: {cuda_time_ms(blocks, 3, 10):.2f} ms; fwd only {cuda_time_ms(lambda: blocks(False), 3, 10):.2f} ms"
     )
 except Exception as e:
     print("cudnn blocks FAILED", type(e).__name__, str(e)[:300])
@@ -166,6 +159,6 @@ def lr():
 
 
 try:
-    print(f"cp=2 causal_lower_right fwd+bwd: {timeit(lr):.2f} ms")
+    print(f"cp=2 causal_lower_right fwd+bwd: {cuda_time_ms(lr, 3, 10):.2f} ms")
 except Exception as e:
     print("lower_right FAILED", type(e).__name__, str(e)[:300])

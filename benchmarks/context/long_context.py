@@ -91,16 +91,17 @@ class Trainer:
         with torch.device("meta"):
             model = Qwen3ForCausalLM(cfg)
         model.to(args.dtype)
+        # cp=1 (no context): the plan applies only the compile, if asked.
+        parallelize(
+            model,
+            context=ctx,
+            config=ParallelConfig(context_parallel_attention=args.mode, compile=args.compile),
+        )
         if ctx is not None:
-            config = ParallelConfig(context_parallel_attention=args.mode, compile=args.compile)
-            parallelize(model, context=ctx, config=config)
             cp = ctx.mesh_for("batch")["cp"]
             self.cp_size, self.cp_rank = cp.size(), cp.get_local_rank()
         else:
             self.cp_size, self.cp_rank = 1, 0
-            if args.compile:
-                for layer in model.decoder_layers():
-                    layer.compile()
         model.to_empty(device=device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
