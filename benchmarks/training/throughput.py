@@ -255,7 +255,8 @@ def row_hf(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _result(args, *_timed(step, args.warmup, args.steps, args.device))
+    prof = _Profile(args, skip=args.warmup + args.steps)
+    return _result(args, *_timed(step, args.warmup, args.steps, args.device, prof))
 
 
 def _stub_attr(attr: str) -> Any:
@@ -492,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--row-timeout", type=float, default=900)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
-    ap.add_argument("--profile", action="store_true", help="plait rows: print a kernel-time table of 3 steps")
+    ap.add_argument("--profile", action="store_true", help="plait and transformers rows: print a kernel-time table of 3 steps")
     ap.add_argument(
         "--trainer-args", default="", help="more main-job arguments for the Trainer rows (space-separated)"
     )
