@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from plait.kernels import linear_cross_entropy
+from plait.kernels import (
+    GradDirection,
+    grad_direction,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
 from plait.kernels._dispatch import use_triton
 
 from tests.kernels.conftest import to64
@@ -103,8 +108,21 @@ def test_linear_ce_does_not_materialise_logits(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
     x = torch.randn(64, 8, requires_grad=True)
     w = torch.randn(300, 8, requires_grad=True)
-    linear_cross_entropy(x, w, torch.randint(0, 300, (64,)), chunk_tokens=16, chunk_vocab=32).backward()
+    t = torch.randint(0, 300, (64,))
+    linear_cross_entropy(x, w, t, chunk_tokens=16, chunk_vocab=32, grad_in_forward=False).backward()
     assert seen and max(seen) <= 16 * 32
+    # One-pass (the default here): [chunk, V] logits tiles, all in the forward; no tile in the backward.
+    seen.clear()
+    loss = linear_cross_entropy(x, w, t, chunk_tokens=16, chunk_vocab=32)
+    assert seen == [16 * 300] * 4
+    loss.backward()
+    assert len(seen) == 4
+    # Without grad mode the two-pass forward runs (and no gradient work).
+    seen.clear()
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, t, chunk_tokens=16, chunk_vocab=32)
+    assert seen and max(seen) <= 16 * 32
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x.detach(), w.detach(), t))
 
 
 def test_linear_ce_bad_input():
@@ -116,6 +134,21 @@ def test_linear_ce_bad_input():
         linear_cross_entropy(torch.randn(2, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         linear_cross_entropy(torch.randn(2, 4), torch.randn(5, 3), torch.zeros(2, dtype=torch.long))
+
+
+def test_linear_ce_grad_in_forward_not_eligible_raises():
+    x, w, t = torch.randn(4, 8, requires_grad=True), torch.randn(5, 8), torch.zeros(4, dtype=torch.long)
+    for kw, why in [
+        ({"return_lse": True}, "return_lse"),
+        ({"reduction": "none"}, "reduction"),
+        ({"backend": "cce"}, "cce"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            linear_cross_entropy(x, w, t, grad_in_forward=True, **kw)
+    with pytest.raises(ValueError, match="grad mode"), torch.no_grad():
+        linear_cross_entropy(x, w, t, grad_in_forward=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        linear_cross_entropy(x.detach(), w, t, grad_in_forward=True)
 
 
 def test_linear_ce_cce_backend_missing_names_extra():
@@ -130,6 +163,130 @@ def test_linear_ce_cce_backend_missing_names_extra():
         linear_cross_entropy(
             torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), backend="cce"
         )
+
+
+# --- one-pass mode (gradients computed in the forward) ------------------------------------------
+
+ONE_PASS_CASES = [
+    {"reduction": "sum"},
+    {"reduction": "mean", "z_loss": 1e-2},
+    {"reduction": "sum", "softcap": 3.0, "z_loss": 1e-3},
+    {"reduction": "mean", "softcap": 4.0},
+]
+# (chunk_tokens, chunk_vocab): 5 does not divide 13; one chunk with one column slice; the defaults.
+ONE_PASS_CHUNKS = [(5, 16), (13, 64), (None, None)]
+
+
+def _inputs(dtype, n=13, h=8, v=37, seed=0):
+    torch.manual_seed(seed)
+    x = (torch.randn(n, h) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(v, h) * 0.5).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,))
+    t[1::4] = -100
+    return x, w, t
+
+
+def check_one_pass(dtype, kw, chunks):
+    """One-pass loss and gradients under a non-trivial upstream gradient vs the float64 reference."""
+    x, w, t = _inputs(dtype)
+    loss = linear_cross_entropy(
+        x, w, t, grad_in_forward=True, chunk_tokens=chunks[0], chunk_vocab=chunks[1], **kw
+    )
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    (loss * 3.7 + x.float().square().sum() * 0.1).backward()
+    x64, w64 = to64(x, w)
+    loss64 = linear_cross_entropy_reference(x64, w64, t, **kw)
+    (loss64 * 3.7 + x64.square().sum() * 0.1).backward()
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 6e-2, "rtol": 3e-2}
+    torch.testing.assert_close(loss.double(), loss64, **tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    torch.testing.assert_close(w.grad.double(), w64.grad, **tol)
+    return use_triton(x)
+
+
+@pytest.mark.parametrize("chunks", ONE_PASS_CHUNKS)
+@pytest.mark.parametrize("kw", ONE_PASS_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_ce_one_pass_matches_float64(dtype, kw, chunks):
+    assert not check_one_pass(dtype, kw, chunks)
+
+
+@pytest.mark.parametrize(
+    "dtype,kw", [(torch.float32, kw) for kw in ONE_PASS_CASES] + [(torch.bfloat16, ONE_PASS_CASES[1])]
+)
+def test_linear_ce_one_pass_triton_interpreted_matches_float64(interpreter_pool, dtype, kw):
+    assert interpreter_pool.apply(check_one_pass, (dtype, kw, (5, 16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wants", ["both", "hidden", "weight"])
+def test_linear_ce_one_pass_equals_two_pass(dtype, wants):
+    grads = []
+    for one_pass in (True, False):
+        x, w, t = _inputs(dtype)
+        x.requires_grad_(wants != "weight")
+        w.requires_grad_(wants != "hidden")
+        kw = {"z_loss": 1e-3, "softcap": 5.0, "chunk_tokens": 4, "chunk_vocab": 16}
+        loss = linear_cross_entropy(x, w, t, grad_in_forward=one_pass, **kw)
+        (loss * -2.5).backward()
+        grads.append((loss, x.grad, w.grad))
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    (l1, gx1, gw1), (l2, gx2, gw2) = grads
+    torch.testing.assert_close(l1, l2, **tol)
+    assert (gx1 is None) == (gx2 is None) == (wants == "weight")
+    assert (gw1 is None) == (gw2 is None) == (wants == "hidden")
+    if gx1 is not None:
+        torch.testing.assert_close(gx1, gx2, **tol)
+    if gw1 is not None:
+        torch.testing.assert_close(gw1, gw2, **tol)
+
+
+def test_linear_ce_one_pass_computes_only_the_needed_gradients():
+    x, w, t = _inputs(torch.float32)
+    args = (x.detach(), w.detach(), t, -100, 0.0, None, 5, 16)
+    ops = torch.ops.plait
+    loss, dx, dw = ops.linear_cross_entropy_fused(*args, True, False)
+    assert dx.shape == x.shape and dw.numel() == 0
+    loss2, dx2, dw2 = ops.linear_cross_entropy_fused(*args, False, True)
+    assert dx2.numel() == 0 and dw2.shape == w.shape
+    torch.testing.assert_close(loss, loss2)
+
+
+def test_linear_ce_one_pass_split_equals_full():
+    # Mirrors tests/kernels/test_grad_direction.py::test_per_op_split_equals_full for the one-pass mode.
+    x, w, t = _inputs(torch.float32, seed=1)
+    f = lambda: linear_cross_entropy(x, w, t, grad_in_forward=True, chunk_tokens=3, chunk_vocab=5)  # noqa: E731
+    dy = torch.tensor(2.5)
+    gx, gw = torch.autograd.grad(f(), (x, w), dy)
+    y = f()
+    with grad_direction(GradDirection.INPUTS):
+        y.backward(dy, retain_graph=True)
+    assert w.grad is None and x.grad is not None
+    with grad_direction(GradDirection.WEIGHTS):
+        y.backward(dy)
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(w.grad, gw)
+
+
+def test_linear_ce_one_pass_compiled_reads_the_switch_when_it_runs():
+    # Mirrors tests/kernels/test_grad_direction.py::test_compiled_backward_reads_the_switch_when_it_runs.
+    x, w, t = _inputs(torch.float32, seed=2)
+
+    def f():
+        return linear_cross_entropy(torch.tanh(x), w, t, grad_in_forward=True, chunk_tokens=4) * 1.5
+
+    gx, gw = torch.autograd.grad(f(), (x, w))
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        with grad_direction(GradDirection.INPUTS):
+            loss = compiled()  # traced under INPUTS: the switch must not be frozen into the graph
+            got_in = torch.autograd.grad(loss, (x, w), retain_graph=True)
+        with grad_direction(GradDirection.WEIGHTS):
+            got_w = torch.autograd.grad(loss, (w,))
+    torch.testing.assert_close(got_in[0], gx)
+    assert got_in[1].abs().sum() == 0
+    torch.testing.assert_close(got_w[0], gw)
 
 
 # --- vocab-parallel -----------------------------------------------------------------------------

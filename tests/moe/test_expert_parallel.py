@@ -133,8 +133,10 @@ def _ep_run(
         with _count_collectives() as calls:
             out = layer(x)
         # No host copy of the dispatch's own (the CPU grouped-GEMM reference still reads its group sizes:
-        # 2 host copies); its exchanges are functional all-gathers and a reduce-scatter.
-        assert calls == {"all_to_all_single": 0, "tolist": 2}, calls
+        # 2 host copies per chunk, at most one chunk per token); its exchanges are functional
+        # all-gathers and reduce-scatters.
+        chunks = min(num_chunks or 1, x.shape[0])
+        assert calls == {"all_to_all_single": 0, "tolist": 2 * chunks}, calls
     elif backend == "all_gather":
         _assert_no_host_sync(router_kwargs, layer_kwargs, mesh)
         out = layer(x)
@@ -262,20 +264,27 @@ def test_ep2_chunked_matches_reference(num_chunks: int) -> None:
     _check(2, seed=6, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, num_chunks=num_chunks)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_all_gather_dispatch_matches_reference(world: int) -> None:
+@pytest.mark.parametrize(("world", "num_chunks"), [(2, None), (4, None), (2, 3), (2, 16)])
+def test_all_gather_dispatch_matches_reference(world: int, num_chunks: int | None) -> None:
     """Tokens all-gathered, outputs reduce-scattered (no host read of any size): the same float64
     parity, with dropped slots (capacity), a rank whose experts get no token (one-hot expert), top-k
-    above and below E/P."""
+    above and below E/P; chunked too (16 chunks of 12 tokens: one token per chunk)."""
     _check(
         world,
         seed=9,
         layer_kwargs={"shared_expert_intermediate_size": 5, "capacity_factor": 0.75},
         router_kwargs={"top_k": 3, "norm_topk_prob": True, "aux_loss_coef": 0.05, "bias_update_rate": 0.01},
         dispatch="all_gather",
+        num_chunks=num_chunks,
     )
     _check(
-        world, seed=10, layer_kwargs={}, router_kwargs={"top_k": 1}, one_hot_expert=5, dispatch="all_gather"
+        world,
+        seed=10,
+        layer_kwargs={},
+        router_kwargs={"top_k": 1},
+        one_hot_expert=5,
+        dispatch="all_gather",
+        num_chunks=num_chunks,
     )
 
 
@@ -416,7 +425,7 @@ def _errors_worker() -> list[str]:
                 assert isinstance(layer.dispatcher, LocalDispatcher)
         else:
             msgs.append("no error")
-    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2), ("all_gather", 2)):
+    for backend, num_chunks in (("all_to_all", 0), ("deepep", 2), ("all_gather", 0)):
         layer = MoELayer(H, FFN, E, RouterConfig(top_k=1))
         with pytest.raises(ValueError) as info:
             expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)  # type: ignore[arg-type]
@@ -436,8 +445,8 @@ def test_expert_parallel_errors() -> None:
         run_distributed(_errors_worker, 2)[0]
     )
     assert "num_chunks must be >= 1, got 0" in chunks_msg
-    assert "num_chunks applies to backend='all_to_all' only, not 'deepep'" in deepep_chunks_msg
-    assert "num_chunks applies to backend='all_to_all' only, not 'all_gather'" in gather_msg
+    assert "num_chunks applies to backends 'all_to_all' and 'all_gather', not 'deepep'" in deepep_chunks_msg
+    assert "AllGatherDispatcher: num_chunks must be >= 1, got 0" in gather_msg
     if not has_deep_ep:
         assert "plait-moe[deepep]" in deepep_msg
     assert "not divisible" in divisible_msg

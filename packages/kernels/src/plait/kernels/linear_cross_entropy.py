@@ -8,14 +8,29 @@ the two gradient matmuls: ``dhidden += dlogits @ W_blk`` (fp32 accumulator per t
 ``dW_blk += dlogits^T @ hidden_chunk`` (written straight into the gradient). Peak extra memory is
 the gradients plus one tile and one fp32 chunk accumulator.
 
+One-pass mode (``grad_in_forward``; the default whenever the loss is reduced to a scalar, no lse is
+returned, no process group is given and a gradient is wanted): the forward computes the gradients
+of the summed loss too, in one pass over token chunks with the whole vocabulary: per chunk one
+``[chunk, V]`` logits matmul, the statistics and ``dlogits`` in place (the same kernels, on
+column slices), ``dhidden_c = dlogits @ W`` and ``dW (+)= dlogits^T @ hidden_c``. Three passes over
+the classifier instead of four; the backward only scales the stored gradients by the incoming
+scalar (fp32 math, cast to the input dtype) and returns those the grad-direction switch asks for
+(the work is done either way). ``dW`` accumulates over the chunks in the input dtype, like the
+two-pass backward (the op's docstring says why). Peak extra memory in the forward: one
+``[chunk, V]`` tile (<= 128M entries by default) plus ``dW`` and ``dhidden`` in the input dtype;
+the two gradients live until the backward (a schedule that runs several forwards before their
+backwards holds a pair per forward: pass ``grad_in_forward=False`` there), whose scaling briefly
+adds an fp32 copy and the scaled result of each. Gradient work is done even if no backward
+follows; under ``torch.no_grad()`` the two-pass forward runs.
+
 With ``process_group`` the classifier is sharded over the vocabulary (rank r holds a contiguous
 slice; slices may differ in size): per-token statistics are combined with two all-reduces and the
 hidden gradient is all-reduced in the backward.
 
 Matmuls run in the input dtype (cuBLAS on GPU); the softmax arithmetic is fp32 (Triton kernels on
 CUDA / under ``TRITON_INTERPRET=1``, PyTorch otherwise). The op is the torch custom op
-``plait::linear_cross_entropy`` (traced by ``torch.compile`` without a graph break; the process
-group travels as its name).
+``plait::linear_cross_entropy`` (``plait::linear_cross_entropy_fused`` in one-pass mode), traced by
+``torch.compile`` without a graph break; the process group travels as its name.
 """
 
 from __future__ import annotations
@@ -109,7 +124,7 @@ def _tile_grad_torch(
     d.scatter_add_(1, idx, torch.where(inside, -g_t, 0.0)[:, None])
     if softcap is not None:
         d = d * (1.0 - th * th)
-    return d.to(logits.dtype)
+    return logits.copy_(d)  # in place, like the Triton kernel
 
 
 def _tile_ops(triton: bool) -> tuple[Any, Any]:
@@ -304,6 +319,159 @@ def _backward(
 _lce_op.register_autograd(_backward, setup_context=_setup)
 
 
+# --------------------------------------------------------------------------------------------
+# One-pass mode: the gradients of the summed loss are computed in the forward
+# --------------------------------------------------------------------------------------------
+
+
+def _one_pass_chunks(
+    n_tokens: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None
+) -> tuple[int, int]:
+    # A [chunk, V] logits tile of at most 128M entries (256 MiB in bf16), in multiples of 128 tokens
+    # and at least 128; the softmax kernels take 16k-column slices of it (the Triton kernels hold a
+    # whole slice row in registers).
+    nc = chunk_tokens or min(n_tokens, max(128, (128 * 1024 * 1024) // max(vocab, 1) // 128 * 128))
+    return max(1, nc), max(1, chunk_vocab or min(vocab, 16384))
+
+
+@torch.library.custom_op(
+    "plait::linear_cross_entropy_fused",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, float z_loss, float? softcap, "
+    "int chunk_tokens, int chunk_vocab, bool need_dx, bool need_dw) -> (Tensor, Tensor, Tensor)",
+)
+def _lce_fused_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    softcap: float | None,
+    nc: int,
+    vb: int,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss_sum fp32 scalar, dx, dw)``: the summed loss and its gradients (each empty when not needed).
+
+    One pass over token chunks with the whole vocabulary: ``logits = x_c @ W.T`` (``[chunk, V]``),
+    its statistics, ``dlogits`` in place of the logits, then ``dx_c = dlogits @ W`` and
+    ``dw (+)= dlogits^T @ x_c``. ``dw`` accumulates in the weight dtype (``addmm_``, as the two-pass
+    backward does): cuBLAS sums each chunk's product in fp32 and rounds once per chunk. An fp32
+    accumulator would need ``addmm(..., out_dtype=float32)``, which has no CPU kernel and whose CUDA
+    kernel rejects an fp32 ``self`` with bf16 factors in some torch releases, plus ``4 V H`` bytes.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    stats, grad = _tile_ops(use_triton(hidden, weight))
+    valid = targets != ignore_index
+    local_all = torch.where(valid, targets, -1)
+    m = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
+    s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    tgt = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    dx = hidden.new_empty(hidden.shape if need_dx else (0,))
+    dw = weight.new_empty(weight.shape if need_dw else (0,))
+    if need_dw and n == 0:
+        dw.zero_()
+    for a in range(0, n, nc):
+        xc, local, sl = hidden[a : a + nc], local_all[a : a + nc], slice(a, a + nc)
+        logits = xc @ weight.T
+        for b in range(0, v, vb):
+            stats(logits[:, b : b + vb], local - b, m[sl], s[sl], tgt[sl], softcap)
+        lse = m[sl] + torch.log(s[sl])
+        # Gradient of the summed loss: d(loss)/d(lse) = 1 + 2 z lse on valid tokens, 0 elsewhere.
+        g_t = valid[sl].float()
+        g_p = g_t * (1.0 + 2.0 * z_loss * lse)
+        for b in range(0, v, vb):
+            grad(logits[:, b : b + vb], local - b, lse, g_p, g_t, softcap)
+        if need_dx:
+            torch.mm(logits, weight, out=dx[sl])
+        if need_dw:
+            if a == 0:
+                torch.mm(logits.T, xc, out=dw)
+            else:
+                dw.addmm_(logits.T, xc)
+    lse = m + torch.log(s)
+    loss = torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0)
+    return loss.sum(), dx, dw
+
+
+@_lce_fused_op.register_fake
+def _(hidden: torch.Tensor, weight: torch.Tensor, *args: Any) -> Any:
+    need_dx, need_dw = args[-2], args[-1]
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        hidden.new_empty(hidden.shape if need_dx else (0,)),
+        weight.new_empty(weight.shape if need_dw else (0,)),
+    )
+
+
+@torch.library.custom_op(
+    "plait::linear_cross_entropy_fused_backward",
+    mutates_args=(),
+    schema="(Tensor dloss, Tensor dx, Tensor dw, bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+)
+def _lce_fused_backward_op(
+    dloss: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, need_dx: bool, need_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored gradients times ``dloss`` (in fp32, cast back); empty when not needed, ``dw`` zero
+    when the grad-direction switch is off for weights (read here, when the op runs)."""
+    g = dloss.float()
+    gx = (dx.float() * g).to(dx.dtype) if need_dx else dx.new_empty(0)
+    want_dw = _weights_wanted(need_dw)
+    gw = (dw.float() * g).to(dw.dtype) if want_dw else (torch.zeros_like(dw) if need_dw else dw.new_empty(0))
+    return gx, gw
+
+
+@_lce_fused_backward_op.register_fake
+def _(dloss: Any, dx: torch.Tensor, dw: torch.Tensor, need_dx: bool, need_dw: bool) -> Any:
+    return dx.new_empty(dx.shape if need_dx else (0,)), dw.new_empty(dw.shape if need_dw else (0,))
+
+
+def _fused_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    _loss, dx, dw = output
+    ctx.save_for_backward(dx, dw)
+    ctx.computed = inputs[-2:]  # need_dx, need_dw
+    ctx.mark_non_differentiable(dx, dw)
+    ctx.set_materialize_grads(False)
+
+
+def _fused_backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) -> tuple[Any, ...]:
+    dx, dw = ctx.saved_tensors
+    has_dx, has_dw = ctx.computed
+    need_dx, need_dw = _returned(ctx.needs_input_grad[0] and has_dx, ctx.needs_input_grad[1] and has_dw)
+    if dloss is None or not (need_dx or need_dw):
+        return (None,) * 10
+    gx, gw = _lce_fused_backward_op(dloss, dx, dw, need_dx, need_dw)
+    return (gx if need_dx else None), (gw if need_dw else None), *(None,) * 8
+
+
+_lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+def _one_pass_blocker(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    reduction: str,
+    return_lse: bool,
+    process_group: dist.ProcessGroup | None,
+    backend: str,
+) -> str | None:
+    """Why the one-pass mode does not apply (``None`` when it does)."""
+    if backend == "cce":
+        return "backend='cce'"
+    if reduction == "none":
+        return "reduction='none' (the loss must be reduced to a scalar)"
+    if return_lse:
+        return "return_lse=True"
+    if process_group is not None:
+        return "a process_group is given (vocabulary-parallel)"
+    if not torch.is_grad_enabled():
+        return "grad mode is disabled"
+    if not (hidden.requires_grad or weight.requires_grad):
+        return "neither hidden nor weight requires grad"
+    return None
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -318,6 +486,7 @@ def linear_cross_entropy(
     backend: Literal["auto", "plait", "cce"] = "auto",
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
+    grad_in_forward: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without storing the logits.
 
@@ -337,8 +506,16 @@ def linear_cross_entropy(
         backend: ``"plait"`` (this implementation), ``"cce"`` (Apple's cut-cross-entropy, needs the
             ``plait-kernels[cce]`` extra; no z-loss / lse / process group / grad-direction switch),
             or ``"auto"`` (= ``"plait"``).
-        chunk_tokens: tokens per chunk (memory/speed knob; default keeps the fp32 accumulator ~32 MiB).
-        chunk_vocab: vocabulary entries per tile (default 4096-16384: a tile of up to 64M entries).
+        chunk_tokens: tokens per chunk (memory/speed knob). Two-pass default: the fp32 accumulator
+            is ~32 MiB; one-pass default: a multiple of 128 (at least 128) with a ``[chunk, V]``
+            tile of at most 128M entries.
+        chunk_vocab: vocabulary entries per tile (two-pass default 4096-16384: a tile of up to 64M
+            entries); one-pass: columns per softmax-kernel call on the tile (default 16384).
+        grad_in_forward: compute the gradients in the forward, in one pass over the classifier
+            (module docstring). ``None``: whenever eligible (``reduction`` ``"mean"`` / ``"sum"``,
+            no ``return_lse`` / ``process_group``, grad mode on and ``hidden`` or ``weight``
+            requiring grad, ``backend`` not ``"cce"``); ``True``: require it (``ValueError`` naming
+            the reason if not eligible); ``False``: the two-pass path.
 
     Returns:
         The loss in fp32 (scalar, or ``[N]`` for ``"none"``), and the lse if ``return_lse``.
@@ -360,6 +537,9 @@ def linear_cross_entropy(
         )
     if softcap is not None and softcap <= 0:
         raise ValueError(f"linear_cross_entropy: softcap must be positive, got {softcap}")
+    blocker = _one_pass_blocker(hidden, weight, reduction, return_lse, process_group, backend)
+    if grad_in_forward and blocker is not None:
+        raise ValueError(f"linear_cross_entropy: grad_in_forward=True is not possible: {blocker}")
     if backend == "cce":
         if z_loss or return_lse or process_group is not None:
             raise ValueError(
@@ -376,9 +556,24 @@ def linear_cross_entropy(
         raise ValueError(
             f"linear_cross_entropy: unknown backend {backend!r} (expected 'auto', 'plait' or 'cce')"
         )
+    targets = targets.long()
+    if grad_in_forward is not False and blocker is None:
+        nc, vb = _one_pass_chunks(hidden.shape[0], weight.shape[0], chunk_tokens, chunk_vocab)
+        loss_sum, _dx, _dw = _lce_fused_op(
+            hidden,
+            weight,
+            targets,
+            ignore_index,
+            float(z_loss),
+            None if softcap is None else float(softcap),
+            nc,
+            vb,
+            hidden.requires_grad,
+            weight.requires_grad,
+        )
+        return _reduce(loss_sum, targets != ignore_index, reduction)
     nc, vb = _chunks(hidden.shape[0], hidden.shape[1], weight.shape[0], chunk_tokens, chunk_vocab)
     group_name = process_group.group_name if process_group is not None else None
-    targets = targets.long()
     loss, lse, _local = _lce_op(
         hidden,
         weight,

@@ -32,8 +32,9 @@ def expert_parallel(
         backend: ``"all_to_all"`` (torch.distributed, any device), ``"all_gather"`` (tokens all-gathered, outputs
             reduce-scattered: no host synchronisation, fewer bytes than the all-to-all when the EP size is
             below top-k: :class:`AllGatherDispatcher`) or ``"deepep"`` (CUDA; needs ``plait-moe[deepep]``).
-        num_chunks: ``"all_to_all"`` only: token chunks pipelined so that the all-to-alls overlap
-            the expert compute (see :class:`AllToAllDispatcher`); ``None`` = its default.
+        num_chunks: ``"all_to_all"`` and ``"all_gather"``: token chunks pipelined so that the exchanges
+            overlap the expert compute (see :class:`AllToAllDispatcher`, :class:`AllGatherDispatcher`);
+            ``None`` = 1.
 
     Returns:
         ``layer``.
@@ -41,7 +42,7 @@ def expert_parallel(
     Raises:
         ImportError: ``backend="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
         ValueError: a mesh that is not 1-D, experts not divisible by its size, applied twice, or
-            ``num_chunks`` set for a backend other than ``"all_to_all"`` or below 1.
+            ``num_chunks`` set for ``"deepep"`` or below 1.
     """
     if ep_mesh.ndim != 1:
         raise ValueError(
@@ -55,14 +56,14 @@ def expert_parallel(
         raise ValueError(
             f"expert_parallel: backend must be 'all_to_all', 'all_gather' or 'deepep', got {backend!r}"
         )
-    if num_chunks is not None and backend != "all_to_all":
-        raise ValueError(f"expert_parallel: num_chunks applies to backend='all_to_all' only, not {backend!r}")
+    if num_chunks is not None and backend == "deepep":
+        raise ValueError("expert_parallel: num_chunks applies to backends 'all_to_all' and 'all_gather', not 'deepep'")
+    chunks = 1 if num_chunks is None else num_chunks
     if backend == "deepep":
         dispatcher = DeepEPDispatcher(group, layer.num_experts)
     elif backend == "all_gather":
-        dispatcher = AllGatherDispatcher(group)
+        dispatcher = AllGatherDispatcher(group, chunks)
     else:
-        chunks = 1 if num_chunks is None else num_chunks
         dispatcher = AllToAllDispatcher(group, chunks)
     ep = ep_mesh.size()
     if layer.num_experts % ep:

@@ -64,9 +64,9 @@ class ParallelConfig(BaseModel):
             ``deepep`` (DeepEP's normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install
             "plait-moe[deepep]"``, else applying the plan raises an ``ImportError`` naming that extra).
             Without expert parallelism every expert is local and none is used.
-        expert_chunks: ``all_to_all`` only: token chunks pipelined so that the all-to-alls overlap
-            the expert GEMMs (``plait.moe.AllToAllDispatcher``'s ``num_chunks``; 1 = no overlap;
-            None = its default, 1).
+        expert_chunks: ``all_to_all`` and ``all_gather``: token chunks pipelined so that the
+            exchanges overlap the expert GEMMs (the dispatcher's ``num_chunks``; 1 = no overlap;
+            None = 1; ``deepep`` refuses it).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

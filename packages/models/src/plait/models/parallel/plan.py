@@ -133,11 +133,12 @@ def apply_expert_parallel(
         model: The stage, modified in place.
         ep_mesh: The expert-parallel mesh dimension (``ep_shard``).
         dispatch: Token dispatch backend (``ParallelConfig.expert_dispatch``).
-        num_chunks: ``all_to_all`` overlap chunks (``ParallelConfig.expert_chunks``; None = default).
+        num_chunks: overlap chunks of the ``all_to_all`` / ``all_gather`` dispatch
+            (``ParallelConfig.expert_chunks``; None = 1).
 
     Raises:
         ImportError: ``dispatch="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
-        ValueError: ``num_chunks`` set with a ``dispatch`` other than ``"all_to_all"``.
+        ValueError: ``num_chunks`` set with ``dispatch="deepep"``.
     """
     from plait.moe import expert_parallel
 

@@ -13,6 +13,12 @@ rank, against ``(P-1)/P * T * k`` rows for the exact-split all-to-all: fewer byt
 size is below ``k`` (top-``k``) or about. Each rank computes exactly its experts' assignments, as the
 all-to-all does; its permuted buffer is sized for ``P * T * k`` rows (the static bound), of which the
 grouped GEMM computes only the used ones.
+
+With ``num_chunks > 1`` the local tokens are split into that many chunks: every chunk's all-gathers
+are issued first, then each chunk is permuted, computed and reduce-scattered in turn, so that a
+chunk's collectives can run while a neighbouring chunk's experts compute (the collectives are
+asynchronous; in a compiled graph whether they overlap is up to Inductor's scheduling of their waits).
+Each token is computed as without chunks; only the grouped GEMMs' row counts change.
 """
 
 from __future__ import annotations
@@ -39,10 +45,13 @@ class AllGatherDispatcher:
     ``torch.compile``, waited for where their results are first used.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_chunks: int = 1) -> None:
+        if num_chunks < 1:
+            raise ValueError(f"AllGatherDispatcher: num_chunks must be >= 1, got {num_chunks}")
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.num_chunks = num_chunks
 
     def __call__(
         self,
@@ -60,14 +69,23 @@ class AllGatherDispatcher:
             torch.all(funcol.all_gather_tensor(tokens, 0, self.group) == tokens),
             "AllGatherDispatcher: every rank of the EP group must pass the same number of tokens",
         )
-        xs = funcol.all_gather_tensor_autograd(x.contiguous(), 0, self.group)
-        ws = funcol.all_gather_tensor_autograd(topk_weights.contiguous(), 0, self.group)
-        # Ids of this rank's experts become [0, n_local); other ranks' experts and the dropped
-        # sentinel E fall outside that range and are skipped by permute.
-        ids = funcol.all_gather_tensor(topk_idx.contiguous(), 0, self.group) - self.rank * n_local
-        rows, row_w, row_map, counts = permute(xs, ids, n_local, ws)
-        partial = unpermute(experts(rows, counts, row_w), row_map)
-        return funcol.reduce_scatter_tensor_autograd(partial, "sum", 0, self.group)
+        n = max(1, min(self.num_chunks, x.shape[0]))  # static: every rank has the same token count
+        gathered = [
+            (
+                funcol.all_gather_tensor_autograd(xc.contiguous(), 0, self.group),
+                funcol.all_gather_tensor_autograd(wc.contiguous(), 0, self.group),
+                # Ids of this rank's experts become [0, n_local); other ranks' experts and the
+                # dropped sentinel E fall outside that range and are skipped by permute.
+                funcol.all_gather_tensor(ic.contiguous(), 0, self.group) - self.rank * n_local,
+            )
+            for xc, wc, ic in zip(x.tensor_split(n), topk_weights.tensor_split(n), topk_idx.tensor_split(n))
+        ]
+        outs = []
+        for xs, ws, ids in gathered:
+            rows, row_w, row_map, counts = permute(xs, ids, n_local, ws)
+            partial = unpermute(experts(rows, counts, row_w), row_map)
+            outs.append(funcol.reduce_scatter_tensor_autograd(partial, "sum", 0, self.group))
+        return outs[0] if n == 1 else torch.cat(outs)
 
     def __repr__(self) -> str:
-        return f"AllGatherDispatcher(ep_size={self.ep_size})"
+        return f"AllGatherDispatcher(ep_size={self.ep_size}, num_chunks={self.num_chunks})"
