@@ -23,8 +23,8 @@ with the grouped GEMMs of the neighbouring chunk; with N = 1 they alternate.
 from __future__ import annotations
 
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -493,7 +493,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--row-timeout", type=float, default=900)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
-    ap.add_argument("--profile", action="store_true", help="plait and transformers rows: print a kernel-time table of 3 steps")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="plait and transformers rows: print a kernel-time table of 3 steps",
+    )
     ap.add_argument(
         "--trainer-args", default="", help="more main-job arguments for the Trainer rows (space-separated)"
     )

@@ -57,7 +57,9 @@ def expert_parallel(
             f"expert_parallel: backend must be 'all_to_all', 'all_gather' or 'deepep', got {backend!r}"
         )
     if num_chunks is not None and backend == "deepep":
-        raise ValueError("expert_parallel: num_chunks applies to backends 'all_to_all' and 'all_gather', not 'deepep'")
+        raise ValueError(
+            "expert_parallel: num_chunks applies to backends 'all_to_all' and 'all_gather', not 'deepep'"
+        )
     chunks = 1 if num_chunks is None else num_chunks
     if backend == "deepep":
         dispatcher = DeepEPDispatcher(group, layer.num_experts)
