@@ -1,6 +1,6 @@
 """plait's kernels are torch custom ops: ``torch.library.opcheck`` (schema, fake implementation vs the
 real one, autograd registration, AOT dispatch) on both paths, and a compiled (``fullgraph=True``)
-MoE-expert + loss chain equals eager."""
+MoE-expert + loss chain equals eager (the loss in its two-pass and one-pass modes)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def _op_cases():
         (ops.permute_rows, (x, src, dst)),
         (ops.unpermute_rows, (torch.randn(7, 16, requires_grad=True), src, dst, wk, wr)),
         (ops.linear_cross_entropy, (hid, head, tgt, -100, 1e-3, None, None, 3, 4)),
+        (ops.linear_cross_entropy_fused, (hid, head, tgt, -100, 1e-3, 2.0, 2, 4, True, True)),
+        (ops.linear_cross_entropy_fused, (hid, head, tgt, -100, 0.0, None, 3, 16, False, True)),
+        (
+            ops.linear_cross_entropy_fused_backward,
+            (torch.tensor(1.5), hid.detach(), head.detach(), True, True),
+        ),
+        (
+            ops.linear_cross_entropy_fused_backward,
+            (torch.tensor(0.5), hid.detach(), head.detach(), False, True),
+        ),
     ]
 
 
@@ -50,15 +60,17 @@ def test_opcheck(run):
     assert run(check_opcheck) == (run.path == "triton")
 
 
-def _chain(x, res, norm_w, w1, w2, head, idx, probs, targets):
+def _chain(x, res, norm_w, w1, w2, head, idx, probs, targets, grad_in_forward):
     h, _ = rms_norm(x, norm_w, residual=res)
     rows, row_w, row_map, tpe = permute(h, idx, w1.shape[0], probs, align=2)
     a = swiglu_fused(gmm(rows, w1, tpe, trans_w=True), row_w)
     y = unpermute(gmm(a, w2, tpe, trans_w=True), row_map)
-    return linear_cross_entropy(y, head, targets, chunk_tokens=4, chunk_vocab=5)
+    return linear_cross_entropy(
+        y, head, targets, chunk_tokens=4, chunk_vocab=5, grad_in_forward=grad_in_forward
+    )
 
 
-def check_compiled_chain() -> bool:
+def check_compiled_chain(grad_in_forward: bool) -> bool:
     torch.manual_seed(1)
     t, hdim, e, k, inter, v = 9, 16, 4, 2, 8, 13
     leaves = [
@@ -74,10 +86,10 @@ def check_compiled_chain() -> bool:
     idx[0, 1] = e  # a dropped slot
     probs = probs.requires_grad_()
     targets = torch.randint(0, v, (t,))
-    ref_loss = _chain(*leaves, idx, probs, targets)
+    ref_loss = _chain(*leaves, idx, probs, targets, grad_in_forward)
     ref = torch.autograd.grad(ref_loss, [*leaves, probs])
     compiled = torch.compile(_chain, fullgraph=True, backend="aot_eager")
-    loss = compiled(*leaves, idx, probs, targets)
+    loss = compiled(*leaves, idx, probs, targets, grad_in_forward)
     got = torch.autograd.grad(loss, [*leaves, probs])
     torch.testing.assert_close(loss, ref_loss)
     for a, b in zip(got, ref):
@@ -85,12 +97,14 @@ def check_compiled_chain() -> bool:
     return use_triton(leaves[0])
 
 
-def test_compiled_chain_matches_eager(run):
-    assert run(check_compiled_chain) == (run.path == "triton")
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_compiled_chain_matches_eager(run, grad_in_forward):
+    assert run(check_compiled_chain, grad_in_forward) == (run.path == "triton")
 
 
 @pytest.mark.gpu
-def test_compiled_chain_inductor_cuda():
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_compiled_chain_inductor_cuda(grad_in_forward):
     # Inductor around the Triton custom ops on a GPU.
     torch.manual_seed(2)
     dev = "cuda"
@@ -104,10 +118,10 @@ def test_compiled_chain_inductor_cuda():
     probs = probs.requires_grad_()
     targets = torch.randint(0, 100, (64,), device=dev)
     leaves = [x, res, norm_w, w1, w2, head]
-    ref_loss = _chain(*leaves, idx, probs, targets)
+    ref_loss = _chain(*leaves, idx, probs, targets, grad_in_forward)
     ref = torch.autograd.grad(ref_loss, [*leaves, probs])
     compiled = torch.compile(_chain, fullgraph=True)
-    loss = compiled(*leaves, idx, probs, targets)
+    loss = compiled(*leaves, idx, probs, targets, grad_in_forward)
     got = torch.autograd.grad(loss, [*leaves, probs])
     torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
     for a, b in zip(got, ref):

@@ -250,6 +250,8 @@ def test_linear_ce_one_pass_computes_only_the_needed_gradients():
     loss2, dx2, dw2 = ops.linear_cross_entropy_fused(*args, False, True)
     assert dx2.numel() == 0 and dw2.shape == w.shape
     torch.testing.assert_close(loss, loss2)
+    loss0, _, dw0 = ops.linear_cross_entropy_fused(x.detach()[:0], w.detach(), t[:0], *args[3:], True, True)
+    assert loss0.item() == 0.0 and dw0.shape == w.shape and dw0.abs().sum() == 0
 
 
 def test_linear_ce_one_pass_split_equals_full():
