@@ -11,4 +11,7 @@ echo "== session 8 (b1d7b84)"; date
 echo "== transformers + compile vs plait (bf16 moments)"; date
 timeout 150 python3 $T --rows hf_compiled plait_trainer_compiled --trainer-args="--optimizer.moment_dtype=bfloat16" 2>&1 \
   | tee $OUT/hf.log | grep -E "^plait|^hf|failed"
+echo "== new EP=2 row, profiled (rank-0 trace)"; date
+PROFILE_TRACE_DIR=$OUT timeout 100 python3 $T --steps 8 --profile --rows plait_trainer_ep2 > $OUT/profile_ep2.log 2>&1
+grep -E "^plait|failed|PROFILE (kernel|dynamo|host)" $OUT/profile_ep2.log
 date
