@@ -173,7 +173,8 @@ ONE_PASS_CASES = [
     {"reduction": "sum", "softcap": 3.0, "z_loss": 1e-3},
     {"reduction": "mean", "softcap": 4.0},
 ]
-# (chunk_tokens, chunk_vocab): 5 does not divide 13; one chunk with one column slice; the defaults.
+# (chunk_tokens, chunk_vocab): 5 does not divide 13, rows swept 16 columns a step (3 steps of 37);
+# one chunk swept in one step; the defaults.
 ONE_PASS_CHUNKS = [(5, 16), (13, 64), (None, None)]
 
 

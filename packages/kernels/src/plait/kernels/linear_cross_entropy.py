@@ -11,17 +11,17 @@ the gradients plus one tile and one fp32 chunk accumulator.
 One-pass mode (``grad_in_forward``; the default whenever the loss is reduced to a scalar, no lse is
 returned, no process group is given and a gradient is wanted): the forward computes the gradients
 of the summed loss too, in one pass over token chunks with the whole vocabulary: per chunk one
-``[chunk, V]`` logits matmul, the statistics and ``dlogits`` in place (the same kernels, on
-column slices), ``dhidden_c = dlogits @ W`` and ``dW (+)= dlogits^T @ hidden_c``. Three passes over
-the classifier instead of four; the backward only scales the stored gradients by the incoming
-scalar (fp32 math, cast to the input dtype) and returns those the grad-direction switch asks for
-(the work is done either way). ``dW`` accumulates over the chunks in the input dtype, like the
-two-pass backward (the op's docstring says why). Peak extra memory in the forward: one
-``[chunk, V]`` tile (<= 128M entries by default) plus ``dW`` and ``dhidden`` in the input dtype;
-the two gradients live until the backward (a schedule that runs several forwards before their
-backwards holds a pair per forward: pass ``grad_in_forward=False`` there), whose scaling briefly
-adds an fp32 copy and the scaled result of each. Gradient work is done even if no backward
-follows; under ``torch.no_grad()`` the two-pass forward runs.
+``[chunk, V]`` logits matmul, one row kernel for the per-token loss and ``dlogits`` in place (it
+sweeps each row twice), ``dhidden_c = dlogits @ W`` and ``dW (+)= dlogits^T @ hidden_c``. Three
+passes over the classifier instead of four, and four launches per chunk; the backward only scales
+the stored gradients by the incoming scalar (one kernel each, fp32 math, cast to the input dtype)
+and returns those the grad-direction switch asks for (the work is done either way). ``dW``
+accumulates over the chunks in the input dtype, like the two-pass backward (the op's docstring says
+why). Peak extra memory in the forward: one ``[chunk, V]`` tile (<= 256M entries by default) plus
+``dW`` and ``dhidden`` in the input dtype; the two gradients live until the backward (a schedule
+that runs several forwards before their backwards holds a pair per forward: pass
+``grad_in_forward=False`` there), whose scaling adds the scaled copy of each. Gradient work is done
+even if no backward follows; under ``torch.no_grad()`` the two-pass forward runs.
 
 With ``process_group`` the classifier is sharded over the vocabulary (rank r holds a contiguous
 slice; slices may differ in size): per-token statistics are combined with two all-reduces and the
@@ -327,11 +327,44 @@ _lce_op.register_autograd(_backward, setup_context=_setup)
 def _one_pass_chunks(
     n_tokens: int, vocab: int, chunk_tokens: int | None, chunk_vocab: int | None
 ) -> tuple[int, int]:
-    # A [chunk, V] logits tile of at most 128M entries (256 MiB in bf16), in multiples of 128 tokens
-    # and at least 128; the softmax kernels take 16k-column slices of it (the Triton kernels hold a
-    # whole slice row in registers).
-    nc = chunk_tokens or min(n_tokens, max(128, (128 * 1024 * 1024) // max(vocab, 1) // 128 * 128))
-    return max(1, nc), max(1, chunk_vocab or min(vocab, 16384))
+    # A [chunk, V] logits tile of at most 256M entries (512 MiB in bf16), in multiples of 128 tokens
+    # and at least 128: few chunks, so few accumulations into dW (each reads and writes all of it);
+    # the row kernel steps over a row's columns 8192 at a time.
+    nc = chunk_tokens or min(n_tokens, max(128, (256 * 1024 * 1024) // max(vocab, 1) // 128 * 128))
+    return max(1, nc), max(1, chunk_vocab or min(vocab, 8192))
+
+
+def _row_loss_grad_torch(
+    logits: torch.Tensor,
+    local_t: torch.Tensor,
+    loss: torch.Tensor,
+    z_loss: float,
+    softcap: float | None,
+    _block: int,
+) -> None:
+    n = logits.shape[0]
+    m = torch.full((n,), -math.inf, dtype=torch.float32, device=logits.device)
+    s = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    tgt = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    _tile_stats_torch(logits, local_t, m, s, tgt, softcap)
+    lse = m + torch.log(s)
+    valid = local_t >= 0
+    loss.copy_(torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0))
+    # Gradient of the summed loss: d(loss)/d(lse) = 1 + 2 z lse on valid tokens, 0 elsewhere.
+    g_t = valid.float()
+    _tile_grad_torch(logits, local_t, lse, g_t * (1.0 + 2.0 * z_loss * lse), g_t, softcap)
+
+
+def _scale_torch(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return (x.float() * g).to(x.dtype)
+
+
+def _one_pass_ops(triton: bool) -> tuple[Any, Any]:
+    if triton:
+        from plait.kernels._triton.linear_cross_entropy import row_loss_grad_triton, scale_triton
+
+        return row_loss_grad_triton, scale_triton
+    return _row_loss_grad_torch, _scale_torch
 
 
 @torch.library.custom_op(
@@ -355,43 +388,31 @@ def _lce_fused_op(
     """``(loss_sum fp32 scalar, dx, dw)``: the summed loss and its gradients (each empty when not needed).
 
     One pass over token chunks with the whole vocabulary: ``logits = x_c @ W.T`` (``[chunk, V]``),
-    its statistics, ``dlogits`` in place of the logits, then ``dx_c = dlogits @ W`` and
-    ``dw (+)= dlogits^T @ x_c``. ``dw`` accumulates in the weight dtype (``addmm_``, as the two-pass
-    backward does): cuBLAS sums each chunk's product in fp32 and rounds once per chunk. An fp32
-    accumulator would need ``addmm(..., out_dtype=float32)``, which has no CPU kernel and whose CUDA
-    kernel rejects an fp32 ``self`` with bf16 factors in some torch releases, plus ``4 V H`` bytes.
+    one kernel for its per-row loss and ``dlogits`` in place of the logits (two sweeps of each row,
+    ``vb`` columns a step), then ``dx_c = dlogits @ W`` and ``dw (+)= dlogits^T @ x_c``. ``dw``
+    accumulates in the weight dtype (``addmm_``, as the two-pass backward does): cuBLAS sums each
+    chunk's product in fp32 and rounds once per chunk. An fp32 accumulator would need
+    ``addmm(..., out_dtype=float32)``, which has no CPU kernel, plus ``4 V H`` bytes.
     """
-    n, v = hidden.shape[0], weight.shape[0]
-    stats, grad = _tile_ops(use_triton(hidden, weight))
-    valid = targets != ignore_index
-    local_all = torch.where(valid, targets, -1)
-    m = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
-    s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    tgt = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    n = hidden.shape[0]
+    row_loss_grad, _ = _one_pass_ops(use_triton(hidden, weight))
+    local_all = torch.where(targets != ignore_index, targets, -1)
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dx = hidden.new_empty(hidden.shape if need_dx else (0,))
     dw = weight.new_empty(weight.shape if need_dw else (0,))
     if need_dw and n == 0:
         dw.zero_()
     for a in range(0, n, nc):
-        xc, local, sl = hidden[a : a + nc], local_all[a : a + nc], slice(a, a + nc)
+        xc = hidden[a : a + nc]
         logits = xc @ weight.T
-        for b in range(0, v, vb):
-            stats(logits[:, b : b + vb], local - b, m[sl], s[sl], tgt[sl], softcap)
-        lse = m[sl] + torch.log(s[sl])
-        # Gradient of the summed loss: d(loss)/d(lse) = 1 + 2 z lse on valid tokens, 0 elsewhere.
-        g_t = valid[sl].float()
-        g_p = g_t * (1.0 + 2.0 * z_loss * lse)
-        for b in range(0, v, vb):
-            grad(logits[:, b : b + vb], local - b, lse, g_p, g_t, softcap)
+        row_loss_grad(logits, local_all[a : a + nc], loss[a : a + nc], z_loss, softcap, vb)
         if need_dx:
-            torch.mm(logits, weight, out=dx[sl])
+            torch.mm(logits, weight, out=dx[a : a + nc])
         if need_dw:
             if a == 0:
                 torch.mm(logits.T, xc, out=dw)
             else:
                 dw.addmm_(logits.T, xc)
-    lse = m + torch.log(s)
-    loss = torch.where(valid, lse - tgt + z_loss * lse * lse, 0.0)
     return loss.sum(), dx, dw
 
 
@@ -416,9 +437,10 @@ def _lce_fused_backward_op(
     """The stored gradients times ``dloss`` (in fp32, cast back); empty when not needed, ``dw`` zero
     when the grad-direction switch is off for weights (read here, when the op runs)."""
     g = dloss.float()
-    gx = (dx.float() * g).to(dx.dtype) if need_dx else dx.new_empty(0)
+    _, scale = _one_pass_ops(use_triton(dx, dw))
+    gx = scale(dx, g) if need_dx else dx.new_empty(0)
     want_dw = _weights_wanted(need_dw)
-    gw = (dw.float() * g).to(dw.dtype) if want_dw else (torch.zeros_like(dw) if need_dw else dw.new_empty(0))
+    gw = scale(dw, g) if want_dw else (torch.zeros_like(dw) if need_dw else dw.new_empty(0))
     return gx, gw
 
 
@@ -508,9 +530,9 @@ def linear_cross_entropy(
             or ``"auto"`` (= ``"plait"``).
         chunk_tokens: tokens per chunk (memory/speed knob). Two-pass default: the fp32 accumulator
             is ~32 MiB; one-pass default: a multiple of 128 (at least 128) with a ``[chunk, V]``
-            tile of at most 128M entries.
+            tile of at most 256M entries.
         chunk_vocab: vocabulary entries per tile (two-pass default 4096-16384: a tile of up to 64M
-            entries); one-pass: columns per softmax-kernel call on the tile (default 16384).
+            entries); one-pass: columns per step of the row kernel's sweeps (default 8192).
         grad_in_forward: compute the gradients in the forward, in one pass over the classifier
             (module docstring). ``None``: whenever eligible (``reduction`` ``"mean"`` / ``"sum"``,
             no ``return_lse`` / ``process_group``, grad mode on and ``hidden`` or ``weight``

@@ -98,3 +98,87 @@ def tile_grad_triton(
             HAS_CAP=softcap is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     return logits
+
+
+# --- one-pass mode: a whole [chunk, V] logits tile, one program per row looping over its columns ----
+
+
+@triton.jit
+def _row_loss_grad_kernel(
+    l_ptr, t_ptr, loss_ptr, n_cols, stride, z_loss, softcap,
+    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    base = l_ptr + row * stride
+    t = tl.load(t_ptr + row)
+    # Pass 1: per-lane running max and sum-exp (finite sentinel: lanes past n_cols never hold a logit).
+    m = tl.full([BLOCK], -1e30, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CAP:
+            z = softcap * _tanh(z / softcap)
+        z = tl.where(mask, z, -1e30)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    valid = t >= 0
+    zt = tl.load(base + tl.maximum(t, 0)).to(tl.float32)
+    if HAS_CAP:
+        zt = softcap * _tanh(zt / softcap)
+    tl.store(loss_ptr + row, tl.where(valid, lse - zt + z_loss * lse * lse, 0.0))
+    # Pass 2: dlogits of the summed loss in place: (1 + 2 z lse) * softmax - onehot on valid rows.
+    gp = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
+    gt = tl.where(valid, 1.0, 0.0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CAP:
+            th = _tanh(z / softcap)
+            z = softcap * th
+        d = tl.exp(z - lse) * gp - tl.where(cols == t, gt, 0.0)
+        if HAS_CAP:
+            d = d * (1.0 - th * th)
+        tl.store(base + cols, d.to(l_ptr.dtype.element_ty), mask=mask)
+
+
+def row_loss_grad_triton(
+    logits: torch.Tensor,
+    local_t: torch.Tensor,
+    loss: torch.Tensor,
+    z_loss: float,
+    softcap: float | None,
+    block: int,
+) -> None:
+    """Per row of a whole-vocabulary tile: its loss into ``loss`` (0 where ``local_t < 0``), and the
+    tile overwritten with the gradient of the summed loss. ``block``: columns per loop step."""
+    rows, n = logits.shape
+    if rows == 0:
+        return
+    blk, warps = _cfg(min(n, block))
+    _row_loss_grad_kernel[(rows,)](
+        logits, local_t, loss, n, logits.stride(0), float(z_loss), float(softcap or 1.0),
+        HAS_CAP=softcap is not None, BLOCK=blk, num_warps=warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _scale_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (x * tl.load(g_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_triton(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x * g`` (``g`` a 0-d fp32 tensor) in fp32 arithmetic, in ``x``'s dtype, one pass."""
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, 4096),)](x, g.reshape(1), out, n, BLOCK=4096, num_warps=8)
+    return out
