@@ -207,3 +207,40 @@ def test_config_from_hf_legacy_and_errors():
         Qwen3Config(num_attention_heads=4, num_key_value_heads=3)
     with pytest.raises(ValueError, match="sliding"):
         Qwen3Config(use_sliding_window=True)
+
+
+def _autograd_names(t: torch.Tensor) -> set[str]:
+    names, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn.name() not in names:
+            names.add(fn.name())
+            todo += [nxt for nxt, _ in fn.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("grad_in_forward", [None, False])
+def test_loss_gradients_equal_materialised_cross_entropy(grad_in_forward):
+    """The head's loss (one-pass by default, two-pass with ``grad_in_forward=False``) gives the model the
+    gradients of plain ``F.cross_entropy`` over materialised logits."""
+    cfg = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    model.reset_parameters()
+    model.lm_head.grad_in_forward = grad_in_forward
+    ids = torch.randint(0, 96, (2, 6))
+    labels = torch.randint(0, 96, (2, 6))
+    labels[1, 2] = -100
+    out = model(input_ids=ids, labels=labels)
+    assert any("linear_cross_entropy_fused" in n for n in _autograd_names(out["loss"])) == (
+        grad_in_forward is None
+    )
+    (out["loss"] * 2.5).backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(input_ids=ids, labels=labels, return_logits=True)["logits"]
+    (F.cross_entropy(logits.flatten(0, 1), labels.flatten()) * 2.5).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-4, msg=k)

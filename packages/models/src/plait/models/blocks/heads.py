@@ -35,11 +35,17 @@ class LMHead(nn.Linear):
     :meth:`loss` calls ``plait.kernels.linear_cross_entropy`` (chunked / fused); :meth:`logits`
     computes logits for inference. Under tensor parallelism the weight is a vocab-sharded DTensor
     (``Shard(0)``) and the loss becomes a vocab-parallel cross-entropy over ``tp_group``.
+
+    ``grad_in_forward`` is passed to the kernel: ``None`` (default) computes the loss's gradients in
+    its forward when training (one pass over the classifier instead of two; the gradients of the
+    classifier and the hidden states are held until the backward), ``False`` keeps the two-pass
+    loss, e.g. for a pipeline schedule that runs many forwards before their backwards (GPipe).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
         self.tp_group: dist.ProcessGroup | None = None
+        self.grad_in_forward: bool | None = None
 
     def loss(
         self,
@@ -66,6 +72,7 @@ class LMHead(nn.Linear):
             ignore_index=ignore_index,
             reduction=reduction,
             process_group=self.tp_group,
+            grad_in_forward=self.grad_in_forward,
         )
         assert isinstance(loss, torch.Tensor)
         return loss
