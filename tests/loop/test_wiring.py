@@ -1,5 +1,5 @@
 """The pieces the Trainer is built from, alone: stage placement, the context's dp-size check, the
-checkpoint policy of a run and the collective-timeout switch."""
+checkpoint policy of a run, the collective-timeout switch and the loss mode for a schedule."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import pytest
 import torch
 from plait.loop import BatchPlan, Topology, load_config
 from plait.loop.checkpoint import TrainingCheckpoints
-from plait.loop.engine import place_stages
+from plait.loop.engine import _bound_loss_gradients, forwards_in_flight, place_stages
 from plait.loop.events import EventBus, StepEnd
 from plait.loop.ops import set_collective_timeout
 from plait.loop.topology import connect
+from plait.pipelining import Program, build_program, parse_action
+from plait.pipelining import Topology as StageTopology
 
 
 def _config(tmp_path, *extra: str):
@@ -109,3 +111,27 @@ def test_set_collective_timeout_goes_through_a_context_that_can():
     ctx = Ctx()
     set_collective_timeout(12.0, (), ctx)
     assert ctx.seconds == [12.0]
+
+
+def test_forwards_in_flight_and_the_loss_mode():
+    """GPipe holds every microbatch's forward before the backwards; 1F1B's last stage alternates; a
+    split backward keeps a forward open until its weight pass. Only a default (None) head is switched."""
+    gpipe = build_program({"kind": "gpipe", "num_microbatches": 4}, 2)
+    one_f_one_b = build_program({"kind": "1f1b", "num_microbatches": 4}, 2)
+    assert forwards_in_flight(gpipe, 1) == 4 and forwards_in_flight(one_f_one_b, 1) == 1
+    deferred = Program.from_lists(
+        StageTopology(1, (0,), "loop"),
+        2,
+        [[parse_action(a) for a in ["0F0", "0F1", "0I0", "0I1", "0W0", "0W1"]]],
+    )
+    assert forwards_in_flight(deferred, 0) == 2
+
+    class Head(torch.nn.Module):
+        def __init__(self, grad_in_forward: bool | None) -> None:
+            super().__init__()
+            self.grad_in_forward = grad_in_forward
+
+    for program, default_after in ((gpipe, False), (one_f_one_b, None)):
+        stage = torch.nn.Sequential(Head(None), Head(True))
+        _bound_loss_gradients({1: stage}, program, 1)
+        assert (stage[0].grad_in_forward, stage[1].grad_in_forward) == (default_after, True)

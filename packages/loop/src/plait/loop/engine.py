@@ -20,11 +20,13 @@ from plait.loop.loss import StepLoss, batch_of
 from plait.loop.providers import ModelProvider
 from plait.loop.topology import Topology
 from plait.pipelining import (
+    ActionKind,
     BackwardHook,
     BaseScheduleConfig,
     MicrobatchView,
     OfflineExecutor,
     PipelineExecutor,
+    Program,
     build_forward_program,
     build_program,
 )
@@ -80,6 +82,46 @@ def _has_plain_params(parts: Sequence[nn.Module]) -> bool:
     return any(not isinstance(p, DTensor) for part in parts for p in part.parameters())
 
 
+def forwards_in_flight(program: Program, stage: int) -> int:
+    """The most forwards of ``stage`` whose weight gradients are not yet computed, at any point of
+    ``program`` (a forward opens one; a full backward, or a split backward's weight pass, closes it)."""
+    peak = 0
+    for actions in program.actions:
+        n = 0
+        for action in actions:
+            for a in action.sub_actions():
+                if a.stage != stage:
+                    continue
+                if a.kind is ActionKind.FORWARD:
+                    n += 1
+                    peak = max(peak, n)
+                elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                    n -= 1
+    return peak
+
+
+def _bound_loss_gradients(stages: Mapping[int, nn.Module], program: Program, last: int) -> None:
+    """Two-pass loss on the last stage when its schedule holds several forwards before their backwards.
+
+    A loss computed in one pass (plait.models' ``LMHead``, ``grad_in_forward=None``) keeps the
+    classifier's gradient from the forward to the backward: once per forward in flight. Modules that
+    expose ``grad_in_forward`` and leave it to the default (``None``) are set to ``False`` when more
+    than one forward of the last stage is in flight (GPipe, deferred weight passes); an explicit
+    choice is kept.
+    """
+    if last not in stages or (in_flight := forwards_in_flight(program, last)) <= 1:
+        return
+    for module in stages[last].modules():
+        if getattr(module, "grad_in_forward", False) is None:
+            module.grad_in_forward = False  # type: ignore[assignment]
+            logger.info(
+                "%s holds up to %d forwards of the last stage before their weight gradients: "
+                "two-pass loss (grad_in_forward=False)",
+                program.name,
+                in_flight,
+            )
+
+
 def build_executor(
     stages: Mapping[int, nn.Module],
     num_stages: int,
@@ -112,6 +154,8 @@ def build_executor(
             forward_only=forward_only, on_backward=on_backward, fsdp_gather_once=fsdp_gather_once,
         )  # fmt: skip
     program = build_program(schedule, topology.pp_size)
+    if not forward_only:
+        _bound_loss_gradients(stages, program, num_stages - 1)
     assert topology.pp_group is not None
     executor = PipelineExecutor(
         build_forward_program(program) if forward_only else program,
