@@ -42,7 +42,16 @@ class AllGatherDispatcher:
     device-side assert stops the step otherwise (on CUDA an asynchronous error, raised at the next
     synchronisation).
     Functional collectives (``torch.distributed._functional_collectives``): traceable by
-    ``torch.compile``, waited for where their results are first used.
+    ``torch.compile``, waited for where their results are first used (eagerly; a compiled graph
+    waits right after each collective unless Inductor reorders it).
+
+    Args:
+        group: The EP process group.
+        num_chunks: Token chunks whose exchanges are issued ahead of their compute (module
+            docstring); at most one token per chunk is used. 1 (default) = no chunking.
+
+    Raises:
+        ValueError: ``num_chunks < 1``.
     """
 
     def __init__(self, group: dist.ProcessGroup, num_chunks: int = 1) -> None:
