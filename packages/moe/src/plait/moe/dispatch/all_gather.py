@@ -48,7 +48,7 @@ class AllGatherDispatcher:
     Args:
         group: The EP process group.
         num_chunks: Token chunks whose exchanges are issued ahead of their compute (module
-            docstring); at most one token per chunk is used. 1 (default) = no chunking.
+            docstring), capped at the token count. 1 (default) = no chunking.
 
     Raises:
         ValueError: ``num_chunks < 1``.
