@@ -242,6 +242,25 @@ def test_linear_ce_one_pass_equals_two_pass(dtype, wants):
         torch.testing.assert_close(gw1, gw2, **tol)
 
 
+def check_out_of_range_target_matches_two_pass():
+    """A target past the vocabulary adds no target logit on either path (and is never read)."""
+    x, w, t = _inputs(torch.float32)
+    t[0] = w.shape[0] + 3
+    results = []
+    for one_pass in (True, False):
+        xx, ww = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        loss = linear_cross_entropy(xx, ww, t, grad_in_forward=one_pass, chunk_tokens=5, chunk_vocab=16)
+        loss.backward()
+        results.append((loss, xx.grad, ww.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    return use_triton(x)
+
+
+def test_linear_ce_one_pass_out_of_range_target_triton_interpreted(interpreter_pool):
+    assert interpreter_pool.apply(check_out_of_range_target_matches_two_pass, ())
+
+
 def test_linear_ce_one_pass_computes_only_the_needed_gradients():
     x, w, t = _inputs(torch.float32)
     args = (x.detach(), w.detach(), t, -100, 0.0, None, 5, 16)

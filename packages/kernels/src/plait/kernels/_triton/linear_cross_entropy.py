@@ -127,9 +127,12 @@ def _row_loss_grad_kernel(
     m_row = tl.max(m, axis=0)
     lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
     valid = t >= 0
-    zt = tl.load(base + tl.maximum(t, 0)).to(tl.float32)
+    # The target's logit; a target outside the row reads nothing and adds nothing (as the tile kernels).
+    hit = valid & (t < n_cols)
+    zt = tl.load(base + tl.minimum(tl.maximum(t, 0), n_cols - 1)).to(tl.float32)
     if HAS_CAP:
         zt = softcap * _tanh(zt / softcap)
+    zt = tl.where(hit, zt, 0.0)
     tl.store(loss_ptr + row, tl.where(valid, lse - zt + z_loss * lse * lse, 0.0))
     # Pass 2: dlogits of the summed loss in place: (1 + 2 z lse) * softmax - onehot on valid rows.
     gp = tl.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)
