@@ -76,7 +76,7 @@ def test_inputs_only_computes_no_weight_grads_and_inputs_plus_weights_equals_ful
     torch.testing.assert_close(ws[2].grad, full_ws[2])
 
 
-@pytest.mark.parametrize("op", ["gmm", "rms_norm", "linear_ce"])
+@pytest.mark.parametrize("op", ["gmm", "rms_norm", "linear_ce", "linear_ce_one_pass"])
 def test_per_op_split_equals_full(op):
     torch.manual_seed(1)
     x = torch.randn(7, 8, requires_grad=True)
@@ -86,9 +86,12 @@ def test_per_op_split_equals_full(op):
     elif op == "rms_norm":
         w = torch.randn(8, requires_grad=True)
         f = lambda: rms_norm(x, w, offset=1.0)  # noqa: E731
-    else:
+    elif op == "linear_ce":
         w = torch.randn(13, 8, requires_grad=True)
         f = lambda: linear_cross_entropy(x, w, torch.arange(7), reduction="none", chunk_vocab=5)  # noqa: E731
+    else:  # gradients computed in the forward, returned by the inputs / weights passes
+        w = torch.randn(13, 8, requires_grad=True)
+        f = lambda: linear_cross_entropy(x, w, torch.arange(7), grad_in_forward=True, chunk_tokens=3)  # noqa: E731
     y = f()
     dy = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), dy)

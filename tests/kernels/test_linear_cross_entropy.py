@@ -274,22 +274,6 @@ def test_linear_ce_one_pass_computes_only_the_needed_gradients():
     assert loss0.item() == 0.0 and dw0.shape == w.shape and dw0.abs().sum() == 0
 
 
-def test_linear_ce_one_pass_split_equals_full():
-    # Mirrors tests/kernels/test_grad_direction.py::test_per_op_split_equals_full for the one-pass mode.
-    x, w, t = _inputs(torch.float32, seed=1)
-    f = lambda: linear_cross_entropy(x, w, t, grad_in_forward=True, chunk_tokens=3, chunk_vocab=5)  # noqa: E731
-    dy = torch.tensor(2.5)
-    gx, gw = torch.autograd.grad(f(), (x, w), dy)
-    y = f()
-    with grad_direction(GradDirection.INPUTS):
-        y.backward(dy, retain_graph=True)
-    assert w.grad is None and x.grad is not None
-    with grad_direction(GradDirection.WEIGHTS):
-        y.backward(dy)
-    torch.testing.assert_close(x.grad, gx)
-    torch.testing.assert_close(w.grad, gw)
-
-
 def test_linear_ce_one_pass_compiled_reads_the_switch_when_it_runs():
     # Mirrors tests/kernels/test_grad_direction.py::test_compiled_backward_reads_the_switch_when_it_runs.
     x, w, t = _inputs(torch.float32, seed=2)
