@@ -111,15 +111,16 @@ def _bound_loss_gradients(stages: Mapping[int, nn.Module], program: Program, las
     """
     if last not in stages or (in_flight := forwards_in_flight(program, last)) <= 1:
         return
-    for module in stages[last].modules():
-        if getattr(module, "grad_in_forward", False) is None:
-            module.grad_in_forward = False  # type: ignore[assignment]
-            logger.info(
-                "%s holds up to %d forwards of the last stage before their weight gradients: "
-                "two-pass loss (grad_in_forward=False)",
-                program.name,
-                in_flight,
-            )
+    switched = [m for m in stages[last].modules() if getattr(m, "grad_in_forward", False) is None]
+    for module in switched:
+        module.grad_in_forward = False  # type: ignore[assignment]
+    if switched:
+        logger.info(
+            "%s holds up to %d forwards of the last stage before their weight gradients: "
+            "two-pass loss (grad_in_forward=False)",
+            program.name,
+            in_flight,
+        )
 
 
 def build_executor(
