@@ -5,7 +5,7 @@
 Checks, against an fp32 reference: the cuDNN and FlashAttention SDPA ops with fewer K/V heads than
 query heads, which causal alignment each uses when queries and keys differ in length, their
 log-sum-exp, and the cuDNN backward given a separately stored output (what the per-chunk path of
-``plait.models.blocks.context_parallel`` relies on). Then times forward + backward of the cp=2
+``plait.models.common.attention.context`` relies on). Then times forward + backward of the cp=2
 rank-0 attention at 32k tokens (16 query heads, 4 K/V heads, head dim 64, bf16): cuDNN per chunk
 block, FlexAttention with the block mask, and ``causal_lower_right`` SDPA, against cp=1's full causal
 SDPA over 32k.

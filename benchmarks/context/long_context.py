@@ -56,7 +56,8 @@ from _common import bf16_matmul_tflops, ensure_plait_importable, environment, ma
 
 ensure_plait_importable()
 from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch  # noqa: E402
-from plait.models import ParallelConfig, Qwen3ForCausalLM, Qwen3MoeConfig, flops_per_token, parallelize  # noqa: E402
+from plait.models import ParallelConfig, flops_per_token, parallelize  # noqa: E402
+from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig  # noqa: E402
 
 SMOKE_MODEL = dict(
     vocab_size=64,

@@ -281,7 +281,7 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
     _stub_torchtitan_imports()
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    from torchtitan.models.qwen3.model.model import Qwen3Model
+    from torchtitan.models.qwen3.model.model import DecoderTrunk
 
     m = args.model
     targs = Qwen3ModelArgs(
@@ -294,7 +294,7 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
                          use_grouped_mm=args.device == "cuda"),
     )  # fmt: skip
     with torch.device("meta"):
-        model = Qwen3Model(targs)
+        model = DecoderTrunk(targs)
     model.to_empty(device=args.device)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(args.device))
@@ -366,11 +366,12 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
     _src_path()
     import pretrain
     from plait.kernels import StochasticAdamW
-    from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
+    from plait.models import CausalLMProvider, ParallelConfig
+    from plait.models.qwen3 import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(**args.model)
     bf16 = args.device == "cuda"
-    provider = Qwen3Provider(
+    provider = CausalLMProvider(
         cfg, parallel=ParallelConfig(compile=compiled), dtype=torch.bfloat16 if bf16 else None
     )
     model = provider.build_stage(0, 1)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from plait.loop import TrainerConfig, load_config, split_cli_overrides
-from plait.models import Qwen3Provider, hf_to_plait_mapper, load_hf_config
+from plait.models import CausalLMProvider, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
 from pretrain import DataConfig, build_trainer
 from torch import nn
@@ -38,7 +38,7 @@ class FinetuneConfig(TrainerConfig):
     data: DataConfig = DataConfig()
 
 
-class LoRAProvider(Qwen3Provider):
+class LoRAProvider(CausalLMProvider):
     """A Qwen3 provider whose stages get LoRA adapters and load their base weights from ``base``."""
 
     def __init__(self, base: Path, lora: LoRAConfig, seed: int) -> None:

@@ -39,7 +39,8 @@ from plait.loop import (
     split_cli_overrides,
 )
 from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
-from plait.models import ParallelConfig, Qwen3MoeConfig, Qwen3Provider
+from plait.models import CausalLMProvider, ParallelConfig
+from plait.models.qwen3 import Qwen3MoeConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HERE = Path(__file__).resolve().parent
@@ -209,9 +210,9 @@ def check_paths(config: PretrainConfig, args: argparse.Namespace) -> None:
             raise StartupError(f"{name}: cannot write to {path}: {e.strerror or e}") from None
 
 
-def build_provider(config: PretrainConfig, init_from: Path | None = None) -> Qwen3Provider:
+def build_provider(config: PretrainConfig, init_from: Path | None = None) -> CausalLMProvider:
     """The Qwen3-MoE provider of ``config`` (weights from ``init_from``, a Hugging Face checkpoint, if given)."""
-    return Qwen3Provider(
+    return CausalLMProvider(
         config.model,
         parallel=config.parallel,
         init_from=init_from,

@@ -27,7 +27,7 @@ def pretrain(monkeypatch):
     def no_model(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was built before the error was reported")
 
-    monkeypatch.setattr(module, "Qwen3Provider", no_model)
+    monkeypatch.setattr(module, "CausalLMProvider", no_model)
     return module
 
 
@@ -153,7 +153,7 @@ def test_run_writes_summary_and_loss_curve(tmp_path):
 
 def test_readme_parameter_count_matches_the_default_model():
     import torch
-    from plait.models import Qwen3ForCausalLM
+    from plait.models.qwen3 import Qwen3ForCausalLM
 
     pretrain = _import_pretrain()
     config = load_config(pretrain.DEFAULT_CONFIG, cls=pretrain.PretrainConfig).model

@@ -7,9 +7,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 from plait.models import (
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
     RopeParameters,
     apply_rotary,
     build_attention_mask,
@@ -19,7 +16,8 @@ from plait.models import (
     pool_hidden_states,
     rope_inv_freq,
 )
-from plait.models.blocks.attention import attention
+from plait.models.common.attention import attention
+from plait.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 ROPES = [
@@ -200,7 +198,7 @@ def test_config_from_hf_legacy_and_errors():
     assert back["rope_parameters"]["factor"] == 4.0 and back["num_experts"] == 8
     assert config_to_hf(config_from_hf(back)) == back
     with pytest.raises(ValueError, match="model_type"):
-        config_from_hf({**legacy, "model_type": "llama"})
+        config_from_hf({**legacy, "model_type": "mistral"})
     with pytest.raises(ValueError, match="num_foo_layers"):
         config_from_hf({**legacy, "num_foo_layers": 3})
     with pytest.raises(ValueError, match="num_key_value_heads"):

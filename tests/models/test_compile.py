@@ -12,10 +12,9 @@ import copy
 
 import pytest
 import torch
-from plait.models import Qwen3MoeConfig
-from plait.models.blocks.attention import build_attention_mask
-from plait.models.blocks.rope import RotaryEmbedding
-from plait.models.qwen3.layers import Qwen3DecoderLayer
+from plait.models.common.attention import build_attention_mask
+from plait.models.common.rope import RotaryEmbedding
+from plait.models.qwen3 import Qwen3MoeConfig, qwen3_layer
 from plait.pipelining import backward_input, backward_weight
 from torch._dynamo.utils import counters
 
@@ -37,7 +36,7 @@ def _setup(device: str, dtype: torch.dtype, attn: str):
         router_aux_loss_coef=0.01,
         attn_implementation=attn,
     )
-    layer = Qwen3DecoderLayer(cfg, 0).to(device=device, dtype=dtype).train()
+    layer = qwen3_layer(cfg, 0).to(device=device, dtype=dtype).train()
     b, s = 2, 128
     # Packed rows: row 0 holds three documents, row 1 one.
     docs = torch.tensor([[0] * 40 + [1] * 50 + [2] * 38, [0] * s], device=device)

@@ -26,16 +26,14 @@ from plait.models import (
     ActivationCheckpointing,
     AttentionMask,
     ParallelConfig,
-    Qwen3ForCausalLM,
-    Qwen3ForSequenceClassification,
-    Qwen3MoeConfig,
     build_attention_mask,
     load_hf_checkpoint,
     parallelize,
     save_hf_checkpoint,
 )
-from plait.models.blocks import attention as attention_mod
-from plait.models.blocks import context_parallel as cp_mod
+from plait.models.common import attention as attention_mod
+from plait.models.common.attention.context import ring as ring_mod
+from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3MoeConfig
 from plait.moe import RouterConfig, TopKRouter
 from torch.distributed.tensor import DTensor
 
@@ -82,10 +80,10 @@ def _attention_rank(
     dtype: torch.dtype = torch.float64,
     impl: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    cp_mod._Q_TILE = tile
+    ring_mod._Q_TILE = tile
     n, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    cp = cp_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
+    cp = attention_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
     # Default: SDPA on CPU; on CUDA "auto" is FlexAttention for the all-gather mode.
     impl = impl or ("sdpa" if device == "cpu" else "auto")
     forward_only = impl == "flex" and device == "cpu"  # FlexAttention has no backward on CPU
@@ -131,7 +129,7 @@ def _attention_rank(
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_attention_matches_single_process(mode: str, cp: int, docs: bool) -> None:
     ref = _reference(docs)
-    tile = 2 if cp == 2 else cp_mod._Q_TILE  # small query tiles exercise the ring kernel's tiling
+    tile = 2 if cp == 2 else ring_mod._Q_TILE  # small query tiles exercise the ring kernel's tiling
     for rank, res in enumerate(run_distributed(_attention_rank, cp, mode, docs, tile)):
         # Plain causal rows of the all-gather mode: per-chunk SDPA kernels merged by log-sum-exp.
         assert bool(res["chunk_kernels"]) == (mode == "allgather" and not docs)
@@ -170,7 +168,7 @@ def test_attention_on_two_gpus_nccl(mode: str, dtype: torch.dtype, tol: float, d
 def _positions_rank(mode: str) -> torch.Tensor:
     # Documents given as position ids that restart (a restart sits exactly on a rank boundary).
     n, r = dist.get_world_size(), dist.get_rank()
-    cp = cp_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
+    cp = attention_mod.ContextParallel(dist.group.WORLD, mode)  # type: ignore[arg-type]
     pos = torch.cat([torch.arange(12), torch.arange(5), torch.arange(7)])[None]
     mask = cp.build_mask(1, T // n, torch.device("cpu"), position_ids=shard_sequence(pos, n, r))
     assert mask.context is not None and mask.context.document_ids is not None
@@ -185,7 +183,7 @@ def test_documents_from_restarting_positions() -> None:
 
 def test_bad_implementation() -> None:
     with pytest.raises(ValueError, match="attn_implementation='flash' is not available with context"):
-        cp_mod.ContextParallel(None, "ring").build_mask(  # type: ignore[arg-type]
+        attention_mod.ContextParallel(None, "ring").build_mask(  # type: ignore[arg-type]
             1, 4, torch.device("cpu"), implementation="flash"
         )
 
@@ -212,7 +210,7 @@ def test_plan_refuses_unsupported_context_layouts() -> None:
         assert len(errors) == 2
         assert "context_replicate > 1 is not supported with data_parallel='fsdp'" in errors[0]
         assert (
-            "context parallelism supports Qwen3ForCausalLM stages, not Qwen3ForSequenceClassification"
+            "context parallelism supports causal-LM stages, not Qwen3ForSequenceClassification"
             in errors[1]
         )
 

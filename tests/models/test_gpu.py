@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plait.models import build_attention_mask
-from plait.models.blocks.attention import attention, flash_attn_available
+from plait.models.common.attention import attention, flash_attn_available
 
 
 @pytest.mark.gpu
@@ -71,12 +71,13 @@ def test_block_mask_is_built_without_the_dense_mask():
 
 @pytest.mark.gpu
 def test_materialize_leaves_the_cuda_generator_as_it_was():
-    from plait.models import Qwen3MoeConfig, Qwen3Provider
+    from plait.models import CausalLMProvider
+    from plait.models.qwen3 import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=16,
                          num_experts=4, num_experts_per_tok=2)  # fmt: skip
-    provider = Qwen3Provider(cfg, seed=3)
+    provider = CausalLMProvider(cfg, seed=3)
     torch.cuda.manual_seed(11)
     before = torch.cuda.get_rng_state()
     provider.materialize(provider.build_stage(0, 1), "cuda")

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from plait.models import (
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    from_pretrained,
-    load_hf_config,
-    save_hf_checkpoint,
-)
+from plait.models import from_pretrained, load_hf_config, save_hf_checkpoint
+from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 from safetensors import safe_open
 
 from ._hf_utils import make_hf
@@ -137,7 +132,8 @@ def test_meta_build_and_reset_parameters():
 
 def test_sequence_classification_matches_transformers():
     """Last non-padding token pooling (found from pad_token_id like HF) + score head."""
-    from plait.models import Qwen3ForSequenceClassification, config_from_hf
+    from plait.models import config_from_hf
+    from plait.models.qwen3 import Qwen3ForSequenceClassification
 
     from ._hf_utils import BASE
 

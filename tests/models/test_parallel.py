@@ -16,12 +16,11 @@ import torch.distributed as dist
 from plait.models import (
     ActivationCheckpointing,
     ParallelConfig,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
     load_hf_checkpoint,
     parallelize,
     save_hf_checkpoint,
 )
+from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 from plait.moe import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from plait.models import (
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-    stage_layer_ids,
-)
+from plait.models import load_hf_checkpoint, save_hf_checkpoint, stage_layer_ids
+from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 
 CFG = dict(
     vocab_size=128,

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plait.models import (
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3Provider,
-    active_params,
-    flops_per_token,
-)
+from plait.models import CausalLMProvider, flops_per_token
+from plait.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig
 
 MOE = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -37,19 +31,19 @@ def test_active_params_and_flops():
     cfg = Qwen3MoeConfig(**MOE)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
-    assert active_params(cfg) == _counted(model, cfg)
+    attn = 12 * 3 * 4 * 8 * 128  # layers x heads x head_dim x seq_len
+    assert flops_per_token(cfg, 128) == 6 * _counted(model, cfg) + attn
     dense = Qwen3Config(**{k: v for k, v in MOE.items() if k in Qwen3Config.model_fields})
     with torch.device("meta"):
         dmodel = Qwen3ForCausalLM(dense)
     n = sum(p.numel() for k, p in dmodel.named_parameters() if "norm" not in k and "embed" not in k)
-    assert active_params(dense) == n
-    assert flops_per_token(dense, 128) == 6 * n + 12 * 3 * 4 * 8 * 128
+    assert flops_per_token(dense, 128) == 6 * n + attn
 
 
 def test_provider_stages_materialize_and_protocol():
     loop_providers = pytest.importorskip("plait.loop.providers")
     cfg = Qwen3MoeConfig(**MOE)
-    provider = Qwen3Provider(cfg, seed=3)
+    provider = CausalLMProvider(cfg, seed=3)
     assert isinstance(provider, loop_providers.ModelProvider)
     stages = [provider.build_stage(s, 2) for s in range(2)]
     assert all(p.is_meta for st in stages for p in st.parameters())
@@ -60,5 +54,5 @@ def test_provider_stages_materialize_and_protocol():
     provider.materialize(again, torch.device("cpu"))
     for (n, a), (_, b) in zip(stages[0].named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(a, b), n  # seeded init: every rank draws the same weights
-    assert len(Qwen3Provider.moe_layers(stages)) == 2
+    assert len(CausalLMProvider.moe_layers(stages)) == 2
     assert provider.flops_per_token(64) == flops_per_token(cfg, 64)

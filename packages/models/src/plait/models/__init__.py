@@ -1,12 +1,25 @@
-"""plait.models: transformer blocks, Qwen3 and Qwen3-MoE with Hugging Face parity and mappers, parallel plans."""
+"""plait.models: decoder families on one trunk (``common``), picked by Hugging Face ``model_type``.
 
-from plait.models.blocks import (
+The generic entry points (:func:`from_pretrained`, :func:`load_hf_config`, the mappers,
+:func:`parallelize`, :func:`flops_per_token`, :class:`CausalLMProvider`) dispatch on the family;
+the families' own classes live in their folders (``plait.models.qwen3``, ``plait.models.llama``,
+``plait.models.gpt_oss``).
+"""
+
+from plait.models.common import (
     AttentionMask,
+    CausalLMStage,
     ContextParallel,
+    DecoderConfig,
+    DecoderLayer,
+    DecoderStage,
+    Family,
     GroupedQueryAttention,
     LMHead,
     RMSNorm,
+    RopeParameters,
     RotaryEmbedding,
+    SequenceClassifierStage,
     SwiGLUMLP,
     TokenEmbedding,
     apply_rotary,
@@ -14,10 +27,12 @@ from plait.models.blocks import (
     document_ids_from_position_ids,
     pool_hidden_states,
     rope_inv_freq,
+    stage_layer_ids,
 )
-from plait.models.config import Qwen3Config, Qwen3MoeConfig, RopeParameters
-from plait.models.flops import active_params, flops_per_token
+from plait.models.common.parallel import ActivationCheckpointing, ParallelConfig, apply_context_parallel
+from plait.models.flops import flops_per_token
 from plait.models.hf import (
+    build_causal_lm,
     config_from_hf,
     config_to_hf,
     from_pretrained,
@@ -28,44 +43,38 @@ from plait.models.hf import (
     save_hf_checkpoint,
     save_hf_config,
 )
-from plait.models.parallel import ActivationCheckpointing, ParallelConfig, apply_context_parallel, parallelize
-from plait.models.provider import Qwen3Provider
-from plait.models.qwen3 import (
-    Qwen3DecoderLayer,
-    Qwen3ForCausalLM,
-    Qwen3ForSequenceClassification,
-    Qwen3Model,
-    Qwen3Stage,
-    stage_layer_ids,
-)
+from plait.models.plan import parallelize
+from plait.models.provider import CausalLMProvider
+from plait.models.registry import family_for, family_of, supported_model_types
 
 __all__ = [
     "ActivationCheckpointing",
     "AttentionMask",
+    "CausalLMProvider",
+    "CausalLMStage",
     "ContextParallel",
+    "DecoderConfig",
+    "DecoderLayer",
+    "DecoderStage",
+    "Family",
     "GroupedQueryAttention",
     "LMHead",
     "ParallelConfig",
-    "Qwen3Config",
-    "Qwen3DecoderLayer",
-    "Qwen3ForCausalLM",
-    "Qwen3ForSequenceClassification",
-    "Qwen3Model",
-    "Qwen3MoeConfig",
-    "Qwen3Provider",
-    "Qwen3Stage",
     "RMSNorm",
     "RopeParameters",
     "RotaryEmbedding",
+    "SequenceClassifierStage",
     "SwiGLUMLP",
     "TokenEmbedding",
-    "active_params",
     "apply_context_parallel",
     "apply_rotary",
     "build_attention_mask",
+    "build_causal_lm",
     "config_from_hf",
     "config_to_hf",
     "document_ids_from_position_ids",
+    "family_for",
+    "family_of",
     "flops_per_token",
     "from_pretrained",
     "hf_to_plait_mapper",
@@ -78,4 +87,5 @@ __all__ = [
     "save_hf_checkpoint",
     "save_hf_config",
     "stage_layer_ids",
+    "supported_model_types",
 ]

@@ -1,4 +1,4 @@
-"""A model provider for training loops (satisfies ``plait.loop.ModelProvider`` structurally)."""
+"""A model provider for training loops, for every family (satisfies ``plait.loop.ModelProvider``)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ from typing import Any
 import torch
 from plait.dist_core import DistributedContext
 from plait.model_state import materialize
-from plait.models.config import Qwen3Config
+from plait.models.common.config import DecoderConfig
+from plait.models.common.model import CausalLMStage
+from plait.models.common.parallel import ParallelConfig
 from plait.models.flops import flops_per_token
-from plait.models.hf.io import load_hf_checkpoint, save_hf_checkpoint
-from plait.models.parallel.config import ParallelConfig
-from plait.models.parallel.plan import parallelize
-from plait.models.qwen3.model import Qwen3ForCausalLM
+from plait.models.hf import build_causal_lm, load_hf_checkpoint, save_hf_checkpoint
+from plait.models.plan import parallelize
 from torch import nn
 
-__all__ = ["Qwen3Provider"]
+__all__ = ["CausalLMProvider"]
 
 
-class Qwen3Provider:
-    """Builds, parallelises, initialises and (optionally) loads Qwen3 / Qwen3-MoE causal-LM stages.
+class CausalLMProvider:
+    """Builds, parallelises, initialises and (optionally) loads causal-LM stages of any family.
 
     Args:
-        config: Model config (:class:`Qwen3Config` or :class:`Qwen3MoeConfig`).
+        config: Model config of any registered family (its ``model_type`` picks the family).
         parallel: Parallel plan settings (FSDP/HSDP, checkpointing, compile).
         init_from: Optional Hugging Face checkpoint directory loaded by :meth:`load_initial_weights`.
         dtype: Parameter dtype after materialisation (default fp32; FSDP mixed precision is set in
@@ -35,7 +35,7 @@ class Qwen3Provider:
 
     def __init__(
         self,
-        config: Qwen3Config,
+        config: DecoderConfig,
         *,
         parallel: ParallelConfig | None = None,
         init_from: str | os.PathLike[str] | None = None,
@@ -48,10 +48,10 @@ class Qwen3Provider:
         self.dtype = dtype
         self.seed = seed
 
-    def build_stage(self, stage_index: int, num_stages: int) -> Qwen3ForCausalLM:
+    def build_stage(self, stage_index: int, num_stages: int) -> CausalLMStage:
         """Stage ``stage_index`` of ``num_stages`` on the meta device."""
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(self.config, stage_index=stage_index, num_stages=num_stages)
+            model = build_causal_lm(self.config, stage_index=stage_index, num_stages=num_stages)
         if self.dtype is not None:
             model.to(self.dtype)
         return model
@@ -66,13 +66,13 @@ class Qwen3Provider:
         del config
         if ctx is None:
             return module
-        assert isinstance(module, Qwen3ForCausalLM)
+        assert isinstance(module, CausalLMStage)
         return parallelize(module, context=ctx, config=self.parallel)
 
     def materialize(self, module: nn.Module, device: torch.device | str) -> None:
         """Allocate on ``device`` (tied weights stay tied) and initialise (seeded, so every rank draws
         the same numbers)."""
-        assert isinstance(module, Qwen3ForCausalLM)
+        assert isinstance(module, CausalLMStage)
         materialize(module, device)
         # manual_seed seeds every device: fork the CUDA generator too, so that the caller's CUDA stream
         # of random numbers is left as it was (sharded and plain inits advance it by different amounts).
@@ -104,6 +104,6 @@ class Qwen3Provider:
         """All :class:`plait.moe.MoELayer` modules of the local stages (bias updates, load stats)."""
         out: list[nn.Module] = []
         for m in modules:
-            if isinstance(m, Qwen3ForCausalLM):
+            if isinstance(m, CausalLMStage):
                 out.extend(m.moe_layers())
         return out

@@ -1,249 +1,57 @@
-"""Qwen3 and Qwen3-MoE causal LMs (and a sequence classifier), splittable into pipeline stages.
-
-A module here is one *pipeline stage*: it owns a contiguous range of decoder layers (kept in a
-``ModuleDict`` keyed by the global layer index, so parameter names do not depend on the split),
-plus the embedding on the first stage and the final norm and head on the last. With
-``num_stages=1`` it is the whole model. Stage forwards take keyword tensors and return
-``dict[str, Tensor]`` (the plait.pipelining stage contract).
-"""
+"""Qwen3 and Qwen3-MoE: grouped-query attention with per-head q/k RMSNorm, SwiGLU or MoE MLPs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-
-import torch
-from plait.models.blocks.attention import build_attention_mask
-from plait.models.blocks.context_parallel import ContextParallel
-from plait.models.blocks.heads import LMHead, PoolingMethod, TokenEmbedding, pool_hidden_states
-from plait.models.blocks.norm import RMSNorm
-from plait.models.blocks.rope import RotaryEmbedding
-from plait.models.config import Qwen3Config, Qwen3MoeConfig
-from plait.models.qwen3.layers import Qwen3DecoderLayer
-from plait.moe import MoELayer, switch_aux_loss_from_stats
+from plait.models.common import (
+    CausalLMStage,
+    DecoderConfig,
+    DecoderLayer,
+    GroupedQueryAttention,
+    PoolingMethod,
+    SequenceClassifierStage,
+    SwiGLUMLP,
+)
+from plait.models.qwen3.config import Qwen3Config, Qwen3MoeConfig
+from plait.moe import MoELayer, RouterConfig
 from torch import nn
 
-__all__ = [
-    "Qwen3ForCausalLM",
-    "Qwen3ForSequenceClassification",
-    "Qwen3Model",
-    "Qwen3Stage",
-    "stage_layer_ids",
-]
+__all__ = ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "qwen3_layer"]
 
 
-def stage_layer_ids(num_layers: int, stage_index: int, num_stages: int) -> list[int]:
-    """Layers of ``stage_index`` when ``num_layers`` are spread evenly over ``num_stages``
-    (earlier stages get the remainder)."""
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index {stage_index} outside [0, num_stages={num_stages})")
-    if num_stages > num_layers:
-        raise ValueError(f"num_stages ({num_stages}) > num_hidden_layers ({num_layers})")
-    base, rem = divmod(num_layers, num_stages)
-    start = stage_index * base + min(stage_index, rem)
-    return list(range(start, start + base + (1 if stage_index < rem else 0)))
+def _moe(config: Qwen3MoeConfig) -> MoELayer:
+    router = RouterConfig(
+        score_func="softmax",
+        top_k=config.num_experts_per_tok,
+        norm_topk_prob=config.norm_topk_prob,
+        aux_loss_coef=config.router_aux_loss_coef,
+        aux_loss_pooling=config.router_aux_loss_pooling,
+    )
+    return MoELayer(config.hidden_size, config.moe_intermediate_size, config.num_experts, router)
 
 
-class Qwen3Model(nn.Module):
-    """The transformer trunk of one stage: ``embed_tokens`` (first stage), ``layers``, ``norm`` (last).
-
-    Args:
-        config: Model configuration.
-        layer_ids: Global indices of the decoder layers this stage owns.
-        has_embedding: Build ``embed_tokens``.
-        has_norm: Build the final ``norm``.
-
-    Attributes:
-        context_parallel: Set by :func:`plait.models.parallelize` under context parallelism: the
-            inputs are this rank's shard in the load-balanced layout, positions default to the
-            global ones and attention crosses the context group. ``attention_mask`` (padding) is
-            sharded like every other input; the mask is built from the full rows (all-gathered).
-            The routers' Switch-loss statistics are already summed over the context group.
-    """
-
-    def __init__(
-        self, config: Qwen3Config, layer_ids: Sequence[int], has_embedding: bool, has_norm: bool
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = (
-            TokenEmbedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-            if has_embedding
-            else None
-        )
-        self.layers = nn.ModuleDict({str(i): Qwen3DecoderLayer(config, i) for i in layer_ids})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if has_norm else None
-        self.rotary_emb = RotaryEmbedding(
-            config.rope_parameters, config.resolved_head_dim, config.max_position_embeddings
-        )
-        self.context_parallel: ContextParallel | None = None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Run this stage's part of the trunk.
-
-        Returns:
-            ``(hidden [B, S, H], aux_loss, switch_stats)``: hidden states (normed on the last stage),
-            the sum of this stage's MoE balancing losses and the sum of its routers' Switch-loss
-            statistics (each None when no layer of this stage produces one).
-
-        Args:
-            input_ids: ``[B, S]`` tokens (first stage).
-            hidden_states: ``[B, S, H]`` activations from the previous stage (other stages).
-            position_ids: ``[B, S]`` or ``[1, S]`` positions; default ``arange(S)`` (also with
-                padding, as transformers). Positions that restart inside a row mark packed
-                documents (attention is masked per document).
-            document_ids: ``[B, S]`` explicit document ids for packed rows.
-            attention_mask: ``[B, S]`` 1 = token, 0 = padding (left or right): no token attends to
-                padding, and MoE balancing losses leave padding out.
-        """
-        if self.embed_tokens is not None:
-            if input_ids is None:
-                raise ValueError("the first stage needs input_ids")
-            h = self.embed_tokens(input_ids)
-        else:
-            if hidden_states is None:
-                raise ValueError("stages after the first need hidden_states from the previous stage")
-            h = hidden_states
-        b, s = h.shape[:2]
-        cp = self.context_parallel
-        if cp is not None:
-            mask = cp.build_mask(
-                b,
-                s,
-                h.device,
-                document_ids=document_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                implementation=self.config.attn_implementation,
-                dtype=h.dtype,
-            )
-            if position_ids is None:
-                position_ids = cp.local_positions(s, h.device).unsqueeze(0)
-        else:
-            if position_ids is None:
-                position_ids = torch.arange(s, device=h.device).unsqueeze(0)
-            mask = build_attention_mask(
-                b,
-                s,
-                h.device,
-                h.dtype,
-                document_ids=document_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                implementation=self.config.attn_implementation,
-            )
-        rope = self.rotary_emb(position_ids.to(h.device), h.dtype)
-        aux: torch.Tensor | None = None
-        stats: torch.Tensor | None = None
-        for layer in self.layers.values():
-            h, layer_aux, layer_stats = layer(h, rope, mask)
-            aux = _add(aux, layer_aux)
-            stats = _add(stats, layer_stats)
-        if self.norm is not None:
-            h = self.norm(h)
-        return h, aux, stats
-
-    def reset_parameters(self) -> None:
-        """Hugging Face's initialisation (normal(0, initializer_range), unit norms)."""
-        std = self.config.initializer_range
-        if self.embed_tokens is not None:
-            self.embed_tokens.reset_parameters(std)
-        for layer in self.layers.values():
-            assert isinstance(layer, Qwen3DecoderLayer)
-            layer.reset_parameters(std)
-        if self.norm is not None:
-            self.norm.reset_parameters()
+def qwen3_layer(config: DecoderConfig, layer_idx: int) -> DecoderLayer:
+    """Decoder layer ``layer_idx`` of a Qwen3 / Qwen3-MoE model."""
+    assert isinstance(config, Qwen3Config)
+    attn = GroupedQueryAttention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.kv_heads,
+        config.resolved_head_dim,
+        config.attention_bias,
+        config.rms_norm_eps,
+        qk_norm=True,
+    )
+    mlp: nn.Module
+    if config.is_moe_layer(layer_idx):
+        assert isinstance(config, Qwen3MoeConfig)
+        mlp = _moe(config)
+    else:
+        mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+    return DecoderLayer(layer_idx, attn, mlp, config.hidden_size, config.rms_norm_eps)
 
 
-def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
-    if part is None:
-        return total
-    return part if total is None else total + part.to(total.device)
-
-
-class Qwen3Stage(nn.Module):
-    """One pipeline stage of a Qwen3 model: the plumbing the causal LM and the classifier share.
-
-    The parallel plans (:func:`plait.models.parallelize` and the ``apply_*`` functions) take any
-    subclass: they need the stage's ``config``, its :meth:`decoder_layers` and :meth:`moe_layers`.
-    """
-
-    config: Qwen3Config
-    model: Qwen3Model
-
-    def _init_stage(self, config: Qwen3Config, stage_index: int, num_stages: int) -> None:
-        self.config = config
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == num_stages - 1
-        self.layer_ids = stage_layer_ids(config.num_hidden_layers, stage_index, num_stages)
-        self.model = Qwen3Model(config, self.layer_ids, self.is_first, self.is_last)
-
-    def decoder_layers(self) -> Iterator[Qwen3DecoderLayer]:
-        """This stage's decoder layers in order."""
-        for layer in self.model.layers.values():
-            assert isinstance(layer, Qwen3DecoderLayer)
-            yield layer
-
-    def moe_layers(self) -> list[MoELayer]:
-        """This stage's :class:`plait.moe.MoELayer` modules (for bias updates and load statistics)."""
-        return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoELayer)]
-
-    @property
-    def has_aux_loss(self) -> bool:
-        """Whether stage outputs carry ``aux_loss`` (the model has MoE layers on any stage)."""
-        return any(self.config.is_moe_layer(i) for i in range(self.config.num_hidden_layers))
-
-    def _aux_outputs(
-        self,
-        h: torch.Tensor,
-        own_aux: torch.Tensor | None,
-        own_stats: torch.Tensor | None,
-        aux_loss: torch.Tensor | None,
-        router_stats: torch.Tensor | None,
-    ) -> dict[str, torch.Tensor]:
-        """This stage's MoE outputs: ``aux_loss``, the running sum of the per-layer losses (on the last
-        stage plus the pooled Switch loss) and, on the other stages of a model that pools the Switch
-        loss over its layers, ``router_stats``, the running sum of the routers' Switch statistics."""
-        if not self.has_aux_loss:
-            return {}
-        aux = _add(_add(h.new_zeros((), dtype=torch.float32), aux_loss), own_aux)
-        assert aux is not None
-        cfg = self.config
-        stats = _add(router_stats, own_stats)
-        if (
-            not isinstance(cfg, Qwen3MoeConfig)
-            or cfg.router_aux_loss_pooling != "all_layers"
-            or stats is None
-        ):
-            return {"aux_loss": aux}
-        if not self.is_last:
-            return {"aux_loss": aux, "router_stats": stats}
-        return {"aux_loss": aux + cfg.router_aux_loss_coef * switch_aux_loss_from_stats(stats)}
-
-    def last_aux_loss(self) -> torch.Tensor | None:
-        """Sum of this stage's per-layer MoE aux losses in the last forward (detached), or None if
-        none (a Switch loss pooled over all layers is not a per-layer term and is not in it)."""
-        losses = [layer.last_aux_loss for layer in self.decoder_layers() if layer.last_aux_loss is not None]
-        return torch.stack(losses).sum() if losses else None
-
-
-class Qwen3ForCausalLM(Qwen3Stage):
-    """Qwen3 / Qwen3-MoE causal LM, or one pipeline stage of it.
-
-    Build on the meta device, then materialise and initialise::
-
-        with torch.device("meta"):
-            model = Qwen3ForCausalLM(config, stage_index=0, num_stages=1)
-        model.to_empty(device="cuda")
-        model.reset_parameters()
+class Qwen3ForCausalLM(CausalLMStage):
+    """Qwen3 / Qwen3-MoE causal LM, or one pipeline stage of it (see :class:`CausalLMStage`).
 
     Args:
         config: :class:`Qwen3Config` or :class:`Qwen3MoeConfig`.
@@ -253,125 +61,16 @@ class Qwen3ForCausalLM(Qwen3Stage):
     """
 
     def __init__(
-        self,
-        config: Qwen3Config,
-        *,
-        stage_index: int = 0,
-        num_stages: int = 1,
-        ignore_index: int = -100,
+        self, config: Qwen3Config, *, stage_index: int = 0, num_stages: int = 1, ignore_index: int = -100
     ) -> None:
-        super().__init__()
-        self._init_stage(config, stage_index, num_stages)
-        self.ignore_index = ignore_index
-        self.lm_head: LMHead | None = None
-        if self.is_last:
-            self.lm_head = LMHead(config.hidden_size, config.vocab_size)
-            if config.tie_word_embeddings:
-                if not self.is_first:
-                    raise ValueError(
-                        "tie_word_embeddings=True needs the embedding and the head on one stage; "
-                        "use num_stages=1 or an untied config for pipeline parallelism"
-                    )
-                assert self.model.embed_tokens is not None
-                self.lm_head.weight = self.model.embed_tokens.weight
-
-    def tie_weights(self) -> None:
-        """Re-tie the head to the embedding (after something replaced either parameter)."""
-        if self.lm_head is not None and self.lm_head.weight is getattr(
-            self.model.embed_tokens, "weight", None
-        ):
-            return
-        if (
-            self.config.tie_word_embeddings
-            and self.lm_head is not None
-            and self.model.embed_tokens is not None
-        ):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        aux_loss: torch.Tensor | None = None,
-        router_stats: torch.Tensor | None = None,
-        return_logits: bool = False,
-    ) -> dict[str, torch.Tensor]:
-        """Stage forward with dict IO.
-
-        Args:
-            input_ids: ``[B, S]`` tokens (first stage).
-            hidden_states: ``[B, S, H]`` from the previous stage (other stages).
-            labels: ``[B, S]`` target token per position (already shifted; ``ignore_index`` to skip).
-                On the last stage the loss is computed without materialising logits.
-            position_ids: ``[B, S]`` positions (restarts mark packed documents); default
-                ``arange(S)``, with or without padding (transformers' rule).
-            document_ids: ``[B, S]`` document ids for packed rows.
-            attention_mask: ``[B, S]`` transformers' padding mask (1 = token, 0 = padding, left or
-                right; give it to every stage): no token attends to padding, padding positions are
-                not scored (their labels count as ``ignore_index``) and MoE balancing losses leave
-                them out. Logits of real tokens equal transformers' for the same padded batch.
-            aux_loss: Running MoE aux loss from the previous stage (MoE models).
-            router_stats: Running Switch-loss statistics from the previous stage (MoE models with
-                ``router_aux_loss_pooling="all_layers"``).
-            return_logits: Last stage: also return ``logits`` when ``labels`` are given.
-
-        Returns:
-            Non-last stages: ``{"hidden_states"}``. Last stage: with labels ``{"loss_sum",
-            "loss", "num_tokens"}`` (sum and mean cross-entropy over scored tokens; plus
-            ``"logits"`` if asked), else ``{"logits"}``. MoE models add ``"aux_loss"`` on every
-            stage: on the last stage the coefficient-weighted balancing loss of the whole model
-            (differentiable; add it to the objective), before it the per-layer losses so far; with
-            ``router_aux_loss_pooling="all_layers"`` non-last stages also return ``"router_stats"``
-            (the Switch statistics so far, pooled into one loss on the last stage).
-        """
-        h, own_aux, own_stats = self.model(
-            input_ids, hidden_states, position_ids, document_ids, attention_mask
+        super().__init__(
+            config, qwen3_layer, stage_index=stage_index, num_stages=num_stages, ignore_index=ignore_index
         )
-        out = self._aux_outputs(h, own_aux, own_stats, aux_loss, router_stats)
-        if not self.is_last:
-            out["hidden_states"] = h
-            return out
-        assert self.lm_head is not None
-        if labels is None:
-            out["logits"] = self.lm_head.logits(h)
-            return out
-        labels = labels.to(h.device)
-        if attention_mask is not None:
-            labels = labels.masked_fill(attention_mask.to(h.device) == 0, self.ignore_index)
-        loss_sum = self.lm_head.loss(h, labels, ignore_index=self.ignore_index, reduction="sum")
-        num_tokens = (labels != self.ignore_index).sum()
-        out.update(loss_sum=loss_sum, loss=loss_sum / num_tokens.clamp(min=1), num_tokens=num_tokens)
-        if return_logits:
-            out["logits"] = self.lm_head.logits(h)
-        return out
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Initialise all parameters like Hugging Face (call after ``to_empty`` from meta).
-
-        Re-ties the head to the embedding first when ``to_empty`` separated them.
-        """
-        self.tie_weights()
-        self.model.reset_parameters()
-        if self.lm_head is not None and not self.config.tie_word_embeddings:
-            self.lm_head.reset_parameters(self.config.initializer_range)
 
 
-class Qwen3ForSequenceClassification(Qwen3Stage):
+class Qwen3ForSequenceClassification(SequenceClassifierStage):
     """Qwen3 / Qwen3-MoE with a ``score`` head on a pooled hidden state (HF's
-    ``Qwen3ForSequenceClassification`` with ``pooling="last"``).
-
-    Args:
-        config: Model configuration.
-        num_labels: Output classes (1 = regression with MSE loss).
-        pooling: ``last`` (right-most non-padding token) or ``mean``.
-        stage_index: This stage.
-        num_stages: Number of pipeline stages.
-    """
+    ``Qwen3ForSequenceClassification``; see :class:`SequenceClassifierStage`)."""
 
     def __init__(
         self,
@@ -382,51 +81,6 @@ class Qwen3ForSequenceClassification(Qwen3Stage):
         stage_index: int = 0,
         num_stages: int = 1,
     ) -> None:
-        super().__init__()
-        self._init_stage(config, stage_index, num_stages)
-        self.num_labels = num_labels
-        self.pooling: PoolingMethod = pooling
-        self.score = nn.Linear(config.hidden_size, num_labels, bias=False) if self.is_last else None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        aux_loss: torch.Tensor | None = None,
-        router_stats: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Stage forward; the last stage returns ``{"logits" [B, num_labels]}`` (+ ``"loss"`` with labels).
-
-        ``attention_mask [B, S]`` (1 = token, 0 = padding) masks attention like transformers and
-        selects the pooled tokens; with no mask and a ``pad_token_id`` in the config, the pooled
-        tokens are found from ``input_ids`` like HF (attention then sees every token, as in HF).
-        MoE outputs (``aux_loss``, ``router_stats``) as in :meth:`Qwen3ForCausalLM.forward`.
-        """
-        h, own_aux, own_stats = self.model(
-            input_ids, hidden_states, position_ids, attention_mask=attention_mask
+        super().__init__(
+            config, qwen3_layer, num_labels, pooling=pooling, stage_index=stage_index, num_stages=num_stages
         )
-        out = self._aux_outputs(h, own_aux, own_stats, aux_loss, router_stats)
-        if not self.is_last:
-            out["hidden_states"] = h
-            return out
-        assert self.score is not None
-        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
-            attention_mask = (input_ids != self.config.pad_token_id).long()
-        logits = self.score(pool_hidden_states(h, self.pooling, attention_mask=attention_mask))
-        out["logits"] = logits
-        if labels is not None:
-            if self.num_labels == 1:
-                out["loss"] = nn.functional.mse_loss(logits.squeeze(-1), labels.to(logits.dtype))
-            else:
-                out["loss"] = nn.functional.cross_entropy(logits, labels)
-        return out
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Initialise like Hugging Face."""
-        self.model.reset_parameters()
-        if self.score is not None:
-            nn.init.normal_(self.score.weight, 0.0, self.config.initializer_range)

@@ -1,4 +1,4 @@
-"""Mapper graphs between Hugging Face Qwen3 / Qwen3-MoE checkpoints and plait modules.
+"""Qwen3 / Qwen3-MoE <-> Hugging Face: ``config.json`` and the checkpoint mapper graphs.
 
 Key layouts:
 
@@ -14,6 +14,8 @@ Key layouts:
 
 from __future__ import annotations
 
+from typing import Any
+
 from plait.model_state.mappers import (
     Concatenate,
     Drop,
@@ -23,14 +25,48 @@ from plait.model_state.mappers import (
     Sequential,
     Stack,
 )
-from plait.models.config import Qwen3Config
+from plait.models.common.config import DecoderConfig
+from plait.models.common.hf.config import dump_hf_config, parse_hf_config
+from plait.models.qwen3.config import Qwen3Config, Qwen3MoeConfig
 
-__all__ = ["hf_to_plait_mapper", "plait_to_hf_mapper"]
+__all__ = ["config_from_hf", "config_to_hf", "hf_to_plait_mapper", "plait_to_hf_mapper"]
+
+_ARCH = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Window keys that only matter with use_sliding_window=True, which the config refuses.
+_IGNORED = ("sliding_window", "max_window_layers", "layer_types")
+
+
+def config_from_hf(d: dict[str, Any]) -> Qwen3Config:
+    """The plait config of a Qwen3 / Qwen3-MoE ``config.json`` dict (consumed); ``num_local_experts``
+    is an alias of ``num_experts``.
+
+    Raises:
+        ValueError: naming an unsupported key or value.
+    """
+    if "num_local_experts" in d:
+        d.setdefault("num_experts", d.pop("num_local_experts"))
+        d.pop("num_local_experts", None)
+    cls = Qwen3MoeConfig if d.get("model_type") == "qwen3_moe" else Qwen3Config
+    return parse_hf_config(
+        d, cls, ignored=_IGNORED, drop_none=("num_key_value_heads", "head_dim", "mlp_only_layers")
+    )
+
+
+def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
+    """The ``config.json`` dict (transformers 5.x layout) of a Qwen3 / Qwen3-MoE config."""
+    assert isinstance(config, Qwen3Config)
+    d = dump_hf_config(config, _ARCH[config.model_type], exclude={"router_aux_loss_pooling"})
+    if isinstance(config, Qwen3MoeConfig):
+        d["mlp_only_layers"] = list(config.mlp_only_layers)
+    d["use_sliding_window"] = False
+    d["sliding_window"] = None
+    return d
+
 
 _L = "model.layers.{i}.mlp"
 
 
-def hf_to_plait_mapper(config: Qwen3Config | None = None) -> Mapper:
+def hf_to_plait_mapper(config: DecoderConfig | None = None) -> Mapper:
     """Mapper from a Hugging Face Qwen3 / Qwen3-MoE checkpoint (either expert layout) to plait keys.
 
     Per-expert keys are stacked (``gate``/``up`` then concatenated into ``gate_up_proj``); fused
@@ -52,7 +88,7 @@ def hf_to_plait_mapper(config: Qwen3Config | None = None) -> Mapper:
     )
 
 
-def plait_to_hf_mapper(config: Qwen3Config, *, fused_experts: bool = False) -> Mapper:
+def plait_to_hf_mapper(config: DecoderConfig, *, fused_experts: bool = False) -> Mapper:
     """Mapper from plait module keys to a Hugging Face checkpoint.
 
     Args:

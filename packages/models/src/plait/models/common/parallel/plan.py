@@ -1,4 +1,7 @@
-"""Parallel plans for Qwen3 / Qwen3-MoE stages: TP, CP, EP, FSDP2/HSDP, activation checkpointing, compile.
+"""Parallel plans for decoder stages: TP, CP, EP, FSDP2/HSDP, activation checkpointing, compile.
+
+A family's ``parallelize`` is :func:`parallelize_decoder` with the family's tensor-parallel plan of
+one layer (:func:`tp_gqa_layer` for grouped-query attention with SwiGLU MLPs).
 
 Order matters and follows torchtitan: tensor parallel first (parameters become DTensors on the
 ``tp`` mesh), context parallel (attention and MoE balancing losses span the context group), then
@@ -9,14 +12,16 @@ layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from plait.dist_core import DistributedContext
-from plait.models.blocks.context_parallel import ContextParallel, ContextParallelMode
-from plait.models.parallel.checkpointing import apply_activation_checkpointing
-from plait.models.parallel.config import ParallelConfig
-from plait.models.qwen3.model import Qwen3ForCausalLM, Qwen3Stage
+from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
+from plait.models.common.layer import DecoderLayer
+from plait.models.common.model import CausalLMStage, DecoderStage
+from plait.models.common.parallel.activation_checkpointing import apply_activation_checkpointing
+from plait.models.common.parallel.config import ParallelConfig
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,12 +30,16 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 __all__ = [
+    "LayerTensorParallel",
     "apply_context_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
-    "parallelize",
+    "parallelize_decoder",
+    "tp_gqa_layer",
 ]
+
+LayerTensorParallel = Callable[[DecoderLayer, DeviceMesh], None]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -41,14 +50,44 @@ def _dim_size(mesh: DeviceMesh | None, name: str) -> int:
     return int(mesh[name].size())
 
 
-def apply_tensor_parallel(model: Qwen3Stage, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallelism over ``tp_mesh`` (1-D).
+def tp_gqa_layer(layer: DecoderLayer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism of one layer with :class:`GroupedQueryAttention`.
 
-    Attention: q/k/v column-parallel (heads split), o row-parallel; q/k RMSNorm weights stay
-    replicated with their gradients summed over ``tp``. Dense MLPs: gate/up column-parallel, down
-    row-parallel. Embedding: vocab-parallel (row-wise, masked lookup + all-reduce). LM head:
-    vocab-sharded weight with a vocab-parallel cross-entropy. MoE blocks are not tensor-parallel
-    (they run replicated over ``tp``; shard them with expert parallelism).
+    q/k/v column-parallel (heads split), o row-parallel; q/k RMSNorm weights stay replicated with
+    their gradients summed over ``tp``; sink logits sharded by head. Dense SwiGLU MLPs: gate/up
+    column-parallel, down row-parallel. MoE blocks are not tensor-parallel (they run replicated
+    over ``tp``; shard them with expert parallelism).
+    """
+    attn = layer.self_attn
+    assert isinstance(attn, GroupedQueryAttention)
+    plan: dict[str, Any] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+    }
+    if not layer.is_moe:
+        plan.update(
+            {
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            }
+        )
+    parallelize_module(layer, tp_mesh, plan)
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            norm.grad_reduce_group = tp_mesh.get_group()
+    if attn.sinks is not None:
+        attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
+
+
+def apply_tensor_parallel(
+    model: DecoderStage, tp_mesh: DeviceMesh, layer_plan: LayerTensorParallel = tp_gqa_layer
+) -> None:
+    """Tensor parallelism over ``tp_mesh`` (1-D): ``layer_plan`` for each decoder layer, the
+    embedding vocab-parallel (row-wise, masked lookup + all-reduce), the LM head a vocab-sharded
+    weight with a vocab-parallel cross-entropy.
 
     Raises:
         ValueError: if heads, KV heads, intermediate or vocab sizes are not divisible by ``tp``.
@@ -63,42 +102,25 @@ def apply_tensor_parallel(model: Qwen3Stage, tp_mesh: DeviceMesh) -> None:
     ):
         if value % tp:
             raise ValueError(f"tensor parallel size {tp} does not divide config.{name}={value}")
-    group = tp_mesh.get_group()
     for layer in model.decoder_layers():
-        plan: dict[str, Any] = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(),
-        }
-        if not layer.is_moe:
-            plan.update(
-                {
-                    "mlp.gate_proj": ColwiseParallel(),
-                    "mlp.up_proj": ColwiseParallel(),
-                    "mlp.down_proj": RowwiseParallel(),
-                }
-            )
-        parallelize_module(layer, tp_mesh, plan)
-        layer.self_attn.q_norm.grad_reduce_group = group
-        layer.self_attn.k_norm.grad_reduce_group = group
+        layer_plan(layer, tp_mesh)
     if model.model.embed_tokens is not None:
         parallelize_module(
             model.model.embed_tokens,
             tp_mesh,
             RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True),
         )
-    if isinstance(model, Qwen3ForCausalLM) and model.lm_head is not None:
+    if isinstance(model, CausalLMStage) and model.lm_head is not None:
         head = model.lm_head
         if cfg.tie_word_embeddings and model.model.embed_tokens is not None:
             model.tie_weights()
         else:
             head.weight = nn.Parameter(distribute_tensor(head.weight.data, tp_mesh, [Shard(0)]))
-        head.tp_group = group
+        head.tp_group = tp_mesh.get_group()
 
 
 def apply_context_parallel(
-    model: Qwen3Stage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather"
+    model: DecoderStage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather"
 ) -> None:
     """Context parallelism over ``cp_mesh`` (1-D): the model takes sequence shards in the
     load-balanced layout (:func:`plait.dist_core.shard_batch`), attention crosses the group
@@ -110,9 +132,9 @@ def apply_context_parallel(
     Raises:
         ValueError: the stage is not a causal LM (pooling heads need the whole sequence).
     """
-    if not isinstance(model, Qwen3ForCausalLM):
+    if not isinstance(model, CausalLMStage):
         raise ValueError(
-            f"context parallelism supports Qwen3ForCausalLM stages, not {type(model).__name__} "
+            f"context parallelism supports causal-LM stages, not {type(model).__name__} "
             "(its pooling head needs the whole sequence on one rank)"
         )
     group = cp_mesh.get_group()
@@ -122,7 +144,7 @@ def apply_context_parallel(
 
 
 def apply_expert_parallel(
-    model: Qwen3Stage,
+    model: DecoderStage,
     ep_mesh: DeviceMesh,
     dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
@@ -147,7 +169,7 @@ def apply_expert_parallel(
 
 
 def apply_fsdp(
-    model: Qwen3Stage,
+    model: DecoderStage,
     dp_mesh: DeviceMesh,
     *,
     experts_sharded: bool = False,
@@ -189,15 +211,16 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
 
 
-def parallelize(
-    model: Qwen3Stage,
+def parallelize_decoder(
+    model: DecoderStage,
     *,
+    layer_plan: LayerTensorParallel = tp_gqa_layer,
     dense_mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
     config: ParallelConfig | None = None,
     context: DistributedContext | None = None,
     cp_mesh: DeviceMesh | None = None,
-) -> Qwen3Stage:
+) -> DecoderStage:
     """Apply TP, CP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
 
     Pass either the meshes or a :class:`~plait.dist_core.DistributedContext` (``context``), whose
@@ -211,7 +234,8 @@ def parallelize(
     over ``dp_cp_shard``, which sums the gradients over the context ranks too.
 
     Args:
-        model: A :class:`Qwen3Stage` (:class:`Qwen3ForCausalLM` / :class:`Qwen3ForSequenceClassification`).
+        model: A decoder stage (a family's causal LM or sequence classifier).
+        layer_plan: The family's tensor-parallel plan of one decoder layer.
         dense_mesh: Mesh of the dense domain.
         expert_mesh: Mesh of the expert domain.
         config: Parallel settings (default: FSDP, no checkpointing, no compile).
@@ -233,7 +257,7 @@ def parallelize(
         cp_mesh = cp_mesh or context.mesh_for("batch")["cp"]
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
-        apply_tensor_parallel(model, dense_mesh["tp"])
+        apply_tensor_parallel(model, dense_mesh["tp"], layer_plan)
     if cp_mesh is not None and cp_mesh.size() > 1:
         if config.data_parallel == "fsdp" and _dim_size(dense_mesh, "cp_replicate") > 1:
             raise ValueError(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from plait.models.parallel.config import ActivationCheckpointing
+from plait.models.common.parallel.config import ActivationCheckpointing
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, dynamic-NTK and YaRN, with partial rotary.
+"""Rotary position embeddings: default, linear, dynamic-NTK, YaRN and Llama 3, with partial rotary.
 
 The frequency formulas follow ``transformers.modeling_rope_utils`` so converted checkpoints
 produce the same cos/sin tables. Tables are computed per forward from ``position_ids`` (no
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-from plait.models.config import RopeParameters
+from plait.models.common.config import RopeParameters
 from torch import nn
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
@@ -49,6 +49,8 @@ def rope_inv_freq(
         f = params.factor
         base = base * ((f * n / max_position_embeddings) - (f - 1)) ** (dim / (dim - 2))
         return 1.0 / (base**exps), 1.0
+    if params.rope_type == "llama3":
+        return _llama3_inv_freq(params, 1.0 / (base**exps)), 1.0
     # yarn
     orig = params.original_max_position_embeddings
     assert orig is not None
@@ -82,6 +84,19 @@ def rope_inv_freq(
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
+
+
+def _llama3_inv_freq(params: RopeParameters, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
+    factor, orig = params.factor, params.original_max_position_embeddings
+    low, high = params.low_freq_factor, params.high_freq_factor
+    assert factor is not None and orig is not None and low is not None and high is not None
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,4 +1,5 @@
-"""Load Hugging Face Qwen3 / Qwen3-MoE checkpoints into plait modules (sharded or not) and export back."""
+"""Load Hugging Face checkpoints into plait stage modules (sharded or not) and export them back,
+given the family's mapper and ``config.json`` (the entry points in :mod:`plait.models.hf` pick them)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.model_state import load_module, materialize, save_module, write_file_atomic
-from plait.models.config import Qwen3Config
-from plait.models.hf.config import config_to_hf, load_hf_config
-from plait.models.hf.mappers import hf_to_plait_mapper, plait_to_hf_mapper
+from plait.model_state import Mapper, load_module, materialize, save_module, write_file_atomic
 from torch import nn
 
-__all__ = ["from_pretrained", "load_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 
 class _Stages(nn.Module):
@@ -39,17 +37,10 @@ def _as_module(modules: nn.Module | Sequence[nn.Module]) -> nn.Module:
     return modules[0] if len(modules) == 1 else _Stages(modules)
 
 
-def _config_of(modules: nn.Module | Sequence[nn.Module]) -> Qwen3Config:
-    first = modules if isinstance(modules, nn.Module) else modules[0]
-    config = getattr(first, "config", None)
-    if not isinstance(config, Qwen3Config):
-        raise TypeError(f"{type(first).__name__} has no plait Qwen3Config at .config")
-    return config
-
-
-def load_hf_checkpoint(
+def load_checkpoint(
     modules: nn.Module | Sequence[nn.Module],
     path: str | os.PathLike[str],
+    mapper: Mapper,
     *,
     allow_cast: bool = True,
     device: torch.device | str | None = None,
@@ -58,11 +49,12 @@ def load_hf_checkpoint(
 
     Works on plain, meta-device, FSDP2, tensor-parallel, expert-parallel and pipeline-stage modules:
     every rank reads only the bytes of the shards it holds (``plait.model_state.load_module`` with
-    :func:`hf_to_plait_mapper`). Checkpoint keys of other stages are skipped unread.
+    the family's ``mapper``). Checkpoint keys of other stages are skipped unread.
 
     Args:
         modules: One stage module or all stages this rank holds.
         path: Checkpoint directory (``model.safetensors`` or sharded with an index).
+        mapper: The family's Hugging Face -> plait mapper.
         allow_cast: Cast checkpoint dtypes to the module's parameter dtypes (e.g. bf16 -> fp32).
         device: Where to materialise meta modules.
 
@@ -78,7 +70,7 @@ def load_hf_checkpoint(
     result = load_module(
         module,
         path,
-        hf_to_plait_mapper(_config_of(modules)),
+        mapper,
         strict=False,
         allow_cast=allow_cast,
         device=device,
@@ -90,11 +82,12 @@ def load_hf_checkpoint(
     return result.bytes_read
 
 
-def save_hf_checkpoint(
+def save_checkpoint(
     modules: nn.Module | Sequence[nn.Module],
     out_dir: str | os.PathLike[str],
+    mapper: Mapper,
+    hf_config: dict[str, Any],
     *,
-    fused_experts: bool = False,
     is_writer: bool | None = None,
     group: dist.ProcessGroup | None = None,
     max_shard_size: int | str = "5GB",
@@ -110,7 +103,8 @@ def save_hf_checkpoint(
     Args:
         modules: Stage module(s) on this rank.
         out_dir: Output directory (its shards, index and ``config.json`` are replaced; other files stay).
-        fused_experts: Write transformers 5.x fused expert tensors instead of per-expert keys.
+        mapper: The family's plait -> Hugging Face mapper.
+        hf_config: The ``config.json`` dict (``dtype`` is added when the tensors share one).
         is_writer: Whether this rank writes its keys.
         group: Process group of the save (default: world).
         max_shard_size: Per-file size bound.
@@ -118,19 +112,18 @@ def save_hf_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    config = _config_of(modules)
     module = _as_module(modules)
     out = save_module(
         module,
         out_dir,
-        plait_to_hf_mapper(config, fused_experts=fused_experts),
+        mapper,
         is_writer=is_writer,
         group=group,
         max_shard_size=max_shard_size,
     )
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
     if rank == 0:
-        hf = config_to_hf(config)
+        hf = dict(hf_config)
         dtypes = {v.dtype for v in module.state_dict().values() if v.is_floating_point()}
         if len(dtypes) == 1:
             hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
@@ -140,38 +133,3 @@ def save_hf_checkpoint(
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group)
     return Path(out)
-
-
-def from_pretrained(
-    path: str | os.PathLike[str],
-    *,
-    stage_index: int = 0,
-    num_stages: int = 1,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
-    **config_overrides: Any,
-) -> nn.Module:
-    """Build a :class:`~plait.models.Qwen3ForCausalLM` (stage) from a Hugging Face checkpoint directory.
-
-    For sharded models build on meta, :func:`plait.models.parallelize`, then
-    :func:`load_hf_checkpoint` instead.
-
-    Args:
-        path: Checkpoint directory with ``config.json``.
-        stage_index: Pipeline stage to build.
-        num_stages: Number of pipeline stages.
-        device: Target device.
-        dtype: Parameter dtype (default: fp32).
-        **config_overrides: plait config fields to override (e.g. ``attn_implementation``).
-    """
-    from plait.models.qwen3.model import Qwen3ForCausalLM
-
-    config = load_hf_config(path)
-    if config_overrides:
-        config = type(config)(**{**config.model_dump(), **config_overrides})
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, stage_index=stage_index, num_stages=num_stages)
-    if dtype is not None:
-        model.to(dtype)
-    load_hf_checkpoint(model, path, device=device)
-    return model

@@ -18,19 +18,22 @@ class SwiGLUMLP(nn.Module):
     Args:
         hidden_size: Model width.
         intermediate_size: SwiGLU width.
+        bias: Bias on the three projections (Llama's ``mlp_bias``).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``."""
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
     def reset_parameters(self, std: float) -> None:
-        """Normal(0, std) weights."""
+        """Normal(0, std) weights, zero biases."""
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(lin.weight, 0.0, std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from plait.kernels import rms_norm
-from plait.models._comm import all_reduce_backward
+from plait.models.common._comm import all_reduce_backward
 from torch import nn
 
 __all__ = ["RMSNorm"]

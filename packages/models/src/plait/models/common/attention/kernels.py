@@ -1,0 +1,136 @@
+"""Attention kernels: SDPA, FlexAttention (compiled once per model), FlashAttention, and the
+PyTorch reference used for attention sinks on CPU.
+
+Attention sinks (gpt-oss) add one learned logit per head to every softmax denominator:
+``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``. With the log-sum-exp of the scores,
+``out_sink = out * sigmoid(lse - sink)``, which FlexAttention computes exactly (its log-sum-exp is
+differentiable); on CPU the sink is a softmax column, as transformers' eager path computes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionKernels", "apply_sinks", "flash_attn_available", "sink_reference_attention"]
+
+
+def flash_attn_available() -> bool:
+    """Whether the ``flash_attn`` package is importable (it is imported lazily, only when used)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+class AttentionKernels:
+    """The compiled FlexAttention callables of one model (compiled on first CUDA use).
+
+    FlexAttention is only fast compiled, and ``create_block_mask`` compiled evaluates the mask block
+    by block instead of materialising the dense ``[B, q_len, kv_len]`` mask (tens of GiB at 128k
+    tokens). Inside a compiled region (a compiled decoder layer) the eager functions are traced into
+    that graph instead: no nested compile, no graph break.
+    """
+
+    def __init__(self) -> None:
+        self._flex: Any = None
+        self._block_mask: Any = None
+
+    def block_mask(self, mask_mod: Any, batch: int, q_len: int, kv_len: int, device: torch.device) -> Any:
+        """FlexAttention ``BlockMask`` of ``mask_mod`` for ``[batch, q_len]`` queries and ``kv_len`` keys."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        fn: Any = create_block_mask
+        if device.type == "cuda" and not torch.compiler.is_compiling():
+            if self._block_mask is None:
+                self._block_mask = torch.compile(create_block_mask)
+            fn = self._block_mask
+        return fn(mask_mod, batch, None, q_len, kv_len, device=device)
+
+    def flex(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_mask: Any,
+        scale: float,
+        return_lse: bool = False,
+    ) -> Any:
+        """FlexAttention of ``[B, H, L, D]`` tensors; ``(out, lse)`` with ``return_lse``."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn: Any = flex_attention
+        if q.device.type == "cuda" and not torch.compiler.is_compiling():
+            if self._flex is None:
+                self._flex = torch.compile(flex_attention, dynamic=False)
+            fn = self._flex
+        gqa = q.shape[1] != k.shape[1]
+        return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=return_lse)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``out [B, H, L, D]`` scaled by ``sigmoid(lse - sink)``: the softmax with one more, sink, logit."""
+    w = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * w[..., None]).to(out.dtype)
+
+
+def sink_reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention in plain PyTorch with an optional sink logit per head (``[B, H, L, D]`` in/out).
+
+    ``mask``: boolean ``[B|1, 1, L, L]`` (True = attend), or None for plain causal attention.
+    """
+    b, hq, s, _ = q.shape
+    if k.shape[1] != hq:
+        rep = hq // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is None:
+        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, hq, s, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    window: int | None,
+) -> torch.Tensor:
+    """FlashAttention of ``[B, S, heads, D]`` tensors (varlen with ``cu_seqlens``); same layout out."""
+    flash_attn = importlib.import_module("flash_attn")
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    if cu_seqlens is None:
+        return flash_attn.flash_attn_func(  # type: ignore[no-any-return]
+            q, k, v, softmax_scale=scale, causal=True, window_size=window_size
+        )
+    b, s = q.shape[:2]
+    out = flash_attn.flash_attn_varlen_func(
+        q.reshape(b * s, *q.shape[2:]),
+        k.reshape(b * s, *k.shape[2:]),
+        v.reshape(b * s, *v.shape[2:]),
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        softmax_scale=scale,
+        causal=True,
+        window_size=window_size,
+    )
+    return out.reshape(b, s, *out.shape[1:])  # type: ignore[no-any-return]
