@@ -74,7 +74,10 @@ def _ep_worker(variant: Variant, seed: int, backend: str) -> dict[str, Any]:
     x = x_all[rank].requires_grad_()
     out = layer(x)
     ((out.hidden_states * g_all[rank]).sum() + out.aux_loss).backward()
-    grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in layer.named_parameters()}
+    grads = {
+        n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in layer.named_parameters()
+    }
     return {"y": out.hidden_states.detach(), "gx": x.grad, "aux": out.aux_loss.detach(), "grads": grads}
 
 

@@ -82,7 +82,10 @@ def test_matches_gpt_oss_mlp(num_experts: int, top_k: int, limit: float) -> None
     x = torch.randn(B, S, H, generator=gen) * 2.0
     grad_out = torch.randn(B, S, H, generator=gen)
     # The clamps bind on part of the activations (so the test sees the clamped branch and its zero gradient).
-    h = x.reshape(-1, H) @ params["experts.gate_up_proj"][0].T.detach() + params["experts.gate_up_proj_bias"][0]
+    h = (
+        x.reshape(-1, H) @ params["experts.gate_up_proj"][0].T.detach()
+        + params["experts.gate_up_proj_bias"][0]
+    )
     assert (h[:, :FFN] > limit).any() and (h[:, FFN:].abs() > limit).any() and (h.abs() < limit).any()
 
     y_hf, gx_hf = _run(hf, x, grad_out, plait=False)
@@ -154,7 +157,9 @@ def test_matches_deepseek_v3_moe(
         unbiased = scores.topk(top_k, dim=-1).indices.sort(dim=-1).values
         assert (picked != unbiased).any(dim=-1).float().mean() > 0.2
         if topk_group < n_group:
-            biased = (scores + hf.gate.e_score_correction_bias).topk(top_k, dim=-1).indices.sort(dim=-1).values
+            biased = (
+                (scores + hf.gate.e_score_correction_bias).topk(top_k, dim=-1).indices.sort(dim=-1).values
+            )
             assert (picked != biased).any()
 
     y_hf, gx_hf = _run(hf, x, grad_out, plait=False)
