@@ -17,10 +17,11 @@ from plait.moe import (
     down_from_input_major,
     gate_up_bias_from_interleaved,
     gate_up_from_input_major_interleaved,
+    switch_aux_loss_from_stats,
 )
 from transformers import DeepseekV3Config, GptOssConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP, load_balancing_loss_func
 
 H, FFN, B, S = 12, 10, 2, 7
 ATOL = 1e-5
@@ -96,6 +97,33 @@ def test_matches_gpt_oss_mlp(num_experts: int, top_k: int, limit: float) -> None
         hf_grad = hf.get_parameter(hf_name).grad
         assert hf_grad is not None and params[name].grad is not None
         torch.testing.assert_close(params[name].grad, convert(hf_grad), atol=ATOL, rtol=1e-5, msg=name)
+
+
+def test_gpt_oss_pooled_switch_loss_matches_hf() -> None:
+    """With ``aux_loss_pooling="all_layers"`` the Switch statistics of two layers give transformers'
+    gpt-oss ``load_balancing_loss_func`` of the two routers' logits (softmax over all experts)."""
+    cfg = RouterConfig(
+        score_func="softmax_over_topk",
+        logit_bias=True,
+        top_k=3,
+        aux_loss_coef=0.02,
+        aux_loss_pooling="all_layers",
+    )
+    torch.manual_seed(4)
+    layers = [
+        MoELayer(H, FFN, 6, cfg, expert_activation=ClampedSwiGLU(), expert_proj_bias=True) for _ in range(2)
+    ]
+    h = torch.randn(B, S, H)
+    stats, logits = [], []
+    for layer in layers:
+        logits.append(layer.router(h.reshape(-1, H)).logits)
+        out = layer(h)
+        stats.append(out.switch_stats)
+        h = out.hidden_states
+    expected = load_balancing_loss_func(tuple(logits), num_experts=6, top_k=3)
+    torch.testing.assert_close(
+        switch_aux_loss_from_stats(stats[0] + stats[1]), expected, rtol=1e-5, atol=1e-6
+    )
 
 
 def _deepseek(
