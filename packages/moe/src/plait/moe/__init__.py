@@ -13,6 +13,7 @@ from plait.moe.dispatch import (
     all_to_all,
 )
 from plait.moe.experts import GroupedExperts, SharedExpert, clamped_swiglu, row_experts
+from plait.moe.layer import MoELayer, MoEOutput
 from plait.moe.layout import (
     deinterleave_halves,
     down_from_input_major,
@@ -24,7 +25,6 @@ from plait.moe.layout import (
     interleave_halves,
     interleaved_order,
 )
-from plait.moe.layer import MoELayer, MoEOutput
 from plait.moe.losses import (
     router_z_loss,
     seq_aux_loss,

@@ -94,7 +94,11 @@ class MoELayer(nn.Module):
         self.drop_policy: DropPolicy = drop_policy
         self.router = TopKRouter(hidden_size, num_experts, router)
         self.experts = GroupedExperts(
-            num_experts, hidden_size, moe_intermediate_size, activation=expert_activation, bias=expert_proj_bias
+            num_experts,
+            hidden_size,
+            moe_intermediate_size,
+            activation=expert_activation,
+            bias=expert_proj_bias,
         )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_expert_intermediate_size)
