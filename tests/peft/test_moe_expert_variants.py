@@ -113,8 +113,12 @@ def test_expert_lora_with_biases_and_clamp_matches_merged_hf_block() -> None:
     }
     for name, ad in adapters.items():
         a, b = ad.lora_A.detach(), ad.lora_B.detach()
-        torch.testing.assert_close(ad.lora_A.grad, ad.scaling * b.transpose(1, 2) @ hf_dw[name], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(ad.lora_B.grad, ad.scaling * hf_dw[name] @ a.transpose(1, 2), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            ad.lora_A.grad, ad.scaling * b.transpose(1, 2) @ hf_dw[name], atol=1e-5, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            ad.lora_B.grad, ad.scaling * hf_dw[name] @ a.transpose(1, 2), atol=1e-5, rtol=1e-4
+        )
     # Biases and base weights are frozen by apply_peft; only the adapters train.
     assert ours.mlp.experts.gate_up_proj_bias.grad is None and ours.mlp.experts.down_proj.grad is None
 
@@ -152,4 +156,6 @@ def test_expert_out_order_must_be_a_permutation(tmp_path: Path) -> None:
     ours = _plait_block(_hf_block())
     apply_peft(ours, LoRAConfig(r=2, alpha=4, target_parameters=EXPERTS, init="random"))
     with pytest.raises(ValueError, match="expert_out_order"):
-        export_hf_adapter(ours, tmp_path, expert_out_order=lambda name: torch.zeros(2 * FFN, dtype=torch.int64))
+        export_hf_adapter(
+            ours, tmp_path, expert_out_order=lambda name: torch.zeros(2 * FFN, dtype=torch.int64)
+        )
