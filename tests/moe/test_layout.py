@@ -18,35 +18,35 @@ from plait.moe import (
     interleaved_order,
 )
 
-E, H, I = 3, 5, 4
+E, H, FFN = 3, 5, 4
 
 
 def test_gate_up_weight_and_bias() -> None:
-    w = torch.randn(E, H, 2 * I)  # HF: x @ w[e] -> [.., 2I], gate = [..., ::2], up = [..., 1::2]
+    w = torch.randn(E, H, 2 * FFN)  # HF: x @ w[e] -> [.., 2I], gate = [..., ::2], up = [..., 1::2]
     ours = gate_up_from_input_major_interleaved(w)
-    assert ours.shape == (E, 2 * I, H) and ours.is_contiguous()
+    assert ours.shape == (E, 2 * FFN, H) and ours.is_contiguous()
     x = torch.randn(7, H)
     for e in range(E):
         hf_out = x @ w[e]
-        torch.testing.assert_close((x @ ours[e].T)[:, :I], hf_out[:, 0::2])  # gate rows first
-        torch.testing.assert_close((x @ ours[e].T)[:, I:], hf_out[:, 1::2])
+        torch.testing.assert_close((x @ ours[e].T)[:, :FFN], hf_out[:, 0::2])  # gate rows first
+        torch.testing.assert_close((x @ ours[e].T)[:, FFN:], hf_out[:, 1::2])
     assert torch.equal(gate_up_to_input_major_interleaved(ours), w)
     mapped = (Transpose("w", 1, 2) >> Deinterleave("w", dim=1)).map_state({"w": w})["w"]
     assert torch.equal(mapped, ours)
 
-    b = torch.randn(E, 2 * I)
+    b = torch.randn(E, 2 * FFN)
     ours_b = gate_up_bias_from_interleaved(b)
     assert torch.equal(ours_b, torch.cat([b[:, 0::2], b[:, 1::2]], dim=1))
     assert torch.equal(gate_up_bias_to_interleaved(ours_b), b)
 
 
 def test_down_and_order() -> None:
-    w = torch.randn(E, I, H)
+    w = torch.randn(E, FFN, H)
     ours = down_from_input_major(w)
     assert torch.equal(ours, w.transpose(1, 2)) and ours.is_contiguous()
     assert torch.equal(down_to_input_major(ours), w)
-    halves = torch.randn(2 * I, 3)
-    assert torch.equal(halves[interleaved_order(I)], interleave_halves(halves, dim=0))
+    halves = torch.randn(2 * FFN, 3)
+    assert torch.equal(halves[interleaved_order(FFN)], interleave_halves(halves, dim=0))
     assert torch.equal(deinterleave_halves(interleave_halves(halves, dim=0), dim=0), halves)
 
 
