@@ -9,8 +9,10 @@ from plait.model_state import (
     Cast,
     Chunk,
     Concatenate,
+    Deinterleave,
     Drop,
     Identity,
+    Interleave,
     KeyTemplate,
     MapperError,
     MapperGroup,
@@ -166,6 +168,21 @@ def test_transpose_reshape_cast() -> None:
         Cast(torch.float16).inverse()
     with pytest.raises(MapperError, match="cannot reshape"):
         Reshape("b", (4, 4)).map_state(s)
+
+
+def test_deinterleave_interleave() -> None:
+    s = {"gu": torch.arange(24.0).reshape(2, 12), "other": _rand(3)}
+    out = _round_trip(Deinterleave("gu"), s)
+    assert torch.equal(out["gu"], torch.cat([s["gu"][:, 0::2], s["gu"][:, 1::2]], dim=1))
+    assert torch.equal(out["other"], s["other"])
+    out = _round_trip(Deinterleave("gu", dim=1, parts=3), s)
+    assert torch.equal(out["gu"], torch.cat([s["gu"][:, i::3] for i in range(3)], dim=1))
+    w = {"w": torch.arange(60.0).reshape(2, 5, 6)}  # [E, H, 2I] input-major, interleaved -> [E, 2I, H]
+    out = _round_trip(Transpose("w", 1, 2) >> Deinterleave("w", dim=1), w)
+    assert torch.equal(out["w"], torch.cat([w["w"][..., 0::2], w["w"][..., 1::2]], dim=-1).transpose(1, 2))
+    assert torch.equal(Interleave("gu").map_state(Deinterleave("gu").map_state(s))["gu"], s["gu"])
+    with pytest.raises(MapperError, match="not divisible"):
+        Deinterleave("gu", parts=5).map_state(s)
 
 
 def test_sequential_fuses_groups(moe_state) -> None:

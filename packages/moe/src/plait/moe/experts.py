@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts and the shared expert."""
+"""Grouped gated experts (SwiGLU or gpt-oss's clamped SwiGLU, optional biases) and the shared expert."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 
 import torch
 from plait.kernels import gmm, swiglu, swiglu_fused
+from plait.moe.config import ClampedSwiGLU, SwiGLU
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -17,33 +18,98 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float, row_weight: Tensor | None = None) -> Tensor:
+    """gpt-oss's activation on a fused ``[..., 2I]`` tensor (gate half first), fp32 math.
+
+    ``g = clamp(gate, max=limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``
+    (times ``row_weight[..., None]`` if given), cast back to ``gate_up.dtype``. Plain PyTorch:
+    ``torch.compile`` fuses it.
+    """
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    y = (up + 1.0) * gate * torch.sigmoid(alpha * gate)
+    if row_weight is not None:
+        y = y * row_weight.float().unsqueeze(-1)
+    return y.to(gate_up.dtype)
+
+
+def row_experts(tokens_per_expert: Tensor, num_rows: int) -> Tensor:
+    """``[num_rows]`` int64: the (local) expert of each expert-contiguous row; ``E`` for rows past the groups.
+
+    No host synchronisation (a ``bucketize`` of the row ids into the groups' ends).
+    """
+    ends = torch.cumsum(tokens_per_expert, 0)
+    rows = torch.arange(num_rows, device=tokens_per_expert.device, dtype=ends.dtype)
+    return torch.bucketize(rows, ends, right=True)
+
+
+def _bias_rows(bias: Tensor, experts_of_rows: Tensor) -> Tensor:
+    """``bias[e]`` for each row's expert ``e``; zero for the rows past the groups (expert id ``E``)."""
+    return torch.nn.functional.pad(bias, (0, 0, 0, 1))[experts_of_rows]
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU FFNs stored as stacked weights, computed with one grouped GEMM per projection.
+    """E gated FFNs stored as stacked weights, computed with one grouped GEMM per projection.
 
     Parameters (Hugging Face Qwen3-MoE layout): ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and
-    ``down_proj`` ``[E, H, I]``. Under expert parallelism both are DTensors ``Shard(0)`` and this
-    module computes its local experts only.
+    ``down_proj`` ``[E, H, I]``; with ``bias=True`` also ``gate_up_proj_bias`` ``[E, 2I]`` (gate
+    half first) and ``down_proj_bias`` ``[E, H]`` (else both None). Under expert parallelism all are
+    DTensors ``Shard(0)`` and this module computes its local experts only. gpt-oss checkpoints keep
+    the gate/up halves interleaved and the weights input-major: convert them with
+    :mod:`plait.moe.layout`.
+
+    Args:
+        num_experts: E.
+        hidden_size: H.
+        intermediate_size: I.
+        activation: :class:`SwiGLU` (default) or :class:`ClampedSwiGLU`.
+        bias: Give both projections a per-expert bias.
     """
 
     # Calls adapters in ``self.lora`` after each grouped GEMM (see plait.peft's expert LoRA).
     calls_expert_adapters = True
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    gate_up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: SwiGLU | ClampedSwiGLU | None = None,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
+        if activation is not None and not isinstance(activation, SwiGLU | ClampedSwiGLU):
+            raise TypeError(
+                f"GroupedExperts.activation must be SwiGLU or ClampedSwiGLU, got {type(activation).__name__}"
+            )
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.activation: SwiGLU | ClampedSwiGLU = activation if activation is not None else SwiGLU()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        else:
+            self.gate_up_proj_bias = None
+            self.down_proj_bias = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default (uniform +-1/sqrt(fan_in)) init, per expert."""
+        """nn.Linear's default (uniform +-1/sqrt(fan_in)) init, per expert, biases included."""
         with torch.no_grad():
             b1 = 1.0 / math.sqrt(self.hidden_size)
             b2 = 1.0 / math.sqrt(self.intermediate_size)
             self.gate_up_proj.uniform_(-b1, b1)
             self.down_proj.uniform_(-b2, b2)
+            if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
+                self.gate_up_proj_bias.uniform_(-b1, b1)
+                self.down_proj_bias.uniform_(-b2, b2)
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor, row_weight: Tensor | None = None) -> Tensor:
         """Apply the local experts to expert-contiguous rows.
@@ -52,8 +118,9 @@ class GroupedExperts(nn.Module):
             x: ``[M, H]`` rows grouped by (local) expert, ``M >= tokens_per_expert.sum()`` (rows
                 past the groups are not computed and their output is unspecified).
             tokens_per_expert: ``[E_local]`` int64 rows per local expert.
-            row_weight: ``[M]`` optional routing weight per row, fused into the SwiGLU (by linearity,
-                ``down(w * h) == w * down(h)``).
+            row_weight: ``[M]`` optional routing weight per row, fused into the activation (by
+                linearity, ``down(w * h) == w * down(h)``); with a down bias the bias is scaled by
+                it too, so the row gets ``w * (down(h) + b)`` as in transformers.
 
         Returns:
             ``[M, H]``.
@@ -66,11 +133,30 @@ class GroupedExperts(nn.Module):
         h = gmm(x, w1, tokens_per_expert, trans_w=True)
         if adapters is not None and "gate_up_proj" in adapters:
             h = adapters["gate_up_proj"](h, x, tokens_per_expert, gmm=gmm)
-        a = swiglu_fused(h, row_weight)
+        experts_of_rows = None
+        if self.gate_up_proj_bias is not None:
+            experts_of_rows = row_experts(tokens_per_expert, x.shape[0])
+            h = h + _bias_rows(local_tensor(self.gate_up_proj_bias), experts_of_rows)
+        act = self.activation
+        if isinstance(act, ClampedSwiGLU):
+            a = clamped_swiglu(h, act.alpha, act.limit, row_weight)
+        else:
+            a = swiglu_fused(h, row_weight)
         out = gmm(a, w2, tokens_per_expert, trans_w=True)
         if adapters is not None and "down_proj" in adapters:
             out = adapters["down_proj"](out, a, tokens_per_expert, gmm=gmm)
+        if self.down_proj_bias is not None:
+            assert experts_of_rows is not None
+            b = _bias_rows(local_tensor(self.down_proj_bias), experts_of_rows)
+            out = out + (b if row_weight is None else b * row_weight.unsqueeze(-1).to(b.dtype))
         return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation.kind}, "
+            f"bias={self.gate_up_proj_bias is not None}"
+        )
 
 
 class SharedExpert(nn.Module):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from plait.moe.capacity import DropPolicy, apply_capacity
-from plait.moe.config import RouterConfig
+from plait.moe.config import ClampedSwiGLU, RouterConfig, SwiGLU
 from plait.moe.dispatch.base import TokenDispatcher
 from plait.moe.dispatch.local import LocalDispatcher
 from plait.moe.experts import GroupedExperts, SharedExpert
@@ -40,6 +40,11 @@ class MoEOutput:
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN block, numerically the Hugging Face Qwen3-MoE sparse block by default.
 
+    With ``RouterConfig(score_func="softmax_over_topk", logit_bias=True)``,
+    ``expert_activation=ClampedSwiGLU()`` and ``expert_proj_bias=True`` it is transformers' ``GptOssMLP``;
+    with a sigmoid, group-limited router with a selection bias and a shared expert it is
+    ``DeepseekV3MoE`` (see the package README).
+
     Args:
         hidden_size: H.
         moe_intermediate_size: I, each routed expert's FFN width.
@@ -51,10 +56,16 @@ class MoELayer(nn.Module):
             (default) is dropless.
         drop_policy: Which assignments an over-full expert keeps: ``"probs"`` (highest weight) or
             ``"position"`` (earliest tokens).
+        expert_activation: The routed experts' activation: :class:`SwiGLU` (default) or
+            :class:`ClampedSwiGLU`.
+        expert_proj_bias: Give the routed experts' projections biases (``experts.gate_up_proj_bias``,
+            ``experts.down_proj_bias``).
 
-    Parameters: ``router.weight`` ``[E, H]``, ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
-    first), ``experts.down_proj`` ``[E, H, I]``, ``shared_expert.{gate,up,down}_proj.weight``,
-    ``shared_expert_gate.weight`` ``[1, H]``.
+    Parameters: ``router.weight`` ``[E, H]`` (``router.bias`` ``[E]`` with ``logit_bias``),
+    ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first), ``experts.down_proj`` ``[E, H, I]``
+    (``experts.gate_up_proj_bias`` ``[E, 2I]``, ``experts.down_proj_bias`` ``[E, H]`` with
+    ``expert_proj_bias``), ``shared_expert.{gate,up,down}_proj.weight``, ``shared_expert_gate.weight``
+    ``[1, H]``; buffer ``router.expert_bias`` ``[E]`` with a selection bias.
     """
 
     def __init__(
@@ -67,6 +78,8 @@ class MoELayer(nn.Module):
         shared_expert_gate: bool = False,
         capacity_factor: float | None = None,
         drop_policy: DropPolicy = "probs",
+        expert_activation: SwiGLU | ClampedSwiGLU | None = None,
+        expert_proj_bias: bool = False,
     ) -> None:
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
@@ -80,7 +93,13 @@ class MoELayer(nn.Module):
         self.capacity_factor = capacity_factor
         self.drop_policy: DropPolicy = drop_policy
         self.router = TopKRouter(hidden_size, num_experts, router)
-        self.experts = GroupedExperts(num_experts, hidden_size, moe_intermediate_size)
+        self.experts = GroupedExperts(
+            num_experts,
+            hidden_size,
+            moe_intermediate_size,
+            activation=expert_activation,
+            bias=expert_proj_bias,
+        )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_expert_intermediate_size)
             if shared_expert_intermediate_size is not None

@@ -62,10 +62,14 @@ def count_tokens_per_expert(topk_idx: Tensor, num_experts: int, token_mask: Tens
 def balancing_probs(scores: Tensor, score_func: str) -> Tensor:
     """Per-token probabilities over experts used by the balancing losses.
 
-    Softmax scores are already a distribution; sigmoid scores are normalised per token (DeepSeek-V3).
+    Softmax scores are already a distribution; sigmoid scores are normalised per token (DeepSeek-V3);
+    for ``"softmax_over_topk"`` ``scores`` are the logits and the probabilities their softmax over all
+    experts (what transformers' ``load_balancing_loss_func`` takes for gpt-oss).
     """
     if score_func == "sigmoid":
         return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    if score_func == "softmax_over_topk":
+        return torch.softmax(scores, dim=-1)
     return scores
 
 

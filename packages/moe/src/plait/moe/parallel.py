@@ -21,7 +21,7 @@ def expert_parallel(
 ) -> MoELayer:
     """Shard ``layer``'s experts over ``ep_mesh`` and switch it to expert-parallel dispatch.
 
-    ``experts.gate_up_proj`` and ``experts.down_proj`` become DTensors ``Shard(0)`` (rank r of the
+    ``experts.gate_up_proj`` and ``experts.down_proj`` (and the experts' biases, if any) become DTensors ``Shard(0)`` (rank r of the
     mesh owns experts ``[r*E/P, (r+1)*E/P)``); the router and shared expert stay as they are
     (replicated; shard them with FSDP like any dense weight). Every rank routes its own tokens.
 
@@ -73,8 +73,10 @@ def expert_parallel(
             f"expert_parallel: num_experts ({layer.num_experts}) is not divisible by the EP size {ep}"
         )
     experts = layer.experts
-    for name in ("gate_up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
         param = getattr(experts, name)
+        if param is None:  # experts without biases
+            continue
         if isinstance(param, DTensor):
             raise ValueError(f"expert_parallel: experts.{name} is already a DTensor (applied twice?)")
         if param.is_meta:

@@ -79,10 +79,14 @@ def _(bias_counts: Tensor, stat_counts: Tensor, counts: Tensor) -> None:
 class TopKRouter(nn.Module):
     """Linear router ``[E, H]`` with top-k selection and load-balancing machinery.
 
-    Numerics follow Hugging Face Qwen3-MoE: logits in the input dtype, softmax/sigmoid in fp32, top-k,
-    optional renormalisation, weights cast back to the input dtype.
+    Numerics follow Hugging Face Qwen3-MoE by default: logits in the input dtype, softmax/sigmoid in
+    fp32, top-k, optional renormalisation, weights cast back to the input dtype. ``score_func=
+    "softmax_over_topk"`` is gpt-oss's router (top-k of the logits, softmax over the k picked ones),
+    ``"sigmoid"`` with ``fp32_logits``, a selection bias and groups DeepSeek-V3's.
 
-    Buffers: ``expert_bias`` (fp32 ``[E]``, persistent, only when ``bias_update_rate`` is set) is
+    Parameters: ``weight`` ``[E, H]``; ``bias`` ``[E]`` with ``logit_bias`` (else None).
+
+    Buffers: ``expert_bias`` (fp32 ``[E]``, persistent, when ``config.has_selection_bias``) is
     added to the scores for *selection only*; two non-persistent int64 accumulators count the
     assignments of training forwards (not recomputations) since the last bias update and since the
     last :meth:`tokens_per_expert_stats` read. They stay on device: reading them is the only sync.
@@ -94,6 +98,7 @@ class TopKRouter(nn.Module):
     """
 
     expert_bias: Tensor | None
+    bias: nn.Parameter | None
     _bias_counts: Tensor
     _stat_counts: Tensor
 
@@ -104,7 +109,8 @@ class TopKRouter(nn.Module):
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        if config.bias_update_rate is not None:
+        self.bias = nn.Parameter(torch.empty(num_experts)) if config.logit_bias else None
+        if config.has_selection_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
@@ -114,10 +120,12 @@ class TopKRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init for the router weight; zero expert bias and load counters."""
+        """nn.Linear's default init for the router weight (and logit bias); zero expert bias and load counters."""
         bound = 1.0 / math.sqrt(self.hidden_size)
         with torch.no_grad():
             self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
             self._bias_counts.zero_()
@@ -149,18 +157,26 @@ class TopKRouter(nn.Module):
                 balancing losses and the load statistics.
         """
         cfg = self.config
-        logits = F.linear(x, self.weight)
+        if cfg.fp32_logits:
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(x.float(), self.weight.float(), bias)
+        else:
+            logits = F.linear(x, self.weight, self.bias)
         logits32 = logits.float()
         if cfg.score_func == "softmax":
             scores = torch.softmax(logits32, dim=-1)
-        else:
+        elif cfg.score_func == "sigmoid":
             scores = torch.sigmoid(logits32)
+        else:  # "softmax_over_topk": the experts are picked by their raw logits
+            scores = logits32
         if self.expert_bias is None and cfg.n_groups is None:
             # Exactly Hugging Face's path (same topk call on the same tensor -> same tie-breaking).
             topk_w, topk_idx = torch.topk(scores, cfg.top_k, dim=-1)
         else:
             topk_idx = self._select(scores)
             topk_w = scores.gather(1, topk_idx)
+        if cfg.score_func == "softmax_over_topk":
+            topk_w = torch.softmax(topk_w, dim=-1)
         if cfg.norm_topk_prob:
             denom = topk_w.sum(dim=-1, keepdim=True)
             topk_w = topk_w / (denom + 1e-20 if cfg.score_func == "sigmoid" else denom)
@@ -221,7 +237,10 @@ class TopKRouter(nn.Module):
             The (reduced) counts the update used.
         """
         if self.expert_bias is None or self.config.bias_update_rate is None:
-            raise RuntimeError("update_expert_bias: RouterConfig.bias_update_rate is not set for this router")
+            raise RuntimeError(
+                "update_expert_bias: RouterConfig.bias_update_rate is not set for this router (its selection "
+                "bias, if any, is fixed)"
+            )
         counts = self._bias_counts.clone()
         all_reduce_sum(counts, group)
         counts_f = counts.to(torch.float32)

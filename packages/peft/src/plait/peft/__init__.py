@@ -31,7 +31,7 @@ from plait.peft.config import (
     matches,
 )
 from plait.peft.experts import EXPERT_ADAPTERS_ATTR, EXPERT_HOOK_ATTR, ExpertLoRA, GroupedMM, grouped_mm
-from plait.peft.hf import export_hf_adapter, import_hf_adapter
+from plait.peft.hf import ExpertOutOrder, export_hf_adapter, import_hf_adapter
 from plait.peft.io import load_adapter, read_adapter_config, save_adapter
 from plait.peft.lora import DoRALinear, LoRALinear
 from plait.peft.mappers import BaseKeyRename, adapter_keys, base_to_injected, load_base_checkpoint
@@ -44,6 +44,7 @@ __all__ = [
     "DoRAConfig",
     "DoRALinear",
     "ExpertLoRA",
+    "ExpertOutOrder",
     "FullTuneConfig",
     "GroupedMM",
     "LoRAConfig",

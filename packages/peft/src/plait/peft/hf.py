@@ -27,7 +27,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-__all__ = ["HF_ADAPTER_CONFIG", "HF_ADAPTER_WEIGHTS", "HF_PREFIX", "export_hf_adapter", "import_hf_adapter"]
+__all__ = [
+    "HF_ADAPTER_CONFIG",
+    "HF_ADAPTER_WEIGHTS",
+    "HF_PREFIX",
+    "ExpertOutOrder",
+    "export_hf_adapter",
+    "import_hf_adapter",
+]
 
 HF_ADAPTER_WEIGHTS = "adapter_model.safetensors"
 HF_ADAPTER_CONFIG = "adapter_config.json"
@@ -61,6 +68,7 @@ def export_hf_adapter(
     base_model_name_or_path: str | None = None,
     task_type: str | None = None,
     ignore_full_tune: bool = False,
+    expert_out_order: ExpertOutOrder | None = None,
 ) -> dict[str, Any]:
     """Write ``model``'s adapters as a Hugging Face PEFT adapter directory.
 
@@ -78,6 +86,11 @@ def export_hf_adapter(
         task_type: e.g. ``"CAUSAL_LM"``.
         ignore_full_tune: export even though other trainable parameters exist (they are left out);
             otherwise that is an error, since HF LoRA adapters cannot hold them.
+        expert_out_order: for expert parameters whose HF output axis is ordered differently from
+            plait's (gpt-oss's gate/up-interleaved ``gate_up_proj``): plait parameter name ->
+            index ``p`` with HF output row ``j`` = plait output row ``p[j]`` (e.g.
+            ``plait.moe.interleaved_order(I)``), or None to keep the order. An input-major HF
+            weight needs nothing here: PEFT reads in/out from the module's ``is_transposed``.
 
     Returns:
         The written ``adapter_config.json`` contents.
@@ -148,6 +161,9 @@ def export_hf_adapter(
             assert isinstance(ad, ExpertLoRA)
             key = HF_PREFIX + hf_host + ".base_layer" * (len(targeted) - 1 - i)
             a, b = gather_full(ad.lora_A), gather_full(ad.lora_B)  # [E, r, in], [E, out, r]
+            order = _out_order(expert_out_order, f"{host_name}.{pname}", b.shape[1])
+            if order is not None:
+                b = b[:, order]
             tensors[f"{key}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()  # [E*r, in]
             tensors[f"{key}.lora_B.weight"] = (
                 b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
@@ -187,6 +203,23 @@ def export_hf_adapter(
     return config
 
 
+ExpertOutOrder = Callable[[str], torch.Tensor | None]
+"""plait expert parameter name -> index ``p`` (HF output row ``j`` = plait row ``p[j]``) or None."""
+
+
+def _out_order(fn: ExpertOutOrder | None, name: str, rows: int) -> torch.Tensor | None:
+    order = None if fn is None else fn(name)
+    if order is None:
+        return None
+    order = torch.as_tensor(order, dtype=torch.int64)
+    if order.shape != (rows,) or not torch.equal(order.sort().values, torch.arange(rows)):
+        raise ValueError(
+            f"expert_out_order({name!r}) must be a permutation of its {rows} output rows, got shape "
+            f"{tuple(order.shape)}"
+        )
+    return order
+
+
 def _targeted_in_order(host: nn.Module) -> list[str]:
     """The host's adapted parameters in registration order (PEFT nests them in that order)."""
     adapters = host._modules.get(EXPERT_ADAPTERS_ATTR)
@@ -209,6 +242,7 @@ def import_hf_adapter(
     name_map: Callable[[str], str] | None = None,
     apply: bool = True,
     require_expert_hook: bool = True,
+    expert_out_order: ExpertOutOrder | None = None,
 ) -> PeftReport | None:
     """Load a Hugging Face PEFT LoRA/DoRA adapter directory into ``model``.
 
@@ -223,6 +257,8 @@ def import_hf_adapter(
         apply: inject adapters first.
         require_expert_hook: see :func:`plait.peft.apply_peft` (False to import expert adapters
             into modules that do not call them, e.g. transformers' experts, for merging).
+        expert_out_order: as in :func:`export_hf_adapter` (the same function: the HF rows are put
+            back in plait's order).
 
     Returns:
         The :class:`plait.peft.PeftReport` of the injection (None with ``apply=False``).
@@ -343,5 +379,9 @@ def import_hf_adapter(
         e = ad.num_experts
         a_hf, b_hf = parts["lora_A.weight"], parts["lora_B.weight"]  # [E*r, in], [out, r*E]
         copy_into(ad.lora_A, a_hf.reshape(e, -1, a_hf.shape[-1]), name=f"{full} lora_A")
-        copy_into(ad.lora_B, b_hf.reshape(b_hf.shape[0], -1, e).permute(2, 0, 1), name=f"{full} lora_B")
+        b = b_hf.reshape(b_hf.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r] in HF's row order
+        order = _out_order(expert_out_order, full, b.shape[1])
+        if order is not None:
+            b = b[:, torch.argsort(order)]
+        copy_into(ad.lora_B, b, name=f"{full} lora_B")
     return report

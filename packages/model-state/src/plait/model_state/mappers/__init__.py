@@ -18,7 +18,7 @@ from .distribute import Distribute, Gather
 from .keys import AddPrefix, Drop, Identity, Rename, Scoped, Select
 from .stack import Stack, Unstack
 from .templates import KeyTemplate
-from .tensor_ops import Cast, Reshape, Transpose
+from .tensor_ops import Cast, Deinterleave, Interleave, Reshape, Transpose
 
 __all__ = [
     "PASS_THROUGH",
@@ -26,11 +26,13 @@ __all__ = [
     "Cast",
     "Chunk",
     "Concatenate",
+    "Deinterleave",
     "Distribute",
     "Drop",
     "Gather",
     "GroupFn",
     "Identity",
+    "Interleave",
     "KeyReport",
     "KeyTemplate",
     "Mapper",

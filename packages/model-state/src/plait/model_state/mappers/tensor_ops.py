@@ -1,4 +1,4 @@
-"""Per-tensor mappers that keep the key: transpose, reshape, dtype cast."""
+"""Per-tensor mappers that keep the key: transpose, reshape, dtype cast, (de-)interleave."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..errors import MapperError
 from ..specs import Region, TensorSpec
 from .base import GroupFn, Keys, Mapper, MapperGroup, _PerTensor
 
-__all__ = ["Cast", "Reshape", "Transpose"]
+__all__ = ["Cast", "Deinterleave", "Interleave", "Reshape", "Transpose"]
 
 
 class Transpose(_PerTensor):
@@ -118,3 +118,55 @@ class Cast(_PerTensor):
 
     def __repr__(self) -> str:
         return f"Cast({self.dtype}, {self.keys})"
+
+
+class _Interleaving(_PerTensor):
+    """Reorders dim ``dim`` of the matching tensors between ``parts`` interleaved and contiguous parts."""
+
+    interleaved_in: bool
+
+    def __init__(self, keys: Keys, dim: int = -1, parts: int = 2) -> None:
+        super().__init__(keys)
+        if parts < 2:
+            raise MapperError(f"{type(self).__name__}: parts must be >= 2, got {parts}")
+        self.dim, self.parts = dim, parts
+
+    def _group(self, key: str, spec: TensorSpec) -> MapperGroup:
+        nd = len(spec.shape)
+        if not -nd <= self.dim < nd:
+            raise MapperError(f"{self!r}: {key!r} has {nd} dims")
+        d, parts = self.dim % nd, self.parts
+        if spec.shape[d] % parts:
+            raise MapperError(f"{self!r}: dim {d} of {key!r} {list(spec.shape)} is not divisible by {parts}")
+        split = (-1, parts) if self.interleaved_in else (parts, -1)
+        src, dst = (d + 1, d) if self.interleaved_in else (d, d + 1)
+
+        def fn(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {key: t[key].unflatten(d, split).movedim(src, dst).flatten(d, d + 1).contiguous()}
+
+        return MapperGroup((key,), {key: spec}, fn, None, None, repr(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.keys}, dim={self.dim}, parts={self.parts})"
+
+
+class Deinterleave(_Interleaving):
+    """``[a0, b0, a1, b1, ...]`` -> ``[a0, a1, ..., b0, b1, ...]`` along ``dim`` (``parts`` = 2 here).
+
+    E.g. a gate/up-interleaved fused projection (gpt-oss's ``gate_up_proj``) to gate-half-first.
+    Reads whole tensors (no region slicing).
+    """
+
+    interleaved_in = True
+
+    def inverse(self) -> Mapper:
+        return Interleave(self.keys, self.dim, self.parts)
+
+
+class Interleave(_Interleaving):
+    """``[a0, a1, ..., b0, b1, ...]`` -> ``[a0, b0, a1, b1, ...]`` along ``dim``; inverse of :class:`Deinterleave`."""
+
+    interleaved_in = False
+
+    def inverse(self) -> Mapper:
+        return Deinterleave(self.keys, self.dim, self.parts)
