@@ -16,6 +16,7 @@ def test_backends_agree_on_cuda(packed, padded):
     torch.manual_seed(0)
     b, s, h, kv, d = 2, 256, 8, 2, 64
     dev = torch.device("cuda")
+    flex_block_mask = AttentionKernels().block_mask
     q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
     k = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
@@ -41,7 +42,7 @@ def test_block_mask_is_built_without_the_dense_mask():
     """The FlexAttention block mask of a long packed sequence: the same blocks as eager
     ``create_block_mask`` (small shape), and at 64k x 128k (a cp=2 shard's queries against the whole
     sequence) no dense mask: the dense bool mask alone would take 8 GiB."""
-    from plait.models.blocks.attention import flex_block_mask
+    from plait.models.common.attention import AttentionKernels
     from torch.nn.attention.flex_attention import create_block_mask
 
     dev = torch.device("cuda")

@@ -1,0 +1,89 @@
+"""Every family against transformers: logits, loss and every weight gradient; the export loads in
+transformers with the same logits and the same bytes; bad configs name the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plait.model_state.cli import main as model_state_cli
+from plait.models import (
+    config_from_hf,
+    from_pretrained,
+    load_hf_config,
+    plait_to_hf_mapper,
+    save_hf_checkpoint,
+    supported_model_types,
+)
+
+from ._families import CASES, make_hf
+
+
+def _batch(vocab: int = 97, b: int = 2, s: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    labels[0, :2] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_gradients_and_round_trip(case, tmp_path, capsys):
+    path, hf = make_hf(case, tmp_path)
+    model = from_pretrained(path)
+    assert load_hf_config(path).model_type == hf.config.model_type
+    ids, labels = _batch()
+
+    ref = hf(ids)  # the cross-entropy of plait's (already shifted) labels, on HF's logits:
+    ref_loss = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    out = model(input_ids=ids, labels=labels, return_logits=True)
+    out["loss"].backward()  # cross-entropy only on both sides (HF adds no router loss by default)
+    torch.testing.assert_close(out["logits"], ref.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["loss"], ref_loss, atol=1e-5, rtol=1e-5)
+
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    hf_grads = plait_to_hf_mapper(model.config, fused_experts=True).map_state(grads)  # HF in-memory keys
+    want = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
+    assert set(hf_grads) == set(want)
+    for k, g in want.items():
+        torch.testing.assert_close(hf_grads[k], g, atol=1e-5, rtol=1e-4, msg=k)
+
+    exported = save_hf_checkpoint(model, tmp_path / "export")
+    reloaded = type(hf).from_pretrained(exported).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ref.logits, atol=0, rtol=0)
+    assert model_state_cli(["diff", str(path), str(exported)]) == 0
+    assert capsys.readouterr().out.strip().endswith("SAME")
+
+
+def test_unsupported_model_type_and_options_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"model_type must be one of .*'gpt_oss'.*'llama'.*got 'mistral'"):
+        config_from_hf({"model_type": "mistral"})
+    assert {"llama", "gpt_oss", "qwen3", "qwen3_moe"} <= set(supported_model_types())
+    with pytest.raises(ValueError, match="longrope"):
+        config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                        "original_max_position_embeddings": 64}})  # fmt: skip
+    with pytest.raises(ValueError, match="mxfp4"):
+        config_from_hf({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="num_foo_heads"):
+        config_from_hf({"model_type": "llama", "num_foo_heads": 3})
+    with pytest.raises(ValueError, match="rms_norm_eps"):
+        config_from_hf({"model_type": "llama", "rms_norm_eps": float("nan")})
+    with pytest.raises(ValueError, match="layer_types has 2 entries"):
+        config_from_hf({"model_type": "gpt_oss", "num_hidden_layers": 3, "layer_types": ["full_attention"] * 2})
+
+
+def test_wrong_tensor_shape_names_tensor_and_shapes(tmp_path):
+    path, hf = make_hf("llama", tmp_path)
+    cfg = load_hf_config(path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((path / "config.json").read_text().replace('"intermediate_size": 50', '"intermediate_size": 52'))
+    for f in path.glob("*.safetensors"):
+        (bad / f.name).write_bytes(f.read_bytes())
+    assert cfg.intermediate_size == 50
+    with pytest.raises(Exception, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight.*50.*52|52.*50"):
+        from_pretrained(bad)
