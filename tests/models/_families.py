@@ -45,10 +45,13 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
             _COMMON,
             num_hidden_layers=4,
             rope_parameters={
-                "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "rope_type": "yarn",
+                "rope_theta": 1000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
             },
         ),
-    ),  # fmt: skip
+    ),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", _GPT_OSS),
     "gpt_oss_full_first_mqa_tied": (
         "GptOssConfig",

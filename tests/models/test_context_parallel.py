@@ -210,8 +210,7 @@ def test_plan_refuses_unsupported_context_layouts() -> None:
         assert len(errors) == 2
         assert "context_replicate > 1 is not supported with data_parallel='fsdp'" in errors[0]
         assert (
-            "context parallelism supports causal-LM stages, not Qwen3ForSequenceClassification"
-            in errors[1]
+            "context parallelism supports causal-LM stages, not Qwen3ForSequenceClassification" in errors[1]
         )
 
 

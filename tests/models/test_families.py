@@ -35,7 +35,9 @@ def test_parity_gradients_and_round_trip(case, tmp_path, capsys):
     ids, labels = _batch()
 
     ref = hf(ids)  # the cross-entropy of plait's (already shifted) labels, on HF's logits:
-    ref_loss = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref_loss = torch.nn.functional.cross_entropy(
+        ref.logits.flatten(0, 1), labels.flatten(), ignore_index=-100
+    )
     ref_loss.backward()
     out = model(input_ids=ids, labels=labels, return_logits=True)
     out["loss"].backward()  # cross-entropy only on both sides (HF adds no router loss by default)
@@ -73,15 +75,19 @@ def test_unsupported_model_type_and_options_name_the_key(tmp_path):
     with pytest.raises(ValueError, match="rms_norm_eps"):
         config_from_hf({"model_type": "llama", "rms_norm_eps": float("nan")})
     with pytest.raises(ValueError, match="layer_types has 2 entries"):
-        config_from_hf({"model_type": "gpt_oss", "num_hidden_layers": 3, "layer_types": ["full_attention"] * 2})
+        config_from_hf(
+            {"model_type": "gpt_oss", "num_hidden_layers": 3, "layer_types": ["full_attention"] * 2}
+        )
 
 
 def test_wrong_tensor_shape_names_tensor_and_shapes(tmp_path):
-    path, hf = make_hf("llama", tmp_path)
+    path, _ = make_hf("llama", tmp_path)
     cfg = load_hf_config(path)
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "config.json").write_text((path / "config.json").read_text().replace('"intermediate_size": 50', '"intermediate_size": 52'))
+    (bad / "config.json").write_text(
+        (path / "config.json").read_text().replace('"intermediate_size": 50', '"intermediate_size": 52')
+    )
     for f in path.glob("*.safetensors"):
         (bad / f.name).write_bytes(f.read_bytes())
     assert cfg.intermediate_size == 50

@@ -16,7 +16,6 @@ def test_backends_agree_on_cuda(packed, padded):
     torch.manual_seed(0)
     b, s, h, kv, d = 2, 256, 8, 2, 64
     dev = torch.device("cuda")
-    flex_block_mask = AttentionKernels().block_mask
     q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
     k = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(b, s, kv, d, device=dev, dtype=torch.bfloat16)
@@ -46,6 +45,7 @@ def test_block_mask_is_built_without_the_dense_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
     dev = torch.device("cuda")
+    flex_block_mask = AttentionKernels().block_mask
 
     def packed_mask(q_len: int, kv_len: int):
         docs = (torch.arange(kv_len, device=dev) // 3000)[None]  # documents cross block boundaries
