@@ -45,7 +45,7 @@ from plait.models.hf import (
 )
 from plait.models.plan import parallelize
 from plait.models.provider import CausalLMProvider
-from plait.models.registry import family_for, family_of, supported_model_types
+from plait.models.registry import config_class_for, family_for, family_of, parse_config, supported_model_types
 
 __all__ = [
     "ActivationCheckpointing",
@@ -70,6 +70,7 @@ __all__ = [
     "apply_rotary",
     "build_attention_mask",
     "build_causal_lm",
+    "config_class_for",
     "config_from_hf",
     "config_to_hf",
     "document_ids_from_position_ids",
@@ -81,6 +82,7 @@ __all__ = [
     "load_hf_checkpoint",
     "load_hf_config",
     "parallelize",
+    "parse_config",
     "plait_to_hf_mapper",
     "pool_hidden_states",
     "rope_inv_freq",

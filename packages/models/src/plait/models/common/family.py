@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ class Family:
 
     Attributes:
         name: The family's folder name.
+        config_classes: The family's config class per ``model_type`` it implements.
         config_from_hf: ``config.json`` dict (consumed) -> the family's config; raises ``ValueError``
             naming an unsupported key or value.
         config_to_hf: The family's config -> ``config.json`` dict.
@@ -34,6 +35,7 @@ class Family:
     """
 
     name: str
+    config_classes: Mapping[str, type[DecoderConfig]]
     config_from_hf: Callable[[dict[str, Any]], DecoderConfig]
     config_to_hf: Callable[[DecoderConfig], dict[str, Any]]
     causal_lm: Callable[..., CausalLMStage]

@@ -7,6 +7,7 @@ from plait.models.gpt_oss.model import GptOssForCausalLM, gpt_oss_layer
 
 FAMILY = Family(
     name="gpt_oss",
+    config_classes={"gpt_oss": GptOssConfig},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=GptOssForCausalLM,

@@ -7,6 +7,7 @@ from plait.models.llama.model import LlamaForCausalLM, llama_layer
 
 FAMILY = Family(
     name="llama",
+    config_classes={"llama": LlamaConfig},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=LlamaForCausalLM,

@@ -7,6 +7,7 @@ from plait.models.qwen3.model import Qwen3ForCausalLM, Qwen3ForSequenceClassific
 
 FAMILY = Family(
     name="qwen3",
+    config_classes={"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=Qwen3ForCausalLM,
