@@ -206,6 +206,7 @@ def parse_args(
 
     Raises:
         ConfigError: a missing or bad config file, or an override that does not validate.
+        StartupError: an ``--init-from`` that is not a checkpoint or disagrees with ``[model]``.
         SystemExit: an unknown or misspelt flag (argparse's message, status 2).
     """
     ap = argparse.ArgumentParser(
@@ -239,7 +240,7 @@ def parse_args(
     if args.run_dir is not None:
         overrides.append(f"--run.run_dir={args.run_dir}")
     config = load_config(args.config, overrides, cls=cls)
-    if args.init_from is not None:
+    if args.init_from is not None:  # raises StartupError
         config = adopt_checkpoint_config(config, args.init_from)
     elif config.model is None:
         raise ConfigError(
@@ -255,9 +256,15 @@ def adopt_checkpoint_config(config: TrainConfig, init_from: Path) -> TrainConfig
     (:data:`TRAINING_ONLY_FIELDS`) override the checkpoint's, each logged; any other key must agree.
 
     Raises:
-        StartupError: no readable ``config.json``, or ``[model]`` keys that disagree with it (each named,
+        StartupError: not a checkpoint directory, no readable ``config.json``, or ``[model]`` keys that disagree with it (each named,
             with both values).
     """
+    if not init_from.is_dir():
+        raise StartupError(f"--init-from: {init_from} is not a directory")
+    if not any(init_from.glob("*.safetensors")):
+        raise StartupError(
+            f"--init-from: {init_from} holds no *.safetensors files (expected a Hugging Face checkpoint)"
+        )
     try:
         ckpt = load_hf_config(init_from)
     except (FileNotFoundError, ValueError) as e:
@@ -292,19 +299,11 @@ def adopt_checkpoint_config(config: TrainConfig, init_from: Path) -> TrainConfig
 
 
 def check_paths(config: TrainConfig, args: argparse.Namespace) -> None:
-    """Fail before anything is built: ``--init-from`` must hold safetensors, the corpus must have
-    files, the run directory (and the checkpoint directory) must be writable.
+    """Fail before anything is built: the corpus must have files, the run directory (and the checkpoint directory) must be writable.
 
     Raises:
         StartupError: naming the flag or field and the path.
     """
-    if args.init_from is not None:
-        if not args.init_from.is_dir():
-            raise StartupError(f"--init-from: {args.init_from} is not a directory")
-        if not any(args.init_from.glob("*.safetensors")):
-            raise StartupError(
-                f"--init-from: {args.init_from} holds no *.safetensors files (expected a Hugging Face checkpoint)"
-            )
     if args.write_seed_checkpoint is None:
         try:
             corpus_files(config.data)
