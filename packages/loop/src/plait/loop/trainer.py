@@ -93,8 +93,9 @@ class Trainer:
             ``config.lr_schedule``).
         trackers: replace the trackers of ``config.logging.trackers`` (main rank only).
         device: overrides ``config.run.device``.
-        save_planner, storage_writer_factory, load_planner: DCP hooks passed to the
-            :class:`~plait.loop.checkpoint.Checkpointer` (see there).
+        save_planner: a DCP hook passed to the :class:`~plait.loop.checkpoint.Checkpointer` (see there).
+        storage_writer_factory: a DCP hook passed to the :class:`~plait.loop.checkpoint.Checkpointer`.
+        load_planner: a DCP hook passed to the :class:`~plait.loop.checkpoint.Checkpointer`.
     """
 
     def __init__(
