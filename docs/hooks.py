@@ -23,7 +23,10 @@ PAGES: dict[str, str] = {
     for p in sorted(REPO.glob("packages/*/README.md"))
 }
 PAGES.update(
-    {f"benchmarks/results/{p.name}": f"benchmarks/{p.name}" for p in sorted(REPO.glob("benchmarks/results/*.md"))}
+    {
+        f"benchmarks/results/{p.name}": f"benchmarks/{p.name}"
+        for p in sorted(REPO.glob("benchmarks/results/*.md"))
+    }
 )
 SOURCE_OF = {page: repo for repo, page in PAGES.items()}
 

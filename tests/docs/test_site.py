@@ -35,15 +35,31 @@ def test_every_package_has_a_reference_page_in_the_nav() -> None:
 def test_site_builds_strict(tmp_path: Path) -> None:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--quiet",
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=280,
     )
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     assert "WARNING" not in proc.stderr, proc.stderr[-5000:]
-    for page in ("index.html", "concepts/index.html", "reference/loop/index.html", "benchmarks/training/index.html"):
+    for page in (
+        "index.html",
+        "concepts/index.html",
+        "reference/loop/index.html",
+        "benchmarks/training/index.html",
+    ):
         assert (tmp_path / "site" / page).is_file(), page
     assert 'id="plait.loop.Trainer"' in (tmp_path / "site" / "reference/loop/index.html").read_text()

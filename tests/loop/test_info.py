@@ -50,7 +50,9 @@ def test_render_names_missing_extras_and_where_to_start() -> None:
     lines = text.splitlines()
     assert "  plait-loop           9.9" in lines
     assert any(line.split()[:2] == ["triton", "3.0.0"] for line in lines)
-    assert any(line.split()[:2] == ["flash-attn", "missing"] and "plait-models[flash]" in line for line in lines)
+    assert any(
+        line.split()[:2] == ["flash-attn", "missing"] and "plait-models[flash]" in line for line in lines
+    )
     assert "  cuda: none visible" in lines
     assert any("examples/qwen3_moe/pretrain.py" in line for line in lines[lines.index("where to start:") :])
 

@@ -735,7 +735,9 @@ def _writer_process_main(pg_init_info: Any, parent_conn: Any) -> None:
 
     def init_logger(rank: int) -> None:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"[checkpoint writer of rank {rank}] %(levelname)s %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"[checkpoint writer of rank {rank}] %(levelname)s %(message)s")
+        )
         root = logging.getLogger()
         root.setLevel(logging.WARNING)
         root.addHandler(handler)

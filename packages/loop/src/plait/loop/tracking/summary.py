@@ -67,7 +67,9 @@ class RunSummary:
         state = "stopped early" if self.stopped_early else "finished"
         losses = [] if self.final_loss is None else [f"final loss {self.final_loss:.4f}"]
         if self.last_val_loss is not None:
-            losses.append(f"val_loss {self.last_val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_val_step})")
+            losses.append(
+                f"val_loss {self.last_val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_val_step})"
+            )
         if self.peak_memory_gib is not None:
             losses.append(f"peak memory {self.peak_memory_gib:.2f} GiB")
         speed = f"whole run {rate(self.mean_tokens_per_s, self.mean_mfu)} over {self.wall_time_s:.1f} s"

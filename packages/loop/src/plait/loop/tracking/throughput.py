@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Interval", "ThroughputMeter", "compiled_graphs", "device_memory_stats", "measure_matmul_flops", "peak_flops_for"]
+__all__ = [
+    "Interval",
+    "ThroughputMeter",
+    "compiled_graphs",
+    "device_memory_stats",
+    "measure_matmul_flops",
+    "peak_flops_for",
+]
 
 # Dense bf16 tensor-core peak FLOP/s per device (vendor data sheets).
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
