@@ -4,6 +4,7 @@ meter, and the loss curve's val_loss line."""
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -106,3 +107,16 @@ def test_loss_curve_png_with_val_loss(tmp_path) -> None:
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     assert plots.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "c.png") == 6
     assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_measured_cpu_matmul_rate_is_a_plausible_peak() -> None:
+    from plait.loop.tracking import measure_matmul_flops
+
+    rate = measure_matmul_flops(torch.device("cpu"), size=256, trials=2)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        torch.mm(a, b)
+    mean_rate = 4 * 2 * 256**3 / (time.perf_counter() - t0)
+    assert 1e8 < rate < 1e14  # between a very slow core and far beyond any CPU
+    assert rate > 0.2 * mean_rate  # a best-of measurement is not far below a plain timing
