@@ -196,6 +196,14 @@ def test_run_writes_summary_and_loss_curve(tmp_path):
     assert summary["mean_tokens_per_s"] == pytest.approx(summary["tokens"] / summary["wall_time_s"])
     assert summary["peak_memory_gib"] == max(r["max_rss_gib"] for r in records)
     assert summary["checkpoint"] is None and summary["export"] is None
+    # steady state: the logging intervals after the first (one step each here), tokens over seconds
+    rates = [r["tokens_per_s"] for r in records[1:]]
+    assert summary["steady_steps"] == 2
+    assert summary["steady_tokens_per_s"] == pytest.approx(len(rates) / sum(1 / r for r in rates), rel=1e-6)
+    # on CPU the MFU is measured against this process's matmul rate, in the rows and in the summary alike
+    mfu_per_token_rate = records[-1]["mfu"] / records[-1]["tokens_per_s"]
+    assert summary["steady_mfu"] == pytest.approx(summary["steady_tokens_per_s"] * mfu_per_token_rate)
+    assert summary["last_val_loss"] == records[-1]["val_loss"] == summary["best_val_loss"]
     png = (run_dir / "loss_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 
