@@ -26,6 +26,7 @@ Hugging Face export of the unfinished run unless ``--export-unfinished`` is give
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import sysconfig
@@ -45,7 +46,14 @@ from plait.loop import (
     split_cli_overrides,
 )
 from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
-from plait.models import CausalLMProvider, DecoderConfig, ParallelConfig, load_hf_config, parse_config
+from plait.models import (
+    CausalLMProvider,
+    DecoderConfig,
+    ParallelConfig,
+    check_fits,
+    load_hf_config,
+    parse_config,
+)
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -304,6 +312,16 @@ def check_paths(config: TrainConfig, args: argparse.Namespace) -> None:
     Raises:
         StartupError: naming the flag or field and the path.
     """
+    assert config.model is not None
+    device = (
+        config.run.device if config.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    try:
+        check_fits(
+            config.model, device, getattr(torch, config.model_dtype), int(os.environ.get("WORLD_SIZE", 1))
+        )
+    except ValueError as e:
+        raise StartupError(f"model: {e}") from None
     if args.write_seed_checkpoint is None:
         try:
             corpus_files(config.data)

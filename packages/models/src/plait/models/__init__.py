@@ -33,8 +33,10 @@ from plait.models.common.parallel import ActivationCheckpointing, ParallelConfig
 from plait.models.flops import flops_per_token
 from plait.models.hf import (
     build_causal_lm,
+    check_fits,
     config_from_hf,
     config_to_hf,
+    estimate_num_parameters,
     from_pretrained,
     hf_to_plait_mapper,
     load_hf_checkpoint,
@@ -70,10 +72,12 @@ __all__ = [
     "apply_rotary",
     "build_attention_mask",
     "build_causal_lm",
+    "check_fits",
     "config_class_for",
     "config_from_hf",
     "config_to_hf",
     "document_ids_from_position_ids",
+    "estimate_num_parameters",
     "family_for",
     "family_of",
     "flops_per_token",

@@ -9,7 +9,7 @@ from typing import Any
 from plait.model_state import Mapper
 from plait.models.common.config import DecoderConfig
 from plait.models.common.flops import gqa_decoder_flops_per_token
-from plait.models.common.model import CausalLMStage
+from plait.models.common.model import CausalLMStage, LayerFactory
 from plait.models.common.parallel.plan import LayerTensorParallel, tp_gqa_layer
 
 __all__ = ["Family"]
@@ -28,6 +28,7 @@ class Family:
             naming an unsupported key or value.
         config_to_hf: The family's config -> ``config.json`` dict.
         causal_lm: ``(config, *, stage_index, num_stages) -> stage`` (the family's causal-LM class).
+        layer: The family's decoder layer factory (``(config, layer_idx) -> DecoderLayer``).
         hf_to_plait: ``config -> mapper`` from Hugging Face keys to plait's.
         plait_to_hf: ``(config, *, fused_experts) -> mapper`` from plait keys to Hugging Face's.
         tp_layer_plan: Tensor-parallel plan of one decoder layer.
@@ -39,6 +40,7 @@ class Family:
     config_from_hf: Callable[[dict[str, Any]], DecoderConfig]
     config_to_hf: Callable[[DecoderConfig], dict[str, Any]]
     causal_lm: Callable[..., CausalLMStage]
+    layer: LayerFactory
     hf_to_plait: Callable[[DecoderConfig], Mapper]
     plait_to_hf: Callable[..., Mapper]
     tp_layer_plan: LayerTensorParallel = tp_gqa_layer

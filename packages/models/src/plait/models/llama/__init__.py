@@ -11,6 +11,7 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=LlamaForCausalLM,
+    layer=llama_layer,
     hf_to_plait=hf_to_plait_mapper,
     plait_to_hf=plait_to_hf_mapper,
 )
