@@ -1,8 +1,8 @@
 """Loss curves of the Qwen3-MoE main job across parallel layouts on NCCL, from one seed checkpoint.
 
-    python benchmarks/multigpu/layouts.py --gpus 4 --steps 20 --out results.md
-    python benchmarks/multigpu/layouts.py --gpus 4 --only "FSDP4,CP4,resume,lora"
-    python benchmarks/multigpu/layouts.py --gpus 4 --cpu-smoke --steps 3 --only "CP4,EP4"   # gloo, CPU
+    python benchmarks/training/layouts.py --gpus 4 --steps 20 --out results.md
+    python benchmarks/training/layouts.py --gpus 4 --only "FSDP4,CP4,resume,lora"
+    python benchmarks/training/layouts.py --gpus 4 --cpu-smoke --steps 3 --only "CP4,EP4"   # gloo, CPU
 
 Writes a seed checkpoint, runs the 1-GPU reference and every layout that fits ``--gpus`` with
 torchrun, and compares each layout's per-step loss with the reference (max relative difference).
@@ -61,7 +61,7 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("PP4 ZB1P", 4, ["--mesh.pipeline=4", "--pipeline.kind=zb1p", "--pipeline.stages_per_rank=2"]),
     ("PP4 ZBV", 4, ["--mesh.pipeline=4", "--pipeline.kind=zbv"]),
     ("PP4 DualPipeV", 4, ["--mesh.pipeline=4", "--pipeline.kind=dualpipev"]),
-    # the issue's "PP2 x FSDP2 x EP2" on 8 GPUs: experts are sharded inside the data ranks, so PP2 x FSDP4 x EP2
+    # "PP2 x FSDP2 x EP2" on 8 GPUs: experts are sharded inside the data ranks, so PP2 x FSDP4 x EP2
     (
         "PP2 x FSDP4 x EP2",
         8,
