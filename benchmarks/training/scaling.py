@@ -1,8 +1,8 @@
 """Per-GPU throughput of the main job's GPU model on 1, 2, 4 and 8 GPUs: FSDP, EP and PP, with MFU.
 
-    python3 benchmarks/multigpu/scaling.py                          # 1 GPU + 2, 4, 8 (rows above the GPU count skipped)
-    python3 benchmarks/multigpu/scaling.py --gpus 4 --out $OUT/scaling.md
-    python3 benchmarks/multigpu/scaling.py --smoke --gpus 2         # CPU processes over gloo, tiny model
+    python3 benchmarks/training/scaling.py                          # 1 GPU + 2, 4, 8 (rows above the GPU count skipped)
+    python3 benchmarks/training/scaling.py --gpus 4 --out $OUT/scaling.md
+    python3 benchmarks/training/scaling.py --smoke --gpus 2         # CPU processes over gloo, tiny model
 
 The model is ``examples/qwen3_moe/configs/gpu1.toml``'s (compiled, bf16 parameters, StochasticAdamW), batch
 4 x 2048 tokens per GPU (equal tokens per GPU in every row). Rows are ``benchmarks/training/throughput.py``'s
@@ -22,20 +22,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # benchmarks/training/throughput.py
 
 RESULTS = throughput.ROOT / "benchmarks" / "results" / "scaling.md"
-BASELINE = "plait_trainer_compiled"
+BASELINE = "moe.plait_trainer_compiled"
 LABELS = {"fsdp": "FSDP{n}", "ep": "EP{n} x FSDP{n}", "pp": "PP{n} 1F1B ({m} microbatches)"}
-TARGET = ("plait_trainer_fsdp4", 0.9)  # issue 22: FSDP4 per-GPU tok/s >= 0.9x the 1-GPU figure
+TARGET = ("moe.plait_trainer_fsdp4", 0.9)  # FSDP4 per-GPU tok/s >= 0.9x the 1-GPU figure
 
 
 def label(row: str) -> str:
     """The table's name of a row."""
     if row == BASELINE:
         return "1 GPU"
-    m = re.fullmatch(r"plait_trainer_(fsdp|ep|pp)(\d+)", row)
+    m = re.fullmatch(r"moe\.plait_trainer_(fsdp|ep|pp)(\d+)", row)
     assert m is not None, row
     return LABELS[m[1]].format(n=int(m[2]), m=2 * int(m[2]))
 
@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     if any(n < 2 for n in args.gpus):
         ap.error(f"--gpus: counts of 2 or more (the 1-GPU row always runs), got {args.gpus}")
-    rows = [BASELINE] + [f"plait_trainer_{kind}{n}" for n in args.gpus for kind in args.layouts]
+    rows = [BASELINE] + [f"moe.plait_trainer_{kind}{n}" for n in args.gpus for kind in args.layouts]
     targv = ["--model", "gpu1", "--steps", str(args.steps), "--warmup", str(args.warmup)]
     targv += ["--row-timeout", str(args.row_timeout), "--no-write"]
     targv += ["--smoke"] * args.smoke + ["--profile"] * args.profile
@@ -90,8 +90,8 @@ def main() -> None:
     m = targs.model
     text = (
         "# Scaling: per-GPU throughput of the main job's GPU model\n\n"
-        f"`python3 benchmarks/multigpu/scaling.py {' '.join(sys.argv[1:])}`: {env}. bf16 matmul rate measured in "
-        f"the same run: {peak:.0f} TFLOP/s (MFU denominator); {fpt / 1e9:.2f} GFLOP/token. Model: "
+        f"**device:** {env}\n\n**command:** `python3 benchmarks/training/scaling.py {' '.join(sys.argv[1:])}`\n\n"
+        f"bf16 matmul rate measured in the same run: {peak:.0f} TFLOP/s (MFU denominator); {fpt / 1e9:.2f} GFLOP/token. Model: "
         f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, {m['num_experts']} experts top-"
         f"{m['num_experts_per_tok']}, vocab {m['vocab_size']}; batch {targs.batch} x {targs.seq} per GPU, "
         f"compiled; {targs.warmup} warm-up steps, {targs.steps} timed.\n\n{body}{note}\n"
