@@ -34,7 +34,9 @@ if TYPE_CHECKING:
         all_reduce_grads,
         data_parallel_mesh,
         fully_shard_module,
+        is_replicated,
         replicate,
+        replicated_reduce,
         set_gradient_sync,
     )
 
@@ -46,7 +48,9 @@ _LAZY = {
     "all_reduce_grads": "plait.dist_core.parallelize",
     "data_parallel_mesh": "plait.dist_core.parallelize",
     "fully_shard_module": "plait.dist_core.parallelize",
+    "is_replicated": "plait.dist_core.parallelize",
     "replicate": "plait.dist_core.parallelize",
+    "replicated_reduce": "plait.dist_core.parallelize",
     "set_gradient_sync": "plait.dist_core.parallelize",
 }
 
@@ -80,10 +84,12 @@ __all__ = [
     "gather_sequence",
     "gather_uneven",
     "global_grad_norm",
+    "is_replicated",
     "load_balanced_indices",
     "reduce_scalar",
     "register_mesh_domain",
     "replicate",
+    "replicated_reduce",
     "seed_for",
     "seed_from_coordinates",
     "set_gradient_sync",
