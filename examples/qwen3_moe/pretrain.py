@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-import torch
+from plait.dist_core import parse_dtype
 from plait.loop import (
     CausalLMTask,
     ConfigError,
@@ -215,7 +215,7 @@ def build_provider(config: PretrainConfig, init_from: Path | None = None) -> Qwe
         config.model,
         parallel=config.parallel,
         init_from=init_from,
-        dtype=getattr(torch, config.model_dtype),
+        dtype=parse_dtype(config.model_dtype),
         seed=config.run.seed,
     )
 

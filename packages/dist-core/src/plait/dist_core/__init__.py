@@ -24,6 +24,7 @@ from plait.dist_core.domains import (
     register_mesh_domain,
     unregister_mesh_domain,
 )
+from plait.dist_core.dtypes import dtype_name, parse_dtype
 from plait.dist_core.mesh_params import DeviceMeshParameters
 from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
@@ -80,12 +81,14 @@ __all__ = [
     "domain_coordinates",
     "domain_groups",
     "domain_layout",
+    "dtype_name",
     "fully_shard_module",
     "gather_sequence",
     "gather_uneven",
     "global_grad_norm",
     "is_replicated",
     "load_balanced_indices",
+    "parse_dtype",
     "reduce_scalar",
     "register_mesh_domain",
     "replicate",
