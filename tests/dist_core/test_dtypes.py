@@ -14,7 +14,9 @@ def test_config_and_wire_spellings() -> None:
     assert parse_dtype("bool") is torch.bool
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.complex64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.complex64]
+)
 def test_round_trip(dtype: torch.dtype) -> None:
     assert dtype_name(dtype) == str(dtype).split(".")[-1]
     assert parse_dtype(dtype_name(dtype)) is dtype

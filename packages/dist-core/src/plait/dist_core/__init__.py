@@ -26,7 +26,7 @@ from plait.dist_core.domains import (
 )
 from plait.dist_core.dtypes import dtype_name, parse_dtype
 from plait.dist_core.mesh_params import DeviceMeshParameters
-from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
+from plait.dist_core.pytree import ShardSpec, TensorSplit, Whole, shard_tree, split_sizes, unshard_tree
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
 
 if TYPE_CHECKING:
@@ -69,10 +69,10 @@ __all__ = [
     "DeviceMeshParameters",
     "DistributedContext",
     "Domain",
-    "Replicate",
     "SeedKind",
     "ShardSpec",
-    "Split",
+    "TensorSplit",
+    "Whole",
     "all_gather_object",
     "all_gather_uneven",
     "all_reduce_grads",
