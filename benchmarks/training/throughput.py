@@ -566,15 +566,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     if args.row:
         args.row = canonical(args.row)
-        name = args.row.split(".", 1)[0]
-        args.workload = WORKLOADS[name]
-        args.model, args.batch, args.seq = shape(args, name)
+        args.workload = WORKLOADS[args.row.split(".", 1)[0]]
     if args.smoke:
         args.steps, args.warmup = 2, 1
     if args.steps % args.warmup:
         ap.error("--steps must be a multiple of --warmup (the Trainer rows log every --warmup steps)")
-    # The MoE workload's shapes (what scaling.py reads).
-    args.model, args.batch, args.seq = shape(args, args.row.split(".", 1)[0] if args.row else "moe")
+    # The row's workload's shapes (the parent process: the MoE workload's, which scaling.py reads).
+    args.model, args.batch, args.seq = shape(args, args.workload.name if args.row else "moe")
     return args
 
 
