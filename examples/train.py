@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
+from plait.dist_core import parse_dtype
 from plait.loop import (
     CausalLMTask,
     ConfigError,
@@ -318,7 +319,7 @@ def check_paths(config: TrainConfig, args: argparse.Namespace) -> None:
     )
     try:
         check_fits(
-            config.model, device, getattr(torch, config.model_dtype), int(os.environ.get("WORLD_SIZE", 1))
+            config.model, device, parse_dtype(config.model_dtype), int(os.environ.get("WORLD_SIZE", 1))
         )
     except ValueError as e:
         raise StartupError(f"model: {e}") from None
@@ -348,7 +349,7 @@ def build_provider(config: TrainConfig, init_from: Path | None = None) -> Causal
         config.model,
         parallel=config.parallel,
         init_from=init_from,
-        dtype=getattr(torch, config.model_dtype),
+        dtype=parse_dtype(config.model_dtype),
         seed=config.run.seed,
     )
 
