@@ -227,7 +227,7 @@ def row_hf(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "torch_dtype": torch.bfloat16}
     model_cls = getattr(transformers, w.hf_class)
     try:
-        model = model_cls._from_config(cfg, **w.hf_kwargs, **kwargs)
+        model = model_cls._from_config(cfg, **{**kwargs, **w.hf_kwargs})
     except (TypeError, ValueError):  # older transformers: no experts_implementation
         model = model_cls._from_config(cfg, **kwargs)
     model.to(args.device).train()

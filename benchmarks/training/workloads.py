@@ -318,7 +318,11 @@ WORKLOADS: dict[str, Workload] = {
             batch=1,
             seq=4096,
             impls=COMPILED,
-            hf_kwargs={"experts_implementation": "grouped_mm"},
+            # transformers' gpt-oss has no SDPA path (sinks): FlexAttention on GPUs, eager on the CPU.
+            hf_kwargs={
+                "experts_implementation": "grouped_mm",
+                "attn_implementation": "flex_attention" if torch.cuda.is_available() else "eager",
+            },
             smoke={**_TINY, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
         ),
         Workload(
