@@ -262,9 +262,15 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     data = _batches(args.model, args.batch, args.seq, 4, args.device)
 
+    masks = getattr(model, "get_attention_masks", None)  # torchtitan's FlexAttention models take masks
+
     def step(i: int) -> None:
         b = data[i % len(data)]
-        logits = model(b["input_ids"])
+        if masks is not None and getattr(model.model_args, "attn_type", "sdpa") == "flex":
+            # built each step from the batch, as torchtitan's trainer does (causal: no tokenizer read)
+            logits = model(b["input_ids"], masks(b["input_ids"], tokenizer=None))
+        else:
+            logits = model(b["input_ids"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten())
         loss.backward()
         opt.step()
@@ -343,6 +349,7 @@ def _trainer_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
 def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     """plait's model with no Trainer: the floor the Trainer is measured against."""
     _src_path()
+    from plait.dist_core import parse_dtype
     from plait.kernels import StochasticAdamW
 
     provider = _plait_provider(args, compiled)
@@ -353,7 +360,9 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
     provider.materialize(model, args.device)
     model.train()
     opt = (
-        StochasticAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        StochasticAdamW(
+            model.parameters(), lr=1e-4, weight_decay=0.1, moment_dtype=parse_dtype(args.plait_moments)
+        )
         if args.device == "cuda"
         else torch.optim.AdamW(model.parameters(), lr=1e-4)
     )
@@ -417,7 +426,7 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
     common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
-    common += ["--model", args.model_name]
+    common += ["--model", args.model_name, "--plait-moments", args.plait_moments]
     nproc = trainer_layout(row, 4)[0]
     if nproc > 1:
         if not args.smoke and torch.cuda.device_count() < nproc:
@@ -512,6 +521,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"workloads whose rows run when --rows is not given (default {list(DEFAULT_WORKLOADS)})",
     )  # fmt: skip
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process
+    ap.add_argument(
+        "--plait-moments",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="AdamW moment dtype of the plait_step rows (bfloat16: like the peers' torch AdamW on bf16 "
+        "parameters; the Trainer rows take the main job's optimizer settings)",
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--row-timeout", type=float, default=900)

@@ -231,6 +231,8 @@ def titan_flavour(module: str, flavour: str) -> Callable[[dict[str, Any], int], 
         args = copy.deepcopy(spec.model_args[flavour])
         args.n_layers = hf["num_hidden_layers"]
         args.max_seq_len = seq
+        if getattr(args, "attn_mask_type", "causal") != "causal":
+            args.attn_mask_type = "causal"  # the rows train on unpacked rows, as the other implementations
         with torch.device("meta"):
             return spec.model_cls(args)
 
