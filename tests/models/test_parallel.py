@@ -20,8 +20,6 @@ from plait.models import (
     parallelize,
     save_hf_checkpoint,
 )
-from plait.models.gpt_oss import GptOssConfig, GptOssForCausalLM
-from plait.models.llama import LlamaConfig, LlamaForCausalLM
 from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 from plait.moe import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from torch import nn
@@ -29,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..moe._fake_deep_ep import fake_deep_ep
+from ._families import SMALL
 
 dist_testing = pytest.importorskip("plait.dist_core.testing")
 run_distributed = dist_testing.run_distributed
@@ -53,44 +52,8 @@ CFG = dict(
     initializer_range=0.2,
 )
 
-# family -> (causal LM class, config class, config kwargs): small odd models of each family.
-FAMILIES: dict[str, tuple[type, type, dict]] = {
-    "qwen3_moe": (Qwen3ForCausalLM, Qwen3MoeConfig, CFG),
-    "llama": (
-        LlamaForCausalLM,
-        LlamaConfig,
-        dict(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            attention_bias=True,
-            initializer_range=0.2,
-        ),
-    ),
-    # sliding window 3 < the 8-token rows (layers 0 and 2 windowed, 1 full), sinks on every layer
-    "gpt_oss": (
-        GptOssForCausalLM,
-        GptOssConfig,
-        dict(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=16,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=3,
-            router_aux_loss_coef=0.0,
-            initializer_range=0.2,
-        ),
-    ),
-}
+# family -> (causal LM class, config class, config kwargs)
+FAMILIES: dict[str, tuple[type, type, dict]] = {"qwen3_moe": (Qwen3ForCausalLM, Qwen3MoeConfig, CFG), **SMALL}
 
 
 def _model(family: str, tied: bool, **kw) -> nn.Module:
