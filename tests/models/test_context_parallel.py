@@ -497,6 +497,7 @@ LAYOUTS = {
         1,
     ),
     "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True, False, "per_layer", 1),
+    "cp2_tp2_ring_packed": ({"context_shard": 2, "tensor": 2}, "ring", True, False, "all_layers", 1),
     # activation checkpointing around the collectives (the all-gather mode's saved-tensor hooks included)
     "cp2_allgather_packed_full_ac": ({"context_shard": 2}, "allgather", True, False, "all_layers", 1),
     "cp2_ring_padded_selective_ac": ({"context_shard": 2}, "ring", False, True, "per_layer", 1),
@@ -533,12 +534,21 @@ def test_moe_model_with_context_parallel_on_two_gpus_nccl(layout: str, tmp_path)
 
 
 # Llama (dense) and gpt-oss (sliding window, sinks, experts) in both modes, with and without packed
-# documents (and padding for gpt-oss's ring).
+# documents; gpt-oss also with padding, TP and two stages.
 FAMILY_LAYOUTS = [
     (family, layout)
     for family in sorted(SMALL)
     for layout in ("cp2_ring", "cp2_ring_packed_per_layer", "cp2_allgather", "cp2_allgather_packed")
-] + [("gpt_oss", "cp2_ring_padded"), ("gpt_oss", "cp2_allgather_packed_padded")]
+] + [
+    ("gpt_oss", "cp2_ring_padded"),
+    ("gpt_oss", "cp2_allgather_packed_padded"),
+    # sinks sharded by head under TP, each rank's heads' log-sum-exp (ring) or dense path (all-gather)
+    ("gpt_oss", "cp2_tp2_ring_packed"),
+    ("gpt_oss", "cp2_tp2_allgather_packed"),
+    # stages with other sets of windows (layers 0-1: window and full; layer 2: window)
+    ("gpt_oss", "cp2_2stages_ring_padded_per_layer"),
+    ("llama", "cp2_tp2_ring_packed"),
+]
 
 
 @pytest.mark.parametrize(("family", "layout"), FAMILY_LAYOUTS)
