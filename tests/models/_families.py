@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 import transformers
+from plait.models.gpt_oss import GptOssConfig, GptOssForCausalLM
+from plait.models.llama import LlamaConfig, LlamaForCausalLM
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=97,
@@ -92,3 +94,43 @@ def make_hf(case: str, tmp: Path, seed: int = 0) -> tuple[Path, Any]:
     path = tmp / f"hf_{case}"
     model.save_pretrained(path)
     return path, model
+
+
+# Small plait models of the new families for the layout tests (parallel, pipeline, context parallel):
+# family -> (causal LM class, config class, config kwargs). Llama with attention biases; gpt-oss with
+# a sliding window of 3 (layers 0 and 2; layer 1 full), sinks on every layer, biased experts.
+SMALL: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "llama": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            attention_bias=True,
+            initializer_range=0.2,
+        ),
+    ),
+    "gpt_oss": (
+        GptOssForCausalLM,
+        GptOssConfig,
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=3,
+            router_aux_loss_coef=0.0,
+            initializer_range=0.2,
+        ),
+    ),
+}

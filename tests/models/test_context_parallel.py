@@ -37,6 +37,8 @@ from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3ForSequenceClassification,
 from plait.moe import RouterConfig, TopKRouter
 from torch.distributed.tensor import DTensor
 
+from ._families import SMALL
+
 B, T, HQ, HKV, D = 2, 24, 4, 2, 16  # FlexAttention on CUDA (Inductor) needs head dims >= 16
 # Document lengths per row: several cross chunk (and rank) boundaries for cp = 2 and 4.
 DOC_LENGTHS = ([5, 9, 3, 7], [11, 13])
@@ -57,7 +59,11 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _reference(docs: bool) -> dict[str, torch.Tensor]:
+def _sinks() -> torch.Tensor:
+    return torch.randn(HQ, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+def _reference(docs: bool, window: int | None = None, sinks: bool = False) -> dict[str, torch.Tensor]:
     t = {k: v.clone().requires_grad_(k != "grad") for k, v in _tensors().items()}
     mask = build_attention_mask(
         B,
@@ -66,10 +72,16 @@ def _reference(docs: bool) -> dict[str, torch.Tensor]:
         torch.float64,
         document_ids=_doc_ids() if docs else None,
         implementation="sdpa",
+        sliding_window=window,
+        sinks=sinks,
     )
-    out = attention_mod.attention(t["q"], t["k"], t["v"], mask, D**-0.5)
+    sink = _sinks().requires_grad_() if sinks else None
+    out = attention_mod.attention(t["q"], t["k"], t["v"], mask, D**-0.5, sink)
     out.backward(t["grad"])
-    return {"out": out.detach(), "dq": t["q"].grad, "dk": t["k"].grad, "dv": t["v"].grad}
+    res = {"out": out.detach(), "dq": t["q"].grad, "dk": t["k"].grad, "dv": t["v"].grad}
+    if sink is not None:
+        res["dsinks"] = sink.grad
+    return res
 
 
 def _attention_rank(
@@ -79,6 +91,8 @@ def _attention_rank(
     device: str = "cpu",
     dtype: torch.dtype = torch.float64,
     impl: str | None = None,
+    window: int | None = None,
+    sinks: bool = False,
 ) -> dict[str, torch.Tensor]:
     ring_mod._Q_TILE = tile
     n, r = dist.get_world_size(), dist.get_rank()
@@ -92,11 +106,21 @@ def _attention_rank(
         for k, v in _tensors().items()
     }
     doc_ids = shard_sequence(_doc_ids(), n, r).to(dev) if docs else None
-    mask = cp.build_mask(B, T // n, dev, document_ids=doc_ids, implementation=impl, dtype=dtype)
+    mask = cp.build_mask(
+        B,
+        T // n,
+        dev,
+        document_ids=doc_ids,
+        implementation=impl,
+        dtype=dtype,
+        sliding_window=window,
+        sinks=sinks,
+    )
     assert isinstance(mask, AttentionMask) and mask.context is not None
+    sink = _sinks().to(dev, dtype).requires_grad_(not forward_only) if sinks else None
     group = dist.group.WORLD
     if forward_only:
-        out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
+        out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5, sink)
         return {"out": gather_sequence(out, group).double()}  # type: ignore[arg-type]
     gathers = []  # K/V all-gathers: the forward's, and the backward's when the attention unpacks K/V
     all_gather = dist.all_gather_into_tensor
@@ -107,13 +131,21 @@ def _attention_rank(
 
     dist.all_gather_into_tensor = counted  # type: ignore[assignment]
     try:
-        out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5)
+        out = attention_mod.attention(local["q"], local["k"], local["v"], mask, D**-0.5, sink)
         out.backward(local["grad"])
     finally:
         dist.all_gather_into_tensor = all_gather
-    # all-gather: the attention keeps this rank's K/V shard, not the gathered K/V, for its backward.
-    assert gathers == (["forward", "backward"] if mode == "allgather" else []), gathers
+    # all-gather: the attention keeps this rank's K/V shard, not the gathered K/V, for its backward
+    # (except the PyTorch sink reference, whose saved K/V are GQA-repeated copies, not views).
+    want = ["forward"] if sinks and impl == "sdpa" else ["forward", "backward"]
+    assert gathers == (want if mode == "allgather" else []), gathers
+    extra = {}
+    if sink is not None:  # each rank's queries' share of the sinks' gradient, summed over the group
+        assert sink.grad is not None
+        dist.all_reduce(sink.grad, group=group)
+        extra["dsinks"] = sink.grad.double()
     return {
+        **extra,
         "chunk_kernels": torch.tensor(
             mode == "allgather" and mask.block_mask is None and mask.dense_mask is None
         ),
@@ -133,6 +165,23 @@ def test_attention_matches_single_process(mode: str, cp: int, docs: bool) -> Non
     for rank, res in enumerate(run_distributed(_attention_rank, cp, mode, docs, tile)):
         # Plain causal rows of the all-gather mode: per-chunk SDPA kernels merged by log-sum-exp.
         assert bool(res["chunk_kernels"]) == (mode == "allgather" and not docs)
+        for key, want in ref.items():
+            torch.testing.assert_close(res[key], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {key}")
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("window", [2, 7])
+def test_sliding_window_and_sinks_match_single_process(mode: str, cp: int, window: int) -> None:
+    # gpt-oss's attention: windows inside one chunk (2) and across chunks and ranks (7; chunks are
+    # 6 tokens at cp=2, 3 at cp=4), one sink logit per query head, packed documents; the sinks'
+    # gradient (through the ring's log-sum-exp or the all-gather's dense path) summed over ranks.
+    ref = _reference(True, window, sinks=True)
+    for rank, res in enumerate(
+        run_distributed(_attention_rank, cp, mode, True, 2, window=window, sinks=True)
+    ):
+        assert not bool(res["chunk_kernels"])
+        assert set(res) == {"chunk_kernels", *ref}
         for key, want in ref.items():
             torch.testing.assert_close(res[key], want, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {key}")
 
@@ -298,6 +347,18 @@ CFG = dict(
 SEQ = 16
 
 
+def _cp_model(family: str, pooling: str, **kw: Any) -> Any:
+    """A causal LM (or stage, ``kw``) of ``family`` for these tests; ``attn_implementation`` etc. in ``kw``."""
+    cfg_kw = {k: kw.pop(k) for k in list(kw) if k == "attn_implementation"}
+    if family == "qwen3_moe":
+        return Qwen3ForCausalLM(Qwen3MoeConfig(**CFG, router_aux_loss_pooling=pooling, **cfg_kw), **kw)
+    cls, cfg_cls, kwargs = SMALL[family]
+    kwargs = {**kwargs, "vocab_size": 96, "head_dim": 16, **cfg_kw}
+    if family == "gpt_oss":  # sliding window 3 < a 4-token chunk: some chunk pairs see nothing
+        kwargs.update(router_aux_loss_coef=0.02, router_aux_loss_pooling=pooling)
+    return cls(cfg_cls(**kwargs), **kw)
+
+
 def _model_batch(packed: bool, padded: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     batch = {
@@ -330,6 +391,8 @@ def _scored(batch: dict[str, torch.Tensor]) -> int:
 def _objective(out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
     # The loop's objective of one microbatch: token-summed loss plus aux loss weighted by tokens.
     assert int(out["num_tokens"]) == _scored(batch)
+    if "aux_loss" not in out:  # dense models
+        return out["loss_sum"]
     return out["loss_sum"] + out["aux_loss"] * _scored(batch)
 
 
@@ -359,14 +422,17 @@ def _model_rank(
     device: str = "cpu",
     checkpointing: str = "none",
     compile: bool = False,
+    family: str = "qwen3_moe",
 ) -> dict:
     torch.set_default_dtype(torch.float64)  # the harness restores it (and the environment)
     # The float64 comparison is about context parallelism over NCCL, not the fp32 Triton kernels.
     os.environ["PLAIT_KERNELS_DISABLE_TRITON"] = "1"
     ctx = DistributedContext.from_env(DeviceMeshParameters(**degrees), device=device)
     with torch.device("meta"):
-        cfg = Qwen3MoeConfig(**CFG, attn_implementation="sdpa", router_aux_loss_pooling=pooling)
-        parts = [Qwen3ForCausalLM(cfg, stage_index=i, num_stages=stages) for i in range(stages)]
+        parts = [
+            _cp_model(family, pooling, attn_implementation="sdpa", stage_index=i, num_stages=stages)
+            for i in range(stages)
+        ]
     for part in parts:
         config = ParallelConfig(
             context_parallel_attention=mode,
@@ -402,7 +468,7 @@ def _model_rank(
         for part in parts
         for n, p in part.named_parameters()
     }
-    aux = out["aux_loss"].detach().clone()
+    aux = out["aux_loss"].detach().clone() if "aux_loss" in out else torch.zeros((), device=ctx.device)
     if dp > 1:  # per-sequence-group aux losses, token-weighted over dp like the loop's metric
         aux *= _scored(batch)
         dist.all_reduce(aux, group=batch_mesh["dp"].get_group())
@@ -431,6 +497,7 @@ LAYOUTS = {
         1,
     ),
     "cp2_tp2_allgather_packed": ({"context_shard": 2, "tensor": 2}, "allgather", True, False, "per_layer", 1),
+    "cp2_tp2_ring_packed": ({"context_shard": 2, "tensor": 2}, "ring", True, False, "all_layers", 1),
     # activation checkpointing around the collectives (the all-gather mode's saved-tensor hooks included)
     "cp2_allgather_packed_full_ac": ({"context_shard": 2}, "allgather", True, False, "all_layers", 1),
     "cp2_ring_padded_selective_ac": ({"context_shard": 2}, "ring", False, True, "per_layer", 1),
@@ -466,10 +533,35 @@ def test_moe_model_with_context_parallel_on_two_gpus_nccl(layout: str, tmp_path)
     check_model_layout(layout, tmp_path, "cuda")
 
 
-def check_model_layout(layout: str, tmp_path, device: str) -> None:
+# Llama (dense) and gpt-oss (sliding window, sinks, experts) in both modes, with and without packed
+# documents; gpt-oss also with padding, TP and two stages.
+FAMILY_LAYOUTS = [
+    (family, layout)
+    for family in sorted(SMALL)
+    for layout in ("cp2_ring", "cp2_ring_packed_per_layer", "cp2_allgather", "cp2_allgather_packed")
+] + [
+    ("gpt_oss", "cp2_ring_padded"),
+    ("gpt_oss", "cp2_allgather_packed_padded"),
+    # sinks sharded by head under TP, each rank's heads' log-sum-exp (ring) or dense path (all-gather)
+    ("gpt_oss", "cp2_tp2_ring_packed"),
+    ("gpt_oss", "cp2_tp2_allgather_packed"),
+    # stages with other sets of windows (layers 0-1: window and full; layer 2: window)
+    ("gpt_oss", "cp2_2stages_ring_padded_per_layer"),
+    ("llama", "cp2_tp2_ring_packed"),
+]
+
+
+@pytest.mark.parametrize(("family", "layout"), FAMILY_LAYOUTS)
+def test_family_model_with_context_parallel_matches_single_process(
+    family: str, layout: str, tmp_path
+) -> None:
+    check_model_layout(layout, tmp_path, "cpu", family)
+
+
+def check_model_layout(layout: str, tmp_path, device: str, family: str = "qwen3_moe") -> None:
     degrees, mode, packed, padded, pooling, stages = LAYOUTS[layout]
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3MoeConfig(**CFG, router_aux_loss_pooling=pooling))
+    model = _cp_model(family, pooling)
     model.reset_parameters()
     model.double()
     ckpt = save_hf_checkpoint(model, tmp_path / "seed")
@@ -487,7 +579,7 @@ def check_model_layout(layout: str, tmp_path, device: str) -> None:
     else:
         out = model(**batch)
         objective = _objective(out, batch)
-        ref_loss, ref_aux = out["loss"].item(), out["aux_loss"].item()
+        ref_loss, ref_aux = out["loss"].item(), out["aux_loss"].item() if "aux_loss" in out else 0.0
     (objective / tokens).backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     world = 1
@@ -508,6 +600,7 @@ def check_model_layout(layout: str, tmp_path, device: str) -> None:
         device,
         CHECKPOINTING.get(layout, "none"),
         layout in COMPILED,
+        family,
         backend=backend,
         timeout=300.0,
     )

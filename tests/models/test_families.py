@@ -114,3 +114,35 @@ def test_from_pretrained_refuses_a_model_larger_than_memory_before_allocating(tm
     ):
         from_pretrained(path)
     assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("case", ["llama", "gpt_oss"])
+def test_activation_checkpointing_matches_no_checkpointing(case, mode, tmp_path):
+    """Checkpointed layers (recomputed in backward: the attention runs twice) give the loss and every
+    gradient of the plain model; MoE routers count each token once (not again when recomputed)."""
+    from plait.models import ActivationCheckpointing, ParallelConfig, parallelize
+
+    path, _ = make_hf(case, tmp_path)
+    ids, labels = _batch()
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12)  # two packed documents
+    results = []
+    for ac in ("none", mode):
+        model = from_pretrained(path).train()
+        parallelize(model, config=ParallelConfig(activation_checkpointing=ActivationCheckpointing(mode=ac)))
+        calls: list[int] = []
+        layer0 = next(model.decoder_layers())
+        layer0.self_attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        out = model(input_ids=ids, labels=labels, position_ids=position_ids)
+        (out["loss"] + out.get("aux_loss", 0.0)).backward()
+        assert len(calls) == (1 if ac == "none" else 2), ac
+        counts = [moe.router._stat_counts.clone() for moe in model.moe_layers()]
+        results.append((out["loss"].detach(), {n: p.grad for n, p in model.named_parameters()}, counts))
+    (ref_loss, ref_grads, ref_counts), (loss, grads, counts) = results
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0)
+    assert set(grads) == set(ref_grads) and all(g is not None for g in grads.values())
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert len(counts) == (3 if case == "gpt_oss" else 0)
+    for a, b in zip(counts, ref_counts, strict=True):
+        assert torch.equal(a, b) and int(a.sum()) == ids.numel() * 2  # top-2 of each token, once

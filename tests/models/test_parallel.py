@@ -22,10 +22,12 @@ from plait.models import (
 )
 from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 from plait.moe import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..moe._fake_deep_ep import fake_deep_ep
+from ._families import SMALL
 
 dist_testing = pytest.importorskip("plait.dist_core.testing")
 run_distributed = dist_testing.run_distributed
@@ -50,6 +52,15 @@ CFG = dict(
     initializer_range=0.2,
 )
 
+# family -> (causal LM class, config class, config kwargs)
+FAMILIES: dict[str, tuple[type, type, dict]] = {"qwen3_moe": (Qwen3ForCausalLM, Qwen3MoeConfig, CFG), **SMALL}
+
+
+def _model(family: str, tied: bool, **kw) -> nn.Module:
+    cls, cfg_cls, cfg = FAMILIES[family]
+    return cls(cfg_cls(**{**cfg, "tie_word_embeddings": tied}), **kw)
+
+
 # layout -> (world, dense mesh shape, expert mesh shape, parallel config kwargs). Layouts named
 # "ctx_*" build plait.dist_core's DistributedContext from the matching degrees instead of meshes.
 LAYOUTS = {
@@ -62,6 +73,7 @@ LAYOUTS = {
     "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),
     "ctx_ep2_fsdp2_all_gather": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "all_gather"}),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
+    "hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 4, 1), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
     "tp2_fsdp2_ac": (
         4,
@@ -80,9 +92,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
+def _rank_main(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> dict:
     if LAYOUTS[layout][3].get("expert_dispatch") != "deepep":
-        return _rank_run(layout, ckpt, tied)
+        return _rank_run(layout, ckpt, tied, family)
     # DeepEP cannot be built here: its Buffer API over gloo (tests/moe/_fake_deep_ep.py).
     with fake_deep_ep() as buffer:
         result = _rank_run(layout, ckpt, tied)
@@ -91,12 +103,11 @@ def _rank_main(layout: str, ckpt: str, tied: bool) -> dict:
     return result
 
 
-def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
+def _rank_run(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> dict:
     world, dshape, eshape, pkw = LAYOUTS[layout]
     assert dist.get_world_size() == world
-    cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = _model(family, tied)
     if layout.startswith("ctx_"):
         from plait.dist_core import DeviceMeshParameters, DistributedContext
 
@@ -115,6 +126,11 @@ def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
     )
     if eshape[2] > 1:
         assert all(isinstance(moe.dispatcher, dispatcher) for moe in model.moe_layers())
+    if dshape[4] > 1:  # sink logits sharded by head, like the column-parallel q/k/v heads
+        for layer in model.decoder_layers():
+            sinks = layer.self_attn.sinks
+            if sinks is not None:
+                assert isinstance(sinks, DTensor) and sinks.placements[-1] == Shard(0), sinks
     if "expert_chunks" in pkw:
         assert all(moe.dispatcher.num_chunks == pkw["expert_chunks"] for moe in model.moe_layers())
     if dshape[1] * dshape[2] > 1:  # FSDP: one parameter group (all-gather, reduce-scatter) per unit
@@ -156,10 +172,9 @@ def _rank_run(layout: str, ckpt: str, tied: bool) -> dict:
     return {"loss": loss_sum.item() / global_tokens, "grads": grads if dist.get_rank() == 0 else None}
 
 
-def _reference(tied: bool, tmp_path) -> tuple[float, dict[str, torch.Tensor], str]:
-    cfg = Qwen3MoeConfig(**{**CFG, "tie_word_embeddings": tied})
+def _reference(tied: bool, tmp_path, family: str = "qwen3_moe") -> tuple[float, dict[str, torch.Tensor], str]:
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
+    model = _model(family, tied)
     model.reset_parameters()
     ckpt = save_hf_checkpoint(model, tmp_path / "seed")
     ids, labels = _batch()
@@ -168,10 +183,10 @@ def _reference(tied: bool, tmp_path) -> tuple[float, dict[str, torch.Tensor], st
     return out["loss"].item(), {n: p.grad for n, p in model.named_parameters()}, str(ckpt)
 
 
-def _run_and_check(layout: str, tied: bool, tmp_path) -> list[dict]:
-    ref_loss, ref_grads, ckpt = _reference(tied, tmp_path)
+def _run_and_check(layout: str, tied: bool, tmp_path, family: str = "qwen3_moe") -> list[dict]:
+    ref_loss, ref_grads, ckpt = _reference(tied, tmp_path, family)
     world = LAYOUTS[layout][0]
-    results = run_distributed(_rank_main, world, layout, ckpt, tied, timeout=240.0)
+    results = run_distributed(_rank_main, world, layout, ckpt, tied, family, timeout=240.0)
     for r in results:
         assert r["loss"] == pytest.approx(ref_loss, abs=1e-5)
     grads = results[0]["grads"]
@@ -184,6 +199,26 @@ def _run_and_check(layout: str, tied: bool, tmp_path) -> list[dict]:
 @pytest.mark.parametrize("layout", sorted(k for k in LAYOUTS if not k.endswith("_deepep")))
 def test_layout_matches_single_process(layout, tmp_path):
     _run_and_check(layout, layout == "tp2", tmp_path)
+
+
+# The other families in the layouts that exercise what they add: Llama's dense blocks (attention
+# and MLP biases) under FSDP2, HSDP, TP and TP x FSDP2 with checkpointing; gpt-oss's experts (with
+# biases) under EP and both dispatches, its sinks sharded by head under TP, its sliding window.
+FAMILY_LAYOUTS = [
+    ("llama", "fsdp2", False),
+    ("llama", "hsdp2x2", False),
+    ("llama", "tp2", True),
+    ("llama", "tp2_fsdp2_ac", False),
+    ("gpt_oss", "fsdp2", False),
+    ("gpt_oss", "ctx_ep2_fsdp2", False),
+    ("gpt_oss", "ctx_ep2_fsdp2_all_gather", False),
+    ("gpt_oss", "tp2", True),
+]
+
+
+@pytest.mark.parametrize(("family", "layout", "tied"), FAMILY_LAYOUTS)
+def test_family_layout_matches_single_process(family, layout, tied, tmp_path):
+    _run_and_check(layout, tied, tmp_path, family)
 
 
 def test_deepep_dispatch_matches_all_to_all(tmp_path):

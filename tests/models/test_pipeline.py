@@ -8,6 +8,8 @@ import torch.distributed as dist
 from plait.models import load_hf_checkpoint, save_hf_checkpoint, stage_layer_ids
 from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 
+from ._families import SMALL
+
 CFG = dict(
     vocab_size=128,
     hidden_size=32,
@@ -73,23 +75,38 @@ def test_chained_stages_match_whole_model(pooling):
 
 
 SCHEDULES = {"1f1b": {"kind": "1f1b"}, "zbv": {"kind": "zbv"}}
+# Every schedule kind for the other families (single-stage, looped and V-shaped placements).
+FAMILY_SCHEDULES = {
+    "gpipe": {"kind": "gpipe"},
+    "1f1b": {"kind": "1f1b"},
+    "interleaved_1f1b": {"kind": "interleaved_1f1b", "stages_per_rank": 2},
+    "zbv": {"kind": "zbv"},
+    "dualpipev": {"kind": "dualpipev"},
+}
 
 
-def _pp_cfg(schedule: str) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(**{**CFG, "num_hidden_layers": 4}, router_aux_loss_coef=0.0)
+def _pp_model(family: str, **stage: int) -> torch.nn.Module:
+    if family == "qwen3_moe":
+        return Qwen3ForCausalLM(
+            Qwen3MoeConfig(**{**CFG, "num_hidden_layers": 4}, router_aux_loss_coef=0.0), **stage
+        )
+    cls, cfg_cls, kwargs = SMALL[family]
+    # An odd layer count: 5 layers over 2 stages (3 + 2) or 4 stages (2 + 1 + 1 + 1).
+    return cls(cfg_cls(**{**kwargs, "num_hidden_layers": 5}), **stage)
 
 
-def _pp_rank(ckpt: str, schedule: str) -> dict:
+def _pp_rank(ckpt: str, schedule: str, family: str = "qwen3_moe") -> dict:
     from plait.pipelining import Chunk, PipelineState, Stack, build_pipeline, parse_schedule_config
 
-    config = parse_schedule_config({**SCHEDULES[schedule], "num_microbatches": 2, "loss_reduction": "sum"})
+    spec = SCHEDULES[schedule] if family == "qwen3_moe" else FAMILY_SCHEDULES[schedule]
+    microbatches = 2 if family == "qwen3_moe" else 4
+    config = parse_schedule_config({**spec, "num_microbatches": microbatches, "loss_reduction": "sum"})
     topo = config.topology(2)
-    cfg = _pp_cfg(schedule)
     rank = dist.get_rank()
     stages = {}
     for s in topo.stages_of(rank):
         with torch.device("meta"):
-            stages[s] = Qwen3ForCausalLM(cfg, stage_index=s, num_stages=topo.num_stages)
+            stages[s] = _pp_model(family, stage_index=s, num_stages=topo.num_stages)
     load_hf_checkpoint(list(stages.values()), ckpt)
     last = topo.num_stages - 1
     ids, labels = _batch()
@@ -108,7 +125,7 @@ def _pp_rank(ckpt: str, schedule: str) -> dict:
         loss_fn=loss_fn,
         forward_kwargs_fn=kwargs_fn,
     )
-    state = PipelineState(2, specs={"labels": Chunk(0), "loss": Stack()})
+    state = PipelineState(microbatches, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels
     result = executor.step({"input_ids": ids} if rank == 0 else None, state)
     return {
@@ -121,21 +138,30 @@ def _pp_rank(ckpt: str, schedule: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_pp2_matches_single_process(schedule, tmp_path):
+def _check_pp2(family: str, schedule: str, tmp_path) -> None:
     dist_testing = pytest.importorskip("plait.dist_core.testing")
-    cfg = _pp_cfg(schedule)
     torch.manual_seed(0)
-    full = Qwen3ForCausalLM(cfg)
+    full = _pp_model(family)
     full.reset_parameters()
     ckpt = save_hf_checkpoint(full, tmp_path / "seed")
     ids, labels = _batch()
     ref = full(input_ids=ids, labels=labels)
     ref["loss"].backward()
-    results = dist_testing.run_distributed(_pp_rank, 2, str(ckpt), schedule, timeout=240.0)
+    results = dist_testing.run_distributed(_pp_rank, 2, str(ckpt), schedule, family, timeout=240.0)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses == [pytest.approx(ref["loss"].item(), abs=1e-5)]
     grads = {**results[0]["grads"], **results[1]["grads"]}
     assert set(grads) == {n for n, _ in full.named_parameters()}
     for n, p in full.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_pp2_matches_single_process(schedule, tmp_path):
+    _check_pp2("qwen3_moe", schedule, tmp_path)
+
+
+@pytest.mark.parametrize("schedule", sorted(FAMILY_SCHEDULES))
+@pytest.mark.parametrize("family", sorted(SMALL))
+def test_family_pp2_matches_single_process(family, schedule, tmp_path):
+    _check_pp2(family, schedule, tmp_path)

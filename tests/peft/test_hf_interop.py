@@ -179,8 +179,9 @@ def test_plait_qwen3_adapter_round_trip_with_peft(tmp_path: Path) -> None:
     """plait's own Qwen3 (HF module names) + plait LoRA -> HF adapter -> peft on transformers' Qwen3, and back."""
     models = pytest.importorskip("plait.models")
     hf = tiny_qwen3()
-    plait_model = models.Qwen3ForCausalLM(models.config_from_hf(hf.config)).eval()
-    state = models.hf_to_plait_mapper().map_state(hf.state_dict())
+    config = models.config_from_hf(hf.config)
+    plait_model = models.build_causal_lm(config).eval()
+    state = models.hf_to_plait_mapper(config).map_state(hf.state_dict())
     plait_model.load_state_dict(state)
 
     def plait_logits(m: torch.nn.Module) -> torch.Tensor:
@@ -194,7 +195,7 @@ def test_plait_qwen3_adapter_round_trip_with_peft(tmp_path: Path) -> None:
     theirs = peft.PeftModel.from_pretrained(tiny_qwen3(), str(tmp_path / "out")).eval()
     torch.testing.assert_close(logits(theirs), ours, atol=1e-5, rtol=1e-5)
 
-    back = models.Qwen3ForCausalLM(models.config_from_hf(hf.config)).eval()
+    back = models.build_causal_lm(config).eval()
     back.load_state_dict(state)
     import_hf_adapter(back, tmp_path / "out")
     torch.testing.assert_close(plait_logits(back), ours, atol=1e-5, rtol=1e-5)
@@ -206,8 +207,9 @@ def test_plait_qwen3_moe_expert_adapter_to_peft(tmp_path: Path) -> None:
     experts call the adapter hook inside the grouped computation) and the merged one both match."""
     models = pytest.importorskip("plait.models")
     hf = tiny_qwen3_moe()
-    plait_model = models.Qwen3ForCausalLM(models.config_from_hf(hf.config)).eval()
-    plait_model.load_state_dict(models.hf_to_plait_mapper().map_state(hf.state_dict()))
+    config = models.config_from_hf(hf.config)
+    plait_model = models.build_causal_lm(config).eval()
+    plait_model.load_state_dict(models.hf_to_plait_mapper(config).map_state(hf.state_dict()))
 
     def plait_logits(m: torch.nn.Module) -> torch.Tensor:
         with torch.no_grad():
@@ -269,3 +271,129 @@ def test_training_forward_and_grads_match_peft_with_dropout(tmp_path: Path, dora
     assert set(our_grads) == set(their_grads) and len(our_grads) == (6 if dora else 4)
     for n, g in our_grads.items():
         torch.testing.assert_close(g, their_grads[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+# ------------------------------------------------------------------------------- Llama and gpt-oss
+GPT_OSS_EXPERTS = r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"
+
+
+def _family_models(case: str, tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """plait's model of a tiny transformers checkpoint of ``case`` (tests/models/_families.py) and the
+    checkpoint's directory (transformers and peft load their own copy from it)."""
+    from plait.models import from_pretrained
+
+    from ..models._families import make_hf
+
+    path, _ = make_hf(case, tmp_path)
+    return from_pretrained(path).eval(), path
+
+
+def _hf_logits(path: Path, adapter: Path | None = None) -> torch.Tensor:
+    from ..models._families import CASES
+
+    model = getattr(transformers, CASES["gpt_oss" if "gpt_oss" in path.name else "llama"][1])
+    hf = model.from_pretrained(path).eval()
+    return logits(hf if adapter is None else peft.PeftModel.from_pretrained(hf, str(adapter)).eval())
+
+
+def _plait_logits(m: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return m(input_ids=IDS)["logits"]
+
+
+def _perturb_magnitudes(model: torch.nn.Module) -> None:
+    with torch.no_grad():  # a trained magnitude differs from the initial row norms
+        for m in model.modules():
+            if hasattr(m, "lora_magnitude_vector"):
+                m.lora_magnitude_vector.mul_(1.0 + 0.1 * torch.rand_like(m.lora_magnitude_vector))
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_plait_llama_adapter_loads_in_peft(tmp_path: Path, dora: bool) -> None:
+    """plait's Llama (biases, tied embeddings, one KV head) + LoRA/DoRA on every attention and MLP
+    linear -> HF PEFT adapter -> peft on transformers' Llama: the same logits; and back into plait."""
+    model, path = _family_models("llama_mqa_tied_bias", tmp_path)
+    base = _plait_logits(model)
+    cls = DoRAConfig if dora else LoRAConfig
+    apply_peft(
+        model,
+        [
+            cls(r=4, alpha=8, target_modules=ATTN, init="random"),
+            cls(r=2, alpha=3, target_modules=MLP, init="random"),
+        ],
+    )
+    if dora:
+        _perturb_magnitudes(model)
+    ours = _plait_logits(model)
+    assert not torch.allclose(ours, base, atol=1e-3), "the adapter must change the logits"
+    config = export_hf_adapter(model, tmp_path / "adapter", task_type="CAUSAL_LM")
+    assert config["use_dora"] is dora and config["r"] == 4 and set(config["rank_pattern"].values()) == {2}
+    torch.testing.assert_close(_hf_logits(path, tmp_path / "adapter"), ours, atol=1e-5, rtol=1e-5)
+
+    back, _ = _family_models("llama_mqa_tied_bias", tmp_path / "back")
+    report = import_hf_adapter(back, tmp_path / "adapter")
+    assert report is not None and len(report.adapted) == 3 * 7
+    torch.testing.assert_close(_plait_logits(back), ours, atol=1e-5, rtol=1e-5)
+
+
+def test_plait_gpt_oss_expert_adapter_loads_in_peft(tmp_path: Path) -> None:
+    """plait's gpt-oss + LoRA on the attention linears and on the experts (plait's output-major,
+    gate-first layout; exported in transformers' input-major, gate/up-interleaved order through
+    ``expert_out_order``) -> HF ``target_parameters`` adapter -> peft on transformers' gpt-oss: the
+    unmerged forward (the experts call the adapter inside the grouped computation) and the merged
+    one give peft's logits; and the adapter imports back into plait."""
+    from plait.moe import interleaved_order
+
+    model, path = _family_models("gpt_oss", tmp_path)
+    intermediate = model.config.intermediate_size
+
+    def order(name: str) -> torch.Tensor | None:
+        return interleaved_order(intermediate) if name.endswith("gate_up_proj") else None
+
+    base = _plait_logits(model)
+    report = apply_peft(
+        model, LoRAConfig(r=2, alpha=4, target_modules=ATTN, target_parameters=GPT_OSS_EXPERTS, init="random")
+    )
+    assert sum(a.method == "lora_experts" for a in report.adapted) == 2 * 3
+    unmerged = _plait_logits(model)
+    assert not torch.allclose(unmerged, base, atol=1e-3), "the adapter must change the logits"
+    config = export_hf_adapter(model, tmp_path / "adapter", task_type="CAUSAL_LM", expert_out_order=order)
+    assert config["target_parameters"] == [
+        f"model.layers.{i}.mlp.experts.{p}" for i in range(3) for p in ("gate_up_proj", "down_proj")
+    ]
+    reference = _hf_logits(path, tmp_path / "adapter")
+    torch.testing.assert_close(unmerged, reference, atol=1e-5, rtol=1e-5)
+
+    back, _ = _family_models("gpt_oss", tmp_path / "back")
+    import_hf_adapter(back, tmp_path / "adapter", expert_out_order=order)
+    torch.testing.assert_close(_plait_logits(back), reference, atol=1e-5, rtol=1e-5)
+    merge_peft(model)
+    torch.testing.assert_close(_plait_logits(model), reference, atol=1e-5, rtol=1e-5)
+
+    # Without the order the gate/up rows land on the wrong transformers columns.
+    model, _ = _family_models("gpt_oss", tmp_path / "unordered")
+    apply_peft(model, LoRAConfig(r=2, alpha=4, target_parameters=GPT_OSS_EXPERTS, init="random"))
+    export_hf_adapter(model, tmp_path / "unordered_adapter")
+    assert not torch.allclose(
+        _hf_logits(path, tmp_path / "unordered_adapter"), _plait_logits(model), atol=1e-3
+    )
+
+
+def test_plait_gpt_oss_dora_attention_adapter_loads_in_peft(tmp_path: Path) -> None:
+    """DoRA on gpt-oss's attention linears (biased q/k/v/o, next to sinks): peft's logits. DoRA on
+    the experts exists on neither side: peft refuses ``use_dora`` with ``target_parameters`` and
+    plait's DoRAConfig has no ``target_parameters``."""
+    model, path = _family_models("gpt_oss", tmp_path)
+    apply_peft(model, DoRAConfig(r=4, alpha=8, target_modules=ATTN, init="random"))
+    _perturb_magnitudes(model)
+    ours = _plait_logits(model)
+    export_hf_adapter(model, tmp_path / "adapter", task_type="CAUSAL_LM")
+    torch.testing.assert_close(_hf_logits(path, tmp_path / "adapter"), ours, atol=1e-5, rtol=1e-5)
+
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="ParamWrapper does not work with use_dora"):
+        peft.get_peft_model(
+            hf_model, peft.LoraConfig(r=2, target_parameters=["mlp.experts.gate_up_proj"], use_dora=True)
+        )
+    with pytest.raises(ValueError, match="target_parameters"):
+        DoRAConfig(r=2, alpha=4, target_parameters=GPT_OSS_EXPERTS)  # type: ignore[call-arg]

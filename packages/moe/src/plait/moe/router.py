@@ -129,8 +129,14 @@ class TopKRouter(nn.Module):
                 self.bias.uniform_(-bound, bound)
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
-            self._bias_counts.zero_()
-            self._stat_counts.zero_()
+        self.reset_counters()
+
+    @torch.no_grad()
+    def reset_counters(self) -> None:
+        """Zero the load counters (non-persistent buffers: no checkpoint restores them, so a module
+        materialised from the meta device and then loaded needs this)."""
+        self._bias_counts.zero_()
+        self._stat_counts.zero_()
 
     def _select(self, scores: Tensor) -> Tensor:
         """Top-k expert indices from the (biased, group-limited) selection scores."""

@@ -71,8 +71,9 @@ class AttentionKernels:
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``out [B, H, L, D]`` scaled by ``sigmoid(lse - sink)``: the softmax with one more, sink, logit."""
-    w = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
-    return (out.float() * w[..., None]).to(out.dtype)
+    acc = torch.promote_types(out.dtype, torch.float32)  # fp32 for half inputs, fp64 stays fp64
+    w = torch.sigmoid(lse.to(acc) - sinks.to(acc).view(1, -1, 1))
+    return (out.to(acc) * w[..., None]).to(out.dtype)
 
 
 def sink_reference_attention(

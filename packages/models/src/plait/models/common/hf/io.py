@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.model_state import Mapper, load_module, materialize, save_module, write_file_atomic
+from plait.moe import TopKRouter
 from torch import nn
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -65,7 +66,12 @@ def load_checkpoint(
         KeyError: the checkpoint lacks parameters the module(s) need (listed).
     """
     for stage in [modules] if isinstance(modules, nn.Module) else modules:
-        materialize(stage, device)  # each stage on its own: its tied names are its own keys
+        if materialize(stage, device):  # each stage on its own: its tied names are its own keys
+            # Uninitialised memory now; the checkpoint fills parameters and persistent buffers, not
+            # the routers' load counters.
+            for m in stage.modules():
+                if isinstance(m, TopKRouter):
+                    m.reset_counters()
     module = _as_module(modules)
     result = load_module(
         module,
