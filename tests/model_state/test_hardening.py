@@ -275,3 +275,20 @@ def test_cli_diff_says_when_no_tensors_were_comparable(
     assert "no tensors were comparable" in out and "max abs diff" not in out
     assert main(["diff", str(a), str(a)]) == 0
     assert "max abs diff 0 over 1 compared" in capsys.readouterr().out
+
+
+def test_cli_diff_counts_nonfinite_values_equal_to_themselves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, c = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    nonfinite = torch.tensor([1.0, float("inf"), float("-inf"), float("nan")])
+    save_file({"x": nonfinite, "y": torch.ones(2)}, str(a))
+    save_file({"x": nonfinite.clone(), "y": torch.ones(2)}, str(b))
+    assert main(["diff", str(a), str(a)]) == 0
+    assert main(["diff", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.endswith("max abs diff 0 over 2 compared\nSAME\n")
+    for other in ([1.0, float("inf"), float("inf"), float("nan")], [1.0, float("inf"), float("-inf"), 0.0]):
+        save_file({"x": torch.tensor(other), "y": torch.ones(2)}, str(c))
+        assert main(["diff", str(a), str(c)]) == 1
+        out = capsys.readouterr().out
+        assert "values differ: x: max abs diff inf" in out and out.endswith("DIFFERENT\n")
