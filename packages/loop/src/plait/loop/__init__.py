@@ -20,6 +20,7 @@ from plait.loop.data import (
     pack_documents,
     read_hf_texts,
     read_jsonl_texts,
+    read_text_file,
     read_token_file,
     write_token_file,
 )
@@ -146,6 +147,7 @@ __all__ = [
     "plot_schedule",
     "read_hf_texts",
     "read_jsonl_texts",
+    "read_text_file",
     "read_token_file",
     "register_tracker",
     "split_cli_overrides",
