@@ -39,7 +39,8 @@ class TrainerConfig(BaseModel):
     Load it with :func:`~plait.loop.load_config` (TOML, YAML, JSON + dotted overrides).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # finite floats also in the fields a subclass adds (its own nested models say so themselves)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     run: RunConfig = RunConfig()
     mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)
