@@ -55,6 +55,7 @@ from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collecti
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
 from plait.loop.records import StepResult, TrainerState
+from plait.loop.run_lock import lock_run_dir
 from plait.loop.topology import connect, pick_device
 from plait.loop.tracking import (
     RunReporter,
@@ -123,70 +124,83 @@ class Trainer:
         self.device = pick_device(device if device is not None else config.device_type())
         self.ctx, self.topology = connect(ctx, config.mesh, self.device, config.timeouts.init_s)
         topo = self.topology
-        self.log = setup_logging(mesh_prefix(topo.rank, topo.coords, topo.sizes), config.logging.level)
-        self.reporter = RunReporter(
-            config, self.run_dir, is_main=topo.is_main, trackers=trackers, run_ids=self.state.tracker_run_ids
-        )
-        self.batch_plan = BatchPlan.from_config(config)
-        if config.determinism.deterministic_algorithms:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-
-        # Model: this rank's stages, built on meta, parallelized, materialised, with initial weights.
-        torch.manual_seed(config.run.seed)
-        self.schedule = self.batch_plan.schedule(config) if topo.pp_size > 1 else None
-        self.num_stages, self.stage_indices = place_stages(self.schedule, topo)
-        self.model_parts = build_stages(
-            model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
-        )
-
-        # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
-        opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
-        self.optimizers = [opt_factory(part, config) for part in self.model_parts]
-        if lr_scheduler is not None:
-            self.lr_scheduler = lr_scheduler(self.optimizers, config)
-        else:
-            self.lr_scheduler = PiecewiseLR(self.optimizers, config.lr_schedule, config.run.steps)
-
-        # One executor runs every step; the loss object collects the step's statistics.
-        self.loss = StepLoss(task, self.device)
-        self.executor = self._build_executor(self.loss)
-        self.data_loader = data.build_loader(config, self.batch_plan, topo.dp_rank)
-        self.evaluator: Evaluator | None = None
-        if config.evaluation.enabled:
-            self.evaluator = Evaluator.for_training(
-                config, data, self.batch_plan, topo, task, self.model_parts, self.device,
-                lambda loss: self._build_executor(loss, forward_only=True),
-            )  # fmt: skip
-
-        # Metrics are reduced over the whole world: replicas (tp, cp) scale numerator and weight alike.
-        self.metrics = MetricCollection(group=None)
-        self.metrics.add("loss", Mean())
-        self.metrics.add("grad_norm", Mean())
-        self.metrics.add("grad_norm_max", Max())
-        flops = model.flops_per_token(config.batching.seq_len) if hasattr(model, "flops_per_token") else None
-        peak = config.logging.peak_flops or peak_flops_for(self.device)
-        self.throughput = ThroughputMeter(flops, peak, topo.world_size)
-        self.gc = GCController(config.gc)
-        self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
-        self.rng = RngState()
-        # The CPU group over all ranks (gloo): checkpoint coordination, the stop signal, token counts.
-        self.host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
-        self.checkpoints: TrainingCheckpoints | None = None
-        if config.checkpoint.enabled:
-            self.checkpoints = TrainingCheckpoints(
+        # One job per run directory: the main rank holds its lock until close() (or an error here).
+        self._run_lock = lock_run_dir(self.run_dir) if topo.is_main else None
+        try:
+            self.log = setup_logging(mesh_prefix(topo.rank, topo.coords, topo.sizes), config.logging.level)
+            self.reporter = RunReporter(
                 config,
-                self.app_state,
-                self.events,
-                process_group=self.host_group,
-                save_planner=save_planner,
-                storage_writer_factory=storage_writer_factory,
-                load_planner=load_planner,
+                self.run_dir,
+                is_main=topo.is_main,
+                trackers=trackers,
+                run_ids=self.state.tracker_run_ids,
             )
-            self.checkpoints.resume()
-        self._last_lr = math.nan
-        self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
-        self.run_summary = RunSummaryCollector(self)  # printed and written by close()
+            self.batch_plan = BatchPlan.from_config(config)
+            if config.determinism.deterministic_algorithms:
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+                torch.use_deterministic_algorithms(True)
+
+            # Model: this rank's stages, built on meta, parallelized, materialised, with initial weights.
+            torch.manual_seed(config.run.seed)
+            self.schedule = self.batch_plan.schedule(config) if topo.pp_size > 1 else None
+            self.num_stages, self.stage_indices = place_stages(self.schedule, topo)
+            self.model_parts = build_stages(
+                model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
+            )
+
+            # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
+            opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
+            self.optimizers = [opt_factory(part, config) for part in self.model_parts]
+            if lr_scheduler is not None:
+                self.lr_scheduler = lr_scheduler(self.optimizers, config)
+            else:
+                self.lr_scheduler = PiecewiseLR(self.optimizers, config.lr_schedule, config.run.steps)
+
+            # One executor runs every step; the loss object collects the step's statistics.
+            self.loss = StepLoss(task, self.device)
+            self.executor = self._build_executor(self.loss)
+            self.data_loader = data.build_loader(config, self.batch_plan, topo.dp_rank)
+            self.evaluator: Evaluator | None = None
+            if config.evaluation.enabled:
+                self.evaluator = Evaluator.for_training(
+                    config, data, self.batch_plan, topo, task, self.model_parts, self.device,
+                    lambda loss: self._build_executor(loss, forward_only=True),
+                )  # fmt: skip
+
+            # Metrics are reduced over the whole world: replicas (tp, cp) scale numerator and weight alike.
+            self.metrics = MetricCollection(group=None)
+            self.metrics.add("loss", Mean())
+            self.metrics.add("grad_norm", Mean())
+            self.metrics.add("grad_norm_max", Max())
+            flops = (
+                model.flops_per_token(config.batching.seq_len) if hasattr(model, "flops_per_token") else None
+            )
+            peak = config.logging.peak_flops or peak_flops_for(self.device)
+            self.throughput = ThroughputMeter(flops, peak, topo.world_size)
+            self.gc = GCController(config.gc)
+            self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
+            self.rng = RngState()
+            # The CPU group over all ranks (gloo): checkpoint coordination, the stop signal, token counts.
+            self.host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
+            self.checkpoints: TrainingCheckpoints | None = None
+            if config.checkpoint.enabled:
+                self.checkpoints = TrainingCheckpoints(
+                    config,
+                    self.app_state,
+                    self.events,
+                    process_group=self.host_group,
+                    save_planner=save_planner,
+                    storage_writer_factory=storage_writer_factory,
+                    load_planner=load_planner,
+                )
+                self.checkpoints.resume()
+            self._last_lr = math.nan
+            self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
+            self.run_summary = RunSummaryCollector(self)  # printed and written by close()
+        except BaseException:
+            if self._run_lock is not None:
+                self._run_lock.release()
+            raise
 
     # ------------------------------------------------------------------ setup helpers
     def _after_backward(self, stage: int, microbatch: int) -> None:
@@ -461,7 +475,11 @@ class Trainer:
     def close(self) -> None:
         """Finish pending checkpoint writes, close the trackers, print and write the run summary
         (``summary.json``, ``loss_curve.png``; call once after the last :meth:`fit`)."""
-        if self.checkpoints is not None:
-            self.checkpoints.close()
-        self.reporter.close()
-        self.run_summary.write(self.run_dir)
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+            self.reporter.close()
+            self.run_summary.write(self.run_dir)
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()

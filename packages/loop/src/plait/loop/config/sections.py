@@ -144,7 +144,9 @@ class GradClipConfig(_Section):
     """Global gradient-norm clipping (DTensor-aware); ``max_norm=None`` only measures the norm."""
 
     max_norm: float | None = Field(default=1.0, gt=0)
-    norm_type: float = Field(default=2.0, gt=0, allow_inf_nan=True, description="p of the p-norm; inf: max norm")
+    norm_type: float = Field(
+        default=2.0, gt=0, allow_inf_nan=True, description="p of the p-norm; inf: max norm"
+    )
 
 
 class GradientConfig(_Section):
