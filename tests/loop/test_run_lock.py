@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from plait.loop.run_lock import LOCK_NAME, RunDirLockedError, lock_run_dir
+from plait.loop.run_lock import LOCK_NAME, lock_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_two_runs_on_one_run_dir(tmp_path: Path) -> None:
     try:
         assert first.stdout is not None and first.stdout.readline().strip() == "training"
         second = _run(tmp_path, 2)
-        out, err = second.communicate(timeout=300)
+        _, err = second.communicate(timeout=300)
         assert second.returncode != 0
         assert f"RunDirLockedError: run directory {tmp_path.resolve()} is in use by pid {first.pid}" in err
         assert first.poll() is None  # the holder trains on

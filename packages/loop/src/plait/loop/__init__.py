@@ -64,6 +64,7 @@ from plait.loop.providers import (
     Task,
 )
 from plait.loop.records import StepResult, TrainerState
+from plait.loop.run_lock import RunDirLockedError, lock_run_dir
 from plait.loop.topology import Topology, connect, pick_device
 from plait.loop.tracking import (
     ConsoleTracker,
@@ -117,6 +118,7 @@ __all__ = [
     "RunSummary",
     "StepEnd",
     "StepLoss",
+    "RunDirLockedError",
     "StepResult",
     "StepSkipped",
     "StepStart",
@@ -146,6 +148,7 @@ __all__ = [
     "plot_loss_curve",
     "plot_schedule",
     "read_hf_texts",
+    "lock_run_dir",
     "read_jsonl_texts",
     "read_text_file",
     "read_token_file",
