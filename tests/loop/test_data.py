@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -167,9 +168,13 @@ def test_bytes_that_are_not_utf8_are_named(tmp_path, caplog):
     raw = "héllo ".encode() + b"\xff\xfe x \xc3"
     (tmp_path / "t.txt").write_bytes(raw)
     (tmp_path / "u.txt").write_bytes("fine é".encode())
-    with caplog.at_level("WARNING"):
+    plait_log = logging.getLogger("plait")  # a trainer's set-up stops it propagating: listen on it
+    plait_log.addHandler(caplog.handler)
+    try:
         assert read_text_file(tmp_path / "t.txt") == raw.decode("utf-8", errors="replace")
         assert read_text_file(tmp_path / "u.txt") == "fine é"
+    finally:
+        plait_log.removeHandler(caplog.handler)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [f"{tmp_path / 't.txt'}: 3 byte(s) that are not UTF-8 were replaced by U+FFFD"]
 

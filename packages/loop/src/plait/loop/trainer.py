@@ -120,6 +120,7 @@ class Trainer:
         self.state = TrainerState()
         self.run_dir = Path(config.run.run_dir)
         self._stop_requested = False
+        self._consecutive_skips = 0  # skipped steps since the last applied one (not checkpointed)
 
         self.device = pick_device(device if device is not None else config.device_type())
         self.ctx, self.topology = connect(ctx, config.mesh, self.device, config.timeouts.init_s)
@@ -193,7 +194,7 @@ class Trainer:
                     storage_writer_factory=storage_writer_factory,
                     load_planner=load_planner,
                 )
-                self.checkpoints.resume()
+                self._resume(self.checkpoints)
             self._last_lr = math.nan
             self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
             self.run_summary = RunSummaryCollector(self)  # printed and written by close()
@@ -203,6 +204,23 @@ class Trainer:
             raise
 
     # ------------------------------------------------------------------ setup helpers
+    def _resume(self, checkpoints: TrainingCheckpoints) -> None:
+        """Resume from the newest checkpoint, then apply the config's optimizer hyper-parameters (lr,
+        weight decay, betas, eps, ...) over the ones the optimizer's saved state brought back, and the
+        schedule to them: the run's config wins for every field a resume may change."""
+        fresh = [
+            [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+             for g in opt.param_groups]
+            for opt in self.optimizers
+        ]  # fmt: skip
+        if checkpoints.resume() is None:
+            return
+        for opt, groups in zip(self.optimizers, fresh):
+            for group, values in zip(opt.param_groups, groups):
+                group.update(values)
+        if hasattr(self.lr_scheduler, "load_state_dict"):
+            self.lr_scheduler.load_state_dict(self.lr_scheduler.state_dict())  # re-applied to the new lr
+
     def _after_backward(self, stage: int, microbatch: int) -> None:
         if stage == self.stage_indices[0]:
             self.events.publish(AfterBackward(self, self.step, microbatch))
@@ -321,6 +339,7 @@ class Trainer:
             if pending.skipped:
                 self._skip(step, f"loss={reading.loss}, grad_norm={reading.grad_norm}", reading.loss)
         if not pending.skipped:
+            self._consecutive_skips = 0
             self.events.publish(BeforeOptimizerStep(self, step, norm))
             if self.checkpointer is not None:  # a pending save may still be copying these tensors
                 self.checkpointer.wait_for_staging()
@@ -360,12 +379,53 @@ class Trainer:
         if self.config.determinism.nonfinite_loss == "raise":
             raise FloatingPointError(f"non-finite {what} at step {step} on rank {self.topology.rank}")
         self.state.skipped_steps += 1
+        self._consecutive_skips += 1
         self.events.publish(StepSkipped(self, step, loss, self.state.skipped_steps))
-        limit = self.config.determinism.max_skipped_steps
+        det = self.config.determinism
+        limit = det.max_skipped_steps
         if limit is not None and self.state.skipped_steps > limit:
             raise FloatingPointError(
                 f"{self.state.skipped_steps} steps skipped for non-finite values (last: {what} at step "
                 f"{step} on rank {self.topology.rank}), more than determinism.max_skipped_steps={limit}"
+            )
+        run_limit = det.max_consecutive_skipped_steps
+        if run_limit is not None and self._consecutive_skips >= run_limit:
+            raise FloatingPointError(
+                f"{self._consecutive_skips} steps in a row skipped for non-finite values (last: {what} at "
+                f"step {step} on rank {self.topology.rank}): the run has diverged "
+                f"(determinism.max_consecutive_skipped_steps={run_limit})"
+            )
+
+    def check_finite(self, what: str) -> None:
+        """Raise unless every parameter of every rank is finite (a collective over all ranks).
+
+        Args:
+            what: what the check guards, for the message (e.g. ``"checkpoint step 3"``).
+
+        Raises:
+            FloatingPointError: naming the step, up to five non-finite parameters of this rank and ``what``.
+        """
+        from torch.distributed.tensor import DTensor
+
+        named = [
+            (f"{n}", p.to_local() if isinstance(p, DTensor) else p)
+            for part in self.model_parts
+            for n, p in part.named_parameters()
+        ]
+        flags = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu() if named else torch.ones(0)
+        bad = [n for (n, _), ok in zip(named, flags.tolist()) if not ok]
+        count = torch.tensor([len(bad)], dtype=torch.int64)
+        if dist.is_initialized():
+            if self.host_group is None and dist.get_backend() == "nccl":
+                count = count.to(self.device)
+            dist.all_reduce(count, group=self.host_group)
+        if int(count.item()):
+            where = (
+                f"here: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else "on another rank"
+            )
+            raise FloatingPointError(
+                f"non-finite parameters after step {self.step} ({where}; rank {self.topology.rank}): the run "
+                f"has diverged; {what} not written"
             )
 
     def _sum_over_dp(self, values: list[int]) -> tuple[int, ...]:
@@ -411,8 +471,15 @@ class Trainer:
     def fit(self, steps: int | None = None) -> dict[str, float]:
         """Train until ``steps`` (default ``config.run.steps``) optimizer steps are done, or a stop request.
 
+        A normal return means every parameter is finite (checked at the end, and before every
+        checkpoint), so a model exported after it holds no NaN or inf.
+
         Returns:
             The last logged metrics (with ``val_loss`` / ``val_ppl`` of the last evaluation).
+
+        Raises:
+            FloatingPointError: a non-finite loss, gradient norm (policy ``raise``, or too many
+                skipped steps under ``skip``) or parameter.
         """
         total = steps if steps is not None else self.config.run.steps
         last_logged: dict[str, float] = {}
@@ -452,9 +519,18 @@ class Trainer:
                         self._log(train=log, evaluate=evaluate)
                 self.reporter.step_done(last_loss, time.perf_counter() - t0)
                 self.events.publish(StepEnd(self, self.step, StepMetrics(pending)))
+                if last and self._consecutive_skips:
+                    raise FloatingPointError(
+                        f"the run ended on {self._consecutive_skips} skipped step(s) in a row (non-finite loss or "
+                        f"gradients up to step {self.step}): the model has diverged; no checkpoint or export of it"
+                    )
                 if save:
                     self.save_checkpoint(blocking=last)
+            self.check_finite("the end of fit() (so no export)")
             self.events.publish(TrainingEnd(self, self.step, stopped_early=self.step < total))
+        except Exception as e:  # a KeyboardInterrupt is a stop, not a failure
+            self.run_summary.failed(e)
+            raise
         finally:
             if preemption is not None:
                 self.stop_signal = preemption.received
@@ -467,9 +543,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, *, blocking: bool = False) -> None:
-        """Save the whole training state as checkpoint ``self.step`` (async unless ``blocking``)."""
+        """Save the whole training state as checkpoint ``self.step`` (async unless ``blocking``).
+
+        Raises:
+            FloatingPointError: a parameter is not finite (:meth:`check_finite`): nothing is saved.
+        """
         if self.checkpoints is None:
             raise RuntimeError("checkpoint.enabled is false: no checkpointer")
+        self.check_finite(f"checkpoint step {self.step}")
         self.checkpoints.save(self.step, blocking=blocking)
 
     def close(self) -> None:

@@ -269,3 +269,8 @@ class DeterminismConfig(_Section):
     max_skipped_steps: int | None = Field(
         default=None, ge=0, description="Raise once more steps than this were skipped."
     )
+    max_consecutive_skipped_steps: int | None = Field(
+        default=10,
+        ge=1,
+        description="Raise once this many steps in a row were skipped (the run has diverged).",
+    )
