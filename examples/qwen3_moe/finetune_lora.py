@@ -46,7 +46,8 @@ DEFAULTS = {
 class FinetuneConfig(TrainerConfig):
     """The loop's config plus the LoRA method and the data."""
 
-    fixed_on_resume: ClassVar[tuple[str, ...]] = (*TrainerConfig.fixed_on_resume, "lora")  # the adapters' shapes and targets
+    # the adapters' shapes and targets may not change on resume either
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (*TrainerConfig.fixed_on_resume, "lora")
 
     lora: LoRAConfig
     data: DataConfig = DataConfig()
