@@ -199,8 +199,13 @@ class Trainer:
             self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
             self.run_summary = RunSummaryCollector(self)  # printed and written by close()
         except BaseException:
-            if self._run_lock is not None:
-                self._run_lock.release()
+            checkpoints = getattr(self, "checkpoints", None)
+            try:
+                if checkpoints is not None:  # e.g. a resume refused: stop its writer process
+                    checkpoints.close()
+            finally:
+                if self._run_lock is not None:
+                    self._run_lock.release()
             raise
 
     # ------------------------------------------------------------------ setup helpers
