@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from plait.loop import CausalLMTask, DatasetProvider, ModuleProvider, Trainer, load_config, pack_documents
 
 from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
@@ -93,3 +94,21 @@ def test_skip_policy_stops_after_consecutive_skips(tmp_path):
     tr.close()
     assert tr.step == 5 and tr.state.skipped_steps == 5
     assert load_config().determinism.max_consecutive_skipped_steps == 10  # on by default
+
+
+def test_check_finite_names_each_nonfinite_parameter(tmp_path):
+    tr = _trainer(tmp_path, 1)
+    tr.check_finite("nothing")  # a fresh model is finite
+    for value in (float("inf"), float("-inf"), float("nan")):
+        with torch.no_grad():
+            tr.model_parts[0].up.weight[3, 5] = value
+            tr.model_parts[0].head.weight[0, 0] = value
+        with pytest.raises(
+            FloatingPointError, match=r"\(here: up\.weight, head\.weight; rank 0\).*; the test not written"
+        ):
+            tr.check_finite("the test")
+        with torch.no_grad():
+            tr.model_parts[0].up.weight[3, 5] = 0.0
+            tr.model_parts[0].head.weight[0, 0] = 0.0
+    tr.check_finite("nothing")
+    tr.close()
