@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a Qwen3 / Qwen3-MoE Hugging Face checkpoint; exports a Hugging Face PEFT adapter.
+"""LoRA fine-tuning of a Hugging Face checkpoint of any plait family; exports a Hugging Face PEFT adapter.
 
     uv run examples/qwen3_moe/finetune_lora.py --base runs/qwen3_moe/hf --steps 30 --run-dir runs/lora
     uv run examples/qwen3_moe/finetune_lora.py --base DIR --lora.r=16 --lora.target_parameters='["gate_up_proj"]'
@@ -7,6 +7,10 @@ The base weights load straight into the LoRA-injected model (base keys are mappe
 ``base_layer`` names); only the adapters train. At the end ``<run_dir>/adapter`` holds
 ``adapter_model.safetensors`` + ``adapter_config.json``, which ``peft.PeftModel.from_pretrained``
 loads onto the transformers model of the base checkpoint. Data: as in ``pretrain.py``.
+
+As in ``pretrain.py``, a bad flag, override, config file or ``--base`` directory, a run directory in
+use by another run, or a checkpoint in the run directory that this config may not resume (one
+already past ``--steps``, another global batch, ...) stops it with one message and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,11 +19,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
-from plait.loop import TrainerConfig, load_config, split_cli_overrides
+from plait.loop import (
+    ConfigError,
+    RunDirLockedError,
+    Trainer,
+    TrainerConfig,
+    load_config,
+    split_cli_overrides,
+)
 from plait.models import CausalLMProvider, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
-from pretrain import DataConfig, build_trainer
+from pretrain import DataConfig, StartupError, build_trainer
 from torch import nn
 
 DEFAULTS = {
@@ -34,12 +46,15 @@ DEFAULTS = {
 class FinetuneConfig(TrainerConfig):
     """The loop's config plus the LoRA method and the data."""
 
+    # the adapters' shapes and targets may not change on resume either
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (*TrainerConfig.fixed_on_resume, "lora")
+
     lora: LoRAConfig
     data: DataConfig = DataConfig()
 
 
 class LoRAProvider(CausalLMProvider):
-    """A Qwen3 provider whose stages get LoRA adapters and load their base weights from ``base``."""
+    """A model provider (any family) whose stages get LoRA adapters and load their base weights from ``base``."""
 
     def __init__(self, base: Path, lora: LoRAConfig, seed: int) -> None:
         super().__init__(load_hf_config(base), seed=seed)
@@ -57,7 +72,13 @@ class LoRAProvider(CausalLMProvider):
             load_base_checkpoint(m, self.base, hf_to_plait_mapper(self.config), reinit_adapters=True)
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parse_args(argv: list[str]) -> tuple[FinetuneConfig, argparse.Namespace]:
+    """Flags and dotted overrides -> the config and the flags.
+
+    Raises:
+        ConfigError: a missing or bad config file, or an override that does not validate.
+        SystemExit: an unknown flag or a missing ``--base`` (argparse's message, status 2).
+    """
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
@@ -65,15 +86,46 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--config", type=Path, help="TOML/YAML/JSON config file (defaults are built in)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--run-dir")
-    overrides, rest = split_cli_overrides(sys.argv[1:] if argv is None else argv)
+    overrides, rest = split_cli_overrides(argv)
     args = ap.parse_args(rest)  # unknown or misspelt flags are errors
     if args.steps is not None:
         overrides.append(f"--run.steps={args.steps}")
     if args.run_dir is not None:
         overrides.append(f"--run.run_dir={args.run_dir}")
-    config = load_config(args.config, overrides, cls=FinetuneConfig, base=DEFAULTS)
-    provider = LoRAProvider(args.base, config.lora, config.run.seed)
-    trainer = build_trainer(config, config.data, provider)
+    return load_config(args.config, overrides, cls=FinetuneConfig, base=DEFAULTS), args
+
+
+def build_provider(config: FinetuneConfig, base: Path) -> LoRAProvider:
+    """The LoRA provider on the checkpoint ``base``.
+
+    Raises:
+        StartupError: ``base`` is not a Hugging Face checkpoint directory (naming ``--base`` and the path).
+    """
+    if not base.is_dir():
+        raise StartupError(f"--base: {base} is not a directory")
+    if not any(base.glob("*.safetensors")):
+        raise StartupError(
+            f"--base: {base} holds no *.safetensors files (expected a Hugging Face checkpoint)"
+        )
+    try:
+        return LoRAProvider(base, config.lora, config.run.seed)
+    except (OSError, ValueError) as e:  # config.json missing, unreadable or not a supported model
+        raise StartupError(f"--base: {base}: {e}") from None
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Fine-tune; returns the adapter directory.
+
+    Raises:
+        SystemExit: 2 on a bad flag, config, ``--base``, a run directory in use, or a checkpoint this
+            config may not resume (one message on stderr).
+    """
+    try:
+        config, args = parse_args(sys.argv[1:] if argv is None else argv)
+        trainer: Trainer = build_trainer(config, config.data, build_provider(config, args.base))
+    except (ConfigError, StartupError, RunDirLockedError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         trainer.fit()
         out = trainer.run_dir / "adapter"

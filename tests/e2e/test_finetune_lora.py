@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import peft
+import pytest
 import torch
 from plait.dist_core.testing import run_distributed
 from safetensors.torch import load_file
@@ -82,3 +83,40 @@ def test_finetune_lora_fsdp2_exports_the_one_process_adapter(tmp_path: Path) -> 
     )
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def _fails(capsys, argv: list[str]) -> str:
+    """The one stderr message of a start-up error of ``finetune_lora.main(argv)`` (exit status 2)."""
+    if str(EXAMPLE_DIR) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE_DIR))
+    import finetune_lora
+
+    with pytest.raises(SystemExit) as e:
+        finetune_lora.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_startup_errors_are_one_message_with_status_2(tmp_path: Path, capsys) -> None:
+    run_dir = ["--run-dir", str(tmp_path / "lora")]
+    err = _fails(capsys, ["--base", str(tmp_path / "missing"), *run_dir])
+    assert f"error: --base: {tmp_path / 'missing'} is not a directory" in err
+    (tmp_path / "empty").mkdir()
+    err = _fails(capsys, ["--base", str(tmp_path / "empty"), *run_dir])
+    assert f"--base: {tmp_path / 'empty'} holds no *.safetensors files" in err
+    err = _fails(capsys, ["--base", str(tmp_path / "empty"), "--optimizer.lr=-1", *run_dir])
+    assert "optimizer.lr: Input should be greater than 0" in err
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
+    err = _fails(capsys, ["--base", str(tmp_path / "empty"), *run_dir])  # no config.json
+    assert f"--base: {tmp_path / 'empty'}: " in err
+
+    # resuming a checkpoint that is past --steps: refused naming both, not "finished" and exported
+    seed = tmp_path / "base"
+    run([*FAST, f"--write-seed-checkpoint={seed}"])
+    argv = ["--base", str(seed), *run_dir, *FAST, "--checkpoint.enabled=true", "--checkpoint.async_mode=off"]
+    _finetune([*argv, "--steps", "2"])
+    capsys.readouterr()
+    err = _fails(capsys, [*argv, "--steps", "1"])
+    assert "is at step 2, past run.steps=1" in err

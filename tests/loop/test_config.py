@@ -75,6 +75,15 @@ def test_overrides_beat_the_file(tmp_path):
         ("--run.steps=many", "run.steps", "'many'"),
         ("--grad_clip.max_norm=0", "grad_clip.max_norm", "0"),
         ("--determinism.nonfinite_loss=ignore", "determinism.nonfinite_loss", "'ignore'"),
+        ("--optimizer.lr=Infinity", "optimizer.lr", "inf"),
+        ("--optimizer.lr=NaN", "optimizer.lr", "nan"),
+        ("--optimizer.weight_decay=inf", "optimizer.weight_decay", "'inf'"),
+        ("--optimizer.eps=nan", "optimizer.eps", "'nan'"),
+        ("--optimizer.betas=[0.9, 1.5]", "optimizer.betas.1", "1.5"),
+        ("--grad_clip.max_norm=inf", "grad_clip.max_norm", "'inf'"),
+        ("--grad_clip.norm_type=nan", "grad_clip.norm_type", "'nan'"),
+        ("--timeouts.step_s=inf", "timeouts.step_s", "'inf'"),
+        ("--lr_schedule.segments.0.end=nan", "lr_schedule.segments.0.end", "'nan'"),
     ],
 )
 def test_bad_values_name_field_and_value(override, field, value):
@@ -82,6 +91,10 @@ def test_bad_values_name_field_and_value(override, field, value):
         load_config(overrides=[override])
     msg = str(e.value)
     assert f"{field}:" in msg and f"(got {value})" in msg
+
+
+def test_an_infinite_norm_type_is_the_max_norm():
+    assert load_config(overrides=["--grad_clip.norm_type=inf"]).grad_clip.norm_type == float("inf")
 
 
 def test_bad_file_value_names_field(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from plait.loop import (
     pack_documents,
     read_hf_texts,
     read_jsonl_texts,
+    read_text_file,
     read_token_file,
     write_token_file,
 )
@@ -155,6 +157,26 @@ def test_readers_and_memmap(tmp_path):
         assert all(torch.equal(ds[i][k], ref[i][k]) for k in ref[i])
     with pytest.raises(ValueError, match="do not fit uint16"):
         write_token_file(tmp_path / "u.bin", [70000])
+
+
+def test_bytes_that_are_not_utf8_are_named(tmp_path, caplog):
+    good = json.dumps({"text": "ok"}).encode()
+    (tmp_path / "d.jsonl").write_bytes(good + b"\n" + b'{"text": "b\xffd"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid UTF-8 \(byte 0xff at column 12\)"):
+        list(read_jsonl_texts(tmp_path / "d.jsonl"))
+    # text files: replaced, with one warning per file naming it and the number of bytes
+    raw = "héllo ".encode() + b"\xff\xfe x \xc3"
+    (tmp_path / "t.txt").write_bytes(raw)
+    (tmp_path / "u.txt").write_bytes("fine é".encode())
+    plait_log = logging.getLogger("plait")  # a trainer's set-up stops it propagating: listen on it
+    plait_log.addHandler(caplog.handler)
+    try:
+        assert read_text_file(tmp_path / "t.txt") == raw.decode("utf-8", errors="replace")
+        assert read_text_file(tmp_path / "u.txt") == "fine é"
+    finally:
+        plait_log.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"{tmp_path / 't.txt'}: 3 byte(s) that are not UTF-8 were replaced by U+FFFD"]
 
 
 def test_hf_datasets_missing_names_the_extra():

@@ -275,3 +275,44 @@ def test_cli_diff_says_when_no_tensors_were_comparable(
     assert "no tensors were comparable" in out and "max abs diff" not in out
     assert main(["diff", str(a), str(a)]) == 0
     assert "max abs diff 0 over 1 compared" in capsys.readouterr().out
+
+
+def test_cli_diff_counts_nonfinite_values_equal_to_themselves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, c = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    nonfinite = torch.tensor([1.0, float("inf"), float("-inf"), float("nan")])
+    save_file({"x": nonfinite, "y": torch.ones(2)}, str(a))
+    save_file({"x": nonfinite.clone(), "y": torch.ones(2)}, str(b))
+    assert main(["diff", str(a), str(a)]) == 0
+    assert main(["diff", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.endswith("max abs diff 0 over 2 compared\nSAME\n")
+    for other in ([1.0, float("inf"), float("inf"), float("nan")], [1.0, float("inf"), float("-inf"), 0.0]):
+        save_file({"x": torch.tensor(other), "y": torch.ones(2)}, str(c))
+        assert main(["diff", str(a), str(c)]) == 1
+        out = capsys.readouterr().out
+        assert "values differ: x: max abs diff inf" in out and out.endswith("DIFFERENT\n")
+
+
+def test_swap_without_rename_exchange_and_its_interrupted_state_repaired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from plait.model_state import writer
+
+    out = tmp_path / "ck"
+    out.mkdir()
+    foreign = _foreign(out)
+    one_tensor = 4 * 8 * 4
+    _write(out, _state(1), max_shard_size=3 * one_tensor)
+    monkeypatch.setattr(writer, "_exchange", lambda a, b: False)  # a file system without it: two renames
+    _write(out, (s2 := _state(2)), max_shard_size=2 * one_tensor)
+    _assert_loads(out, s2)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".plait-tmp-")]
+    # killed between the two renames: the checkpoint only under its .old name; the next writer puts it back
+    os.replace(out, tmp_path / ".plait-tmp-0123456789ab-ck.old")
+    (tmp_path / ".plait-tmp-0123456789ab-ck.new").mkdir()
+    assert writer.clean_interrupted(out)
+    _assert_loads(out, s2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    for p, data in foreign.items():
+        assert p.read_bytes() == data

@@ -163,3 +163,56 @@ def test_cli_inspect_and_diff(
     save_file(c, str(tmp_path / "c.safetensors"))
     assert main(["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "c.safetensors")]) == 1
     assert "spec differs: x" in capsys.readouterr().out
+
+
+_PUBLISH_CRASH_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from plait.model_state import CheckpointWriter, TensorSpec
+    out = sys.argv[1]
+    replace = os.replace
+    def slow_replace(src, dst):  # stop for the kill after the first shard is published
+        replace(src, dst)
+        if str(dst).endswith("model-00001-of-00004.safetensors"):
+            print("RENAMED", flush=True)
+            time.sleep(60)
+    os.replace = slow_replace
+    specs = {f"t{i}": TensorSpec((1024,), torch.float32) for i in range(8)}
+    with CheckpointWriter(out, specs, max_shard_size=8192, fsync=False) as w:
+        for i in range(8):
+            w.write(f"t{i}", torch.full((1024,), 2.0))
+    """
+)
+
+
+def test_sharded_export_killed_while_publishing_is_never_a_mix(tmp_path: Path) -> None:
+    from plait.model_state import CheckpointWriter, TensorSpec
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "tokenizer.json").write_text("{}")
+    old = {f"t{i}": torch.full((1024,), 1.0) for i in range(8)}
+    specs = {k: TensorSpec.of(v) for k, v in old.items()}
+    with CheckpointWriter(ck, specs, max_shard_size=8192, fsync=False) as w:  # 4 shards of 2 tensors
+        for k, v in old.items():
+            w.write(k, v)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PUBLISH_CRASH_SCRIPT, str(ck)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and "RENAMED" in proc.stdout.readline()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    got = read_state(ck)  # the old checkpoint, whole: not the new first shard with the old rest
+    assert sorted(got) == sorted(old) and all(torch.equal(got[k], v) for k, v in old.items())
+    assert any(p.name.startswith(".plait-tmp-") for p in [*ck.iterdir(), *tmp_path.iterdir()])
+    # the next export removes what the killed one left, inside and beside the directory
+    new = {k: torch.full((1024,), 3.0) for k in old}
+    with CheckpointWriter(ck, specs, max_shard_size=8192, fsync=False) as w:
+        for k, v in new.items():
+            w.write(k, v)
+    got = read_state(ck)
+    assert all(torch.equal(got[k], v) for k, v in new.items())
+    assert not [p for p in [*ck.iterdir(), *tmp_path.iterdir()] if p.name.startswith(".plait-tmp-")]
+    assert (ck / "tokenizer.json").read_text() == "{}"

@@ -20,6 +20,7 @@ from plait.loop.data import (
     pack_documents,
     read_hf_texts,
     read_jsonl_texts,
+    read_text_file,
     read_token_file,
     write_token_file,
 )
@@ -63,6 +64,7 @@ from plait.loop.providers import (
     Task,
 )
 from plait.loop.records import StepResult, TrainerState
+from plait.loop.run_lock import RunDirLockedError, lock_run_dir
 from plait.loop.topology import Topology, connect, pick_device
 from plait.loop.tracking import (
     ConsoleTracker,
@@ -113,6 +115,7 @@ __all__ = [
     "PackedTokens",
     "PadCollator",
     "PiecewiseLR",
+    "RunDirLockedError",
     "RunSummary",
     "StepEnd",
     "StepLoss",
@@ -138,6 +141,7 @@ __all__ = [
     "connect",
     "dump_config",
     "load_config",
+    "lock_run_dir",
     "pack_documents",
     "param_groups",
     "pick_device",
@@ -146,6 +150,7 @@ __all__ = [
     "plot_schedule",
     "read_hf_texts",
     "read_jsonl_texts",
+    "read_text_file",
     "read_token_file",
     "register_tracker",
     "split_cli_overrides",

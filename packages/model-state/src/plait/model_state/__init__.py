@@ -46,7 +46,7 @@ from .module_io import (
 )
 from .reader import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from .specs import Region, TensorSpec
-from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, parse_size, write_file_atomic
+from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, clean_interrupted, parse_size, write_file_atomic
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -87,6 +87,7 @@ __all__ = [
     "TensorSpec",
     "Transpose",
     "Unstack",
+    "clean_interrupted",
     "convert_checkpoint",
     "full_tensor",
     "is_meta",

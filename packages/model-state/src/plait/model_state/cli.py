@@ -7,6 +7,7 @@ file, unreadable checkpoint: one line on stderr naming it).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -49,6 +50,16 @@ def inspect(path: str, out: TextIO | None = None) -> int:
     return 0
 
 
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference of two same-shape tensors; equal values (inf and inf, NaN and NaN
+    at the same position) count 0, a non-finite value against another value counts inf."""
+    if not a.numel():
+        return 0.0
+    x, y = a.double(), b.double()
+    same = (x == y) | (x.isnan() & y.isnan())
+    return float((x - y).abs().masked_fill(same, 0.0).nan_to_num(nan=math.inf, posinf=math.inf).max())
+
+
 def diff(a: str, b: str, atol: float = 0.0, out: TextIO | None = None) -> int:
     """Compare two checkpoints tensor by tensor (streamed); 1 if they differ, else 0."""
     write = (out or sys.stdout).write
@@ -75,9 +86,9 @@ def diff(a: str, b: str, atol: float = 0.0, out: TextIO | None = None) -> int:
             if ta.dtype == torch.bool or tb.dtype == torch.bool:
                 d = float((ta != tb).sum())
             else:
-                d = float((ta.double() - tb.double()).abs().max()) if ta.numel() else 0.0
+                d = _max_abs_diff(ta, tb)
             worst = max(worst, d)
-            if d > atol or d != d:  # NaN counts as a difference
+            if d > atol:
                 write(f"values differ: {k}: max abs diff {d:.6g}\n")
                 differs = True
         common = len(set(ra.specs) & set(rb.specs))

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
+import logging
 import os
 import re
+import shutil
+import stat
 import struct
 import uuid
 from collections.abc import Iterable, Mapping
@@ -19,7 +24,15 @@ from .errors import KeyMismatchError, ModelStateError, SpecMismatchError, format
 from .reader import INDEX_NAME, SINGLE_NAME, bytes_view
 from .specs import TensorSpec, dtype_to_safetensors
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "CheckpointWriter", "parse_size", "write_file_atomic"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "CheckpointWriter",
+    "clean_interrupted",
+    "parse_size",
+    "write_file_atomic",
+]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -107,6 +120,78 @@ def _old_shards(out: Path) -> set[str]:
     return {n for n in names if isinstance(n, str) and _SHARD_NAME.fullmatch(n)}
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or file system cannot."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _carry(src: Path, dst: Path) -> None:
+    """Put ``src`` (a user's file, link or folder) at ``dst`` without copying data: hard links."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(str(src), str(dst))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def clean_interrupted(out_dir: Path) -> list[Path]:
+    """Remove what an interrupted write into ``out_dir`` left: ``.plait-tmp-*`` files inside it and
+    the ``.plait-tmp-*-<name>.new/.old`` folders of an interrupted publish beside it. A checkpoint
+    directory that an interrupted swap left only under its ``.old`` name is put back first.
+
+    Returns:
+        The paths removed (or put back).
+    """
+    done: list[Path] = []
+    parent, name = out_dir.parent, out_dir.name
+    siblings = sorted(parent.glob(f"{_TMP_PREFIX}*-{name}.old")) + sorted(
+        parent.glob(f"{_TMP_PREFIX}*-{name}.new")
+    )
+    if not out_dir.exists():
+        for old in siblings:
+            if old.name.endswith(".old"):
+                os.replace(old, out_dir)  # the previous checkpoint, renamed away just before a crash
+                done.append(old)
+                break
+    for p in siblings:
+        if p.exists():
+            _remove(p)
+            done.append(p)
+    if out_dir.is_dir():
+        for p in out_dir.iterdir():
+            if p.name.startswith(_TMP_PREFIX):
+                _remove(p)
+                done.append(p)
+    for p in done:
+        log.info("removed %s, left by an interrupted checkpoint write", p)
+    return done
+
+
 class CheckpointWriter:
     """Writes tensors into a sharded safetensors checkpoint as they arrive, atomically per file.
 
@@ -158,6 +243,8 @@ class CheckpointWriter:
         self.rank = dist.get_rank(group) if distributed else 0
         self.fsync = fsync
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        if self.rank == 0:  # before the broadcast: no rank has written a temporary of this writer yet
+            clean_interrupted(self.out_dir)
         self._created = self.rank == 0 and not self.out_dir.exists()  # before any rank creates it
         if distributed:
             dist.broadcast_object_list(token, src=self._src(), group=group)
@@ -304,30 +391,69 @@ class CheckpointWriter:
             )
         out = self.out_dir
         old_shards = _old_shards(out)
+        if len(files) > 1 and ((out / SINGLE_NAME).exists() or (out / INDEX_NAME).exists()):
+            self._publish_swapped(files, {SINGLE_NAME, INDEX_NAME, *old_shards})
+            return
         if not files:
             write_file_atomic(out / SINGLE_NAME, _header({}, self.metadata), fsync=self.fsync)
             stale = {INDEX_NAME, *old_shards}
         elif len(files) == 1:
             os.replace(out / files[0][0], out / SINGLE_NAME)
             stale = {INDEX_NAME, *old_shards}
-        else:
-            n = len(files)
-            weight_map: dict[str, str] = {}
-            for i, (name, keys, _) in enumerate(files):
-                final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                os.replace(out / name, out / final)
-                weight_map.update(dict.fromkeys(keys, final))
-            index = {
-                "metadata": {**self.metadata, "total_size": sum(size for _, _, size in files)},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            # The index goes last: until it is replaced, readers see the previous checkpoint's index.
-            write_file_atomic(out / INDEX_NAME, json.dumps(index, indent=2).encode(), fsync=self.fsync)
+        else:  # no previous checkpoint here (else swapped above): the index goes last
+            weight_map = self._shards(files, out)
             stale = {SINGLE_NAME, *(old_shards - set(weight_map.values()))}
         for name in sorted(stale):
             (out / name).unlink(missing_ok=True)
         if self.fsync:
             _fsync_dir(out)
+
+    def _shards(self, files: list[tuple[str, list[str], int]], into: Path) -> dict[str, str]:
+        """Rename the parts to their shard names in ``into``, write the index there; the weight map."""
+        n = len(files)
+        weight_map: dict[str, str] = {}
+        for i, (name, keys, _) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out_dir / name, into / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        index = {
+            "metadata": {**self.metadata, "total_size": sum(size for _, _, size in files)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        write_file_atomic(into / INDEX_NAME, json.dumps(index, indent=2).encode(), fsync=self.fsync)
+        return weight_map
+
+    def _publish_swapped(self, files: list[tuple[str, list[str], int]], owned: set[str]) -> None:
+        """Replace a previous checkpoint by a sharded one in one step: build the new directory beside
+        ``out_dir`` (new shards and index, hard links to every file that is not the previous
+        checkpoint's), then swap the two directories, so a reader sees the old checkpoint or the new
+        one, never a mix of their shards."""
+        out = self.out_dir
+        stage = out.parent / f"{self._tmp_prefix}-{out.name}.new"
+        stage.mkdir()
+        os.chmod(stage, stat.S_IMODE(out.stat().st_mode))
+        for entry in out.iterdir():
+            if entry.name not in owned and not entry.name.startswith(_TMP_PREFIX):
+                _carry(entry, stage / entry.name)
+        self._shards(files, stage)
+        if self.fsync:
+            _fsync_dir(stage)
+        if _exchange(stage, out):
+            old = stage
+        else:  # two renames; an interruption between them is repaired by the next writer
+            old = out.parent / f"{self._tmp_prefix}-{out.name}.old"
+            os.replace(out, old)
+            os.replace(stage, out)
+        for entry in old.iterdir():  # files a user added while the new directory was built
+            if (
+                entry.name not in owned
+                and not entry.name.startswith(_TMP_PREFIX)
+                and not (out / entry.name).exists()
+            ):
+                os.replace(entry, out / entry.name)
+        shutil.rmtree(old, ignore_errors=True)
+        if self.fsync:
+            _fsync_dir(out.parent)
 
     def _discard(self, names: Iterable[str]) -> None:
         for name in names:

@@ -5,11 +5,13 @@ from plait.loop.checkpoint.checkpointer import (
     CheckpointDamagedError,
     Checkpointer,
     CheckpointMismatchError,
+    CheckpointWriteError,
     OnDamaged,
 )
 from plait.loop.checkpoint.export import export_checkpoint
 from plait.loop.checkpoint.planning import CachingSavePlanner
 from plait.loop.checkpoint.preemption import PreemptionHandler
+from plait.loop.checkpoint.resume_policy import ResumeConfigError
 from plait.loop.checkpoint.state import ModelState, OptimizerState, PerRankState, RngState, ValueState
 from plait.loop.checkpoint.training import TrainingCheckpoints
 
@@ -18,12 +20,14 @@ __all__ = [
     "CachingSavePlanner",
     "CheckpointDamagedError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "Checkpointer",
     "ModelState",
     "OnDamaged",
     "OptimizerState",
     "PerRankState",
     "PreemptionHandler",
+    "ResumeConfigError",
     "RngState",
     "TrainingCheckpoints",
     "ValueState",

@@ -25,6 +25,7 @@ checkpoints you trust.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -78,6 +79,40 @@ OnDamaged = Literal["fall_back", "stop"]
 
 class CheckpointMismatchError(RuntimeError):
     """The checkpoint on disk does not fit the state it is loaded into; the message lists what differs."""
+
+
+class CheckpointWriteError(OSError):
+    """A save failed while writing (a full disk, a lost mount): the message names the checkpoint, its
+    directory, the reason (e.g. ``No space left on device``) and the newest complete checkpoint kept."""
+
+
+def _failure_reason(error: BaseException, root: Path) -> str:
+    """One line for why a save failed: the first OSError of DCP's per-rank failures or the exception
+    chain, else the exception's last line; a full file system is said as such even when torch's
+    serializer reports it as an ``unexpected pos`` RuntimeError."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, CheckpointException):
+            todo.extend(exc for exc, _ in e.failures.values() if isinstance(exc, BaseException))
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    for e in seen:
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and e.strerror:
+            return e.strerror + (f" ({e.filename})" if e.filename else "")
+    try:
+        stat = os.statvfs(root)
+        full = stat.f_bavail * stat.f_frsize < (1 << 20)
+    except OSError:
+        full = False
+    if full:
+        return os.strerror(errno.ENOSPC) + f" (less than 1 MiB free on the file system of {root})"
+    last = seen[-1] if seen else error
+    lines = str(last).strip().splitlines()
+    return f"{type(last).__name__}: {lines[-1] if lines else ''}"
 
 
 class CheckpointDamagedError(RuntimeError):
@@ -363,15 +398,18 @@ class Checkpointer:
         if isinstance(self._planner, CachingSavePlanner):
             self._planner.plan_file = str(path / plan_file(self.rank))
         if self.async_mode == "off" or blocking:
-            # DCP's internal save: the public dcp.save has no coordinator_rank
-            _save_state_dict(
-                state_dict=_stateful_to_state_dict(state),
-                storage_writer=writer if writer is not None else dcp.FileSystemWriter(str(path)),
-                process_group=self.pg,
-                coordinator_rank=self.coordinator_rank,
-                no_dist=not _initialised(),
-                planner=self._planner,
-            )
+            try:
+                # DCP's internal save: the public dcp.save has no coordinator_rank
+                _save_state_dict(
+                    state_dict=_stateful_to_state_dict(state),
+                    storage_writer=writer if writer is not None else dcp.FileSystemWriter(str(path)),
+                    process_group=self.pg,
+                    coordinator_rank=self.coordinator_rank,
+                    no_dist=not _initialised(),
+                    planner=self._planner,
+                )
+            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+                self._write_failed(step, path, e)
             self._pending = _Pending(step, path, None, t0)
             self.finalize()
         else:
@@ -464,7 +502,10 @@ class Checkpointer:
         response = pending.response
         if response is not None:
             future: Future = getattr(response, "upload_completion", response)
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:
+                self._write_failed(pending.step, pending.path, e)
         if isinstance(self._planner, CachingSavePlanner):  # the planning process has taken them
             self._planner.restored = None
         self._barrier()
@@ -493,6 +534,23 @@ class Checkpointer:
         )
         self.last_complete = final
         return final
+
+    def _write_failed(self, step: int, path: Path, error: BaseException) -> None:
+        """Remove what the failed save of ``step`` wrote (freeing the space a full disk needs) and
+        raise one :class:`CheckpointWriteError` that says which checkpoint, where, why and what was kept."""
+        reason = _failure_reason(error, self.root)
+        if self.rank == 0:
+            _layout.remove(path)
+        kept = _layout.list_complete(self.root)
+        raise CheckpointWriteError(
+            f"checkpoint step {step} could not be written to {path}: {reason}; the partial checkpoint was "
+            "removed; "
+            + (
+                f"the newest complete checkpoint, {kept[-1].path}, is kept"
+                if kept
+                else "no complete checkpoint exists"
+            )
+        ) from None
 
     def close(self) -> None:
         """Finalise any pending save and release the staging buffers."""
@@ -546,15 +604,21 @@ class Checkpointer:
             log.warning("%s; falling back to the previous complete checkpoint", err)
         return None
 
-    def resume(self, state: dict[str, Any]) -> tuple[Path, dict] | None:
+    def resume(
+        self, state: dict[str, Any], *, check: Callable[[Path, dict], None] | None = None
+    ) -> tuple[Path, dict] | None:
         """Load the newest intact checkpoint into ``state``; returns its path and marker metadata.
 
         A checkpoint that fails to load on any rank (corrupt data, a per-rank state that is not
         plait's format) is handled like a damaged one (see :meth:`latest`): named in a warning and
         the previous one tried, or with ``on_damaged="stop"`` raised. None when there is none.
+        ``check(path, marker metadata)``, when given, runs before the checkpoint is loaded; what it
+        raises stops the resume.
         """
         tried: frozenset[Path] = frozenset()
         while (path := self.latest(exclude=tried)) is not None:
+            if check is not None:
+                check(path, json.loads((path / _layout.MARKER).read_text()))
             error: CheckpointDamagedError | None = None
             try:
                 meta = self.load(path, state)

@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed as dist
 from plait.loop.checkpoint.checkpointer import Checkpointer
 from plait.loop.checkpoint.preemption import PreemptionHandler
+from plait.loop.checkpoint.resume_policy import check_resume_config
 from plait.loop.config import TrainerConfig
 from plait.loop.events import EventBus, StepEnd
 from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
@@ -50,9 +51,10 @@ class TrainingCheckpoints:
         load_planner: LoadPlanner | None = None,
     ) -> None:
         self.settings = ck = config.checkpoint
+        self.config = config
         self.state = state
         self.process_group = process_group
-        self.meta = {"run": config.run.name}
+        self.meta = {"run": config.run.name, "config": config.model_dump(mode="json")}
         self.checkpointer = checkpointer = Checkpointer(
             Path(ck.dir) if ck.dir else Path(config.run.run_dir) / "checkpoints",
             keep_last=ck.keep_last,
@@ -69,8 +71,24 @@ class TrainingCheckpoints:
 
     def resume(self) -> tuple[Path, dict] | None:
         """With ``checkpoint.resume``, load the newest intact checkpoint into the state (see
-        :meth:`Checkpointer.resume`) and log it; its path and marker metadata, or None when none was loaded."""
-        resumed = self.checkpointer.resume(self.state()) if self.settings.resume else None
+        :meth:`Checkpointer.resume`) and log it; its path and marker metadata, or None when none was loaded.
+
+        The config the checkpoint was saved with is compared with the run's
+        (:func:`~plait.loop.checkpoint.resume_policy.check_resume_config`): each change is logged.
+
+        Raises:
+            ResumeConfigError: a change of a field in the config's ``fixed_on_resume``, or a checkpoint
+                past ``run.steps``.
+        """
+        if not self.settings.resume:
+            return None
+        cfg = self.config
+        current = cfg.model_dump(mode="json")
+
+        def check(path: Path, meta: dict) -> None:
+            check_resume_config(path, meta, current, cfg.fixed_on_resume, cfg.run.steps)
+
+        resumed = self.checkpointer.resume(self.state(), check=check)
         if resumed is not None:
             path, meta = resumed
             log.info(

@@ -29,7 +29,11 @@ __all__ = [
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Every float must be finite (inf and NaN are refused, naming the field) unless a field says otherwise.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class RunConfig(_Section):
@@ -63,7 +67,7 @@ class PipelineConfig(BaseModel):
     must equal it.
     """
 
-    model_config = ConfigDict(frozen=True, extra="allow")
+    model_config = ConfigDict(frozen=True, extra="allow", allow_inf_nan=False)
 
     kind: str = "1f1b"
     num_microbatches: int | None = Field(default=None, ge=1)
@@ -89,7 +93,7 @@ class AdamWConfig(_Section):
 
     name: Literal["adamw"] = "adamw"
     lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.1, ge=0)
     fused: bool | None = None
@@ -101,7 +105,7 @@ class StochasticAdamWConfig(_Section):
 
     name: Literal["stochastic_adamw"] = "stochastic_adamw"
     lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.1, ge=0)
     moment_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -140,7 +144,9 @@ class GradClipConfig(_Section):
     """Global gradient-norm clipping (DTensor-aware); ``max_norm=None`` only measures the norm."""
 
     max_norm: float | None = Field(default=1.0, gt=0)
-    norm_type: float = 2.0
+    norm_type: float = Field(
+        default=2.0, gt=0, allow_inf_nan=True, description="p of the p-norm; inf: max norm"
+    )
 
 
 class GradientConfig(_Section):
@@ -262,4 +268,9 @@ class DeterminismConfig(_Section):
     nonfinite_loss: Literal["raise", "skip"] = "raise"
     max_skipped_steps: int | None = Field(
         default=None, ge=0, description="Raise once more steps than this were skipped."
+    )
+    max_consecutive_skipped_steps: int | None = Field(
+        default=10,
+        ge=1,
+        description="Raise once this many steps in a row were skipped (the run has diverged).",
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from plait.loop.config._mesh import DeviceMeshParameters
 from plait.loop.config.sections import (
@@ -37,9 +37,23 @@ class TrainerConfig(BaseModel):
     """Everything the :class:`~plait.loop.Trainer` needs besides the providers.
 
     Load it with :func:`~plait.loop.load_config` (TOML, YAML, JSON + dotted overrides).
+
+    ``fixed_on_resume`` lists the fields (dotted; a section name covers all of it) that a resume may
+    not change: a subclass adds its own sections (the ``model`` and ``data`` of a subclass that has
+    them are covered already). Every other field may change on resume and is applied.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    fixed_on_resume: ClassVar[tuple[str, ...]] = (
+        "batching.global_batch_size",
+        "batching.seq_len",
+        "run.seed",
+        "optimizer.name",
+        "model",
+        "data",
+    )
+
+    # finite floats also in the fields a subclass adds (its own nested models say so themselves)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     run: RunConfig = RunConfig()
     mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)

@@ -3,7 +3,13 @@
 from plait.loop.data.collate import PadCollator
 from plait.loop.data.loader import DistributedDataLoader
 from plait.loop.data.packing import PackedTokens, pack_documents
-from plait.loop.data.readers import read_hf_texts, read_jsonl_texts, read_token_file, write_token_file
+from plait.loop.data.readers import (
+    read_hf_texts,
+    read_jsonl_texts,
+    read_text_file,
+    read_token_file,
+    write_token_file,
+)
 from plait.loop.data.sampler import GlobalBatchPlan
 from plait.loop.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -18,6 +24,7 @@ __all__ = [
     "pack_documents",
     "read_hf_texts",
     "read_jsonl_texts",
+    "read_text_file",
     "read_token_file",
     "write_token_file",
 ]

@@ -1,25 +1,49 @@
-"""Readers: JSONL text, pre-tokenised numpy token files, Hugging Face ``datasets`` (optional)."""
+"""Readers: text and JSONL files, pre-tokenised numpy token files, Hugging Face ``datasets`` (optional)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["read_hf_texts", "read_jsonl_texts", "read_token_file", "write_token_file"]
+__all__ = ["read_hf_texts", "read_jsonl_texts", "read_text_file", "read_token_file", "write_token_file"]
+
+log = logging.getLogger(__name__)
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what ``surrogateescape`` makes of an invalid byte
+
+
+def read_text_file(path: str | Path) -> str:
+    """The text of a UTF-8 file; bytes that are not UTF-8 become U+FFFD, with one warning per call
+    naming the file and the number of replaced bytes."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        bad = len(_ESCAPED_BYTE.findall(data.decode("utf-8", errors="surrogateescape")))
+        log.warning("%s: %d byte(s) that are not UTF-8 were replaced by U+FFFD", path, bad)
+        return data.decode("utf-8", errors="replace")
 
 
 def read_jsonl_texts(path: str | Path, field: str = "text") -> Iterator[str]:
-    """Yield ``record[field]`` of each non-empty line of a JSON-lines file.
+    """Yield ``record[field]`` of each non-empty line of a JSON-lines file (UTF-8).
 
     Raises:
-        ValueError: naming the file and line for bad JSON or a missing/non-string field.
+        ValueError: naming the file and line for bytes that are not UTF-8, bad JSON or a
+            missing/non-string field.
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:

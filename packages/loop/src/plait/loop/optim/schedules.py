@@ -32,7 +32,7 @@ class LRSegment(BaseModel):
         end: multiplier reached at the segment's end (``constant`` ignores it).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     kind: _Kind
     duration: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None

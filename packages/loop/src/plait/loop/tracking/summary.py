@@ -26,19 +26,23 @@ _MEMORY_KEYS = ("mem_allocated_gib", "max_rss_gib")
 class RunSummary:
     """What a training run did (over the :meth:`~plait.loop.Trainer.fit` calls of this process).
 
-    ``steps`` and ``tokens`` are the run's totals (a resumed run includes what was done before the
-    resume); ``steps_this_session``, ``wall_time_s``, ``mean_tokens_per_s`` and ``mean_mfu`` cover
-    this process's training loop only, warm-up and compilation included. ``steady_tokens_per_s`` and
-    ``steady_mfu`` cover its logging intervals after the first one, less any interval in which
-    torch.compile compiled a graph (evaluation time is left out of both); ``steady_steps`` counts
-    their steps (0 when no interval qualifies: the steady figures are None then). ``last_val_loss``
-    and ``best_val_loss`` (at ``best_val_step``) come from the evaluations of this session.
+    ``steps``, ``skipped_steps`` (non-finite steps skipped under ``determinism.nonfinite_loss="skip"``)
+    and ``tokens`` are the run's totals (a resumed run includes what was done before the resume);
+    ``final_loss`` is the last logged loss (None when it was not finite); ``error`` the exception that
+    ended :meth:`~plait.loop.Trainer.fit`, if one did. ``steps_this_session``, ``wall_time_s``,
+    ``mean_tokens_per_s`` and ``mean_mfu`` cover this process's training loop only, warm-up and
+    compilation included. ``steady_tokens_per_s`` and ``steady_mfu`` cover its logging intervals after
+    the first one, less any interval in which torch.compile compiled a graph (evaluation time is left
+    out of both); ``steady_steps`` counts their steps (0 when no interval qualifies: the steady figures
+    are None then). ``last_val_loss`` and ``best_val_loss`` (at ``best_val_step``) come from the
+    evaluations of this session.
     """
 
     steps: int
     total_steps: int
     stopped_early: bool
     steps_this_session: int
+    skipped_steps: int
     tokens: int
     wall_time_s: float
     final_loss: float | None
@@ -53,6 +57,7 @@ class RunSummary:
     peak_memory_gib: float | None
     checkpoint: str | None
     export: str | None
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (what ``summary.json`` holds)."""
@@ -64,7 +69,8 @@ class RunSummary:
         def rate(tps: float, mfu: float | None) -> str:
             return f"{tps:,.0f} tok/s" + ("" if mfu is None else f", MFU {100 * mfu:.2f}%")
 
-        state = "stopped early" if self.stopped_early else "finished"
+        state = "FAILED" if self.error else "stopped early" if self.stopped_early else "finished"
+        skipped = f", {self.skipped_steps} skipped" if self.skipped_steps else ""
         losses = [] if self.final_loss is None else [f"final loss {self.final_loss:.4f}"]
         if self.last_val_loss is not None:
             losses.append(
@@ -79,8 +85,9 @@ class RunSummary:
                 + speed
             )
         lines = [
-            f"run {state}: step {self.steps}/{self.total_steps} ({self.steps_this_session} this session), "
+            f"run {state}: step {self.steps}/{self.total_steps} ({self.steps_this_session} this session{skipped}), "
             f"{self.tokens:,} tokens, {self.wall_time_s:.1f} s",
+            *([f"  error: {self.error}"] if self.error else []),
             f"  {speed}",
         ]
         if losses:
@@ -106,6 +113,7 @@ class RunSummaryCollector:
         self._start_tokens = 0
         self._stopped_early = False
         self._final_loss: float | None = None
+        self._error: str | None = None
         self._peak_memory: float | None = None
         self._steady_tokens = 0
         self._steady_seconds = 0.0
@@ -127,8 +135,8 @@ class RunSummaryCollector:
 
     def _on_metrics(self, e: MetricsLogged) -> None:
         loss = e.metrics.get("loss")
-        if loss is not None and math.isfinite(loss):
-            self._final_loss = float(loss)
+        if loss is not None:
+            self._final_loss = float(loss) if math.isfinite(loss) else None
         for key in _MEMORY_KEYS:
             if key in e.metrics:
                 self._peak_memory = max(self._peak_memory or 0.0, float(e.metrics[key]))
@@ -143,6 +151,10 @@ class RunSummaryCollector:
                 self._steady_steps += e.step - (self._last_logged_step or 0)
             self._intervals += 1
             self._last_logged_step = e.step
+
+    def failed(self, error: BaseException) -> None:
+        """Record the exception that ended the run (the trainer calls it; the summary then says FAILED)."""
+        self._error = f"{type(error).__name__}: {str(error).strip()}"
 
     def _on_end(self, e: TrainingEnd) -> None:
         self._t1 = time.perf_counter()
@@ -170,6 +182,7 @@ class RunSummaryCollector:
             total_steps=tr.config.run.steps,
             stopped_early=self._stopped_early or self._t1 is None,
             steps_this_session=tr.step - self._start_step,
+            skipped_steps=tr.state.skipped_steps,
             tokens=tr.state.tokens_seen,
             wall_time_s=wall,
             final_loss=self._final_loss,
@@ -184,6 +197,7 @@ class RunSummaryCollector:
             peak_memory_gib=self._peak_memory,
             checkpoint=str(last) if last is not None else None,
             export=str(self.export) if self.export is not None else None,
+            error=self._error,
         )
 
     def write(self, run_dir: str | Path) -> RunSummary | None:
@@ -194,11 +208,18 @@ class RunSummaryCollector:
             return None
         summary = self.summary()
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary.to_dict(), indent=2))
-        os.replace(tmp, run_dir / "summary.json")
-        text = summary.format() + f"\n  summary: {run_dir / 'summary.json'}"
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(summary.to_dict(), indent=2))
+            os.replace(tmp, run_dir / "summary.json")
+            text = summary.format() + f"\n  summary: {run_dir / 'summary.json'}"
+        except OSError as e:  # e.g. the disk that a failed save filled: say so, do not hide the run's error
+            tmp.unlink(missing_ok=True)
+            text = (
+                summary.format() + f"\n  summary not written to {run_dir / 'summary.json'}: {e.strerror or e}"
+            )
+            return self._print(text, summary)
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file():
             try:
@@ -206,5 +227,11 @@ class RunSummaryCollector:
                     text += f"\n  loss curve: {run_dir / 'loss_curve.png'}"
             except ImportError as e:
                 text += f"\n  loss curve not plotted: {e}"
+            except OSError as e:
+                text += f"\n  loss curve not written: {e.strerror or e}"
+        return self._print(text, summary)
+
+    @staticmethod
+    def _print(text: str, summary: RunSummary) -> RunSummary:
         print(text, flush=True)
         return summary
