@@ -41,12 +41,14 @@ from plait.loop import (
     ConfigError,
     DatasetProvider,
     ModelProvider,
+    RunDirLockedError,
     Trainer,
     TrainerConfig,
     load_config,
     split_cli_overrides,
 )
-from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
+from plait.loop.checkpoint import CheckpointWriteError
+from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents, read_text_file
 from plait.models import (
     CausalLMProvider,
     DecoderConfig,
@@ -179,7 +181,7 @@ def build_dataset(
 ) -> PackedTokens:
     """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
     tok = ByteTokenizer()
-    docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg, split))
+    docs = (tok.encode(read_text_file(p)) for p in corpus_files(cfg, split))
     return pack_documents(docs, seq_len, tok.eos_id)
 
 
@@ -360,7 +362,9 @@ def main(
     """Run the job; returns the last logged metrics.
 
     Raises:
-        SystemExit: 2 on a bad flag, config or path (one message on stderr, nothing built); 128 +
+        SystemExit: 2 on a bad flag, config or path (one message on stderr, nothing built), a run
+            directory in use or a checkpoint this config may not resume; 1 on a checkpoint that could
+            not be written (one message: which, where, why, what was kept); 128 +
             the signal number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped the run.
     """
     try:
@@ -374,7 +378,11 @@ def main(
         model = provider.build_stage(0, 1)
         provider.materialize(model, "cpu")
         return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
-    trainer = build_trainer(config, config.data, provider)
+    try:
+        trainer = build_trainer(config, config.data, provider)  # takes the run dir's lock, resumes
+    except (ConfigError, RunDirLockedError) as e:  # a resume this config may not make; a run dir in use
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         summary = trainer.fit()
         if args.no_export:
@@ -394,6 +402,9 @@ def main(
     except KeyboardInterrupt:  # Ctrl-C with checkpointing (and so the signal handler) off
         trainer.stop_signal = signal.SIGINT
         summary = {}
+    except CheckpointWriteError as e:  # a full disk: the message says which checkpoint, path, what was kept
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         trainer.close()
     if trainer.stop_signal is not None:
