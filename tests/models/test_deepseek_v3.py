@@ -1,0 +1,238 @@
+"""DeepSeek-V3 beyond the shared family checks: the correction bias and the groups change the
+routing as in transformers, block-scaled FP8 checkpoints dequantize while streaming, the
+multi-token-prediction weights are skipped, the FLOP count, and bad configs name the key."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from plait.model_state import TensorSpec
+from plait.model_state.errors import MapperError
+from plait.models import config_from_hf, flops_per_token, from_pretrained, load_hf_config
+from plait.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, Fp8BlockDequantize
+from safetensors.torch import load_file, save_file
+
+from ._families import make_hf
+
+BLOCK = (4, 8)  # small blocks: every weight spans several, most with a ragged last block
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block FP8: one fp32 scale (``amax / 448``) per block, ``w / scale`` in e4m3."""
+    br, bc = BLOCK
+    rows, cols = w.shape
+    nr, nc = -(-rows // br), -(-cols // bc)
+    scale = torch.empty(nr, nc)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(nr):
+        for j in range(nc):
+            blk = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc]
+            s = blk.abs().max().clamp_min(1e-12) / 448.0
+            scale[i, j] = s
+            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference: every element times its block's scale (loops, no index tricks)."""
+    out = q.to(torch.float32)
+    br, bc = BLOCK
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * br : (i + 1) * br, j * bc : (j + 1) * bc] *= scale[i, j]
+    return out
+
+
+def _quantized(name: str) -> bool:
+    """The weights DeepSeek quantizes: every linear of the decoder layers but the router."""
+    return name.startswith("model.layers.") and name.endswith("proj.weight") or "proj_with_mqa" in name
+
+
+def write_fp8(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """Rewrite the checkpoint at ``src`` as a block-scaled FP8 checkpoint at ``dst``; returns the
+    dequantized state (the reference)."""
+    dst.mkdir()
+    sd = load_file(src / "model.safetensors")
+    out, ref = {}, {}
+    for k, v in sd.items():
+        if _quantized(k):
+            q, s = _quantize(v)
+            out[k], out[k + "_scale_inv"] = q, s
+            ref[k] = _dequantize(q, s)
+        else:
+            out[k] = ref[k] = v
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(BLOCK),
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+def test_correction_bias_and_groups_change_the_routing(tmp_path):
+    path, hf = make_hf("deepseek_v3", tmp_path)
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        model = from_pretrained(path)
+        torch.testing.assert_close(model(input_ids=ids, return_logits=True)["logits"], ref, atol=1e-5, rtol=1e-5)
+        # Without the bias the same weights pick other experts (the bias is selection-only, so any
+        # change of the logits is a change of the picks); transformers agrees.
+        for moe in model.moe_layers():
+            moe.router.expert_bias.zero_()
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+        unbiased = model(input_ids=ids, return_logits=True)["logits"]
+        assert (unbiased - ref).abs().max() > 1e-3
+        torch.testing.assert_close(unbiased, hf(ids).logits, atol=1e-5, rtol=1e-5)
+        # Keeping every group (topk_group = n_group) changes the picks too: the groups restrict them.
+        all_groups = from_pretrained(path, topk_group=4)
+        assert (all_groups(input_ids=ids, return_logits=True)["logits"] - ref).abs().max() > 1e-3
+
+
+def test_fp8_checkpoint_dequantizes_block_by_block(tmp_path, caplog):
+    path, _ = make_hf("deepseek_v3", tmp_path)
+    ref_state = write_fp8(path, tmp_path / "fp8")
+    assert load_hf_config(tmp_path / "fp8").fp8_block_size == BLOCK
+    model = from_pretrained(tmp_path / "fp8")
+    plain = from_pretrained(path)
+    # The reference model: the plain checkpoint's model with the dequantized weights.
+    ref_model = from_pretrained(path)
+    from plait.models import hf_to_plait_mapper
+
+    ref_model.load_state_dict(hf_to_plait_mapper(ref_model.config).map_state(ref_state), strict=True)
+    for k, v in ref_model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    ids = _ids()
+    with torch.no_grad():
+        got = model(input_ids=ids, return_logits=True)["logits"]
+        torch.testing.assert_close(got, ref_model(input_ids=ids, return_logits=True)["logits"], atol=0, rtol=0)
+        # FP8 rounding moved the weights, so the model is not the bf16/fp32 one
+        assert (got - plain(input_ids=ids, return_logits=True)["logits"]).abs().max() > 1e-4
+
+
+def test_fp8_dequantize_reads_only_the_blocks_of_a_region():
+    w = torch.randn(13, 21)
+    q, s = _quantize(w)
+    full = _dequantize(q, s)
+    group = Fp8BlockDequantize(BLOCK).groups({"a.weight": TensorSpec.of(q), "a.weight_scale_inv": TensorSpec.of(s)})[0]
+    assert group.outputs["a.weight"] == TensorSpec((13, 21), torch.float32)
+    for region in (((5, 11), (0, 21)), ((0, 13), (9, 17)), ((3, 4), (7, 8)), ((12, 13), (20, 21))):
+        (r0, r1), (c0, c1) = region
+        reads, fn = group.sliced({"a.weight": region})
+        assert reads["a.weight"] == region
+        (s0, s1), (t0, t1) = reads["a.weight_scale_inv"]
+        assert (s0, s1, t0, t1) == (r0 // 4, -(-r1 // 4), c0 // 8, -(-c1 // 8))
+        out = fn({"a.weight": q[r0:r1, c0:c1], "a.weight_scale_inv": s[s0:s1, t0:t1]})["a.weight"]
+        assert torch.equal(out, full[r0:r1, c0:c1])
+
+
+def test_fp8_errors_name_the_tensor_or_key(tmp_path):
+    path, _ = make_hf("deepseek_v3", tmp_path)
+    write_fp8(path, tmp_path / "fp8")
+    sd = load_file(tmp_path / "fp8" / "model.safetensors")
+    del sd["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
+    save_file(sd, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(MapperError, match=r"'model\.layers\.1\.self_attn\.kv_b_proj\.weight' has no scale tensor "
+                       r"'model\.layers\.1\.self_attn\.kv_b_proj\.weight_scale_inv'"):  # fmt: skip
+        from_pretrained(tmp_path / "fp8")
+    # FP8 tensors without a quantization_config
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MapperError, match="has no quantization_config"):
+        from_pretrained(tmp_path / "fp8")
+    base = {"model_type": "deepseek_v3", "n_routed_experts": 8, "n_group": 4}
+    for quant, key in (
+        ({"quant_method": "mxfp4"}, "quant_method='mxfp4'"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt='e5m2'"),
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size=None"),
+    ):
+        with pytest.raises(ValueError, match=f"quantization_config.{key}"):
+            config_from_hf({**base, "quantization_config": quant})
+
+
+def test_mtp_weights_are_skipped_with_a_note(tmp_path, caplog):
+    path, hf = make_hf("deepseek_v3", tmp_path)
+    sd = load_file(path / "model.safetensors")
+    n = hf.config.num_hidden_layers
+    g = torch.Generator().manual_seed(5)
+    mtp = {  # DeepSeek-V3's MTP module: a full decoder layer plus its projections, stored as layer n
+        f"model.layers.{n}.{k}": torch.randn(*shape, generator=g)
+        for k, shape in {
+            "enorm.weight": (36,),
+            "hnorm.weight": (36,),
+            "eh_proj.weight": (36, 72),
+            "shared_head.norm.weight": (36,),
+            "shared_head.head.weight": (97, 36),
+            "embed_tokens.weight": (97, 36),
+            "input_layernorm.weight": (36,),
+            "self_attn.kv_b_proj.weight": (66, 10),
+            "mlp.experts.0.up_proj.weight": (12, 36),
+        }.items()
+    }
+    save_file({**sd, **mtp}, path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="plait.models.deepseek_v3.hf"):
+        model = from_pretrained(path)
+    assert f"skipping {len(mtp)} checkpoint tensors of layers >= {n}" in caplog.text
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, return_logits=True)["logits"], hf(ids).logits,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_flops_per_token_counts_mla_and_active_experts():
+    cfg = DeepseekV3Config(
+        vocab_size=97, hidden_size=36, intermediate_size=50, num_hidden_layers=3, num_attention_heads=6,
+        moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=10, q_lora_rank=14, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=5,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    # Independent count from the built modules: every 2-D weight a token multiplies with, the
+    # routed experts at top_k / E of their size.
+    active = 0
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight") or p.dim() < 2:
+            continue
+        frac = 3 / 8 if ".experts." in name else 1.0
+        active += int(p.numel() * frac)
+    seq = 64
+    attention = 6 * seq * 6 * (10 + 5) * 3  # 6 x context x heads x (qk + v) x layers
+    assert flops_per_token(cfg, seq) == pytest.approx(6 * active + attention)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"qk_rope_head_dim": 5}, "qk_rope_head_dim=5 must be even"),
+        ({"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+        ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+        ({"n_routed_experts": 10}, r"n_routed_experts \(10\) must be divisible by n_group \(4\)"),
+        ({"topk_group": 5}, r"topk_group \(5\) must be <= n_group \(4\)"),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) > the experts of topk_group"),
+        ({"first_k_dense_replace": 4}, r"first_k_dense_replace \(4\) > num_hidden_layers"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+        ({"num_foo_heads": 2}, "num_foo_heads"),
+    ],
+)
+def test_bad_config_names_the_key(changes, message):
+    base = {"model_type": "deepseek_v3", "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+            "num_experts_per_tok": 2, "num_hidden_layers": 3}  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**base, **changes})
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        DeepseekV3Config(num_attention_heads=4, num_key_value_heads=2)
