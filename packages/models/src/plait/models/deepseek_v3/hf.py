@@ -153,7 +153,7 @@ class Fp8BlockDequantize(Mapper):
 
     Args:
         block_size: ``(br, bc)``, the checkpoint's ``weight_block_size``; None: the checkpoint must
-            hold no FP8 tensors (an error names one that it holds).
+            hold no FP8 tensors (an error names one that it holds: the block size is not guessed).
         dtype: Dtype of the dequantized weights.
 
     Raises:
@@ -179,8 +179,9 @@ class Fp8BlockDequantize(Mapper):
                 continue
             if self.block_size is None:
                 raise MapperError(
-                    f"checkpoint tensor {key!r} is {spec.dtype} but config.json has no quantization_config "
-                    "(plait needs its weight_block_size to dequantize)"
+                    f"checkpoint tensor {key!r} is {spec.dtype} but the model config has no fp8_block_size "
+                    "(load_hf_config sets it from config.json's quantization_config.weight_block_size; "
+                    "build the model from that config, or set fp8_block_size, e.g. (128, 128))"
                 )
             scale = key + _SCALE
             if scale not in source:

@@ -37,6 +37,17 @@ def _as_module(modules: nn.Module | Sequence[nn.Module]) -> nn.Module:
     return modules[0] if len(modules) == 1 else _Stages(modules)
 
 
+def _zero_transient_buffers(module: nn.Module) -> None:
+    """Zero the buffers a checkpoint does not hold (running statistics such as the MoE routers'
+    load counters), which ``to_empty`` left uninitialised."""
+    with torch.no_grad():
+        for m in module.modules():
+            for name in m._non_persistent_buffers_set:
+                buf = m._buffers.get(name)
+                if buf is not None:
+                    buf.zero_()
+
+
 def load_checkpoint(
     modules: nn.Module | Sequence[nn.Module],
     path: str | os.PathLike[str],
@@ -65,7 +76,8 @@ def load_checkpoint(
         KeyError: the checkpoint lacks parameters the module(s) need (listed).
     """
     for stage in [modules] if isinstance(modules, nn.Module) else modules:
-        materialize(stage, device)  # each stage on its own: its tied names are its own keys
+        if materialize(stage, device):  # each stage on its own: its tied names are its own keys
+            _zero_transient_buffers(stage)
     module = _as_module(modules)
     result = load_module(
         module,

@@ -1,0 +1,157 @@
+"""DeepSeek-V3 layouts on gloo against the single-process model: FSDP2 (streaming a block-scaled FP8
+checkpoint into the shards) and EP=2 x FSDP2, loss and every gradient; the auxiliary-loss-free bias
+update leaves every rank with the same bias, bit for bit, as the single process; tensor
+parallelism is refused for multi-head latent attention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from plait.models import (
+    ParallelConfig,
+    from_pretrained,
+    load_hf_checkpoint,
+    load_hf_config,
+    parallelize,
+    save_hf_checkpoint,
+)
+from plait.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from plait.moe import update_expert_biases
+from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+dist_testing = pytest.importorskip("plait.dist_core.testing")
+run_distributed = dist_testing.run_distributed
+
+DENSE = ("pp", "dp_replicate", "dp_cp_shard", "cp_replicate", "tp")
+EXPERT = ("pp", "ep_replicate", "ep_shard")
+CFG = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+    n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+    qk_rope_head_dim=4, v_head_dim=6, initializer_range=0.2, bias_update_rate=0.01,
+)  # fmt: skip
+BLOCK = [8, 16]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (4, 8), generator=g)
+    labels = torch.randint(0, 128, (4, 8), generator=g)
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _to_fp8(src, dst) -> None:
+    """``src`` as a block-scaled FP8 checkpoint (every decoder linear but the router)."""
+    dst.mkdir()
+    out = {}
+    for k, v in load_file(src / "model.safetensors").items():
+        if k.startswith("model.layers.") and (k.endswith("proj.weight") or "proj_with_mqa" in k):
+            br, bc = BLOCK
+            blocks = torch.nn.functional.pad(v, (0, -v.shape[1] % bc, 0, -v.shape[0] % br))
+            blocks = blocks.unflatten(0, (-1, br)).unflatten(2, (-1, bc))  # [R/br, br, C/bc, bc]
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: v.shape[0], : v.shape[1]]
+            out[k], out[k + "_scale_inv"] = (v / full).to(torch.float8_e4m3fn), scale
+        else:
+            out[k] = v
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": BLOCK}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def _rank_main(layout: str, ckpt: str) -> dict:
+    world = dist.get_world_size()
+    cfg = load_hf_config(ckpt).model_copy(update={"bias_update_rate": 0.01})  # FP8: with its block size
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    if layout == "ep2_fsdp2":
+        from plait.dist_core import DeviceMeshParameters, DistributedContext
+
+        ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=2, expert=2), device="cpu")
+        parallelize(model, context=ctx, config=ParallelConfig())
+        bias_group = ctx.mesh_for("batch")["dp", "cp"]  # what the loop sums the counts over
+        assert all(isinstance(m.experts.gate_up_proj, DTensor) for m in model.moe_layers())
+    else:
+        dense = init_device_mesh("cpu", (1, 1, world, 1, 1), mesh_dim_names=DENSE)
+        expert = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=EXPERT)
+        parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
+        bias_group = dense["dp_cp_shard"].get_group()
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)  # each rank reads (and dequantizes) only its shards
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    rank = dist.get_rank()
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    out = model(input_ids=ids[rows], labels=labels[rows])
+    global_tokens = int((labels != -100).sum())
+    (out["loss_sum"] / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    dist.all_reduce(loss_sum)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    assert update_expert_biases(model, bias_group) == 2
+    biases = [m.router.expert_bias.clone() for m in model.moe_layers()]
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads if rank == 0 else None, "biases": biases}
+
+
+def _reference(tmp_path, fp8: bool):
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
+    model.reset_parameters()
+    with torch.no_grad():
+        for m in model.moe_layers():
+            m.router.expert_bias.normal_(0.0, 0.3)
+    ckpt = save_hf_checkpoint(model, tmp_path / "seed")
+    if fp8:
+        _to_fp8(ckpt, tmp_path / "fp8")
+        ckpt = tmp_path / "fp8"
+        model = from_pretrained(ckpt, bias_update_rate=0.01)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    out["loss"].backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    update_expert_biases(model)
+    return out["loss"].item(), grads, [m.router.expert_bias.clone() for m in model.moe_layers()], str(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2_fp8", "ep2_fsdp2"])
+def test_layout_matches_single_process_and_biases_agree(layout, tmp_path):
+    ref_loss, ref_grads, ref_biases, ckpt = _reference(tmp_path, fp8=layout.endswith("fp8"))
+    results = run_distributed(_rank_main, 2, layout, ckpt, timeout=240.0)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, abs=1e-5)
+        for got, want in zip(r["biases"], ref_biases, strict=True):
+            assert torch.equal(got, want)  # every rank, bit for bit, as the single process
+    grads = results[0]["grads"]
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _tp_worker() -> str:
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
+    dense = init_device_mesh("cpu", (1, 1, 1, 1, 2), mesh_dim_names=DENSE)
+    try:
+        parallelize(model, dense_mesh=dense, config=ParallelConfig())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tensor_parallel_is_refused_for_mla():
+    for message in run_distributed(_tp_worker, 2):
+        assert "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention" in message
