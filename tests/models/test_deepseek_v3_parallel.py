@@ -155,3 +155,49 @@ def _tp_worker() -> str:
 def test_tensor_parallel_is_refused_for_mla():
     for message in run_distributed(_tp_worker, 2):
         assert "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention" in message
+
+
+TRAINER_CFG = dict(vocab_size=32, n_group=1, topk_group=1)  # the loop tests' vocabulary; no groups
+
+
+def _trainer_worker(run_dir: str, steps: int, dp: int, ckpt: str) -> list[torch.Tensor]:
+    from plait.loop import CausalLMTask, DatasetProvider, Trainer, load_config, pack_documents
+    from plait.models import CausalLMProvider
+
+    from tests.loop._lm import VOCAB, pattern_tokens
+
+    assert VOCAB == TRAINER_CFG["vocab_size"]
+
+    cfg = load_config(
+        overrides=[
+            f"--run.run_dir={run_dir}", f"--run.steps={steps}", f"--mesh.data_shard={dp}", f"--mesh.expert={dp}",
+            "--batching.global_batch_size=4", "--batching.microbatch_size=2", "--batching.seq_len=16",
+            "--optimizer.lr=0.01", "--logging.progress_bar=false",
+        ]
+    )  # fmt: skip
+    model_cfg = DeepseekV3Config(**{**CFG, **TRAINER_CFG})
+    provider = CausalLMProvider(model_cfg, parallel=ParallelConfig(), init_from=ckpt)
+    tr = Trainer(cfg, provider, DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1)), CausalLMTask())
+    tr.fit()
+    tr.close()
+    return [m.router.expert_bias.clone() for m in CausalLMProvider.moe_layers(tr.model_parts)]
+
+
+def test_trainer_updates_the_biases_alike_on_every_rank(tmp_path):
+    """The Trainer calls the provider's bias update after each optimizer step: under EP=2 x FSDP2 both
+    ranks hold the same biases, bit for bit, each moved by +-rate per step (its first step's counts are
+    those of the whole global batch, so they equal the single-process run's first update)."""
+    torch.manual_seed(0)
+    seed = DeepseekV3ForCausalLM(DeepseekV3Config(**{**CFG, **TRAINER_CFG}))
+    seed.reset_parameters()
+    ckpt = str(save_hf_checkpoint(seed, tmp_path / "seed"))
+    one = _trainer_worker(str(tmp_path / "one"), 1, 1, ckpt)
+    first = run_distributed(_trainer_worker, 2, str(tmp_path / "ep_1"), 1, 2, ckpt)
+    for rank in first:
+        for got, want in zip(rank, one, strict=True):
+            assert torch.equal(got, want)
+    ranks = run_distributed(_trainer_worker, 2, str(tmp_path / "ep"), 3, 2, ckpt)
+    for a, b in zip(ranks[0], ranks[1], strict=True):
+        assert torch.equal(a, b)
+        steps = a / 0.01
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and a.abs().max() > 0  # +-rate (or 0) per step
