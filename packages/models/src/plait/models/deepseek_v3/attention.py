@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from plait.models.common.attention import AttentionMask
 from plait.models.common.attention.core import attention
 from plait.models.common.config import RopeParameters
@@ -42,6 +43,18 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+def _padded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
+) -> torch.Tensor:
+    """Attention through kernels that need one head size for q, k and v (context parallelism's, which
+    move k and v in one buffer): the narrower side is zero-padded, which adds nothing to a score or
+    to an output column, and the output is cut back to v's width."""
+    d = max(q.shape[-1], v.shape[-1])
+    q, k = F.pad(q, (0, d - q.shape[-1])), F.pad(k, (0, d - k.shape[-1]))
+    out = attention(q, k, F.pad(v, (0, d - v.shape[-1])), mask, scale)
+    return out[..., : v.shape[-1]]
+
+
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek-V2/V3 multi-head latent attention (parameter names as in transformers).
 
@@ -50,7 +63,9 @@ class MultiHeadLatentAttention(nn.Module):
     latent ``c_kv`` (``kv_lora_rank``) and one rope key shared by all heads; ``kv_b_proj`` expands
     ``kv_a_layernorm(c_kv)`` into per-head ``k_nope`` and ``v`` (``v_head_dim``). RoPE rotates the
     rope parts (interleaved pairs with ``rope_interleave``); attention runs on the trunk's kernels
-    with v's head size != q/k's; ``o_proj`` maps ``heads * v_head_dim`` back.
+    with v's head size != q/k's (SDPA, FlexAttention; under context parallelism, whose kernels need
+    one head size, the narrower of q/k and v is zero-padded); ``o_proj`` maps ``heads * v_head_dim``
+    back. Context parallelism moves the expanded keys and values, not the latent.
 
     Args:
         config: The DeepSeek-V3 config.
@@ -106,7 +121,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_rot, k_rot = apply_rotary(q_rot, k_rot, *rope)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-        out = attention(q, k, v, mask, self.scaling)
+        if mask.context is not None and self.v_head_dim != self.qk_head_dim:
+            out = _padded_attention(q, k, v, mask, self.scaling)
+        else:
+            out = attention(q, k, v, mask, self.scaling)
         return self.o_proj(out.reshape(b, s, -1))
 
     def reset_parameters(self, std: float) -> None:
