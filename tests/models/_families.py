@@ -118,8 +118,15 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "deepseek_v3_dense_first2": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(_DEEPSEEK, num_hidden_layers=4, first_k_dense_replace=2, attention_bias=True, n_group=2,
-             topk_group=1, num_experts_per_tok=2),
+        dict(
+            _DEEPSEEK,
+            num_hidden_layers=4,
+            first_k_dense_replace=2,
+            attention_bias=True,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+        ),
     ),
     "qwen3_moe": (
         "Qwen3MoeConfig",

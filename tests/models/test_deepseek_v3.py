@@ -53,7 +53,7 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _quantized(name: str) -> bool:
     """The weights DeepSeek quantizes: every linear of the decoder layers but the router."""
-    return name.startswith("model.layers.") and name.endswith("proj.weight") or "proj_with_mqa" in name
+    return (name.startswith("model.layers.") and name.endswith("proj.weight")) or "proj_with_mqa" in name
 
 
 def write_fp8(src: Path, dst: Path) -> dict[str, torch.Tensor]:
@@ -87,7 +87,9 @@ def test_correction_bias_and_groups_change_the_routing(tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
         model = from_pretrained(path)
-        torch.testing.assert_close(model(input_ids=ids, return_logits=True)["logits"], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=ids, return_logits=True)["logits"], ref, atol=1e-5, rtol=1e-5
+        )
         # Without the bias the same weights pick other experts (the bias is selection-only, so any
         # change of the logits is a change of the picks); transformers agrees.
         for moe in model.moe_layers():
@@ -125,7 +127,9 @@ def test_fp8_checkpoint_dequantizes_block_by_block(tmp_path, caplog):
     ids = _ids()
     with torch.no_grad():
         got = model(input_ids=ids, return_logits=True)["logits"]
-        torch.testing.assert_close(got, ref_model(input_ids=ids, return_logits=True)["logits"], atol=0, rtol=0)
+        torch.testing.assert_close(
+            got, ref_model(input_ids=ids, return_logits=True)["logits"], atol=0, rtol=0
+        )
         # FP8 rounding moved the weights, so the model is not the bf16/fp32 one
         assert (got - plain(input_ids=ids, return_logits=True)["logits"]).abs().max() > 1e-4
 
@@ -134,7 +138,9 @@ def test_fp8_dequantize_reads_only_the_blocks_of_a_region():
     w = torch.randn(13, 21)
     q, s = _quantize(w)
     full = _dequantize(q, s)
-    group = Fp8BlockDequantize(BLOCK).groups({"a.weight": TensorSpec.of(q), "a.weight_scale_inv": TensorSpec.of(s)})[0]
+    group = Fp8BlockDequantize(BLOCK).groups(
+        {"a.weight": TensorSpec.of(q), "a.weight_scale_inv": TensorSpec.of(s)}
+    )[0]
     assert group.outputs["a.weight"] == TensorSpec((13, 21), torch.float32)
     for region in (((5, 11), (0, 21)), ((0, 13), (9, 17)), ((3, 4), (7, 8)), ((12, 13), (20, 21))):
         (r0, r1), (c0, c1) = region

@@ -154,7 +154,10 @@ def _tp_worker() -> str:
 
 def test_tensor_parallel_is_refused_for_mla():
     for message in run_distributed(_tp_worker, 2):
-        assert "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention" in message
+        assert (
+            "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention"
+            in message
+        )
 
 
 TRAINER_CFG = dict(vocab_size=32, n_group=1, topk_group=1)  # the loop tests' vocabulary; no groups
@@ -166,7 +169,7 @@ def _trainer_worker(run_dir: str, steps: int, dp: int, ckpt: str) -> list[torch.
 
     from tests.loop._lm import VOCAB, pattern_tokens
 
-    assert VOCAB == TRAINER_CFG["vocab_size"]
+    assert TRAINER_CFG["vocab_size"] == VOCAB
 
     cfg = load_config(
         overrides=[
@@ -177,7 +180,9 @@ def _trainer_worker(run_dir: str, steps: int, dp: int, ckpt: str) -> list[torch.
     )  # fmt: skip
     model_cfg = DeepseekV3Config(**{**CFG, **TRAINER_CFG})
     provider = CausalLMProvider(model_cfg, parallel=ParallelConfig(), init_from=ckpt)
-    tr = Trainer(cfg, provider, DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1)), CausalLMTask())
+    tr = Trainer(
+        cfg, provider, DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1)), CausalLMTask()
+    )
     tr.fit()
     tr.close()
     return [m.router.expert_bias.clone() for m in CausalLMProvider.moe_layers(tr.model_parts)]
@@ -223,7 +228,9 @@ def _cp_rank(mode: str, ckpt: str) -> dict:
     ids, labels = _batch()
     positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)  # documents cross the ranks
     cp = ctx.mesh_for("batch")["cp"]
-    shard = shard_batch({"input_ids": ids, "labels": labels, "position_ids": positions}, 2, cp.get_local_rank())
+    shard = shard_batch(
+        {"input_ids": ids, "labels": labels, "position_ids": positions}, 2, cp.get_local_rank()
+    )
     out = model(**shard)
     global_tokens = int((labels != -100).sum())
     (out["loss_sum"] / global_tokens).backward()

@@ -96,9 +96,13 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(heads * self.v_head_dim, h, bias=bias)
-        self.scaling = mla_softmax_scale(self.qk_head_dim, config.rope_parameters, config.max_position_embeddings)
+        self.scaling = mla_softmax_scale(
+            self.qk_head_dim, config.rope_parameters, config.max_position_embeddings
+        )
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask
@@ -129,7 +133,14 @@ class MultiHeadLatentAttention(nn.Module):
 
     def reset_parameters(self, std: float) -> None:
         """Normal(0, std) projections, zero biases, unit norms."""
-        for lin in (self.q_proj, self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):
+        for lin in (
+            self.q_proj,
+            self.q_a_proj,
+            self.q_b_proj,
+            self.kv_a_proj_with_mqa,
+            self.kv_b_proj,
+            self.o_proj,
+        ):
             if lin is None:
                 continue
             nn.init.normal_(lin.weight, 0.0, std)

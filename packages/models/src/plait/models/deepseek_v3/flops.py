@@ -32,4 +32,6 @@ def deepseek_v3_flops_per_token(config: DecoderConfig, seq_len: int) -> float:
         mla_params(config) + mlp_params(config, i, shared if config.is_moe_layer(i) else 0)
         for i in range(config.num_hidden_layers)
     )
-    return decoder_flops_per_token(config, seq_len, params, qk_dim=config.qk_head_dim, v_dim=config.v_head_dim)
+    return decoder_flops_per_token(
+        config, seq_len, params, qk_dim=config.qk_head_dim, v_dim=config.v_head_dim
+    )

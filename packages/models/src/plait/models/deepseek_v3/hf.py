@@ -72,7 +72,11 @@ def _quantization(quant: object) -> tuple[int, int]:
         )
     if fmt != "e4m3":
         raise ValueError(f"config.json quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
-    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
         raise ValueError(
             f"config.json quantization_config.weight_block_size={block!r} is not supported "
             "(two positive ints, e.g. [128, 128])"
@@ -127,8 +131,7 @@ class SkipLayersFrom(Mapper):
         for k in source:
             parts = k.split(".")
             if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-                if int(parts[2]) >= self.first:
-                    hit.append(k)
+                hit += [k] if int(parts[2]) >= self.first else []
         if not hit:
             return []
         logger.warning(

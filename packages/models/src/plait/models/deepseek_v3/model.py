@@ -70,5 +70,9 @@ class DeepseekV3ForCausalLM(CausalLMStage):
         ignore_index: int = -100,
     ) -> None:
         super().__init__(
-            config, deepseek_v3_layer, stage_index=stage_index, num_stages=num_stages, ignore_index=ignore_index
+            config,
+            deepseek_v3_layer,
+            stage_index=stage_index,
+            num_stages=num_stages,
+            ignore_index=ignore_index,
         )
