@@ -1,5 +1,6 @@
 """DeepSeek-V3 layouts on gloo against the single-process model: FSDP2 (streaming a block-scaled FP8
-checkpoint into the shards) and EP=2 x FSDP2, loss and every gradient; the auxiliary-loss-free bias
+checkpoint into the shards), EP=2 x FSDP2 with full activation checkpointing and cp=2 (ring,
+all-gather), loss and every gradient; the auxiliary-loss-free bias
 update leaves every rank with the same bias, bit for bit, as the single process; tensor
 parallelism is refused for multi-head latent attention."""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from plait.models import (
+    ActivationCheckpointing,
     ParallelConfig,
     from_pretrained,
     load_hf_checkpoint,
@@ -75,7 +77,9 @@ def _rank_main(layout: str, ckpt: str) -> dict:
         from plait.dist_core import DeviceMeshParameters, DistributedContext
 
         ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=2, expert=2), device="cpu")
-        parallelize(model, context=ctx, config=ParallelConfig())
+        # full activation checkpointing: the recomputed forwards must not count the tokens again
+        ac = ActivationCheckpointing(mode="full")
+        parallelize(model, context=ctx, config=ParallelConfig(activation_checkpointing=ac))
         bias_group = ctx.mesh_for("batch")["dp", "cp"]  # what the loop sums the counts over
         assert all(isinstance(m.experts.gate_up_proj, DTensor) for m in model.moe_layers())
     else:
