@@ -248,3 +248,29 @@ def test_bad_config_names_the_key(changes, message):
         config_from_hf({**base, **changes})
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         DeepseekV3Config(num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_lora_on_mla_exports_a_peft_adapter(tmp_path, dora):
+    """LoRA / DoRA on every MLA projection (HF's module names) -> the HF PEFT adapter -> ``peft`` on
+    transformers' DeepSeek-V3 gives plait's logits. (The dense MLP is left out: peft's transformers-5
+    MoE conversion rewrites ``gate_proj`` / ``up_proj`` targets of a deepseek_v3 model into the
+    experts' fused ``gate_up_proj``, so such an adapter would not load in peft as written.)"""
+    peft = pytest.importorskip("peft")
+    from plait.peft import DoRAConfig, LoRAConfig, apply_peft
+    from plait.peft.hf import export_hf_adapter
+
+    path, hf = make_hf("deepseek_v3", tmp_path)
+    model = from_pretrained(path).eval()
+    cls = DoRAConfig if dora else LoRAConfig
+    targets = r"model\.layers\.\d+\.self_attn\.(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?"
+    apply_peft(model, cls(r=2, alpha=4, target_modules=targets, init="random"))
+    ids = _ids()
+    with torch.no_grad():
+        ours = model(input_ids=ids, return_logits=True)["logits"]
+        assert (ours - hf(ids).logits).abs().max() > 1e-3  # the adapter changes the model
+        export_hf_adapter(model, tmp_path / "adapter", task_type="CAUSAL_LM")
+        cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert "kv_a_proj_with_mqa" in str(cfg["target_modules"]) and "q_b_proj" in str(cfg["target_modules"])
+        theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+        torch.testing.assert_close(theirs(ids).logits, ours, atol=1e-5, rtol=1e-5)
