@@ -274,3 +274,38 @@ def test_lora_on_mla_exports_a_peft_adapter(tmp_path, dora):
         assert "kv_a_proj_with_mqa" in str(cfg["target_modules"]) and "q_b_proj" in str(cfg["target_modules"])
         theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
         torch.testing.assert_close(theirs(ids).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_pipeline_stages_chain_to_the_whole_model(tmp_path):
+    """Two pipeline stages run one after the other (stage IO dicts) give the whole model's loss, its
+    gradients and, stage by stage, the same expert-bias updates (each router lives on one stage)."""
+    path, _ = make_hf("deepseek_v3", tmp_path)
+    cfg = load_hf_config(path).model_copy(update={"bias_update_rate": 0.01, "seq_aux_loss_coef": 0.01})
+    torch.manual_seed(0)
+    whole = DeepseekV3ForCausalLM(cfg).train()
+    whole.reset_parameters()
+    stages = [DeepseekV3ForCausalLM(cfg, stage_index=i, num_stages=2).train() for i in range(2)]
+    state = whole.state_dict()
+    for stage in stages:
+        stage.load_state_dict({k: v for k, v in state.items() if k in stage.state_dict()}, strict=True)
+    assert [s.layer_ids for s in stages] == [[0, 1], [2]]
+    ids = _ids()
+    labels = torch.roll(ids, -1, dims=1)
+    ref = whole(input_ids=ids, labels=labels)
+    (ref["loss"] + ref["aux_loss"]).backward()
+    mid = stages[0](input_ids=ids)
+    out = stages[1](**mid, labels=labels)
+    (out["loss"] + out["aux_loss"]).backward()
+    torch.testing.assert_close(out["loss"], ref["loss"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out["aux_loss"], ref["aux_loss"], atol=1e-6, rtol=1e-6)
+    assert float(ref["aux_loss"]) > 0
+    grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    for n, p in whole.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)
+    from plait.moe import update_expert_biases
+
+    update_expert_biases(whole)
+    for s in stages:
+        update_expert_biases(s)
+    staged = [m.router.expert_bias for s in stages for m in s.moe_layers()]
+    assert all(torch.equal(a, m.router.expert_bias) for a, m in zip(staged, whole.moe_layers(), strict=True))

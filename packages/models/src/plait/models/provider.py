@@ -17,7 +17,7 @@ from plait.models.common.parallel import ParallelConfig
 from plait.models.flops import flops_per_token
 from plait.models.hf import build_causal_lm, load_hf_checkpoint, save_hf_checkpoint
 from plait.models.plan import parallelize
-from plait.moe import update_expert_biases
+from plait.moe import MoELayer, update_expert_biases
 from torch import nn
 
 __all__ = ["CausalLMProvider"]
@@ -109,6 +109,9 @@ class CausalLMProvider:
         ranks (``dp x cp``: every replica of this stage's routers, the expert-parallel ranks among
         them; pipeline ranks hold other layers, tensor ranks the same tokens). Every replica then
         applies the same update, bit for bit. Routers without a rate are left alone (no collective)."""
+        moe = CausalLMProvider.moe_layers(modules)
+        if not any(isinstance(m, MoELayer) and m.router.config.bias_update_rate is not None for m in moe):
+            return
         group = None
         if ctx is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = ctx.mesh_for("batch")["dp", "cp"]
