@@ -46,9 +46,9 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 def _padded_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
 ) -> torch.Tensor:
-    """Attention through kernels that need one head size for q, k and v (context parallelism's, which
-    move k and v in one buffer): the narrower side is zero-padded, which adds nothing to a score or
-    to an output column, and the output is cut back to v's width."""
+    """Attention through kernels that need one head size for q, k and v (FlashAttention's; context
+    parallelism's, which move k and v in one buffer): the narrower side is zero-padded, which adds
+    nothing to a score or to an output column, and the output is cut back to v's width."""
     d = max(q.shape[-1], v.shape[-1])
     q, k = F.pad(q, (0, d - q.shape[-1])), F.pad(k, (0, d - k.shape[-1]))
     out = attention(q, k, F.pad(v, (0, d - v.shape[-1])), mask, scale)
@@ -63,9 +63,10 @@ class MultiHeadLatentAttention(nn.Module):
     latent ``c_kv`` (``kv_lora_rank``) and one rope key shared by all heads; ``kv_b_proj`` expands
     ``kv_a_layernorm(c_kv)`` into per-head ``k_nope`` and ``v`` (``v_head_dim``). RoPE rotates the
     rope parts (interleaved pairs with ``rope_interleave``); attention runs on the trunk's kernels
-    with v's head size != q/k's (SDPA, FlexAttention; under context parallelism, whose kernels need
-    one head size, the narrower of q/k and v is zero-padded); ``o_proj`` maps ``heads * v_head_dim``
-    back. Context parallelism moves the expanded keys and values, not the latent.
+    with v's head size != q/k's (SDPA, FlexAttention; for FlashAttention and under context
+    parallelism, whose kernels need one head size, the narrower of q/k and v is zero-padded);
+    ``o_proj`` maps ``heads * v_head_dim`` back. Context parallelism moves the expanded keys and
+    values, not the latent.
 
     Args:
         config: The DeepSeek-V3 config.
@@ -125,7 +126,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_rot, k_rot = apply_rotary(q_rot, k_rot, *rope)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-        if mask.context is not None and self.v_head_dim != self.qk_head_dim:
+        if (mask.context is not None or mask.backend == "flash") and self.v_head_dim != self.qk_head_dim:
             out = _padded_attention(q, k, v, mask, self.scaling)
         else:
             out = attention(q, k, v, mask, self.scaling)
