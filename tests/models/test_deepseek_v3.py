@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,86 @@ def test_pipeline_stages_chain_to_the_whole_model(tmp_path):
         update_expert_biases(s)
     staged = [m.router.expert_bias for s in stages for m in s.moe_layers()]
     assert all(torch.equal(a, m.router.expert_bias) for a, m in zip(staged, whole.moe_layers(), strict=True))
+
+
+# DeepSeek-V3's released config.json (deepseek-ai/DeepSeek-V3), inlined.
+RELEASED = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_released_config_parses_and_counts_37b_active_params():
+    from plait.models.common.flops import mlp_params
+    from plait.models.deepseek_v3 import mla_softmax_scale
+    from plait.models.deepseek_v3.flops import mla_params
+
+    cfg = config_from_hf(dict(RELEASED))
+    assert isinstance(cfg, DeepseekV3Config) and cfg.fp8_block_size == (128, 128)
+    assert cfg.rope_parameters.rope_type == "yarn" and cfg.rope_parameters.factor == 40
+    # DeepSeek's YaRN softmax scale: 192 ** -0.5 * (0.1 * ln 40 + 1) ** 2
+    scale = mla_softmax_scale(cfg.qk_head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
+    assert scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
+    active = sum(mla_params(cfg) + mlp_params(cfg, i, 2048 * cfg.is_moe_layer(i)) for i in range(61))
+    active += 2 * cfg.vocab_size * cfg.hidden_size  # embedding + head
+    assert active / 1e9 == pytest.approx(37.55, abs=0.01)  # the paper's "37B activated parameters"
