@@ -112,7 +112,7 @@ def test_correction_bias_and_groups_change_the_routing(tmp_path):
         assert int(moe.update_expert_bias().sum()) == ids.numel() * 3
 
 
-def test_fp8_checkpoint_dequantizes_block_by_block(tmp_path, caplog):
+def test_fp8_checkpoint_dequantizes_block_by_block(tmp_path):
     path, _ = make_hf("deepseek_v3", tmp_path)
     ref_state = write_fp8(path, tmp_path / "fp8")
     assert load_hf_config(tmp_path / "fp8").fp8_block_size == BLOCK
