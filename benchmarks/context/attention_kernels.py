@@ -1,4 +1,4 @@
-"""The attention kernels behind context parallelism's all-gather mode, on one GPU (session 8 probe).
+"""The attention kernels behind context parallelism's all-gather mode, on one GPU.
 
     python3 benchmarks/context/attention_kernels.py
 

@@ -2,7 +2,12 @@
 
 One command on a GPU machine:
 
+    python3 benchmarks/run.py --suite kernels          # sets PYTHONPATH, writes benchmarks/results/kernels.md
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 benchmarks/kernels/run_all.py [--quick] [--md out.md]
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 benchmarks/kernels/run_all.py --check
+
+``--check`` runs every row three times and compares the median time of each row with the committed
+``benchmarks/results/kernels.md`` (by its ``id`` column): it exits 1 naming every row more than 5% slower.
 
 Prints one table: per kernel and shape, each implementation's time, its GB/s (memory-bound ops,
 counting the minimum bytes: each input read once, each output written once) or TFLOP/s (GEMMs),
@@ -19,12 +24,15 @@ import gc
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plait.kernels import (
     GradDirection,
     StochasticAdamW,
@@ -35,9 +43,12 @@ from plait.kernels import (
     rms_norm,
     swiglu,
 )
+from regression import median_rows, parse_table, regressions, report, row_id  # benchmarks/regression.py
 
 ROWS: list[dict[str, Any]] = []
 DEV = "cuda"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "kernels.md"
+CHECK_RUNS = 3
 
 
 def bench(fn: Callable[[], Any], rep: int = 100) -> float:
@@ -378,12 +389,15 @@ def bench_gmm(quick: bool) -> None:
 
 def table(copy_gbs: float, mm_tfs: float) -> str:
     lines = [
-        "| kernel | shape | impl | ms | GB/s or TFLOP/s | % of ceiling | peak extra GiB | note |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| id | kernel | shape | impl | ms | GB/s or TFLOP/s | % of ceiling | peak extra GiB | note |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in ROWS:
+        labels = (
+            f"| `{row_id(r['kernel'], r['shape'], r['impl'])}` | {r['kernel']} | {r['shape']} | {r['impl']}"
+        )
         if r["ms"] is None:
-            lines.append(f"| {r['kernel']} | {r['shape']} | {r['impl']} | - | - | - | - | {r['note']} |")
+            lines.append(f"{labels} | - | - | - | - | {r['note']} |")
             continue
         if r["flops"]:
             rate = r["flops"] / r["ms"] / 1e9
@@ -392,21 +406,12 @@ def table(copy_gbs: float, mm_tfs: float) -> str:
             rate = r["bytes"] / r["ms"] / 1e6
             rate_s, frac = f"{rate:.0f} GB/s", rate / copy_gbs
         mem = f"{r['mem']:.2f}" if r["mem"] is not None else ""
-        lines.append(
-            f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | {rate_s} | {100 * frac:.0f}% | {mem} | {r['note']} |"
-        )
+        lines.append(f"{labels} | {r['ms']:.3f} | {rate_s} | {100 * frac:.0f}% | {mem} | {r['note']} |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller shapes")
-    ap.add_argument("--md", default=None, help="also write the markdown table here")
-    ap.add_argument("--only", default="", help="comma list: swiglu,rms_norm,adamw,permute,lce,gmm")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    copy_gbs, mm_tfs = ceilings()
-    sel = set(filter(None, args.only.split(","))) or {"swiglu", "rms_norm", "adamw", "permute", "lce", "gmm"}
+def run_once(sel: set[str], quick: bool) -> None:
+    """Measure the selected kernels once, appending to ``ROWS``."""
     for name, fn in (
         ("gmm", bench_gmm),
         ("lce", bench_lce),
@@ -417,16 +422,54 @@ def main() -> None:
     ):
         if name in sel:
             try:
-                fn(args.quick)
+                fn(quick)
             except Exception as e:
                 add(name, "-", "-", None, note=f"benchmark failed: {type(e).__name__}: {str(e)[:100]}")
             gc.collect()
             torch.cuda.empty_cache()
             print(f"[done {name}]", file=sys.stderr, flush=True)
+
+
+def check(sel: set[str], quick: bool) -> int:
+    """Run the rows ``CHECK_RUNS`` times and compare each row's median ms with the committed table."""
+    committed = parse_table(RESULTS.read_text(), "ms")
+    runs = []
+    for _ in range(CHECK_RUNS):
+        ROWS.clear()
+        run_once(sel, quick)
+        runs.append(
+            {row_id(r["kernel"], r["shape"], r["impl"]): r["ms"] for r in ROWS if r["ms"] is not None}
+        )
+    measured = median_rows(runs)
+    missing = [rid for rid in measured if rid not in committed]
+    if missing:
+        print(f"check: {len(missing)} rows are not in {RESULTS.name} (not compared): {missing}")
+    compared = sum(rid in committed for rid in measured)
+    return report(regressions(committed, measured, higher_is_better=False), compared, RESULTS.name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller shapes")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--only", default="", help="comma list: swiglu,rms_norm,adamw,permute,lce,gmm")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help=f"run {CHECK_RUNS} times, exit 1 naming rows > 5%% slower than results/kernels.md",
+    )
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    sel = set(filter(None, args.only.split(","))) or {"swiglu", "rms_norm", "adamw", "permute", "lce", "gmm"}
+    if args.check:
+        sys.exit(check(sel, args.quick))
+    copy_gbs, mm_tfs = ceilings()
+    run_once(sel, args.quick)
     header = (
         f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n"
         f"measured ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul 8192^3 {mm_tfs:.0f} TFLOP/s\n"
+        f"command: python3 benchmarks/kernels/run_all.py {' '.join(sys.argv[1:])}\n"
     )
     out = header + "\n" + table(copy_gbs, mm_tfs)
     print(out)

@@ -34,8 +34,8 @@ import torch.distributed.pipelining as tpp
 import torch.nn.functional as F
 from plait.pipelining import (
     ActionCosts,
+    Chunk,
     PipelineState,
-    Split,
     Stack,
     backward_input,
     backward_weight,
@@ -222,7 +222,7 @@ def bench_one(row, a, pp, rank, dev, ids, labels, comm, peak, step_flops):  # ty
     # plait
     stages = make_stages(held, topo.num_stages, a, dev)
     ex = build_pipeline(cfg, pp_group=dist.group.WORLD, stage_modules=stages, loss_fn=plait_loss)
-    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(m, specs={"labels": Chunk(0), "loss": Stack()})
 
     def plait_step() -> None:
         state.reset()

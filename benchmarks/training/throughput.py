@@ -1,22 +1,24 @@
-"""Training throughput of a 1.1B Qwen3-MoE: plait's Trainer and model step next to transformers and torchtitan.
+"""Training throughput on one GPU: plait's Trainer and model step next to transformers and torchtitan.
 
-One GPU, one process per row, the same model and batch for every row:
+    python3 benchmarks/run.py --suite training              # what the results table was measured with
+    python3 benchmarks/training/throughput.py               # the MoE and dense rows; writes results/training.md
+    python3 benchmarks/training/throughput.py --rows moe.hf_compiled moe.plait_trainer_compiled
+    python3 benchmarks/training/throughput.py --check       # 3 runs per row against results/training.md
+    python3 benchmarks/training/throughput.py --smoke       # a tiny model on the CPU: the script runs
 
-    python3 benchmarks/training/throughput.py                 # every row; writes benchmarks/results/training.md
-    python3 benchmarks/training/throughput.py --rows hf_compiled plait_trainer_compiled
-    python3 benchmarks/training/throughput.py --smoke         # a tiny model on the CPU: the script runs
-
-Model: 8 decoder layers, hidden 1024, 16 heads (4 KV heads, head dim 64), 64 experts top-8 with expert FFN 512,
-vocab 151936, untied embeddings (1.14B parameters); batch 4 x 2048 tokens; bf16 parameters.
-
-Rows (each in its own process; ``--rows`` picks some):
-  hf_eager / hf_compiled          transformers Qwen3MoeForCausalLM (grouped_mm experts, SDPA, fused AdamW,
-                                  router aux loss), eager / ``model.compile()``
-  torchtitan_eager / _compiled    torchtitan 0.2.2's Qwen3 MoE (grouped_mm experts, fused AdamW), eager /
-                                  each block compiled (fullgraph); skipped when torchtitan is not importable
-  plait_step_eager / _compiled    plait's model: forward + backward + StochasticAdamW on the Trainer's own
-                                  batches (packed documents, document masking, aux loss), no Trainer
-  plait_trainer_eager / _compiled the main job (examples/qwen3_moe/pretrain.py) with this model
+The models are ``workloads.py``'s entries (one per model family: a Hugging Face config dict, a batch,
+the transformers class, the torchtitan builder): ``moe``, a 1.14B Qwen3-MoE (8 layers, hidden 1024, 64
+experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen3-1.7B shapes (batch 2 x
+4096, compiled rows). A row is ``<workload>.<implementation>`` (a bare implementation means ``moe``):
+  hf_eager / hf_compiled          transformers (SDPA, fused AdamW; MoE: grouped_mm experts, router aux
+                                  loss), eager / ``model.compile()``
+  torchtitan_eager / _compiled    torchtitan 0.2.2's model of the family (fused AdamW), eager / each block
+                                  compiled (fullgraph); the packages torchtitan imports but its models never
+                                  use (datasets, wandb, tensorboard, blobfile, tiktoken) are stubbed with
+                                  all their submodules when missing
+  plait_step_eager / _compiled    plait's model: forward + backward + StochasticAdamW, no Trainer (MoE: the
+                                  Trainer's own batches, packed documents, document masking, aux loss)
+  plait_trainer_eager / _compiled the MoE main job (examples/qwen3_moe/pretrain.py) with this model
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
                                   over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
                                   FSDP unit); skipped when fewer than n GPUs are present (``--smoke``: n CPU
@@ -25,12 +27,14 @@ Rows (each in its own process; ``--rows`` picks some):
                                   layers in one FSDP unit: with EP it holds only the dense weights)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
 
-``--model gpu1`` measures the main job's GPU model instead (the ``[model]`` table of
-``examples/qwen3_moe/configs/gpu1.toml``; ``benchmarks/multigpu/scaling.py`` uses it) and writes no results file.
+``--model gpu1`` measures the main job's GPU model instead of the MoE entry (the ``[model]`` table of
+``examples/qwen3_moe/configs/gpu1.toml``; ``benchmarks/training/scaling.py`` uses it) and writes no results file.
 
 Each row runs ``--warmup`` steps, then times ``--steps`` steps with the device synchronised at both ends.
-It prints tok/s (per GPU), MFU against the bf16 matmul rate measured at the start of the same run, and
-the peak allocated GPU memory.
+It prints tok/s (per GPU), MFU against the bf16 matmul rate measured at the start of the same run, the
+peak allocated GPU memory, and one verdict line per target of ``workloads.TARGETS``. The table's ``id``
+column names each row for ``--check``, which runs every row three times and exits 1 naming each row whose
+median tok/s is more than 5% below the committed table's.
 """
 
 from __future__ import annotations
@@ -45,46 +49,28 @@ import sys
 import tempfile
 import time
 import tomllib
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from regression import median_rows, parse_table, regressions, report, row_id  # benchmarks/regression.py
+from workloads import DEFAULT_WORKLOADS, TARGETS, WORKLOADS, Workload, stub_missing_modules
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "training.md"
-MODEL = {  # the Hugging Face / plait config fields of the benchmark model
-    "vocab_size": 151936,
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-    "moe_intermediate_size": 512,
-    "num_experts": 64,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "router_aux_loss_coef": 0.001,
-    "tie_word_embeddings": False,
-}
-SMOKE_MODEL = {**MODEL, "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
-               "num_experts_per_tok": 2}  # fmt: skip
-ROWS_1GPU = [
-    "hf_eager", "hf_compiled", "torchtitan_eager", "torchtitan_compiled",
-    "plait_step_eager", "plait_step_compiled", "plait_trainer_eager", "plait_trainer_compiled",
-]  # fmt: skip
-ROWS_2GPU = ["plait_trainer_fsdp2", "plait_trainer_ep2"]
+CHECK_RUNS = 3
+ROWS_2GPU = ["moe.plait_trainer_fsdp2", "moe.plait_trainer_ep2"]
 GPU1_TOML = ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml"
 
 
 def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str]]:
     """Processes and main-job arguments of a Trainer row (``plait_trainer_{fsdp,ep,pp}<n>``; else 1, []);
     ``layers``: the model's decoder layers."""
-    m = re.fullmatch(r"plait_trainer_(fsdp|ep|pp)(\d+)", row)
+    m = re.search(r"plait_trainer_(fsdp|ep|pp)(\d+)$", row)
     if m is None:
         return 1, []
     n = int(m[2])
@@ -92,8 +78,8 @@ def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str
         return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
     # EP rows: gpu2.toml's dispatch (every size on the device: no host sync, one graph per layer)
     expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather"] if m[1] == "ep" else []
-    # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (session 8, 8 layers): 4 with FSDP
-    # alone; with EP the units hold only the small dense weights, so one unit for all layers.
+    # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (8 layers): 4 with FSDP alone; with
+    # EP the units hold only the small dense weights, so one unit for all layers.
     units = layers if m[1] == "ep" else 4
     return n, [
         f"--mesh.data_shard={n}",
@@ -125,14 +111,13 @@ def bf16_matmul_tflops(n: int = 8192, iters: int = 20) -> float:
 
 
 def flops_per_token(model: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token (6 x active matmul parameters + attention), as plait.models.flops counts."""
-    h, layers = model["hidden_size"], model["num_hidden_layers"]
-    q, kv = model["num_attention_heads"] * model["head_dim"], model["num_key_value_heads"] * model["head_dim"]
-    attn = h * (q + 2 * kv) + q * h
-    experts = model["num_experts_per_tok"] * 3 * h * model["moe_intermediate_size"] + h * model["num_experts"]
-    active = layers * (attn + experts) + h * model["vocab_size"]
-    attention_scores = layers * 2 * 2 * q * seq_len / 2  # causal QK^T and PV, half the square
-    return 6 * active + 3 * attention_scores
+    """Training FLOPs per token of the workload's model, as plait counts them for every family
+    (``plait.models.flops_per_token``: 6 x active matmul parameters + attention without the causal
+    halving, torchtitan's convention; sliding windows and MLA head sizes counted)."""
+    from plait.models import config_from_hf
+    from plait.models import flops_per_token as count
+
+    return count(config_from_hf(dict(model)), seq_len)
 
 
 # ------------------------------------------------------------------ batches
@@ -235,14 +220,16 @@ def _timed(
 
 # ------------------------------------------------------------------ rows
 def row_hf(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
-    cfg = Qwen3MoeConfig(**args.model, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True)
+    w: Workload = args.workload
+    cfg = transformers.AutoConfig.for_model(**args.model, **w.hf_extra)
     kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "torch_dtype": torch.bfloat16}
+    model_cls = getattr(transformers, w.hf_class)
     try:
-        model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="grouped_mm", **kwargs)
+        model = model_cls._from_config(cfg, **{**kwargs, **w.hf_kwargs})
     except (TypeError, ValueError):  # older transformers: no experts_implementation
-        model = Qwen3MoeForCausalLM._from_config(cfg, **kwargs)
+        model = model_cls._from_config(cfg, **kwargs)
     model.to(args.device).train()
     if compiled:
         model.compile()
@@ -259,42 +246,12 @@ def row_hf(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
     return _result(args, *_timed(step, args.warmup, args.steps, args.device, prof))
 
 
-def _stub_attr(attr: str) -> Any:
-    if attr.startswith("__"):  # inspect and importlib probe dunders: behave like a plain module
-        raise AttributeError(attr)
-    return types.SimpleNamespace()
-
-
-def _stub_torchtitan_imports() -> None:
-    """torchtitan 0.2.2 imports packages its model code never uses (datasets, wandb, blobfile)."""
-    for name in ("datasets", "wandb", "blobfile"):
-        if name not in sys.modules:
-            try:
-                __import__(name)
-            except ImportError:
-                mod = types.ModuleType(name)
-                mod.__dict__["__getattr__"] = _stub_attr
-                sys.modules[name] = mod
-
-
 def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
-    _stub_torchtitan_imports()
-    from torchtitan.models.moe import MoEArgs
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    from torchtitan.models.qwen3.model.model import DecoderTrunk
-
-    m = args.model
-    targs = Qwen3ModelArgs(
-        dim=m["hidden_size"], n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"],
-        n_kv_heads=m["num_key_value_heads"], vocab_size=m["vocab_size"], head_dim=m["head_dim"],
-        hidden_dim=m["intermediate_size"], max_seq_len=args.seq, qk_norm=True, moe_enabled=True,
-        moe_inter_dim=m["moe_intermediate_size"],
-        moe_args=MoEArgs(num_experts=m["num_experts"], num_shared_experts=0, top_k=m["num_experts_per_tok"],
-                         score_func="softmax", route_norm=True, score_before_experts=False,
-                         use_grouped_mm=args.device == "cuda"),
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = DecoderTrunk(targs)
+    w: Workload = args.workload
+    if w.titan is None:
+        raise RuntimeError(f"workload {w.name!r} has no torchtitan builder")
+    stub_missing_modules()
+    model = w.titan(args.model, args.seq)
     model.to_empty(device=args.device)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(args.device))
@@ -303,11 +260,17 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         for name, block in model.layers.named_children():
             model.layers.register_module(name, torch.compile(block, fullgraph=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
-    data = _batches(m, args.batch, args.seq, 4, args.device)
+    data = _batches(args.model, args.batch, args.seq, 4, args.device)
+
+    masks = getattr(model, "get_attention_masks", None)  # torchtitan's FlexAttention models take masks
 
     def step(i: int) -> None:
         b = data[i % len(data)]
-        logits = model(b["input_ids"])
+        if masks is not None and getattr(model.model_args, "attn_type", "sdpa") == "flex":
+            # built each step from the batch, as torchtitan's trainer does (causal: no tokenizer read)
+            logits = model(b["input_ids"], masks(b["input_ids"], tokenizer=None))
+        else:
+            logits = model(b["input_ids"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten())
         loss.backward()
         opt.step()
@@ -326,7 +289,8 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
             f"--parallel.compile={str(compiled).lower()}", "--data.max_files=4000"]  # fmt: skip
     if args.device == "cuda":  # the shipped GPU config: bf16 parameters, StochasticAdamW
         argv += ["--config", str(ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml")]
-    argv += [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in args.model.items()]
+    fields = {k: v for k, v in args.model.items() if k != "model_type"}
+    argv += [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
     return argv + extra
 
 
@@ -361,19 +325,34 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
     return _result(args, args.batch * args.seq * world / tps, peak)
 
 
-def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
-    """plait's model on the Trainer's batches, with no Trainer: the floor the Trainer is measured against."""
-    _src_path()
-    import pretrain
-    from plait.kernels import StochasticAdamW
-    from plait.models import CausalLMProvider, ParallelConfig
-    from plait.models.qwen3 import Qwen3MoeConfig
+def _plait_provider(args: argparse.Namespace, compiled: bool) -> Any:
+    """plait's provider of the workload's model (bf16 parameters on CUDA)."""
+    from plait.models import CausalLMProvider, ParallelConfig, config_from_hf
 
-    cfg = Qwen3MoeConfig(**args.model)
-    bf16 = args.device == "cuda"
-    provider = CausalLMProvider(
-        cfg, parallel=ParallelConfig(compile=compiled), dtype=torch.bfloat16 if bf16 else None
-    )
+    parallel = ParallelConfig(compile=compiled)
+    dtype = torch.bfloat16 if args.device == "cuda" else None
+    return CausalLMProvider(config_from_hf(args.model), parallel=parallel, dtype=dtype, seed=0)
+
+
+def _trainer_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    """Four batches of the MoE main job's own data (packed documents with their positions and ids)."""
+    import pretrain  # examples/qwen3_moe/pretrain.py
+
+    ds = pretrain.build_dataset(pretrain.DataConfig(max_files=4000), args.seq)
+    batches = []
+    for i in range(4):
+        rows = [ds[i * args.batch + j] for j in range(args.batch)]
+        batches.append({k: torch.stack([r[k] for r in rows]).to(args.device) for k in rows[0]})
+    return batches
+
+
+def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
+    """plait's model with no Trainer: the floor the Trainer is measured against."""
+    _src_path()
+    from plait.dist_core import parse_dtype
+    from plait.kernels import StochasticAdamW
+
+    provider = _plait_provider(args, compiled)
     model = provider.build_stage(0, 1)
     if compiled:
         for layer in model.decoder_layers():
@@ -381,23 +360,26 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
     provider.materialize(model, args.device)
     model.train()
     opt = (
-        StochasticAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        if bf16
+        StochasticAdamW(
+            model.parameters(), lr=1e-4, weight_decay=0.1, moment_dtype=parse_dtype(args.plait_moments)
+        )
+        if args.device == "cuda"
         else torch.optim.AdamW(model.parameters(), lr=1e-4)
     )
-    data_cfg = pretrain.DataConfig(max_files=4000)
-    ds = pretrain.build_dataset(data_cfg, args.seq)
-    batches = []
-    for i in range(4):
-        rows = [ds[i * args.batch + j] for j in range(args.batch)]
-        batches.append({k: torch.stack([r[k] for r in rows]).to(args.device) for k in rows[0]})
+    if args.workload.name == "moe":
+        batches = _trainer_batches(args)
+    else:  # the peers' random tokens
+        batches = _batches(args.model, args.batch, args.seq, 4, args.device)
 
     def step(i: int) -> None:
         b = batches[i % len(batches)]
-        out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"],
-                    document_ids=b["document_ids"])  # fmt: skip
+        inputs = {k: b[k] for k in ("input_ids", "labels", "position_ids", "document_ids") if k in b}
+        out = model(**inputs)
         n = (b["labels"] != -100).sum()
-        ((out["loss_sum"] + out["aux_loss"] * n) / n).backward()
+        loss = out["loss_sum"] / n
+        if "aux_loss" in out:
+            loss = loss + out["aux_loss"]
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -412,15 +394,30 @@ def _result(args: argparse.Namespace, s_per_step: float, peak_gib: float) -> dic
 
 
 def run_row(args: argparse.Namespace) -> dict[str, float]:
-    name = args.row
-    if name.startswith("hf_"):
-        return row_hf(args, name == "hf_compiled")
-    if name.startswith("torchtitan_"):
-        return row_torchtitan(args, name == "torchtitan_compiled")
-    if name.startswith("plait_step_"):
-        return row_plait_step(args, name == "plait_step_compiled")
-    extra = trainer_layout(name, args.batch, int(args.model["num_hidden_layers"]))[1]
-    return row_plait_trainer(args, name != "plait_trainer_eager", extra + args.trainer_args.split())
+    impl = args.row.split(".", 1)[1]
+    compiled = not impl.endswith("_eager")
+    if impl.startswith("hf_"):
+        return row_hf(args, compiled)
+    if impl.startswith("torchtitan_"):
+        return row_torchtitan(args, compiled)
+    if impl.startswith("plait_step_"):
+        return row_plait_step(args, compiled)
+    extra = trainer_layout(impl, args.batch, int(args.model["num_hidden_layers"]))[1]
+    return row_plait_trainer(args, compiled, extra + args.trainer_args.split())
+
+
+def canonical(row: str) -> str:
+    """``<workload>.<implementation>``; a bare implementation is the MoE workload's."""
+    return row if "." in row else f"moe.{row}"
+
+
+def known(row: str) -> bool:
+    """Whether ``row`` names a workload's implementation (or an n-GPU Trainer row of the MoE workload)."""
+    name, _, impl = canonical(row).partition(".")
+    w = WORKLOADS.get(name)
+    if w is None:
+        return False
+    return impl in w.impls or (name == "moe" and trainer_layout(impl, 2)[0] > 1)
 
 
 # ------------------------------------------------------------------ driver
@@ -429,8 +426,8 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
     common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
-    common += ["--model", args.model_name]
-    nproc = trainer_layout(row, args.batch)[0]
+    common += ["--model", args.model_name, "--plait-moments", args.plait_moments]
+    nproc = trainer_layout(row, 4)[0]
     if nproc > 1:
         if not args.smoke and torch.cuda.device_count() < nproc:
             print(f"{row}: skipped, needs {nproc} GPUs ({torch.cuda.device_count()} present)", flush=True)
@@ -458,42 +455,89 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def _table(results: list[dict[str, Any]], peak_tflops: float, fpt: float) -> str:
+def row_key(row: str) -> str:
+    """The table's stable id of a row (``moe/plait-trainer-compiled``)."""
+    workload, impl = canonical(row).split(".", 1)
+    return row_id(workload, impl)
+
+
+def _table(args: argparse.Namespace, results: list[dict[str, Any]], peak_tflops: float) -> str:
     by = {r["row"]: r for r in results}
-    lines = ["| row | tok/s per GPU | MFU | peak GiB | vs hf_compiled | vs plait_step (same mode) |",
-             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| id | row | tok/s per GPU | MFU | peak GiB | vs transformers + compile | vs plait step (same mode) |",
+             "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in results:
+        workload, impl = r["row"].split(".", 1)
+        head = f"| `{row_key(r['row'])}` | {r['row']}"
         if "skipped" in r:
-            lines.append(f"| {r['row']} | {r['skipped']} | | | | |")
+            lines.append(f"{head} | {r['skipped']} | | | | |")
             continue
+        model, _, seq = shape(args, workload)
         tps = r["tok_s_per_gpu"]
-        mfu = fpt * tps / (peak_tflops * 1e12) if peak_tflops == peak_tflops else float("nan")
-        base = by.get("hf_compiled", {}).get("tok_s_per_gpu")
-        mode = "eager" if r["row"].endswith("eager") else "compiled"
-        step = by.get(f"plait_step_{mode}", {}).get("tok_s_per_gpu")
+        mfu = flops_per_token(model, seq) * tps / (peak_tflops * 1e12)
+        base = by.get(f"{workload}.hf_compiled", {}).get("tok_s_per_gpu")
+        mode = "eager" if impl.endswith("eager") else "compiled"
+        step = by.get(f"{workload}.plait_step_{mode}", {}).get("tok_s_per_gpu")
         ratio = f"{tps / base:.2f}x" if base else ""
-        vs_step = f"{tps / step:.2f}x" if step and r["row"].startswith("plait_trainer") else ""
-        lines.append(
-            f"| {r['row']} | {tps / 1e3:.1f}k | {mfu:.1%} | {r['peak_gib']:.1f} | {ratio} | {vs_step} |"
-        )
+        vs_step = f"{tps / step:.2f}x" if step and impl.startswith("plait_trainer") else ""
+        lines.append(f"{head} | {tps / 1e3:.1f}k | {mfu:.1%} | {r['peak_gib']:.1f} | {ratio} | {vs_step} |")
     return "\n".join(lines)
 
 
+def verdicts(results: list[dict[str, Any]]) -> list[str]:
+    """One line per target whose rows ran (or were asked for) in this run."""
+    by = {r["row"]: r for r in results}
+    workloads = {r["row"].split(".", 1)[0] for r in results}
+    return [t.verdict(by) for t in TARGETS if t.workload in workloads]
+
+
+def shape(args: argparse.Namespace, workload: str) -> tuple[dict[str, Any], int, int]:
+    """The Hugging Face config dict, batch and sequence length a workload's rows train here."""
+    w = WORKLOADS[workload]
+    if args.smoke:
+        return {**w.hf_config, **w.smoke}, 2, 64
+    if workload == "moe" and args.model_name == "gpu1":
+        return {"model_type": "qwen3_moe", **tomllib.loads(GPU1_TOML.read_text())["model"]}, w.batch, w.seq
+    return w.hf_config, w.batch, w.seq
+
+
+def default_rows(workloads: list[str]) -> list[str]:
+    """Every row of ``workloads`` (the MoE workload adds its 2-GPU Trainer rows)."""
+    rows = [f"{name}.{impl}" for name in workloads for impl in WORKLOADS[name].impls]
+    return rows + (ROWS_2GPU if "moe" in workloads else [])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (``argv``, default ``sys.argv``) with the model, device and batch it implies."""
+    """The command line (``argv``, default ``sys.argv``) with the device it implies; ``--row``: its model."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--rows",
         nargs="+",
         default=None,
-        help=f"rows to run (default: all): {ROWS_1GPU + ROWS_2GPU}, or plait_trainer_{{fsdp,ep,pp}}<n>",
+        help="rows to run, <workload>.<implementation> (default: every row of --workloads); "
+        "moe.plait_trainer_{fsdp,ep,pp}<n> for n GPUs",
     )
+    ap.add_argument(
+        "--workloads", nargs="+", choices=list(WORKLOADS), default=list(DEFAULT_WORKLOADS),
+        help=f"workloads whose rows run when --rows is not given (default {list(DEFAULT_WORKLOADS)})",
+    )  # fmt: skip
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process
+    ap.add_argument(
+        "--plait-moments",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="AdamW moment dtype of the plait_step rows (bfloat16: like the peers' torch AdamW on bf16 "
+        "parameters; the Trainer rows take the main job's optimizer settings)",
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--row-timeout", type=float, default=900)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help=f"run each row {CHECK_RUNS} times; exit 1 naming rows > 5%% slower than results/training.md",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
@@ -507,28 +551,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="model_name",
         choices=["benchmark", "gpu1"],
         default="benchmark",
-        help="the 1.14B benchmark model, or the main job's GPU model (configs/gpu1.toml's [model])",
+        help="the MoE workload's model: the 1.14B benchmark model, or the main job's (configs/gpu1.toml's [model])",
     )
     args = ap.parse_args(argv)
-    if bad := [r for r in args.rows or [] if r not in ROWS_1GPU and trainer_layout(r, 2)[0] == 1]:
-        ap.error(f"--rows: unknown {bad}; known: {ROWS_1GPU} and plait_trainer_{{fsdp,ep,pp}}<n> (n >= 2)")
-    if args.smoke:
-        args.model = SMOKE_MODEL
-    elif args.model_name == "gpu1":
-        args.model = tomllib.loads(GPU1_TOML.read_text())["model"]
-    else:
-        args.model = MODEL
+    if args.rows is not None:
+        if bad := [r for r in args.rows if not known(r)]:
+            ap.error(f"--rows: unknown {bad}; known: {default_rows(list(WORKLOADS))} and "
+                     "moe.plait_trainer_{fsdp,ep,pp}<n> (n >= 2)")  # fmt: skip
+        args.rows = [canonical(r) for r in args.rows]
     args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    args.batch, args.seq = (2, 64) if args.smoke else (4, 2048)
+    if args.row:
+        args.row = canonical(args.row)
+        args.workload = WORKLOADS[args.row.split(".", 1)[0]]
     if args.smoke:
         args.steps, args.warmup = 2, 1
     if args.steps % args.warmup:
         ap.error("--steps must be a multiple of --warmup (the Trainer rows log every --warmup steps)")
+    # The row's workload's shapes (the parent process: the MoE workload's, which scaling.py reads).
+    args.model, args.batch, args.seq = shape(args, args.workload.name if args.row else "moe")
     return args
 
 
 def measure(args: argparse.Namespace, rows: list[str]) -> tuple[list[dict[str, Any]], float, float, str]:
-    """Run ``rows`` (one process or torchrun each): results, bf16 TFLOP/s, FLOPs per token, environment."""
+    """Run ``rows`` (one process or torchrun each): results, bf16 TFLOP/s, FLOPs per token of
+    ``args.model``, environment."""
     peak = bf16_matmul_tflops() if args.device == "cuda" else float("nan")
     fpt = flops_per_token(args.model, args.seq)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke)"
@@ -536,8 +582,20 @@ def measure(args: argparse.Namespace, rows: list[str]) -> tuple[list[dict[str, A
 
     env = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}, "
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
-    print(f"{env}; bf16 matmul {peak:.0f} TFLOP/s; {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    print(f"{env}; bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     return [_spawn(r, args) for r in rows], peak, fpt, env
+
+
+def check(args: argparse.Namespace, rows: list[str]) -> int:
+    """Run ``rows`` ``CHECK_RUNS`` times; compare each row's median tok/s with the committed table."""
+    committed = parse_table(RESULTS.read_text(), "tok/s per GPU")
+    runs = []
+    for _ in range(CHECK_RUNS):
+        results = measure(args, rows)[0]
+        runs.append({row_key(r["row"]): r["tok_s_per_gpu"] for r in results if "skipped" not in r})
+    measured = median_rows(runs)
+    compared = sum(rid in committed for rid in measured)
+    return report(regressions(committed, measured, higher_is_better=True), compared, RESULTS.name)
 
 
 def main() -> None:
@@ -550,17 +608,25 @@ def main() -> None:
             print("RESULT " + json.dumps(res), flush=True)
         return
 
-    results, peak, fpt, env = measure(args, args.rows or ROWS_1GPU + ROWS_2GPU)
-    table = _table(results, peak, fpt)
+    rows = args.rows or default_rows(args.workloads)
+    if args.check:
+        sys.exit(check(args, rows))
+    results, peak, _, env = measure(args, rows)
+    table = _table(args, results, peak)
+    lines = verdicts(results)
     print(table)
+    print("\n".join(lines))
     if not args.no_write and not args.smoke and args.model_name == "benchmark":
+        titles = "; ".join(
+            f"`{w}`: {WORKLOADS[w].title}" for w in dict.fromkeys(r.split(".")[0] for r in rows)
+        )
         RESULTS.write_text(
             "# Training throughput: plait vs transformers and torchtitan\n\n"
-            f"`python3 benchmarks/training/throughput.py {' '.join(sys.argv[1:])}`: {env}. "
-            f"bf16 matmul rate measured in the same run: {peak:.0f} TFLOP/s (MFU denominator). "
-            f"Model: Qwen3-MoE 8 layers, hidden 1024, 64 experts top-8, expert FFN 512, vocab 151936 "
-            f"(1.14B parameters), batch {args.batch} x {args.seq} per GPU, bf16; {args.warmup} warm-up steps, "
-            f"{args.steps} timed; one process per row.\n\n{table}\n"
+            f"**device:** {env}\n\n**command:** `python3 benchmarks/training/throughput.py "
+            f"{' '.join(sys.argv[1:])}`\n\n"
+            f"bf16 matmul rate measured in the same run: {peak:.0f} TFLOP/s (MFU denominator). Workloads: {titles}; "
+            f"bf16 parameters; {args.warmup} warm-up steps, {args.steps} timed; one process per row.\n\n"
+            f"{table}\n\n" + "\n".join(f"- {v}" for v in lines) + "\n"
         )
 
 

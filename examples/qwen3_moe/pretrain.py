@@ -3,14 +3,16 @@
     uv run examples/qwen3_moe/pretrain.py                         # CPU default (CUDA when present)
     uv run examples/qwen3_moe/pretrain.py --steps 50 --run-dir runs/x --optimizer.lr=1e-3
     uv run examples/qwen3_moe/pretrain.py --config examples/qwen3_moe/configs/gpu1.toml
-    torchrun --nproc-per-node 2 examples/qwen3_moe/pretrain.py --config examples/qwen3_moe/configs/cpu_fsdp2.toml
+    torchrun --nproc-per-node 2 examples/qwen3_moe/pretrain.py --mesh.data_shard=2 --mesh.expert=2
 
-Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
-attention masking. The last ``data.validation_files`` files of the corpus are held out (never trained
-on) for the validation loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
-``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
-checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
-summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
+The family-neutral main job (``examples/train.py``) with this folder's configs, whose ``[model]``
+sections are Qwen3-MoE's (``model_type`` defaults to ``qwen3_moe``). Byte-level tokens (no tokenizer
+download), documents packed into fixed-length rows with per-document attention masking. The last
+``data.validation_files`` files of the corpus are held out (never trained on) for the validation
+loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints
+under ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging
+Face checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained``
+loads, a summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
 
 Bad flags, config files or paths stop it with one message and exit status 2 before anything is
 built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
@@ -20,251 +22,42 @@ Hugging Face export of the unfinished run unless ``--export-unfinished`` is give
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar
 
-import torch
-from plait.loop import (
-    CausalLMTask,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the family-neutral job
+
+import train
+from train import (  # noqa: F401  (re-exported: scripts and tests build on this job)
     ConfigError,
-    DatasetProvider,
-    ModelProvider,
-    Trainer,
-    TrainerConfig,
-    load_config,
-    split_cli_overrides,
+    DataConfig,
+    StartupError,
+    build_dataset,
+    build_provider,
+    build_trainer,
+    check_paths,
+    corpus_files,
 )
-from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
-from plait.models import CausalLMProvider, ParallelConfig
-from plait.models.qwen3 import Qwen3MoeConfig
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "cpu.toml"
 
 
-class DataConfig(BaseModel):
-    """Where the text comes from and how it is cut."""
+class PretrainConfig(train.TrainConfig):
+    """The main job's config with Qwen3-MoE as the default family of ``[model]``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    source: str = Field(
-        "stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files"
-    )
-    pattern: str = "*.py"
-    max_files: int | None = Field(
-        400, ge=1, description="Cap on training files (sorted by path), None for all"
-    )
-    validation_files: int = Field(
-        8, ge=1, description="The corpus's last files (sorted by path), held out for evaluation"
-    )
+    DEFAULT_MODEL_TYPE: ClassVar[str | None] = "qwen3_moe"
 
 
-class PretrainConfig(TrainerConfig):
-    """The loop's config plus the model, its parallel plan and the data."""
-
-    model: Qwen3MoeConfig
-    # bfloat16 parameters pair with optimizer.name = "stochastic_adamw" (stochastic rounding).
-    model_dtype: Literal["float32", "bfloat16"] = "float32"
-    parallel: ParallelConfig = ParallelConfig()
-    data: DataConfig = DataConfig()
-
-    @model_validator(mode="after")
-    def _check_model_against_run(self) -> PretrainConfig:
-        """Conflicts between the model section and the others, each naming both fields."""
-        m = self.model
-        if self.batching.seq_len > m.max_position_embeddings:
-            raise ValueError(
-                f"batching.seq_len={self.batching.seq_len} is larger than "
-                f"model.max_position_embeddings={m.max_position_embeddings}"
-            )
-        if m.vocab_size < ByteTokenizer.vocab_size:
-            raise ValueError(
-                f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's "
-                f"{ByteTokenizer.vocab_size} token ids (data: byte-level tokens)"
-            )
-        stages = self.num_pipeline_stages
-        if stages > m.num_hidden_layers:
-            raise ValueError(
-                f"model.num_hidden_layers={m.num_hidden_layers} is fewer than the {stages} pipeline stages of "
-                f"mesh.pipeline={self.mesh.pipeline} x the schedule's stages per rank (pipeline.kind)"
-            )
-        if stages > 1 and m.tie_word_embeddings:
-            raise ValueError(
-                "model.tie_word_embeddings=true cannot be split over pipeline stages "
-                f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
-            )
-        return self
-
-
-def corpus_files(cfg: DataConfig, split: Literal["train", "validation"] = "train") -> list[Path]:
-    """The training files (the first ``max_files``) or the held-out validation files (the last ones)."""
-    root = Path(sysconfig.get_paths()["stdlib"]) if cfg.source == "stdlib" else Path(cfg.source)
-    if not root.is_dir():
-        raise FileNotFoundError(f"data.source: {root} is not a directory")
-    files = sorted(p for p in root.rglob(cfg.pattern) if p.is_file() and "site-packages" not in p.parts)
-    if len(files) <= cfg.validation_files:
-        raise FileNotFoundError(
-            f"data.source: {len(files)} files matching {cfg.pattern!r} under {root}, not more than "
-            f"data.validation_files={cfg.validation_files}"
-        )
-    n = len(files) - cfg.validation_files
-    return files[:n][: cfg.max_files] if split == "train" else files[n:]
-
-
-def build_dataset(
-    cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
-) -> PackedTokens:
-    """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
-    tok = ByteTokenizer()
-    docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg, split))
-    return pack_documents(docs, seq_len, tok.eos_id)
-
-
-def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
-    """The causal-LM trainer on the packed corpus, validated on the held-out files (also used by
-    ``finetune_lora.py``)."""
-    seq_len = config.batching.seq_len
-    return Trainer(
-        config,
-        provider,
-        DatasetProvider(
-            lambda: build_dataset(data, seq_len),
-            validation=lambda: build_dataset(data, seq_len, "validation"),
-        ),
-        CausalLMTask(labels_to_model=True),
-    )
-
-
-class StartupError(Exception):
-    """A flag, file or path that keeps the job from starting; the message says which and why."""
-
-
-def parse_args(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
-    """Flags and dotted ``--section.field=value`` overrides -> the config and the flags.
-
-    Raises:
-        ConfigError: a missing or bad config file, or an override that does not validate.
-        SystemExit: an unknown or misspelt flag (argparse's message, status 2).
-    """
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-    )
-    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML/YAML/JSON config file")
-    ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
-    ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
-    ap.add_argument("--no-export", action="store_true", help="skip the final Hugging Face export")
-    ap.add_argument(
-        "--export-unfinished",
-        action="store_true",
-        help="write the Hugging Face export also when a signal stops the run before run.steps",
-    )
-    ap.add_argument(
-        "--init-from", type=Path, help="start from this Hugging Face checkpoint (e.g. a seed checkpoint)"
-    )
-    ap.add_argument(
-        "--write-seed-checkpoint",
-        type=Path,
-        metavar="DIR",
-        help="write the freshly initialised model as a Hugging Face checkpoint to DIR and exit; every "
-        "parallel layout that starts from it (--init-from DIR) starts from the same weights",
-    )
-    overrides, rest = split_cli_overrides(argv)
-    args = ap.parse_args(rest)  # anything else, e.g. "--step 3" for "--steps 3", is an error
-    if args.steps is not None:
-        overrides.append(f"--run.steps={args.steps}")
-    if args.run_dir is not None:
-        overrides.append(f"--run.run_dir={args.run_dir}")
-    return load_config(args.config, overrides, cls=PretrainConfig), args
-
-
-def check_paths(config: PretrainConfig, args: argparse.Namespace) -> None:
-    """Fail before anything is built: ``--init-from`` must hold safetensors, the run directory (and
-    the checkpoint directory) must be writable.
-
-    Raises:
-        StartupError: naming the flag or field and the path.
-    """
-    if args.init_from is not None:
-        if not args.init_from.is_dir():
-            raise StartupError(f"--init-from: {args.init_from} is not a directory")
-        if not any(args.init_from.glob("*.safetensors")):
-            raise StartupError(
-                f"--init-from: {args.init_from} holds no *.safetensors files (expected a Hugging Face checkpoint)"
-            )
-    dirs = {"run.run_dir": config.run.run_dir}
-    if config.checkpoint.enabled and config.checkpoint.dir:
-        dirs["checkpoint.dir"] = config.checkpoint.dir
-    if args.write_seed_checkpoint is not None:
-        dirs = {"--write-seed-checkpoint": str(args.write_seed_checkpoint)}
-    for name, path in dirs.items():
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test"):
-                pass
-        except OSError as e:
-            raise StartupError(f"{name}: cannot write to {path}: {e.strerror or e}") from None
-
-
-def build_provider(config: PretrainConfig, init_from: Path | None = None) -> CausalLMProvider:
-    """The Qwen3-MoE provider of ``config`` (weights from ``init_from``, a Hugging Face checkpoint, if given)."""
-    return CausalLMProvider(
-        config.model,
-        parallel=config.parallel,
-        init_from=init_from,
-        dtype=getattr(torch, config.model_dtype),
-        seed=config.run.seed,
-    )
+def parse_args(argv: list[str]) -> tuple[train.TrainConfig, argparse.Namespace]:
+    """Flags and dotted overrides -> the config and the flags (see :func:`train.parse_args`)."""
+    return train.parse_args(argv, PretrainConfig, DEFAULT_CONFIG)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the job; returns the last logged metrics.
-
-    Raises:
-        SystemExit: 2 on a bad flag, config or path (one message on stderr, nothing built); 128 +
-            the signal number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped the run.
-    """
-    try:
-        config, args = parse_args(sys.argv[1:] if argv is None else argv)
-        check_paths(config, args)
-    except (ConfigError, StartupError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    provider = build_provider(config, args.init_from)
-    if args.write_seed_checkpoint is not None:
-        model = provider.build_stage(0, 1)
-        provider.materialize(model, "cpu")
-        return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
-    trainer = build_trainer(config, config.data, provider)
-    try:
-        summary = trainer.fit()
-        if args.no_export:
-            pass
-        elif trainer.stop_signal is not None and not args.export_unfinished:
-            if trainer.topology.is_main:
-                print(
-                    f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}: "
-                    "no Hugging Face export of the unfinished run (--export-unfinished writes it)",
-                    file=sys.stderr,
-                )
-        else:
-            out = provider.export_hf(trainer.model_parts, trainer.run_dir / "hf")
-            trainer.run_summary.export = out
-            if trainer.topology.is_main:
-                print(f"Hugging Face checkpoint: {out}")
-    except KeyboardInterrupt:  # Ctrl-C with checkpointing (and so the signal handler) off
-        trainer.stop_signal = signal.SIGINT
-        summary = {}
-    finally:
-        trainer.close()
-    if trainer.stop_signal is not None:
-        sys.stdout.flush()
-        raise SystemExit(128 + trainer.stop_signal)
-    return summary
+    """Run the job (see :func:`train.main`)."""
+    return train.main(argv, PretrainConfig, DEFAULT_CONFIG)
 
 
 if __name__ == "__main__":

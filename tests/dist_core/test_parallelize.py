@@ -11,7 +11,9 @@ from plait.dist_core import (
     clip_grad_norm_,
     fully_shard_module,
     global_grad_norm,
+    is_replicated,
     replicate,
+    replicated_reduce,
     set_gradient_sync,
 )
 from plait.dist_core.testing import run_distributed
@@ -67,6 +69,8 @@ def _parallel_step(
         "placements": [str(p.placements) for p in params],
         "grads": {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()},  # before clipping
         "norm": global_grad_norm(params).item(),
+        "replicated": is_replicated(model),
+        "reduce": replicated_reduce(model) if mode == "replicate" else None,
     }
     clip_grad_norm_(params, 0.1)
     out["clipped"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -99,6 +103,8 @@ def check_parallel_step(
     for res in run_distributed(_parallel_step, world, kind, config, xs, reduce, device, backend=backend):
         expected = "Replicate()" if mode == "replicate" else "Shard(dim=0)"
         assert all(expected in p for p in res["placements"]), res["placements"]
+        assert res["replicated"] == (mode == "replicate")
+        assert res["reduce"] == (reduce if mode == "replicate" else None)
         for name, g in res["grads"].items():
             torch.testing.assert_close(g.double(), ref_grads[name], rtol=1e-5, atol=1e-6)
         assert res["norm"] == pytest.approx(ref_norm, rel=1e-5)
@@ -111,6 +117,9 @@ def test_bad_reduce_and_cp_replicate() -> None:
         replicate(nn.Linear(2, 2), None, reduce="avg")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Linear was not parallelized"):
         set_gradient_sync(nn.Linear(2, 2), False)
+    assert not is_replicated(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="Linear was not parallelized with replicate"):
+        replicated_reduce(nn.Linear(2, 2))
 
 
 class _Mixed(nn.Module):

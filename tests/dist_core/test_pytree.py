@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plait.dist_core import Replicate, Split, shard_tree, split_sizes, unshard_tree
+from plait.dist_core import TensorSplit, Whole, shard_tree, split_sizes, unshard_tree
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -34,9 +34,9 @@ def tree_and_spec(draw: st.DrawFn, depth: int = 2) -> tuple[object, object]:
     )
     if kind == "tensor":
         t, dim = draw(tensor_and_dim())
-        return t, draw(st.sampled_from([Split(dim), Replicate()]))
+        return t, draw(st.sampled_from([TensorSplit(dim), Whole()]))
     if kind == "scalar":
-        return draw(scalars), Replicate()
+        return draw(scalars), Whole()
     children = draw(st.lists(tree_and_spec(depth=depth - 1), max_size=3))
     if kind == "dict":
         tree = {f"k{i}": c[0] for i, c in enumerate(children)}
@@ -83,7 +83,7 @@ def test_split_matches_documented_sizes(td: tuple[torch.Tensor, int], n: int) ->
     assert sizes == sorted(sizes, reverse=True)  # larger parts first
     start = 0
     for i, s in enumerate(sizes):
-        part = shard_tree({"x": t}, Split(dim), i, n)["x"]
+        part = shard_tree({"x": t}, TensorSplit(dim), i, n)["x"]
         assert part.shape[dim] == s
         torch.testing.assert_close(part, t.narrow(dim, start, s), rtol=0, atol=0)
         start += s
@@ -91,7 +91,7 @@ def test_split_matches_documented_sizes(td: tuple[torch.Tensor, int], n: int) ->
 
 def test_prefix_spec_and_namedtuple() -> None:
     tree = {"a": Pair(torch.arange(6), torch.arange(4)), "b": {"c": 3, "d": torch.ones(2, 5)}}
-    spec = {"a": Split(0), "b": {"c": Replicate(), "d": Split(1)}}
+    spec = {"a": TensorSplit(0), "b": {"c": Whole(), "d": TensorSplit(1)}}
     part = shard_tree(tree, spec, 1, 2)
     assert isinstance(part["a"], Pair)
     assert part["a"].left.tolist() == [3, 4, 5] and part["a"].right.tolist() == [2, 3]
@@ -102,19 +102,19 @@ def test_prefix_spec_and_namedtuple() -> None:
 def test_uneven_and_empty_parts() -> None:
     assert split_sizes(5, 3) == [2, 2, 1]
     assert split_sizes(2, 4) == [1, 1, 0, 0]
-    assert shard_tree(torch.arange(2), Split(), 3, 4).numel() == 0
+    assert shard_tree(torch.arange(2), TensorSplit(), 3, 4).numel() == 0
 
 
 def test_errors_name_the_path() -> None:
-    with pytest.raises(ValueError, match=r"cannot Split the int leaf at \['b'\]"):
-        shard_tree({"a": torch.ones(2), "b": 1}, Split(0), 0, 2)
+    with pytest.raises(ValueError, match=r"cannot TensorSplit the int leaf at \['b'\]"):
+        shard_tree({"a": torch.ones(2), "b": 1}, TensorSplit(0), 0, 2)
     with pytest.raises(ValueError, match=r"\['a'\]"):
-        shard_tree({"a": torch.ones(2)}, {"b": Split(0)}, 0, 2)
-    with pytest.raises(ValueError, match=r"Split\(dim=2\) at \[0\] is out of range"):
-        shard_tree([torch.ones(2, 2)], Split(2), 0, 2)
+        shard_tree({"a": torch.ones(2)}, {"b": TensorSplit(0)}, 0, 2)
+    with pytest.raises(ValueError, match=r"TensorSplit\(dim=2\) at \[0\] is out of range"):
+        shard_tree([torch.ones(2, 2)], TensorSplit(2), 0, 2)
     with pytest.raises(ValueError, match="index < n"):
-        shard_tree(torch.ones(2), Split(0), 2, 2)
+        shard_tree(torch.ones(2), TensorSplit(0), 2, 2)
     with pytest.raises(ValueError, match=r"replicated leaf at \['s'\] differs"):
-        unshard_tree([{"s": 1}, {"s": 2}], Replicate())
+        unshard_tree([{"s": 1}, {"s": 2}], Whole())
     with pytest.raises(ValueError, match="structure"):
-        unshard_tree([[torch.ones(1)], [torch.ones(1), torch.ones(1)]], Split(0))
+        unshard_tree([[torch.ones(1)], [torch.ones(1), torch.ones(1)]], TensorSplit(0))

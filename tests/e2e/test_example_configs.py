@@ -75,6 +75,14 @@ def test_gpu_configs_train_bf16_compiled() -> None:
         assert cfg.model_dtype == "bfloat16" and cfg.parallel.compile and cfg.run.device == "cuda"
 
 
+def test_shipped_main_job_configs_evaluate_on_held_out_files() -> None:
+    for name in ("cpu.toml", "gpu1.toml", "gpu2.toml"):
+        path = EXAMPLES / "qwen3_moe" / "configs" / name
+        cfg = load_config(path, cls=_config_class(_script_of(path)))
+        assert cfg.evaluation.enabled and cfg.evaluation.interval is not None, name
+        assert cfg.data.validation_files >= 1, name
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 def test_main_job_runs_with_gpu1_config(tmp_path: Path) -> None:
@@ -91,3 +99,4 @@ def test_main_job_runs_with_gpu1_config(tmp_path: Path) -> None:
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records)
+    assert math.isfinite(records[-1]["val_loss"])  # the config's [evaluation] runs at the end

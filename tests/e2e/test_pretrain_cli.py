@@ -27,7 +27,7 @@ def pretrain(monkeypatch):
     def no_model(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was built before the error was reported")
 
-    monkeypatch.setattr(module, "CausalLMProvider", no_model)
+    monkeypatch.setattr(module.train, "CausalLMProvider", no_model)
     return module
 
 
@@ -86,6 +86,55 @@ def test_startup_errors_are_one_message_before_anything_is_built(pretrain, capsy
     blocker.write_text("")
     err = _fails(pretrain, capsys, ["--run-dir", str(blocker / "run")])
     assert f"run.run_dir: cannot write to {blocker / 'run'}" in err
+
+
+def test_data_source_errors_come_before_the_model(pretrain, capsys, tmp_path):
+    err = _fails(
+        pretrain, capsys, [f"--data.source={tmp_path / 'nowhere'}", "--run-dir", str(tmp_path / "r")]
+    )
+    assert f"data.source: {tmp_path / 'nowhere'} is not a directory" in err
+    (tmp_path / "empty").mkdir()
+    err = _fails(pretrain, capsys, [f"--data.source={tmp_path / 'empty'}", "--run-dir", str(tmp_path / "r")])
+    assert "data.source: 0 files matching '*.py'" in err
+
+
+def test_init_from_adopts_the_checkpoint_config_and_names_each_mismatch(pretrain, capsys, tmp_path):
+    """--init-from reads config.json: agreeing [model] keys pass, training-only ones override (logged),
+    architecture keys that differ are refused naming both values; a Llama checkpoint is a Llama run."""
+    from plait.models import save_hf_config
+    from plait.models.llama import LlamaConfig
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"")  # only the config is read before anything is built
+    config, _ = pretrain.parse_args(["--run-dir", str(tmp_path / "r")])
+    theirs = config.model.model_copy(update={"hidden_size": 64, "intermediate_size": 100})
+    save_hf_config(theirs, ckpt)
+    err = _fails(pretrain, capsys, ["--init-from", str(ckpt), "--run-dir", str(tmp_path / "r")])
+    assert "model.hidden_size: the run sets 128, " in err and "config.json has 64" in err
+    assert "model.intermediate_size: the run sets 384, " in err
+    # A key the run does not set (rope_theta here) is the checkpoint's; training-only keys override.
+    rope = config.model.rope_parameters.model_copy(update={"rope_theta": 5e5})
+    save_hf_config(config.model.model_copy(update={"rope_parameters": rope}), ckpt)
+    adopted, _ = pretrain.parse_args(
+        ["--init-from", str(ckpt), "--run-dir", str(tmp_path / "r"), "--model.attn_implementation=sdpa"]
+    )
+    assert adopted.model.attn_implementation == "sdpa" and adopted.model.rope_parameters.rope_theta == 5e5
+    llama = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1)  # fmt: skip
+    save_hf_config(llama, ckpt)
+    err = _fails(pretrain, capsys, ["--init-from", str(ckpt), "--run-dir", str(tmp_path / "r")])
+    assert "model.model_type: the run sets 'qwen3_moe'" in err and "'llama'" in err
+    train = pretrain.train
+    cfg_file = tmp_path / "no_model.toml"
+    cfg_file.write_text("[run]\nsteps = 1\n")
+    adopted, _ = train.parse_args(["--config", str(cfg_file), "--init-from", str(ckpt)])
+    assert isinstance(adopted.model, LlamaConfig) and (adopted.model.hidden_size, adopted.model.kv_heads) == (
+        64,
+        1,
+    )
+    with pytest.raises(ConfigError, match="no \\[model\\] section"):
+        train.parse_args(["--config", str(cfg_file)])
 
 
 # -- item 12: signals exit 128 + signum after the final checkpoint, without the export --------------------------
@@ -147,6 +196,14 @@ def test_run_writes_summary_and_loss_curve(tmp_path):
     assert summary["mean_tokens_per_s"] == pytest.approx(summary["tokens"] / summary["wall_time_s"])
     assert summary["peak_memory_gib"] == max(r["max_rss_gib"] for r in records)
     assert summary["checkpoint"] is None and summary["export"] is None
+    # steady state: the logging intervals after the first (one step each here), tokens over seconds
+    rates = [r["tokens_per_s"] for r in records[1:]]
+    assert summary["steady_steps"] == 2
+    assert summary["steady_tokens_per_s"] == pytest.approx(len(rates) / sum(1 / r for r in rates), rel=1e-6)
+    # on CPU the MFU is measured against this process's matmul rate, in the rows and in the summary alike
+    mfu_per_token_rate = records[-1]["mfu"] / records[-1]["tokens_per_s"]
+    assert summary["steady_mfu"] == pytest.approx(summary["steady_tokens_per_s"] * mfu_per_token_rate)
+    assert summary["last_val_loss"] == records[-1]["val_loss"] == summary["best_val_loss"]
     png = (run_dir / "loss_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
 from plait.loop.config.sections import GradientConfig
-from plait.loop.grads import all_reduce_plain_grads
+from plait.loop.grads import all_reduce_plain_grads, prepare_fsdp_for_sum
 from torch import nn
 
 # 1 + 2**-10 is exact in float32 and rounds to 1.0 in bfloat16: the reduce dtype shows in the sum.
@@ -63,3 +63,23 @@ def test_gradient_section_takes_effect(fields: dict[str, object], dtype: torch.d
         assert values == _expected(dtype)
     if dtype == torch.bfloat16:  # and the bf16 sum really differs from the exact one
         assert results[0][0] != _expected(torch.float32)
+
+
+def _prepare(reduce: str) -> str:
+    from plait.dist_core import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    replicate(model[1], init_device_mesh("cpu", (1,)), reduce=reduce)  # type: ignore[arg-type]
+    try:
+        found = prepare_fsdp_for_sum([model])
+    except ValueError as e:
+        return str(e)
+    return f"found {[type(m).__name__ for m in found]}"
+
+
+def test_replicated_modules_are_found_and_must_sum() -> None:
+    """``replicate``-d submodules are summed by the loop itself; a mean reduction is refused by name."""
+    assert run_distributed(_prepare, 1, "sum") == ["found ['Linear']"]
+    (msg,) = run_distributed(_prepare, 1, "mean")
+    assert "replicated with reduce='mean'" in msg

@@ -1,4 +1,4 @@
-"""Issue 19: writers keep files they do not own, hostile checkpoints are refused, no numpy, CLI errors."""
+"""Writers keep files they do not own, hostile checkpoints are refused, no numpy, CLI errors."""
 
 from __future__ import annotations
 

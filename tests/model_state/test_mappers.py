@@ -17,12 +17,12 @@ from plait.model_state import (
     MapperError,
     MapperGroup,
     Parallel,
+    RankShard,
     Rename,
     Reshape,
     Scoped,
     Select,
     Sequential,
-    Shard,
     Stack,
     TensorSpec,
     Transpose,
@@ -239,7 +239,7 @@ def test_validation_overlap_and_absent_inputs() -> None:
 def test_shard_partitions_groups(moe_state) -> None:
     inner = Stack("model.layers.{i}.mlp.experts.{e}.up.weight", "model.layers.{i}.up", over="e")
     full = inner.map_state(moe_state)
-    parts = [Shard(inner, 3, r).map_state(moe_state) for r in range(3)]
+    parts = [RankShard(inner, 3, r).map_state(moe_state) for r in range(3)]
     merged: dict[str, torch.Tensor] = {}
     for p in parts:
         assert not set(p) & set(merged)

@@ -93,3 +93,24 @@ def test_wrong_tensor_shape_names_tensor_and_shapes(tmp_path):
     assert cfg.intermediate_size == 50
     with pytest.raises(Exception, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight.*50.*52|52.*50"):
         from_pretrained(bad)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_experts", "num_hidden_layers"])
+def test_from_pretrained_refuses_a_model_larger_than_memory_before_allocating(tmp_path, field):
+    """config.json sizes far beyond the machine: refused in well under a second, naming the sizes,
+    before any allocation (a million layers are counted one kind at a time)."""
+    import json
+    import time
+
+    path, _ = make_hf("gpt_oss", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("layer_types")
+    cfg[{"num_experts": "num_local_experts"}.get(field, field)] = {"hidden_size": 10**7, "num_experts": 10**9,
+                                                                   "num_hidden_layers": 10**6}[field]  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    start = time.perf_counter()
+    with pytest.raises(
+        ValueError, match=rf"parameters: .* GiB in torch.float32 .* more than .* GiB of cpu.*{field}="
+    ):
+        from_pretrained(path)
+    assert time.perf_counter() - start < 5.0

@@ -80,7 +80,7 @@ def _pp_cfg(schedule: str) -> Qwen3MoeConfig:
 
 
 def _pp_rank(ckpt: str, schedule: str) -> dict:
-    from plait.pipelining import PipelineState, Split, Stack, build_pipeline, parse_schedule_config
+    from plait.pipelining import Chunk, PipelineState, Stack, build_pipeline, parse_schedule_config
 
     config = parse_schedule_config({**SCHEDULES[schedule], "num_microbatches": 2, "loss_reduction": "sum"})
     topo = config.topology(2)
@@ -108,7 +108,7 @@ def _pp_rank(ckpt: str, schedule: str) -> dict:
         loss_fn=loss_fn,
         forward_kwargs_fn=kwargs_fn,
     )
-    state = PipelineState(2, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(2, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels
     result = executor.step({"input_ids": ids} if rank == 0 else None, state)
     return {

@@ -18,6 +18,7 @@ from plait.moe import (
     gate_up_bias_from_interleaved,
     gate_up_from_input_major_interleaved,
     switch_aux_loss_from_stats,
+    update_expert_biases,
 )
 from transformers import DeepseekV3Config, GptOssConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
@@ -211,3 +212,9 @@ def test_fixed_selection_bias_loads_and_saves_like_hf() -> None:
     assert ours.router.config.bias_update_rate is None and ours.router.config.has_selection_bias
     with pytest.raises(RuntimeError, match="bias_update_rate"):
         ours.update_expert_bias()
+    ours(torch.randn(5, H))
+    assert update_expert_biases(ours) == 0  # a fixed bias is left alone by the model-level update
+    assert torch.equal(ours.router.expert_bias, hf.gate.e_score_correction_bias)
+    fresh = MoELayer(H, FFN, 8, RouterConfig(top_k=2, score_func="sigmoid", selection_bias=True))
+    assert "router.expert_bias" in fresh.state_dict()  # persistent even without a rate
+    assert "router.expert_bias" not in MoELayer(H, FFN, 8, RouterConfig(top_k=2)).state_dict()

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
 from plait.pipelining import (
+    Chunk,
     InferenceConfig,
     OfflineExecutor,
     PipelineState,
-    Split,
     Stack,
     build_pipeline,
     parse_schedule_config,
@@ -41,7 +41,7 @@ def _run_cases(cases: list[dict], batch: int, device: str = "cpu") -> list[tuple
         for lockstep in (True, False):  # the first step runs in lockstep, later ones overlap communication
             for mod in mine.values():
                 mod.zero_grad(set_to_none=True)
-            state = PipelineState(cfg.num_microbatches, specs={"labels": Split(0), "loss": Stack()})
+            state = PipelineState(cfg.num_microbatches, specs={"labels": Chunk(0), "loss": Stack()})
             state.global_view["labels"] = labels
             res = ex.step({"input_ids": ids}, state)
             assert ex._lockstep is lockstep
@@ -124,7 +124,7 @@ def _run_new_shapes() -> list[float]:
     errs = []
     for batch, new_shapes in ((4, False), (8, False), (8, True)):
         ids, labels = M.make_batch(batch)
-        state = PipelineState(2, specs={"labels": Split(0), "loss": Stack()})
+        state = PipelineState(2, specs={"labels": Chunk(0), "loss": Stack()})
         state.global_view["labels"] = labels
         for mod in mine.values():
             mod.zero_grad(set_to_none=True)
@@ -176,7 +176,7 @@ def test_offline_executor_matches_whole_batch(m: int) -> None:
     stages = M.make_stages(3)
     ex = OfflineExecutor(stages, M.loss_fn, m)
     ids, labels = M.make_batch(8)
-    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(m, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels
     res = ex.step({"input_ids": ids}, state)
     assert res.loss is not None
@@ -200,7 +200,7 @@ def _run_forward_program(schedule: dict, m: int, batch: int) -> torch.Tensor | N
     assert not program.has_backward and program.topology == topo
     ex = PipelineExecutor(program, mine, dist.group.WORLD, M.loss_fn, loss_reduction="sum")
     ids, labels = M.make_batch(batch)
-    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(m, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels
     res = ex.step({"input_ids": ids}, state)
     assert all(p.grad is None for mod in mine.values() for p in mod.parameters())
@@ -231,7 +231,7 @@ def test_offline_executor_forward_only_with_loss() -> None:
     stages = M.make_stages(2)
     ex = OfflineExecutor(stages, M.loss_fn, 2, loss_reduction="sum", forward_only=True)
     ids, labels = M.make_batch(8)
-    state = PipelineState(2, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(2, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels
     res = ex.step({"input_ids": ids}, state)
     with torch.no_grad():

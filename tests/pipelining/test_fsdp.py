@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plait.dist_core.testing import run_distributed
-from plait.pipelining import PipelineState, Split, Stack, build_pipeline, parse_schedule_config
+from plait.pipelining import Chunk, PipelineState, Stack, build_pipeline, parse_schedule_config
 
 from tests.pipelining import _model as M
 
@@ -32,7 +32,7 @@ def _pp_fsdp(cases: list[dict], batch: int) -> list[tuple[str, float]]:
             ids[dp_rank * half : (dp_rank + 1) * half],
             labels[dp_rank * half : (dp_rank + 1) * half],
         )
-        state = PipelineState(cfg.num_microbatches, specs={"labels": Split(0), "loss": Stack()})
+        state = PipelineState(cfg.num_microbatches, specs={"labels": Chunk(0), "loss": Stack()})
         state.global_view["labels"] = labels
         ex.step({"input_ids": ids}, state)
         err = 0.0
@@ -77,7 +77,7 @@ def _offline_fsdp(m: int, batch: int) -> tuple[float, list[bool]]:
     ex = OfflineExecutor(stages, M.loss_fn, m)
     ids, labels = M.make_batch(batch)
     half = batch // 2
-    state = PipelineState(m, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(m, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels[dp_rank * half : (dp_rank + 1) * half]
     ex.step({"input_ids": ids[dp_rank * half : (dp_rank + 1) * half]}, state)
     err = 0.0

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from plait.dist_core.testing import run_distributed
-from plait.pipelining import PipelineState, Split, Stack, build_pipeline, parse_schedule_config
+from plait.pipelining import Chunk, PipelineState, Stack, build_pipeline, parse_schedule_config
 
 from tests.pipelining import _model as M
 
@@ -120,7 +120,7 @@ def _train(pp: int, case: dict[str, Any], modes: list[bool]) -> list[dict[str, A
     for step, once in enumerate(modes):
         ids, labels = M.make_batch(BATCH, seed=1 + step)
         rows = slice(dp_rank * half, (dp_rank + 1) * half)
-        state = PipelineState(cfg.num_microbatches, specs={"labels": Split(0), "loss": Stack()})
+        state = PipelineState(cfg.num_microbatches, specs={"labels": Chunk(0), "loss": Stack()})
         state.global_view["labels"] = labels[rows]
         gathers.clear()
         loss = executors[once].step({"input_ids": ids[rows]}, state).loss
@@ -202,7 +202,7 @@ def _evaluate(once: bool) -> dict[str, Any]:
     half = BATCH // 2
     rows = slice(mesh["dp"].get_local_rank() * half, (mesh["dp"].get_local_rank() + 1) * half)
     ids, labels = M.make_batch(BATCH, seed=1)
-    state = PipelineState(4, specs={"labels": Split(0), "loss": Stack()})
+    state = PipelineState(4, specs={"labels": Chunk(0), "loss": Stack()})
     state.global_view["labels"] = labels[rows]
     ex = OfflineExecutor(stages, M.loss_fn, 4, forward_only=True, fsdp_gather_once=once)
     loss = ex.step({"input_ids": ids[rows]}, state).loss

@@ -7,11 +7,11 @@ import pytest
 import torch
 from plait.pipelining import (
     BaseScheduleConfig,
+    Chunk,
     GPipeConfig,
     PipelineState,
     Program,
-    Replicate,
-    Split,
+    Shared,
     Stack,
     ZBVConfig,
     build_gpipe,
@@ -23,7 +23,7 @@ from plait.pipelining import (
 
 
 def test_state_views_round_trip() -> None:
-    st = PipelineState(3, specs={"x": Split(0), "y": Split(1), "loss": Stack(), "n": Replicate()})
+    st = PipelineState(3, specs={"x": Chunk(0), "y": Chunk(1), "loss": Stack(), "n": Shared()})
     x, y = torch.arange(6).view(6, 1), torch.arange(12).view(2, 6)
     st.global_view["x"] = x
     st.global_view["y"] = y
@@ -34,7 +34,7 @@ def test_state_views_round_trip() -> None:
     assert torch.equal(st.global_view["x"], x) and torch.equal(st.global_view["y"], y)
     for i in range(3):
         st.microbatch(i)["loss"] = torch.tensor(float(i))
-        st.microbatch(i)["z"] = torch.full((2,), i)  # default spec Split(0)
+        st.microbatch(i)["z"] = torch.full((2,), i)  # default spec Chunk(0)
     assert torch.equal(st.global_view["loss"], torch.tensor([0.0, 1.0, 2.0]))
     assert torch.equal(st.global_view["z"], torch.tensor([0, 0, 1, 1, 2, 2]))
     st.global_view["loss"] = torch.tensor([5.0, 6.0, 7.0])  # Stack write unbinds
@@ -45,11 +45,11 @@ def test_state_views_round_trip() -> None:
 
 
 def test_state_errors_name_the_key() -> None:
-    st = PipelineState(2, specs={"loss": Stack(), "n": Replicate()})
+    st = PipelineState(2, specs={"loss": Stack(), "n": Shared()})
     st.microbatch(0)["loss"] = torch.tensor(1.0)
     with pytest.raises(KeyError, match=r"'loss' was not written for microbatches \[1\]"):
         st.global_view["loss"]
-    with pytest.raises(KeyError, match="'n' is Replicate"):
+    with pytest.raises(KeyError, match="'n' is Shared"):
         st.microbatch(0)["n"] = 1
     with pytest.raises(ValueError, match="'x': cannot split"):
         st.global_view["x"] = torch.zeros(1)

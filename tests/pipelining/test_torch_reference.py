@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from plait.dist_core.testing import run_distributed
-from plait.pipelining import PipelineState, Split, Stack, build_pipeline, parse_schedule_config
+from plait.pipelining import Chunk, PipelineState, Stack, build_pipeline, parse_schedule_config
 from torch import nn
 
 from tests.pipelining import _model as M
@@ -57,7 +57,7 @@ def _compare(cases: list[dict], batch: int) -> list[tuple[str, float, float]]:
         # plait
         mine = M.copies(M.make_stages(topo.num_stages), held)
         ex = build_pipeline(cfg, pp_group=dist.group.WORLD, stage_modules=mine, loss_fn=M.loss_fn)
-        state = PipelineState(cfg.num_microbatches, specs={"labels": Split(0), "loss": Stack()})
+        state = PipelineState(cfg.num_microbatches, specs={"labels": Chunk(0), "loss": Stack()})
         state.global_view["labels"] = labels
         res = ex.step({"input_ids": ids}, state)
         # torch

@@ -24,8 +24,9 @@ from plait.dist_core.domains import (
     register_mesh_domain,
     unregister_mesh_domain,
 )
+from plait.dist_core.dtypes import dtype_name, parse_dtype
 from plait.dist_core.mesh_params import DeviceMeshParameters
-from plait.dist_core.pytree import Replicate, ShardSpec, Split, shard_tree, split_sizes, unshard_tree
+from plait.dist_core.pytree import ShardSpec, TensorSplit, Whole, shard_tree, split_sizes, unshard_tree
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
 
 if TYPE_CHECKING:
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
         all_reduce_grads,
         data_parallel_mesh,
         fully_shard_module,
+        is_replicated,
         replicate,
+        replicated_reduce,
         set_gradient_sync,
     )
 
@@ -46,7 +49,9 @@ _LAZY = {
     "all_reduce_grads": "plait.dist_core.parallelize",
     "data_parallel_mesh": "plait.dist_core.parallelize",
     "fully_shard_module": "plait.dist_core.parallelize",
+    "is_replicated": "plait.dist_core.parallelize",
     "replicate": "plait.dist_core.parallelize",
+    "replicated_reduce": "plait.dist_core.parallelize",
     "set_gradient_sync": "plait.dist_core.parallelize",
 }
 
@@ -64,10 +69,10 @@ __all__ = [
     "DeviceMeshParameters",
     "DistributedContext",
     "Domain",
-    "Replicate",
     "SeedKind",
     "ShardSpec",
-    "Split",
+    "TensorSplit",
+    "Whole",
     "all_gather_object",
     "all_gather_uneven",
     "all_reduce_grads",
@@ -76,14 +81,18 @@ __all__ = [
     "domain_coordinates",
     "domain_groups",
     "domain_layout",
+    "dtype_name",
     "fully_shard_module",
     "gather_sequence",
     "gather_uneven",
     "global_grad_norm",
+    "is_replicated",
     "load_balanced_indices",
+    "parse_dtype",
     "reduce_scalar",
     "register_mesh_domain",
     "replicate",
+    "replicated_reduce",
     "seed_for",
     "seed_from_coordinates",
     "set_gradient_sync",

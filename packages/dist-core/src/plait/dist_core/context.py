@@ -151,6 +151,8 @@ class DistributedContext:
             kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
             if pg_timeout is not None:
                 kwargs["timeout"] = pg_timeout
+            if dev.type == "cuda":  # binds the group to the device: barriers need not guess it (and warn)
+                kwargs["device_id"] = dev
             dist.init_process_group(**kwargs)
             owns = True
 

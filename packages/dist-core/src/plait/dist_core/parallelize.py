@@ -8,6 +8,7 @@ batch), ``reduce="sum"`` leaves the sum (when losses are already normalised by t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -149,6 +150,28 @@ def _broadcast_from_first(t: torch.Tensor, mesh: DeviceMesh) -> None:
         dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
 
 
+# The modules made data-parallel by replicate(), with their gradient-reduction state: the one registry
+# other packages ask through is_replicated() / replicated_reduce(). Weak keys: a dropped module leaves it.
+_REPLICATED: weakref.WeakKeyDictionary[nn.Module, _ReplicateState] = weakref.WeakKeyDictionary()
+
+
+def is_replicated(module: nn.Module) -> bool:
+    """Whether ``module`` was made data-parallel by :func:`replicate` (its gradients all-reduced by plait)."""
+    return module in _REPLICATED
+
+
+def replicated_reduce(module: nn.Module) -> Reduce:
+    """How :func:`replicate` reduces the gradients of ``module``: ``"mean"`` or ``"sum"``.
+
+    Raises:
+        TypeError: ``module`` was not replicated.
+    """
+    state = _REPLICATED.get(module)
+    if state is None:
+        raise TypeError(f"{type(module).__name__} was not parallelized with replicate()")
+    return state.reduce
+
+
 def _launch(bucket: _Bucket, state: _ReplicateState) -> None:
     bucket.flat = _flatten_grads(bucket.params)
     # Overlap: the first mesh dim reduces asynchronously while backward continues.
@@ -243,7 +266,7 @@ def replicate(
         lambda _m, args, kwargs: tree_map(convert, (args, kwargs)), with_kwargs=True
     )
     module.register_forward_hook(lambda _m, _args, out: tree_map(_to_local, out))
-    module._plait_replicate = state  # type: ignore[assignment]
+    _REPLICATED[module] = state
     return module
 
 
@@ -253,8 +276,8 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     Off for all but the last micro-batch of a gradient-accumulation step: gradients accumulate
     locally and the last backward reduces the accumulated sum.
     """
-    state = getattr(module, "_plait_replicate", None)
-    if isinstance(state, _ReplicateState):
+    state = _REPLICATED.get(module)
+    if state is not None:
         state.sync = enabled
     elif isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)

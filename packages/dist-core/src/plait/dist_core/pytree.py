@@ -1,7 +1,7 @@
 """Shard and unshard nested containers (dicts, lists, tuples) of tensors and Python scalars.
 
-A spec says what happens to each leaf: :class:`Split` along a dimension into ``n`` parts, or
-:class:`Replicate` (every part gets the leaf). The spec is either one spec for every leaf or a
+A spec says what happens to each leaf: :class:`TensorSplit` along a dimension into ``n`` parts, or
+:class:`Whole` (every part gets the leaf). The spec is either one spec for every leaf or a
 *prefix tree* of the data: a container of the same kind whose entries are specs or sub-trees
 (a spec at a node applies to every leaf below it).
 
@@ -23,18 +23,18 @@ _SCALARS = (int, float, bool, str, type(None), complex)
 
 
 @dataclass(frozen=True)
-class Split:
+class TensorSplit:
     """Split a tensor leaf along ``dim`` (``torch.tensor_split`` sizes)."""
 
     dim: int = 0
 
 
 @dataclass(frozen=True)
-class Replicate:
+class Whole:
     """Give every shard the whole leaf. ``unshard_tree`` checks the replicas are equal."""
 
 
-ShardSpec = Split | Replicate
+ShardSpec = TensorSplit | Whole
 
 
 def split_sizes(size: int, n: int) -> list[int]:
@@ -49,7 +49,7 @@ def _path_str(path: tuple[Any, ...]) -> str:
 
 
 def _spec_at(spec: Any, key: Any, path: tuple[Any, ...]) -> Any:
-    if isinstance(spec, Split | Replicate):
+    if isinstance(spec, TensorSplit | Whole):
         return spec
     try:
         return spec[key]
@@ -58,7 +58,7 @@ def _spec_at(spec: Any, key: Any, path: tuple[Any, ...]) -> Any:
 
 
 def _check_container(tree: Any, spec: Any, path: tuple[Any, ...]) -> None:
-    if isinstance(spec, Split | Replicate):
+    if isinstance(spec, TensorSplit | Whole):
         return
     if isinstance(tree, dict) and (not isinstance(spec, dict) or set(spec) != set(tree)):
         raise ValueError(f"shard spec at {_path_str(path)} must be a spec or a dict with keys {sorted(tree)}")
@@ -82,19 +82,19 @@ def _shard(tree: Any, spec: Any, index: int, n: int, path: tuple[Any, ...]) -> A
         return _rebuild(
             tree, [_shard(v, _spec_at(spec, i, path), index, n, (*path, i)) for i, v in enumerate(tree)]
         )
-    if not isinstance(spec, Split | Replicate):
+    if not isinstance(spec, TensorSplit | Whole):
         raise ValueError(
-            f"shard spec at {_path_str(path)} must be Split or Replicate for a leaf, got {spec!r}"
+            f"shard spec at {_path_str(path)} must be TensorSplit or Whole for a leaf, got {spec!r}"
         )
-    if isinstance(spec, Replicate):
+    if isinstance(spec, Whole):
         return tree
     if not isinstance(tree, torch.Tensor):
         raise ValueError(
-            f"cannot Split the {type(tree).__name__} leaf at {_path_str(path)}; only tensors split"
+            f"cannot TensorSplit the {type(tree).__name__} leaf at {_path_str(path)}; only tensors split"
         )
     if not -tree.ndim <= spec.dim < tree.ndim:
         raise ValueError(
-            f"Split(dim={spec.dim}) at {_path_str(path)} is out of range for shape {tuple(tree.shape)}"
+            f"TensorSplit(dim={spec.dim}) at {_path_str(path)} is out of range for shape {tuple(tree.shape)}"
         )
     return torch.tensor_split(tree, n, dim=spec.dim)[index]
 
@@ -104,13 +104,13 @@ def shard_tree(tree: Any, spec: Any, index: int, n: int) -> Any:
 
     Args:
         tree: nested dict/list/tuple of tensors and Python scalars.
-        spec: a :class:`Split`/:class:`Replicate` for every leaf, or a prefix tree of specs.
+        spec: a :class:`TensorSplit`/:class:`Whole` for every leaf, or a prefix tree of specs.
         index: which part, ``0 <= index < n``.
         n: number of parts.
 
     Raises:
         ValueError: bad index/n, a spec that does not match the tree (the path is named), a
-            Split of a non-tensor leaf or of an out-of-range dimension.
+            TensorSplit of a non-tensor leaf or of an out-of-range dimension.
     """
     if n < 1 or not 0 <= index < n:
         raise ValueError(f"need 0 <= index < n, got index={index}, n={n}")
@@ -132,13 +132,13 @@ def _unshard(parts: Sequence[Any], spec: Any, path: tuple[Any, ...]) -> Any:
             _unshard([p[i] for p in parts], _spec_at(spec, i, path), (*path, i)) for i in range(len(first))
         ]
         return _rebuild(first, values)
-    if not isinstance(spec, Split | Replicate):
+    if not isinstance(spec, TensorSplit | Whole):
         raise ValueError(
-            f"shard spec at {_path_str(path)} must be Split or Replicate for a leaf, got {spec!r}"
+            f"shard spec at {_path_str(path)} must be TensorSplit or Whole for a leaf, got {spec!r}"
         )
-    if isinstance(spec, Split):
+    if isinstance(spec, TensorSplit):
         if not isinstance(first, torch.Tensor):
-            raise ValueError(f"cannot un-Split the {type(first).__name__} leaf at {_path_str(path)}")
+            raise ValueError(f"cannot un-split the {type(first).__name__} leaf at {_path_str(path)}")
         return torch.cat(list(parts), dim=spec.dim)
     for p in parts[1:]:
         same = torch.equal(p, first) if isinstance(first, torch.Tensor) else p == first
@@ -148,7 +148,7 @@ def _unshard(parts: Sequence[Any], spec: Any, path: tuple[Any, ...]) -> Any:
 
 
 def unshard_tree(parts: Sequence[Any], spec: Any) -> Any:
-    """Inverse of :func:`shard_tree`: concatenate Split leaves, check and keep Replicate leaves.
+    """Inverse of :func:`shard_tree`: concatenate TensorSplit leaves, check and keep Whole leaves.
 
     Args:
         parts: the shards, in index order (``[shard_tree(tree, spec, i, n) for i in range(n)]``).

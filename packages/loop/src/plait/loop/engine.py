@@ -9,7 +9,9 @@ the schedule), or a forward-only one on the same stages for evaluation.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from plait.dist_core import DistributedContext
@@ -32,7 +34,7 @@ from plait.pipelining import (
 )
 from torch import nn
 
-__all__ = ["Executor", "build_executor", "build_stages", "place_stages"]
+__all__ = ["Executor", "build_executor", "build_stages", "place_stages", "quiet_cpu_mesh_init"]
 
 logger = logging.getLogger("plait.loop")
 Executor = OfflineExecutor | PipelineExecutor
@@ -44,6 +46,24 @@ def place_stages(schedule: BaseScheduleConfig | None, topology: Topology) -> tup
         return 1, [0]
     placement = schedule.topology(topology.pp_size)
     return placement.num_stages, sorted(placement.stages_of(topology.pp_rank))
+
+
+@contextmanager
+def quiet_cpu_mesh_init() -> Iterator[None]:
+    """Silence torch's warning that DTensor random ops "may not have complete support" on a CPU mesh.
+
+    plait's CPU meshes are deliberate (every distributed feature runs on gloo) and its sharded
+    initialisation is tested against single-process references, so the warning says nothing a user
+    can act on. Only that message from that torch module is filtered, only inside the block.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message="DTensor random operators may not have complete support on cpu device mesh",
+            category=UserWarning,
+            module=r"torch\.distributed\.tensor\._dispatch",
+        )
+        yield
 
 
 def build_stages(
@@ -65,7 +85,8 @@ def build_stages(
     for s in stage_indices:
         part = model.build_stage(s, num_stages)
         part = model.parallelize(part, ctx, config)
-        model.materialize(part, device)
+        with quiet_cpu_mesh_init():
+            model.materialize(part, device)
         parts.append(part)
     model.load_initial_weights(parts)
     for part in parts:

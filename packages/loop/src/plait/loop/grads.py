@@ -6,7 +6,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from plait.dist_core import all_reduce_grads, clip_grad_norm_, global_grad_norm
+from plait.dist_core import (
+    all_reduce_grads,
+    clip_grad_norm_,
+    global_grad_norm,
+    is_replicated,
+    replicated_reduce,
+)
 from plait.loop.config.sections import GradientConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -36,10 +42,10 @@ def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> list[nn.Module]:
                 if force_sum is not None:
                     force_sum(True)
                 found.append(m)
-            elif (state := getattr(m, "_plait_replicate", None)) is not None:
-                if getattr(state, "reduce", "sum") != "sum":
+            elif is_replicated(m):
+                if (reduce := replicated_reduce(m)) != "sum":
                     raise ValueError(
-                        f"{type(m).__name__} was replicated with reduce={state.reduce!r}; plait.loop normalises "
+                        f"{type(m).__name__} was replicated with reduce={reduce!r}; plait.loop normalises "
                         "by the global token count itself: use plait.dist_core.replicate(..., reduce='sum')"
                     )
                 found.append(m)

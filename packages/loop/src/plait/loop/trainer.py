@@ -62,6 +62,7 @@ from plait.loop.tracking import (
     ThroughputMeter,
     Tracker,
     device_memory_stats,
+    measure_matmul_flops,
     peak_flops_for,
 )
 from plait.pipelining import PipelineState, Stack
@@ -92,8 +93,9 @@ class Trainer:
             ``config.lr_schedule``).
         trackers: replace the trackers of ``config.logging.trackers`` (main rank only).
         device: overrides ``config.run.device``.
-        save_planner, storage_writer_factory, load_planner: DCP hooks passed to the
-            :class:`~plait.loop.checkpoint.Checkpointer` (see there).
+        save_planner: a DCP hook passed to the :class:`~plait.loop.checkpoint.Checkpointer` (see there).
+        storage_writer_factory: a DCP hook passed to the :class:`~plait.loop.checkpoint.Checkpointer`.
+        load_planner: a DCP hook passed to the :class:`~plait.loop.checkpoint.Checkpointer`.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class Trainer:
         self._stop_requested = False
 
         self.device = pick_device(device if device is not None else config.device_type())
+        self._owns_ctx = ctx is None  # close() destroys the process groups of a context built here
         self.ctx, self.topology = connect(ctx, config.mesh, self.device, config.timeouts.init_s)
         topo = self.topology
         self.log = setup_logging(mesh_prefix(topo.rank, topo.coords, topo.sizes), config.logging.level)
@@ -171,6 +174,8 @@ class Trainer:
         self.metrics.add("grad_norm_max", Max())
         flops = model.flops_per_token(config.batching.seq_len) if hasattr(model, "flops_per_token") else None
         peak = config.logging.peak_flops or peak_flops_for(self.device)
+        if peak is None and self.device.type == "cpu" and flops:
+            peak = measure_matmul_flops(self.device)
         self.throughput = ThroughputMeter(flops, peak, topo.world_size)
         self.gc = GCController(config.gc)
         self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
@@ -465,8 +470,13 @@ class Trainer:
 
     def close(self) -> None:
         """Finish pending checkpoint writes, close the trackers, print and write the run summary
-        (``summary.json``, ``loss_curve.png``; call once after the last :meth:`fit`)."""
-        if self.checkpoints is not None:
-            self.checkpoints.close()
-        self.reporter.close()
-        self.run_summary.write(self.run_dir)
+        (``summary.json``, ``loss_curve.png``; call once after the last :meth:`fit`), then destroy the
+        process groups of a context the trainer built itself (also when one of the former fails)."""
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+            self.reporter.close()
+            self.run_summary.write(self.run_dir)
+        finally:
+            if self._owns_ctx:
+                self.ctx.shutdown()

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .dtensor import full_tensor, is_meta, local_region, local_shard, local_view
 from .errors import ModelStateError, SpecMismatchError, format_keys
-from .mappers import Identity, Mapper, MapperGroup, Plan, Shard
+from .mappers import Identity, Mapper, MapperGroup, Plan, RankShard
 from .reader import CheckpointReader
 from .specs import Region, TensorSpec, is_full
 from .writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
@@ -400,14 +400,14 @@ def convert_checkpoint(
     """Convert a checkpoint on disk through ``mapper`` into a new one, streaming group by group.
 
     With torch.distributed initialised (or ``distributed=True``) the groups are split across the
-    ranks of ``group`` (:class:`~plait.model_state.mappers.Shard`, balanced by bytes); each rank
+    ranks of ``group`` (:class:`~plait.model_state.mappers.RankShard`, balanced by bytes); each rank
     reads and writes only its share and the first rank merges the index.
     """
     distributed, rank = _dist_info(group, distributed)
     mapper = mapper or Identity()
     with _opened(source) as reader:
         if distributed:
-            mapper = Shard(mapper, dist.get_world_size(group), rank)
+            mapper = RankShard(mapper, dist.get_world_size(group), rank)
         plan = mapper.plan(reader.specs)
         writer = CheckpointWriter(
             out_dir,

@@ -33,8 +33,10 @@ from plait.models.common.parallel import ActivationCheckpointing, ParallelConfig
 from plait.models.flops import flops_per_token
 from plait.models.hf import (
     build_causal_lm,
+    check_fits,
     config_from_hf,
     config_to_hf,
+    estimate_num_parameters,
     from_pretrained,
     hf_to_plait_mapper,
     load_hf_checkpoint,
@@ -45,7 +47,7 @@ from plait.models.hf import (
 )
 from plait.models.plan import parallelize
 from plait.models.provider import CausalLMProvider
-from plait.models.registry import family_for, family_of, supported_model_types
+from plait.models.registry import config_class_for, family_for, family_of, parse_config, supported_model_types
 
 __all__ = [
     "ActivationCheckpointing",
@@ -70,9 +72,12 @@ __all__ = [
     "apply_rotary",
     "build_attention_mask",
     "build_causal_lm",
+    "check_fits",
+    "config_class_for",
     "config_from_hf",
     "config_to_hf",
     "document_ids_from_position_ids",
+    "estimate_num_parameters",
     "family_for",
     "family_of",
     "flops_per_token",
@@ -81,6 +86,7 @@ __all__ = [
     "load_hf_checkpoint",
     "load_hf_config",
     "parallelize",
+    "parse_config",
     "plait_to_hf_mapper",
     "pool_hidden_states",
     "rope_inv_freq",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.model_state import Mapper
+from plait.models.common import model as _model
 from plait.models.common.config import DecoderConfig
 from plait.models.common.hf.config import config_dict, read_config_json
 from plait.models.common.hf.io import load_checkpoint, save_checkpoint
@@ -23,8 +24,10 @@ from torch import nn
 
 __all__ = [
     "build_causal_lm",
+    "check_fits",
     "config_from_hf",
     "config_to_hf",
+    "estimate_num_parameters",
     "from_pretrained",
     "hf_to_plait_mapper",
     "load_hf_checkpoint",
@@ -85,6 +88,46 @@ def build_causal_lm(config: DecoderConfig, *, stage_index: int = 0, num_stages: 
     """The family's causal LM (or stage ``stage_index`` of ``num_stages``), built where the current
     device context says (use ``torch.device("meta")`` for large models)."""
     return family_of(config).causal_lm(config, stage_index=stage_index, num_stages=num_stages)
+
+
+def estimate_num_parameters(config: DecoderConfig) -> int:
+    """Parameters of the whole model of ``config``, counted without allocating any."""
+    return _model.estimate_num_parameters(config, family_of(config).layer)
+
+
+def _memory_of(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_fits(
+    config: DecoderConfig, device: torch.device | str, dtype: torch.dtype, shards: int = 1
+) -> None:
+    """Refuse, before anything is built, a model whose parameters alone, split evenly over ``shards``
+    ranks (pipeline stages, FSDP: the best case), exceed the memory of one ``device``.
+
+    Raises:
+        ValueError: naming the estimate, the device's memory and the config's size fields.
+    """
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        return
+    n = estimate_num_parameters(config)
+    need = n * torch.empty((), dtype=dtype).element_size() // max(shards, 1)
+    have = _memory_of(dev)
+    if need > have:
+        sizes = ", ".join(
+            f"{k}={v}"
+            for k, v in config.model_dump().items()
+            if isinstance(v, int)
+            and not isinstance(v, bool)
+            and (k.endswith("_size") or k.startswith("num_"))
+        )
+        raise ValueError(
+            f"the model of this config has {n:.3e} parameters: {need / 2**30:,.1f} GiB in {dtype} "
+            f"(split over {shards} rank(s)), more than the {have / 2**30:,.1f} GiB of {dev}. Check its sizes: {sizes}"
+        )
 
 
 def _config_of(modules: nn.Module | Sequence[nn.Module]) -> DecoderConfig:
@@ -178,6 +221,9 @@ def from_pretrained(
     The family comes from ``config.json``'s ``model_type``. For sharded models build on meta
     (:func:`build_causal_lm`), :func:`plait.models.parallelize`, then :func:`load_hf_checkpoint`.
 
+    A model whose parameters alone exceed the device's memory is refused before anything is
+    allocated (:func:`check_fits`).
+
     Args:
         path: Checkpoint directory with ``config.json``.
         stage_index: Pipeline stage to build.
@@ -189,6 +235,7 @@ def from_pretrained(
     config = load_hf_config(path)
     if config_overrides:
         config = type(config)(**{**config.model_dump(), **config_overrides})
+    check_fits(config, device, dtype or torch.float32, num_stages)
     with torch.device("meta"):
         model = build_causal_lm(config, stage_index=stage_index, num_stages=num_stages)
     if dtype is not None:

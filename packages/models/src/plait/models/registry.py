@@ -9,7 +9,7 @@ import importlib
 from plait.models.common.config import DecoderConfig
 from plait.models.common.family import Family
 
-__all__ = ["family_for", "family_of", "supported_model_types"]
+__all__ = ["config_class_for", "family_for", "family_of", "parse_config", "supported_model_types"]
 
 # Hugging Face model_type -> the package of the family that implements it (imported when first used).
 _FAMILIES: dict[str, str] = {
@@ -43,3 +43,19 @@ def family_for(model_type: object) -> Family:
 def family_of(config: DecoderConfig) -> Family:
     """The family of a plait config (by its ``model_type``)."""
     return family_for(config.model_type)
+
+
+def config_class_for(model_type: object) -> type[DecoderConfig]:
+    """The plait config class of ``model_type`` (e.g. for a ``[model]`` section of a run config)."""
+    family = family_for(model_type)  # raises unless model_type is a registered string
+    return family.config_classes[str(model_type)]
+
+
+def parse_config(data: dict[str, object]) -> DecoderConfig:
+    """Validate a plait config dict (field names as in ``config.json``; unknown keys are errors)
+    with the class of its ``model_type``.
+
+    Raises:
+        ValueError: an unsupported ``model_type``; pydantic's ``ValidationError`` for bad fields.
+    """
+    return config_class_for(data.get("model_type")).model_validate(data)

@@ -25,7 +25,8 @@ class RouterOutput:
     """What a router decided for ``T`` tokens.
 
     Attributes:
-        logits: ``[T, E]`` router logits in the input dtype.
+        logits: ``[T, E]`` router logits (with the router's ``bias``, if any) in the input dtype,
+            fp32 with ``fp32_logits``.
         topk_idx: ``[T, k]`` int64 chosen experts.
         topk_weights: ``[T, k]`` combine weights in the input dtype.
         aux_loss: fp32 scalar, the coefficient-weighted sum of the enabled balancing losses (without

@@ -79,7 +79,11 @@ class ExpertLoRA(nn.Module):
     Args:
         weight: the grouped weight ``[E, out, in]`` (shapes, dtype, device; read by PiSSA init).
         param_name: attribute name of the weight on its module.
-        r, alpha, dropout, use_rslora, init: as in :class:`plait.peft.LoRAConfig`.
+        r: the rank, as in :class:`plait.peft.LoRAConfig`.
+        alpha: the scale numerator, as in :class:`plait.peft.LoRAConfig`.
+        dropout: dropout on the adapter's input, as in :class:`plait.peft.LoRAConfig`.
+        use_rslora: rank-stabilised scaling, as in :class:`plait.peft.LoRAConfig`.
+        init: the initialisation, as in :class:`plait.peft.LoRAConfig`.
     """
 
     def __init__(

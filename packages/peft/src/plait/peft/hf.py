@@ -14,6 +14,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +102,31 @@ def export_hf_adapter(
         raise ValueError("export_hf_adapter: the model has no LoRA/DoRA adapters")
     mapper = name_map or (lambda n: n)
     names = {name: mapper(name) for name, _ in adapters}
-    every: list[tuple[str, Any]] = [(n, m) for n, m in adapters] + [
-        (f"{h}.{a.param_name}", a) for h, _, a in experts
-    ]
-    for name, mod in every:
+    _check_exportable(model, adapters, experts, ignore_full_tune)
+    settings = _export_settings(adapters, experts)
+    tensors = _linear_tensors(adapters, names)
+    expert_tensors, target_parameters = _expert_tensors(experts, mapper, expert_out_order)
+    tensors.update(expert_tensors)
+    config = _hf_config(settings, adapters, names, target_parameters, base_model_name_or_path, task_type)
+    if _is_writer():
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / HF_ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (out / HF_ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
+
+
+_Linear = list[tuple[str, Any]]  # (module name, LoRALinear / DoRALinear)
+_Experts = list[tuple[str, nn.Module, ExpertLoRA]]  # (host name, host, adapter)
+
+
+def _every(adapters: _Linear, experts: _Experts) -> list[tuple[str, Any]]:
+    return list(adapters) + [(f"{h}.{a.param_name}", a) for h, _, a in experts]
+
+
+def _check_exportable(model: nn.Module, adapters: _Linear, experts: _Experts, ignore_full_tune: bool) -> None:
+    """Unmerged, not PiSSA, and (unless ignored) no trainable parameter outside the adapters."""
+    for name, mod in _every(adapters, experts):
         if mod.merged:
             raise ValueError(f"export_hf_adapter: {name} is merged; unmerge before exporting")
         if mod.init == "pissa":
@@ -122,6 +144,22 @@ def export_hf_adapter(
             f"export_hf_adapter: trainable parameters outside LoRA adapters cannot be exported to HF PEFT: "
             f"{extra[:5]} (pass ignore_full_tune=True to leave them out)"
         )
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The adapter-wide fields of ``adapter_config.json``."""
+
+    r: int
+    alpha: float
+    dropout: float
+    use_rslora: bool
+    use_dora: bool
+
+
+def _export_settings(adapters: _Linear, experts: _Experts) -> _Settings:
+    """The adapter-wide settings (the most common rank and alpha); errors for what HF PEFT cannot hold."""
+    every = _every(adapters, experts)
     dora = {isinstance(m, DoRALinear) for _, m in adapters}
     if len(dora) > 1 or (experts and True in dora):
         raise ValueError(
@@ -143,7 +181,11 @@ def export_hf_adapter(
         raise ValueError(
             "export_hf_adapter: HF PEFT's target_parameters (expert LoRA) does not allow lora_dropout > 0"
         )
+    return _Settings(r_default, alpha_default, dropout, rslora.pop(), bool(dora and dora.pop()))
 
+
+def _linear_tensors(adapters: _Linear, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """HF keys and full tensors of the linear adapters."""
     tensors: dict[str, torch.Tensor] = {}
     for name, mod in adapters:
         key = HF_PREFIX + names[name]
@@ -151,6 +193,14 @@ def export_hf_adapter(
         tensors[f"{key}.lora_B.weight"] = gather_full(mod.lora_B.weight)
         if isinstance(mod, DoRALinear):
             tensors[f"{key}.lora_magnitude_vector"] = gather_full(mod.lora_magnitude_vector)
+    return tensors
+
+
+def _expert_tensors(
+    experts: _Experts, mapper: Callable[[str], str], expert_out_order: ExpertOutOrder | None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF keys and tensors of the expert adapters in PEFT's ``ParamWrapper`` layout, and their targets."""
+    tensors: dict[str, torch.Tensor] = {}
     target_parameters: list[str] = []
     hosts = {h: host for h, host, _ in experts}
     for host_name, host in hosts.items():
@@ -169,21 +219,31 @@ def export_hf_adapter(
                 b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
             )  # [out, r*E]
             target_parameters.append(f"{hf_host}.{pname}")
-    config: dict[str, Any] = {
+    return tensors, target_parameters
+
+
+def _hf_config(
+    s: _Settings,
+    adapters: _Linear,
+    names: dict[str, str],
+    target_parameters: list[str],
+    base_model_name_or_path: str | None,
+    task_type: str | None,
+) -> dict[str, Any]:
+    """``adapter_config.json`` with PEFT's ``LoraConfig`` field names."""
+    return {
         "peft_type": "LORA",
         "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
-        "r": r_default,
-        "lora_alpha": _num(alpha_default),
-        "lora_dropout": dropout,
+        "r": s.r,
+        "lora_alpha": _num(s.alpha),
+        "lora_dropout": s.dropout,
         "target_modules": sorted(names.values()) if names else None,
         "target_parameters": target_parameters or None,
-        "rank_pattern": {re.escape(names[n]): m.r for n, m in adapters if m.r != r_default},
-        "alpha_pattern": {
-            re.escape(names[n]): _num(m.alpha) for n, m in adapters if m.alpha != alpha_default
-        },
-        "use_rslora": rslora.pop(),
-        "use_dora": bool(dora and dora.pop()),
+        "rank_pattern": {re.escape(names[n]): m.r for n, m in adapters if m.r != s.r},
+        "alpha_pattern": {re.escape(names[n]): _num(m.alpha) for n, m in adapters if m.alpha != s.alpha},
+        "use_rslora": s.use_rslora,
+        "use_dora": s.use_dora,
         "init_lora_weights": True,  # trained weights are loaded over it; never re-run PiSSA on load
         "bias": "none",
         "fan_in_fan_out": False,
@@ -195,12 +255,6 @@ def export_hf_adapter(
         "exclude_modules": None,
         "lora_bias": False,
     }
-    if _is_writer():
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / HF_ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (out / HF_ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return config
 
 
 ExpertOutOrder = Callable[[str], torch.Tensor | None]
@@ -263,7 +317,19 @@ def import_hf_adapter(
     Returns:
         The :class:`plait.peft.PeftReport` of the injection (None with ``apply=False``).
     """
-    src = Path(directory)
+    cfg, weights_path = _read_config(Path(directory))
+    mapper = name_map or (lambda n: n)
+    with safe_open(str(weights_path), framework="pt") as f:
+        raw = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    keys = _place_keys(model, raw, list(cfg.get("target_parameters") or []), mapper)
+    report = _inject(model, cfg, keys, require_expert_hook) if apply else None
+    _load_linear(model, keys)
+    _load_experts(model, keys.experts, expert_out_order)
+    return report
+
+
+def _read_config(src: Path) -> tuple[dict[str, Any], Path]:
+    """``adapter_config.json`` (checked for what plait supports) and the weights file's path."""
     cfg_path, weights_path = src / HF_ADAPTER_CONFIG, src / HF_ADAPTER_WEIGHTS
     for p in (cfg_path, weights_path):
         if not p.is_file():
@@ -273,37 +339,58 @@ def import_hf_adapter(
         raise ValueError(
             f"import_hf_adapter: peft_type={cfg.get('peft_type')!r}; only 'LORA' (with use_dora) is supported"
         )
-    for field, ok in _UNSUPPORTED.items():
-        value = cfg.get(field, ok)
-        if value not in (ok, [], {}) and not (field == "modules_to_save" and not value):
+    for name, ok in _UNSUPPORTED.items():
+        value = cfg.get(name, ok)
+        if value not in (ok, [], {}) and not (name == "modules_to_save" and not value):
             raise ValueError(
-                f"import_hf_adapter: adapter_config.json field {field}={value!r} is not supported"
+                f"import_hf_adapter: adapter_config.json field {name}={value!r} is not supported"
             )
     if cfg.get("bias", "none") != "none":
         raise ValueError(
             f"import_hf_adapter: adapter_config.json field bias={cfg['bias']!r} is not supported"
         )
-    mapper = name_map or (lambda n: n)
-    target_params: list[str] = list(cfg.get("target_parameters") or [])
+    return cfg, weights_path
 
-    def targeted_on(hf_host: str) -> list[str]:
-        # PEFT's matching: "<module>.<param>" equals a target or ends with "." + target
-        try:
-            host = model.get_submodule(mapper(hf_host))
-        except AttributeError:
-            return []
-        return [
-            p
-            for p, v in host._parameters.items()
-            if v is not None
-            and any(f"{hf_host}.{p}" == t or f"{hf_host}.{p}".endswith("." + t) for t in target_params)
-        ]
 
-    with safe_open(str(weights_path), framework="pt") as f:
-        raw = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-    tensors: dict[str, torch.Tensor] = {}
-    hf_modules: dict[str, str] = {}  # hf name -> plait name (linear adapters)
-    expert_tensors: dict[str, dict[str, torch.Tensor]] = {}  # plait "<host>.<param>" -> {suffix: tensor}
+@dataclass
+class _Keys:
+    """The adapter file's tensors by where they go in the model.
+
+    Attributes:
+        linear: plait ``<module>.<suffix>`` -> tensor (linear adapters).
+        modules: HF module name -> plait module name (linear adapters).
+        experts: plait ``<host>.<param>`` -> {suffix: tensor} (expert adapters).
+    """
+
+    linear: dict[str, torch.Tensor] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def _targeted_on(
+    model: nn.Module, hf_host: str, target_params: list[str], mapper: Callable[[str], str]
+) -> list[str]:
+    """The parameters of ``hf_host`` that ``target_params`` names, in registration order.
+
+    PEFT's matching: ``"<module>.<param>"`` equals a target or ends with ``"." + target``.
+    """
+    try:
+        host = model.get_submodule(mapper(hf_host))
+    except AttributeError:
+        return []
+    return [
+        p
+        for p, v in host._parameters.items()
+        if v is not None
+        and any(f"{hf_host}.{p}" == t or f"{hf_host}.{p}".endswith("." + t) for t in target_params)
+    ]
+
+
+def _place_keys(
+    model: nn.Module, raw: dict[str, torch.Tensor], target_params: list[str], mapper: Callable[[str], str]
+) -> _Keys:
+    """Sort the file's keys into linear and expert adapters (nested ``base_layer`` levels: one per parameter)."""
+    keys = _Keys()
     for key, value in raw.items():
         if not key.startswith(HF_PREFIX):
             raise KeyError(f"import_hf_adapter: key {key!r} does not start with {HF_PREFIX!r}")
@@ -314,44 +401,50 @@ def import_hf_adapter(
         hf_name, depth = body[: -len(suffix) - 1], 0
         while hf_name.endswith(".base_layer"):  # nested ParamWrappers: one level per targeted parameter
             hf_name, depth = hf_name[: -len(".base_layer")], depth + 1
-        targeted = targeted_on(hf_name) if target_params else []
+        targeted = _targeted_on(model, hf_name, target_params, mapper) if target_params else []
         if targeted:
             if depth >= len(targeted) or suffix == "lora_magnitude_vector":
                 raise KeyError(
                     f"import_hf_adapter: cannot place key {key!r} (targeted parameters {targeted})"
                 )
             pname = targeted[len(targeted) - 1 - depth]  # the first registered parameter is innermost
-            expert_tensors.setdefault(f"{mapper(hf_name)}.{pname}", {})[suffix] = value
+            keys.experts.setdefault(f"{mapper(hf_name)}.{pname}", {})[suffix] = value
         elif depth:
             raise KeyError(f"import_hf_adapter: key {key!r} is nested but matches no target_parameters entry")
         else:
-            hf_modules[hf_name] = mapper(hf_name)
-            tensors[f"{hf_modules[hf_name]}.{suffix}"] = value
+            keys.modules[hf_name] = mapper(hf_name)
+            keys.linear[f"{keys.modules[hf_name]}.{suffix}"] = value
+    return keys
 
-    report = None
-    if apply:
-        groups: dict[tuple[int, float], list[str]] = {}
-        r0, a0 = int(cfg["r"]), float(cfg["lora_alpha"])
-        for hf_name, name in hf_modules.items():
-            r = int(_pattern_value(cfg.get("rank_pattern") or {}, hf_name, r0))
-            alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, hf_name, a0))
-            groups.setdefault((r, alpha), []).append(name)
-        common = {
-            "dropout": float(cfg.get("lora_dropout") or 0.0),
-            "use_rslora": bool(cfg.get("use_rslora")),
-            "init": "kaiming",
-        }
-        cls: type[LoRAConfig] | type[DoRAConfig] = DoRAConfig if cfg.get("use_dora") else LoRAConfig
-        configs: list[LoRAConfig | DoRAConfig] = [
-            cls(r=r, alpha=alpha, target_modules="|".join(re.escape(n) for n in sorted(names)), **common)  # type: ignore[arg-type]
-            for (r, alpha), names in sorted(groups.items())
-        ]
-        if expert_tensors:
-            pattern = "|".join(re.escape(n) for n in sorted(expert_tensors))
-            configs.append(LoRAConfig(r=r0, alpha=a0, target_parameters=pattern, **common))  # type: ignore[arg-type]
-        report = apply_peft(model, configs, require_expert_hook=require_expert_hook)
+
+def _inject(model: nn.Module, cfg: dict[str, Any], keys: _Keys, require_expert_hook: bool) -> PeftReport:
+    """Apply the adapters ``adapter_config.json`` describes (one config per rank and alpha)."""
+    groups: dict[tuple[int, float], list[str]] = {}
+    r0, a0 = int(cfg["r"]), float(cfg["lora_alpha"])
+    for hf_name, name in keys.modules.items():
+        r = int(_pattern_value(cfg.get("rank_pattern") or {}, hf_name, r0))
+        alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, hf_name, a0))
+        groups.setdefault((r, alpha), []).append(name)
+    common = {
+        "dropout": float(cfg.get("lora_dropout") or 0.0),
+        "use_rslora": bool(cfg.get("use_rslora")),
+        "init": "kaiming",
+    }
+    cls: type[LoRAConfig] | type[DoRAConfig] = DoRAConfig if cfg.get("use_dora") else LoRAConfig
+    configs: list[LoRAConfig | DoRAConfig] = [
+        cls(r=r, alpha=alpha, target_modules="|".join(re.escape(n) for n in sorted(names)), **common)  # type: ignore[arg-type]
+        for (r, alpha), names in sorted(groups.items())
+    ]
+    if keys.experts:
+        pattern = "|".join(re.escape(n) for n in sorted(keys.experts))
+        configs.append(LoRAConfig(r=r0, alpha=a0, target_parameters=pattern, **common))  # type: ignore[arg-type]
+    return apply_peft(model, configs, require_expert_hook=require_expert_hook)
+
+
+def _load_linear(model: nn.Module, keys: _Keys) -> None:
+    """Copy the linear adapters' tensors; every adapter of a named module must be in the file."""
     params = dict(model.named_parameters())
-    wanted = set(hf_modules.values())
+    wanted = set(keys.modules.values())
     expected = {
         f"{n}.{s}"
         for n, m in linear_adapters(model)
@@ -359,14 +452,20 @@ def import_hf_adapter(
         for s in _SUFFIXES
         if s != "lora_magnitude_vector" or isinstance(m, DoRALinear)
     }
-    missing = sorted(expected - set(tensors))
+    missing = sorted(expected - set(keys.linear))
     if missing:
         raise KeyError(f"import_hf_adapter: adapter file lacks {missing[:5]}")
-    for name, value in tensors.items():
+    for name, value in keys.linear.items():
         if name not in params:
             raise KeyError(f"import_hf_adapter: the model has no parameter {name!r}")
         copy_into(params[name], value, name=name)
-    for full, parts in expert_tensors.items():
+
+
+def _load_experts(
+    model: nn.Module, experts: dict[str, dict[str, torch.Tensor]], expert_out_order: ExpertOutOrder | None
+) -> None:
+    """Copy the expert adapters' tensors from PEFT's ``ParamWrapper`` layout."""
+    for full, parts in experts.items():
         host_name, _, pname = full.rpartition(".")
         host = model.get_submodule(host_name) if host_name else model
         adapter = host._modules.get(EXPERT_ADAPTERS_ATTR)
@@ -384,4 +483,3 @@ def import_hf_adapter(
         if order is not None:
             b = b[:, torch.argsort(order)]
         copy_into(ad.lora_B, b, name=f"{full} lora_B")
-    return report

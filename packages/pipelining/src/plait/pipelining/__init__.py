@@ -42,7 +42,7 @@ from plait.pipelining.schedules import (
 )
 from plait.pipelining.simulator import ActionCosts, SimulationResult, TimelineEntry, simulate
 from plait.pipelining.split_backward import WeightGradWork, backward_input, backward_weight
-from plait.pipelining.state import MicrobatchView, PipelineState, Replicate, ShardSpec, Split, Stack
+from plait.pipelining.state import Chunk, MicrobatchSpec, MicrobatchView, PipelineState, Shared, Stack
 from plait.pipelining.topology import Topology, loop_topology, vshape_topology
 from plait.pipelining.validation import ProgramError, dry_run, validate
 
@@ -53,6 +53,7 @@ __all__ = [
     "AnyAction",
     "BackwardHook",
     "BaseScheduleConfig",
+    "Chunk",
     "CommGroup",
     "DualPipeVConfig",
     "ForwardKwargsFn",
@@ -62,6 +63,7 @@ __all__ = [
     "Interleaved1F1BConfig",
     "LoopedBFSConfig",
     "LossFn",
+    "MicrobatchSpec",
     "MicrobatchView",
     "OfflineExecutor",
     "OneFOneBConfig",
@@ -73,10 +75,8 @@ __all__ = [
     "PipelineStepResult",
     "Program",
     "ProgramError",
-    "Replicate",
-    "ShardSpec",
+    "Shared",
     "SimulationResult",
-    "Split",
     "Stack",
     "StageRunner",
     "TimelineEntry",

@@ -158,7 +158,7 @@ class PipelineExecutor:
         host before going on, so that no transfer is in flight while this rank computes. The first launch
         of a kernel (a new Triton specialisation, a lazily loaded or JIT-compiled CUDA kernel), which new
         shapes bring, waits for the GPU's in-flight NCCL operations; with the peer blocked the same way the
-        pipeline would deadlock (measured on 2 H200s, see benchmarks/multigpu/module_load_probe.py).
+        pipeline would deadlock (measured on 2 H200s, see benchmarks/pipelining/module_load_probe.py).
         Lockstep cannot deadlock a validated program (the validator's dry run checks both modes).
         """
         m = self.num_microbatches

@@ -20,31 +20,17 @@ gathered: their ``W`` pass needs the parameters the forward used.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from plait.dist_core import set_gradient_sync
+from plait.dist_core import is_replicated, set_gradient_sync
+from plait.pipelining import fsdp_compat
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 __all__ = ["GradientSync"]
 
 
-def _param_groups(state: FSDPState) -> list[FSDPParamGroup]:
-    """The module's FSDP2 parameter groups: a list in newer torch, one optional group in torch <= 2.11."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
 def _switchable(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule) or getattr(module, "_plait_replicate", None) is not None
+    return isinstance(module, FSDPModule) or is_replicated(module)
 
 
 class GradientSync:
@@ -101,9 +87,8 @@ class GradientSync:
         # unsharded ones that microbatch's forward used, and those weight gradients would be lost; so these
         # schedules keep the parameters gathered too (reshard-after-backward is off over their step anyway).
         self.gathered = fsdp if gather_once or (splits_backward and has_backward) else []
-        # per parameter group of the gathered modules, over a step: its state and where it reshards after
-        # forward (FSDP's private record of reshard_after_forward: None keeps the parameters unsharded)
-        self._configured: dict[FSDPParamGroup, tuple[FSDPState, FSDPMeshInfo | None]] = {}
+        # per gathered module, over a step: its parameter groups and where each reshards after forward
+        self._configured: dict[FSDPModule, list[fsdp_compat.PostForward]] = {}
 
     def start(self) -> None:
         """Before the step's first forward: keep gathered parameters; accumulate unreduced gradients."""
@@ -145,11 +130,9 @@ class GradientSync:
     def _keep_unsharded(self) -> None:
         """``gather_once``: no module reshards after forward or backward until :meth:`_reshard`."""
         for m in self.gathered:
-            state = m._get_fsdp_state()
-            for group in _param_groups(state):
-                if group not in self._configured:
-                    self._configured[group] = (state, group.post_forward_mesh_info)
-                group.post_forward_mesh_info = None  # what fully_shard(reshard_after_forward=False) sets
+            if m not in self._configured:
+                self._configured[m] = fsdp_compat.post_forward_settings(m)
+            fsdp_compat.keep_unsharded_after_forward(m)
             m.set_reshard_after_backward(False, recurse=False)
 
     def _reshard(self) -> None:
@@ -157,11 +140,7 @@ class GradientSync:
         for m in self.gathered:
             m.set_reshard_after_backward(True, recurse=False)
             m.reshard()
-        for group, (state, configured) in self._configured.items():
-            # torch's lazy init (at the first forward, possibly within this step) keeps a root's
-            # parameters after forward unless reshard_after_forward was given (torch <= 2.11: always):
-            # apply that rule here too
-            group.post_forward_mesh_info = (
-                None if state._is_root and getattr(state, "_auto_reshard_after_forward", True) else configured
-            )
+        for module, settings in self._configured.items():
+            for setting in settings:
+                fsdp_compat.restore_post_forward(module, setting)
         self._configured.clear()

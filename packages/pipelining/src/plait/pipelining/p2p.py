@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.dist_core import parse_dtype
 from plait.pipelining.actions import Action, ActionKind, AnyAction
 from plait.pipelining.runner import StageRunner
 from plait.pipelining.topology import Topology
@@ -17,8 +18,6 @@ __all__ = ["P2PLink"]
 log = logging.getLogger("plait.pipelining.executor")  # DEBUG: one line per posted group (hang hunting)
 
 _META_BYTES = 4096
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
 Meta = list[tuple[str, torch.dtype, tuple[int, ...], bool]]
 SentMeta = list[tuple[str, str, tuple[int, ...], bool]]
 
@@ -154,7 +153,7 @@ class P2PLink:
             self._post(meta_ops, group, wait=True)
             for stage, buf in incoming:
                 raw = bytes(buf.cpu().tolist()).rstrip(b"\0")
-                self._meta[stage] = [(k, _DTYPES[d], tuple(sh), rg) for k, d, sh, rg in json.loads(raw)]
+                self._meta[stage] = [(k, parse_dtype(d), tuple(sh), rg) for k, d, sh, rg in json.loads(raw)]
         works = self._post([op for a in group for op in self._data_ops(a)], group, wait=False)
         for a in group:
             if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["MicrobatchView", "PipelineState", "Replicate", "ShardSpec", "Split", "Stack"]
+__all__ = ["Chunk", "MicrobatchSpec", "MicrobatchView", "PipelineState", "Shared", "Stack"]
 
 
 @dataclass(frozen=True)
-class Split:
+class Chunk:
     """Global value is split along `dim` into the microbatches; reading it globally concatenates them."""
 
     dim: int = 0
@@ -26,18 +26,18 @@ class Stack:
 
 
 @dataclass(frozen=True)
-class Replicate:
+class Shared:
     """One value shared by every microbatch (e.g. a global token count); written through the global view."""
 
 
-ShardSpec = Split | Stack | Replicate
+MicrobatchSpec = Chunk | Stack | Shared
 
 
 class PipelineState:
     """Per-step store with a global view and per-microbatch views.
 
     Example:
-        >>> state = PipelineState(4, specs={"labels": Split(0), "loss": Stack()})
+        >>> state = PipelineState(4, specs={"labels": Chunk(0), "loss": Stack()})
         >>> state.global_view["labels"] = torch.arange(8)      # sliced into 4 microbatches on write
         >>> state.microbatch(1)["labels"]
         tensor([2, 3])
@@ -48,25 +48,25 @@ class PipelineState:
     Args:
         num_microbatches: microbatches per step.
         specs: sharding spec per key; keys not listed use `default_spec`.
-        default_spec: spec for unlisted keys (``Split(0)``).
+        default_spec: spec for unlisted keys (``Chunk(0)``).
     """
 
     def __init__(
         self,
         num_microbatches: int,
-        specs: Mapping[str, ShardSpec] | None = None,
-        default_spec: ShardSpec = Split(0),
+        specs: Mapping[str, MicrobatchSpec] | None = None,
+        default_spec: MicrobatchSpec = Chunk(0),
     ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"PipelineState.num_microbatches must be >= 1, got {num_microbatches}")
         self.num_microbatches = num_microbatches
-        self.specs: dict[str, ShardSpec] = dict(specs or {})
+        self.specs: dict[str, MicrobatchSpec] = dict(specs or {})
         self.default_spec = default_spec
         self._shards: dict[str, list[Any]] = {}
         self._replicated: dict[str, Any] = {}
         self.global_view = _GlobalView(self)
 
-    def spec(self, key: str) -> ShardSpec:
+    def spec(self, key: str) -> MicrobatchSpec:
         return self.specs.get(key, self.default_spec)
 
     def reset(self) -> None:
@@ -89,7 +89,7 @@ class PipelineState:
     # --- conversions ---
     def _write_global(self, key: str, value: Any) -> None:
         spec = self.spec(key)
-        if isinstance(spec, Replicate):
+        if isinstance(spec, Shared):
             self._shards.pop(key, None)
             self._replicated[key] = value
             return
@@ -98,7 +98,7 @@ class PipelineState:
                 f"PipelineState key {key!r} has spec {spec} and needs a tensor, got {type(value).__name__}"
             )
         m = self.num_microbatches
-        if isinstance(spec, Split):
+        if isinstance(spec, Chunk):
             if value.dim() == 0 or value.shape[spec.dim] < m:
                 raise ValueError(
                     f"PipelineState key {key!r}: cannot split shape {tuple(value.shape)} along dim {spec.dim} "
@@ -125,15 +125,15 @@ class PipelineState:
         if missing:
             raise KeyError(f"PipelineState key {key!r} was not written for microbatches {missing}")
         spec = self.spec(key)
-        if isinstance(spec, Split):
+        if isinstance(spec, Chunk):
             return torch.cat(parts, dim=spec.dim)
         assert isinstance(spec, Stack)
         return torch.stack(parts, dim=spec.dim)
 
     def _write_mb(self, key: str, index: int, value: Any) -> None:
-        if isinstance(self.spec(key), Replicate):
+        if isinstance(self.spec(key), Shared):
             raise KeyError(
-                f"PipelineState key {key!r} is Replicate: write it through global_view, not a microbatch"
+                f"PipelineState key {key!r} is Shared: write it through global_view, not a microbatch"
             )
         self._shards.setdefault(key, [None] * self.num_microbatches)[index] = value
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from plait.pipelining.actions import Action, ActionKind
 from plait.pipelining.lowering import recvs_for
@@ -38,16 +40,53 @@ def _message(a: Action) -> tuple[_Msg, int]:
     return ("B", a.stage + 1, a.microbatch), a.stage + 1  # RECV_B
 
 
+_Key = tuple[ActionKind, int, int]  # (kind, stage, microbatch)
+_Sent = dict[tuple[int, int], list[tuple[_Msg, int]]]  # (src rank, dst rank) -> [(message, group index)]
+
+
+@dataclass
+class _Facts:
+    """What the rules of :func:`validate` know about a program, filled in by the rules that collect it.
+
+    Attributes:
+        program: the program.
+        pos: (kind, stage, microbatch) -> (rank, index) of every action (from :func:`_each_action_placed_once`).
+        sent / recvd: per rank pair, the messages sent / received in order, with their group's index
+            (lowered programs, from :func:`_messages_between_ranks`).
+        group_of: (side, message) -> (rank, index) of the group that posts it.
+    """
+
+    program: Program
+    pos: dict[_Key, tuple[int, int]] = field(default_factory=dict)
+    sent: _Sent = field(default_factory=lambda: defaultdict(list))
+    recvd: _Sent = field(default_factory=lambda: defaultdict(list))
+    group_of: dict[tuple[str, _Msg], tuple[int, int]] = field(default_factory=dict)
+
+    def where(self, kind: ActionKind, s: int, k: int) -> tuple[int, int] | None:
+        return self.pos.get((kind, s, k))
+
+
 def validate(program: Program, *, check_deadlock: bool = True) -> None:
     """Check a program; raise :class:`ProgramError` on the first problem.
 
-    Checks: stage placement, each (stage, microbatch) forward exactly once, backward exactly once as ``B`` or
-    as ``I`` then ``W``, backward after forward, local data dependencies in order, and for lowered programs:
-    every remote input received before use, every send after its producer and matched by one receive on the
-    right rank, sends and receives of each rank pair in the same order, and a deadlock-free dry run.
+    Checks (``RULES``, then ``LOWERED_RULES`` for lowered programs): stage placement, each (stage,
+    microbatch) forward exactly once, backward exactly once as ``B`` or as ``I`` then ``W``, backward after
+    forward, local data dependencies in order, and for lowered programs: every remote input received before
+    use, every send after its producer and matched by one receive on the right rank, sends and receives of
+    each rank pair in the same order, groups that pair up across ranks, and a deadlock-free dry run.
     """
+    facts = _Facts(program)
+    for rule in RULES + (LOWERED_RULES if program.lowered else ()):
+        rule(facts)
+    if program.lowered and check_deadlock:
+        dry_run(program)
+        dry_run(program, lockstep=True)
+
+
+def _each_action_placed_once(facts: _Facts) -> None:
+    """Every action on an existing stage of its own rank and microbatch, once; comm only when lowered."""
+    program = facts.program
     topo, m = program.topology, program.num_microbatches
-    pos: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}  # (kind, stage, mb) -> (rank, index)
     for r, acts in enumerate(program.actions):
         for i, act in enumerate(acts):
             for a in act.sub_actions():
@@ -67,20 +106,23 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                         f"{a}: microbatch {a.microbatch} >= num_microbatches {m}", program, r, i
                     )
                 key = (a.kind, a.stage, a.microbatch)
-                if key in pos:
-                    raise ProgramError(f"{a} appears twice (first at index {pos[key][1]})", program, r, i)
+                if key in facts.pos:
+                    raise ProgramError(
+                        f"{a} appears twice (first at index {facts.pos[key][1]})", program, r, i
+                    )
                 if a.is_comm and not program.lowered:
                     raise ProgramError(
                         f"{a}: communication action in a program marked not lowered", program, r, i
                     )
-                pos[key] = (r, i)
+                facts.pos[key] = (r, i)
 
-    def where(kind: ActionKind, s: int, k: int) -> tuple[int, int] | None:
-        return pos.get((kind, s, k))
 
-    for s in range(topo.num_stages):
-        r = topo.rank_of(s)
-        for k in range(m):
+def _each_microbatch_complete(facts: _Facts) -> None:
+    """Each (stage, microbatch) has its forward, and one backward (``B``, or ``I`` and ``W``) if any."""
+    program, where = facts.program, facts.where
+    for s in range(program.topology.num_stages):
+        r = program.topology.rank_of(s)
+        for k in range(program.num_microbatches):
             if where(F, s, k) is None:
                 raise ProgramError(f"forward {s}F{k} is missing", program, r, None)
             has_b, has_i, has_w = where(B, s, k), where(BI, s, k), where(W, s, k)
@@ -96,49 +138,60 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                 raise ProgramError(
                     f"backward {which} of stage {s} microbatch {k} is missing", program, r, None
                 )
-    # local order of dependencies
+
+
+def _needs(facts: _Facts, a: Action) -> list[_Key]:
+    """The actions ``a`` depends on, on its own rank."""
+    topo, where = facts.program.topology, facts.where
+    s, k = a.stage, a.microbatch
+    if a.kind is F:
+        if s == 0:
+            return []
+        return [(F, s - 1, k) if topo.is_local_edge(s - 1) else (ActionKind.RECV_F, s, k)]
+    if a.kind in (B, BI):
+        need: list[_Key] = [(F, s, k)]
+        if s < topo.num_stages - 1:
+            if topo.is_local_edge(s):
+                need.append((B if where(B, s + 1, k) else BI, s + 1, k))
+            else:
+                need.append((ActionKind.RECV_B, s, k))
+        return need
+    if a.kind is W:
+        return [(BI, s, k)]
+    if a.kind is ActionKind.SEND_F:
+        return [(F, s, k)]
+    if a.kind is ActionKind.SEND_B:
+        return [(B, s, k) if where(B, s, k) else (BI, s, k)]
+    return []
+
+
+def _dependencies_in_order(facts: _Facts) -> None:
+    """Every action after the actions of its own rank that it depends on."""
+    program = facts.program
     for r, acts in enumerate(program.actions):
-        seen: set[tuple[ActionKind, int, int]] = set()
+        seen: set[_Key] = set()
         for i, act in enumerate(acts):
             for a in act.sub_actions():
-                s, k = a.stage, a.microbatch
-                need: list[tuple[ActionKind, int, int]] = []
-                if a.kind is F and s > 0:
-                    need.append((F, s - 1, k) if topo.is_local_edge(s - 1) else (ActionKind.RECV_F, s, k))
-                elif a.kind in (B, BI):
-                    need.append((F, s, k))
-                    if s < topo.num_stages - 1:
-                        if topo.is_local_edge(s):
-                            nb = B if where(B, s + 1, k) else BI
-                            need.append((nb, s + 1, k))
-                        else:
-                            need.append((ActionKind.RECV_B, s, k))
-                elif a.kind is W:
-                    need.append((BI, s, k))
-                elif a.kind is ActionKind.SEND_F:
-                    need.append((F, s, k))
-                elif a.kind is ActionKind.SEND_B:
-                    need.append((B, s, k) if where(B, s, k) else (BI, s, k))
-                for n in need:
+                for n in _needs(facts, a):
                     if n[0].is_comm and not program.lowered:
                         continue
                     if n not in seen:
                         what = f"{n[1]}{n[0].value}{n[2]}"
                         raise ProgramError(f"{a} runs before {what}, which it depends on", program, r, i)
             seen.update((a.kind, a.stage, a.microbatch) for a in act.sub_actions())
-    if not program.lowered:
-        return
-    # every remote edge carries exactly one matched message, in the same order on both ends
-    sent: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
-    recvd: dict[tuple[int, int], list[tuple[_Msg, int]]] = defaultdict(list)
-    group_of: dict[tuple[str, _Msg], tuple[int, int]] = {}  # (side, message) -> (rank, index of its group)
+
+
+def _messages_between_ranks(facts: _Facts) -> None:
+    """Every comm action has a peer stage on another rank; collects the messages per rank pair."""
+    program = facts.program
+    topo = program.topology
     for r, acts in enumerate(program.actions):
         for i, act in enumerate(acts):
             if not act.is_comm:
                 continue
             for a in act.sub_actions():
                 msg, peer_stage = _message(a)
-                group_of[(_side(a), msg)] = (r, i)
+                facts.group_of[(_side(a), msg)] = (r, i)
                 if not 0 <= peer_stage < topo.num_stages:
                     raise ProgramError(f"{a}: peer stage {peer_stage} does not exist", program, r, i)
                 peer = topo.rank_of(peer_stage)
@@ -147,22 +200,32 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                         f"{a}: stages {a.stage} and {peer_stage} are on the same rank", program, r, i
                     )
                 if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                    sent[(r, peer)].append((msg, i))
+                    facts.sent[(r, peer)].append((msg, i))
                 else:
-                    recvd[(peer, r)].append((msg, i))
+                    facts.recvd[(peer, r)].append((msg, i))
+
+
+def _every_remote_edge_sent(facts: _Facts) -> None:
+    """Every activation (and gradient) that crosses ranks is sent."""
+    program, topo = facts.program, facts.program.topology
     for s in range(topo.num_stages - 1):
         if topo.is_local_edge(s):
             continue
-        for k in range(m):
+        for k in range(program.num_microbatches):
             kinds = [("F", s, k)] + ([("B", s + 1, k)] if program.has_backward else [])
             for msg in kinds:
                 src = topo.rank_of(s if msg[0] == "F" else s + 1)
                 dst = topo.rank_of(s + 1 if msg[0] == "F" else s)
-                if not any(x == msg for x, _ in sent[(src, dst)]):
+                if not any(x == msg for x, _ in facts.sent[(src, dst)]):
                     raise ProgramError(f"no send of {msg[0]} message {msg[1]}->{msg[2]}", program, src, None)
-    for pair in set(sent) | set(recvd):
+
+
+def _sends_match_receives(facts: _Facts) -> None:
+    """Between each rank pair, the j-th send carries the j-th receive's message."""
+    program = facts.program
+    for pair in set(facts.sent) | set(facts.recvd):
         src, dst = pair
-        ss, rr = sent.get(pair, []), recvd.get(pair, [])
+        ss, rr = facts.sent.get(pair, []), facts.recvd.get(pair, [])
         for j in range(max(len(ss), len(rr))):
             if j >= len(rr):
                 raise ProgramError(
@@ -186,10 +249,22 @@ def validate(program: Program, *, check_deadlock: bool = True) -> None:
                     dst,
                     rr[j][1],
                 )
-    _check_groups_pair_up(program, group_of)
-    if check_deadlock:
-        dry_run(program)
-        dry_run(program, lockstep=True)
+
+
+def _groups_pair_up(facts: _Facts) -> None:
+    _check_groups_pair_up(facts.program, facts.group_of)
+
+
+Rule = Callable[[_Facts], None]
+# Every program; in this order (the later rules read what the earlier ones collected).
+RULES: tuple[Rule, ...] = (_each_action_placed_once, _each_microbatch_complete, _dependencies_in_order)
+# Lowered programs, after RULES.
+LOWERED_RULES: tuple[Rule, ...] = (
+    _messages_between_ranks,
+    _every_remote_edge_sent,
+    _sends_match_receives,
+    _groups_pair_up,
+)
 
 
 def _check_groups_pair_up(program: Program, group_of: dict[tuple[str, _Msg], tuple[int, int]]) -> None:

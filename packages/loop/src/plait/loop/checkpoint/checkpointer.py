@@ -287,6 +287,7 @@ class Checkpointer:
         self._holds_writer = async_mode == "process"  # counted in _OPEN_WRITERS until close()
         if async_mode == "process":
             _join_job_store(dist.get_world_size(process_group))
+            _quiet_writer_process()
             global _OPEN_WRITERS
             _OPEN_WRITERS += 1
         # DCP's writes coordinate through collectives; a background thread must not interleave them
@@ -713,6 +714,36 @@ def _stop_writer_process() -> None:
     if proc is not None:
         ape._CHECKPOINT_PROCESS = None
         proc.__del__()  # sends TERMINATE and joins (SIGTERM after 5 s); a second call is a no-op
+
+
+def _quiet_writer_process() -> None:
+    """Start DCP's writer process through :func:`_writer_process_main` (idempotent).
+
+    DCP's process entry sets the writer's root logger to INFO with a stream handler, so every
+    checkpoint printed ``Waiting for checkpoint save request...`` and the like on the console.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    entry = ape._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"]
+    if getattr(entry, "__func__", None) is not _writer_process_main:
+        ape._AsyncCheckpointProcess._checkpointing_subprocess = staticmethod(_writer_process_main)  # type: ignore[method-assign]
+
+
+def _writer_process_main(pg_init_info: Any, parent_conn: Any) -> None:
+    """DCP's writer process entry (run in that process) with warnings and errors only on its stderr."""
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    def init_logger(rank: int) -> None:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter(f"[checkpoint writer of rank {rank}] %(levelname)s %(message)s")
+        )
+        root = logging.getLogger()
+        root.setLevel(logging.WARNING)
+        root.addHandler(handler)
+
+    ape._init_logger = init_logger  # looked up by the entry below when it starts
+    ape._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"].__func__(pg_init_info, parent_conn)
 
 
 def _join_job_store(world_size: int) -> None:

@@ -3,7 +3,14 @@
 from plait.loop.tracking.plots import plot_loss_curve, plot_series
 from plait.loop.tracking.reporter import RunReporter
 from plait.loop.tracking.summary import RunSummary, RunSummaryCollector
-from plait.loop.tracking.throughput import ThroughputMeter, device_memory_stats, peak_flops_for
+from plait.loop.tracking.throughput import (
+    Interval,
+    ThroughputMeter,
+    compiled_graphs,
+    device_memory_stats,
+    measure_matmul_flops,
+    peak_flops_for,
+)
 from plait.loop.tracking.trackers import (
     AimTracker,
     ConsoleTracker,
@@ -18,6 +25,7 @@ from plait.loop.tracking.trackers import (
 __all__ = [
     "AimTracker",
     "ConsoleTracker",
+    "Interval",
     "JSONLTracker",
     "RunReporter",
     "RunSummary",
@@ -27,7 +35,9 @@ __all__ = [
     "Tracker",
     "WandbTracker",
     "build_tracker",
+    "compiled_graphs",
     "device_memory_stats",
+    "measure_matmul_flops",
     "peak_flops_for",
     "plot_loss_curve",
     "plot_series",

@@ -11,9 +11,17 @@ __all__ = ["plot_loss_curve", "plot_series"]
 
 
 def plot_series(
-    xs: Sequence[float], ys: Sequence[float], path: str | Path, *, xlabel: str, ylabel: str
+    xs: Sequence[float],
+    ys: Sequence[float],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    label: str | None = None,
+    extra: Sequence[tuple[Sequence[float], Sequence[float], str]] = (),
 ) -> None:
-    """Write a PNG of one line ``ys`` over ``xs``.
+    """Write a PNG of one line ``ys`` over ``xs`` (named ``label``), plus ``extra`` lines ``(xs, ys, label)``
+    drawn with markers; a legend appears when there are extra lines.
 
     Raises:
         ImportError: without matplotlib (``pip install 'plait-loop[viz]'``).
@@ -28,7 +36,11 @@ def plot_series(
             f"plotting {Path(path).name} needs matplotlib: pip install 'plait-loop[viz]'"
         ) from e
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.plot(list(xs), list(ys))
+    ax.plot(list(xs), list(ys), label=label)
+    for exs, eys, elabel in extra:
+        ax.plot(list(exs), list(eys), marker="o", label=elabel)
+    if extra:
+        ax.legend()
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -38,20 +50,28 @@ def plot_series(
 
 
 def plot_loss_curve(metrics: str | Path, path: str | Path) -> int:
-    """Plot the ``loss`` of each step recorded in a ``metrics.jsonl`` file; returns the number of points.
+    """Plot the ``loss`` of each step recorded in a ``metrics.jsonl`` file, and its ``val_loss`` (of the
+    evaluations) beside it; returns the number of training-loss points.
 
     Non-finite or missing losses are left out; nothing is written when no step has a loss.
     """
     points: dict[int, float] = {}
+    val: dict[int, float] = {}
     for line in Path(metrics).read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        loss = record.get("loss")
-        if isinstance(record.get("step"), int) and isinstance(loss, int | float) and math.isfinite(loss):
-            points[record["step"]] = float(loss)  # a later record of a step (a redone step) wins
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        for key, into in (("loss", points), ("val_loss", val)):
+            value = record.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                into[record["step"]] = float(value)  # a later record of a step (a redone step) wins
     if points:
-        steps = sorted(points)
-        plot_series(steps, [points[s] for s in steps], path, xlabel="step", ylabel="training loss")
+        steps, vsteps = sorted(points), sorted(val)
+        extra = [(vsteps, [val[s] for s in vsteps], "val_loss")] if val else []
+        plot_series(
+            steps, [points[s] for s in steps], path, xlabel="step", ylabel="loss", label="loss", extra=extra
+        )
     return len(points)

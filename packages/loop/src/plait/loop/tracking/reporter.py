@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,10 +87,11 @@ class RunReporter:
             t.log(values, step)
 
     def step_done(self, loss: float, seconds: float) -> None:
-        """Advance the progress bar by one step."""
+        """Advance the progress bar by one step (``loss`` is shown once one was read: not NaN)."""
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{loss:.4f}", s_per_step=f"{seconds:.2f}")
+            shown = {"loss": f"{loss:.4f}"} if not math.isnan(loss) else {}
+            self._bar.set_postfix(**shown, s_per_step=f"{seconds:.2f}")
 
     def close_bar(self) -> None:
         """Close the progress bar (the end of a :meth:`~plait.loop.Trainer.fit`)."""

@@ -28,7 +28,11 @@ class RunSummary:
 
     ``steps`` and ``tokens`` are the run's totals (a resumed run includes what was done before the
     resume); ``steps_this_session``, ``wall_time_s``, ``mean_tokens_per_s`` and ``mean_mfu`` cover
-    this process's training loop only.
+    this process's training loop only, warm-up and compilation included. ``steady_tokens_per_s`` and
+    ``steady_mfu`` cover its logging intervals after the first one, less any interval in which
+    torch.compile compiled a graph (evaluation time is left out of both); ``steady_steps`` counts
+    their steps (0 when no interval qualifies: the steady figures are None then). ``last_val_loss``
+    and ``best_val_loss`` (at ``best_val_step``) come from the evaluations of this session.
     """
 
     steps: int
@@ -40,6 +44,12 @@ class RunSummary:
     final_loss: float | None
     mean_tokens_per_s: float
     mean_mfu: float | None
+    steady_steps: int
+    steady_tokens_per_s: float | None
+    steady_mfu: float | None
+    last_val_loss: float | None
+    best_val_loss: float | None
+    best_val_step: int | None
     peak_memory_gib: float | None
     checkpoint: str | None
     export: str | None
@@ -49,23 +59,34 @@ class RunSummary:
         return asdict(self)
 
     def format(self) -> str:
-        """A few human-readable lines."""
+        """A few human-readable lines; figures that were not measured are left out."""
 
-        def opt(value: float | None, fmt: str) -> str:
-            return "n/a" if value is None else format(value, fmt)
+        def rate(tps: float, mfu: float | None) -> str:
+            return f"{tps:,.0f} tok/s" + ("" if mfu is None else f", MFU {100 * mfu:.2f}%")
 
         state = "stopped early" if self.stopped_early else "finished"
-        return "\n".join(
-            [
-                f"run {state}: step {self.steps}/{self.total_steps} ({self.steps_this_session} this session), "
-                f"{self.tokens:,} tokens, {self.wall_time_s:.1f} s",
-                f"  final loss {opt(self.final_loss, '.4f')} | mean {self.mean_tokens_per_s:,.0f} tok/s | "
-                f"mean MFU {'n/a' if self.mean_mfu is None else format(100 * self.mean_mfu, '.2f') + '%'} | "
-                f"peak memory {opt(self.peak_memory_gib, '.2f')} GiB",
-                f"  checkpoint: {self.checkpoint or 'none'}",
-                f"  export: {self.export or 'none'}",
-            ]
-        )
+        losses = [] if self.final_loss is None else [f"final loss {self.final_loss:.4f}"]
+        if self.last_val_loss is not None:
+            losses.append(
+                f"val_loss {self.last_val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_val_step})"
+            )
+        if self.peak_memory_gib is not None:
+            losses.append(f"peak memory {self.peak_memory_gib:.2f} GiB")
+        speed = f"whole run {rate(self.mean_tokens_per_s, self.mean_mfu)} over {self.wall_time_s:.1f} s"
+        if self.steady_tokens_per_s is not None:
+            speed = (
+                f"steady state {rate(self.steady_tokens_per_s, self.steady_mfu)} ({self.steady_steps} steps) | "
+                + speed
+            )
+        lines = [
+            f"run {state}: step {self.steps}/{self.total_steps} ({self.steps_this_session} this session), "
+            f"{self.tokens:,} tokens, {self.wall_time_s:.1f} s",
+            f"  {speed}",
+        ]
+        if losses:
+            lines.append("  " + " | ".join(losses))
+        lines += [f"  checkpoint: {self.checkpoint or 'none'}", f"  export: {self.export or 'none'}"]
+        return "\n".join(lines)
 
 
 class RunSummaryCollector:
@@ -86,6 +107,12 @@ class RunSummaryCollector:
         self._stopped_early = False
         self._final_loss: float | None = None
         self._peak_memory: float | None = None
+        self._steady_tokens = 0
+        self._steady_seconds = 0.0
+        self._steady_steps = 0
+        self._intervals = 0
+        self._last_logged_step: int | None = None
+        self._val: list[tuple[int, float]] = []  # (step, val_loss) of each evaluation
         trainer.events.subscribe(TrainingStart, self._on_start)
         trainer.events.subscribe(MetricsLogged, self._on_metrics)
         trainer.events.subscribe(TrainingEnd, self._on_end)
@@ -95,6 +122,8 @@ class RunSummaryCollector:
             self._t0 = time.perf_counter()
             self._start_step = e.step
             self._start_tokens = self.trainer.state.tokens_seen
+        self._last_logged_step = e.step
+        self._intervals = 0  # each fit() warms up again (its first interval is left out)
 
     def _on_metrics(self, e: MetricsLogged) -> None:
         loss = e.metrics.get("loss")
@@ -103,6 +132,17 @@ class RunSummaryCollector:
         for key in _MEMORY_KEYS:
             if key in e.metrics:
                 self._peak_memory = max(self._peak_memory or 0.0, float(e.metrics[key]))
+        val = e.metrics.get("val_loss")
+        if val is not None and math.isfinite(val):
+            self._val.append((e.step, float(val)))
+        interval = self.trainer.throughput.last_interval
+        if "tokens_per_s" in e.metrics and interval is not None:  # a training interval was measured
+            if self._intervals > 0 and not interval.compiled:
+                self._steady_tokens += interval.tokens
+                self._steady_seconds += interval.seconds
+                self._steady_steps += e.step - (self._last_logged_step or 0)
+            self._intervals += 1
+            self._last_logged_step = e.step
 
     def _on_end(self, e: TrainingEnd) -> None:
         self._t1 = time.perf_counter()
@@ -116,9 +156,14 @@ class RunSummaryCollector:
         tokens = tr.state.tokens_seen - self._start_tokens
         tps = tokens / wall if wall > 0 else 0.0
         meter = tr.throughput
-        mfu = None
-        if meter.flops_per_token and meter.peak_flops:
-            mfu = meter.flops_per_token * tps / (meter.peak_flops * meter.world_size)
+
+        def mfu_of(rate: float) -> float | None:
+            if meter.flops_per_token and meter.peak_flops:
+                return meter.flops_per_token * rate / (meter.peak_flops * meter.world_size)
+            return None
+
+        steady = self._steady_tokens / self._steady_seconds if self._steady_seconds > 0 else None
+        best = min(self._val, key=lambda sv: sv[1]) if self._val else None
         last = getattr(tr.checkpointer, "last_complete", None)
         return RunSummary(
             steps=tr.step,
@@ -129,7 +174,13 @@ class RunSummaryCollector:
             wall_time_s=wall,
             final_loss=self._final_loss,
             mean_tokens_per_s=tps,
-            mean_mfu=mfu,
+            mean_mfu=mfu_of(tps),
+            steady_steps=self._steady_steps if steady is not None else 0,
+            steady_tokens_per_s=steady,
+            steady_mfu=mfu_of(steady) if steady is not None else None,
+            last_val_loss=self._val[-1][1] if self._val else None,
+            best_val_loss=best[1] if best else None,
+            best_val_step=best[0] if best else None,
             peak_memory_gib=self._peak_memory,
             checkpoint=str(last) if last is not None else None,
             export=str(self.export) if self.export is not None else None,

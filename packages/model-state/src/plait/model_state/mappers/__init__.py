@@ -13,7 +13,7 @@ from .base import (
     rekey,
 )
 from .chunk import Chunk, Concatenate
-from .composite import Parallel, Sequential, Shard
+from .composite import Parallel, RankShard, Sequential
 from .distribute import Distribute, Gather
 from .keys import AddPrefix, Drop, Identity, Rename, Scoped, Select
 from .stack import Stack, Unstack
@@ -39,12 +39,12 @@ __all__ = [
     "MapperGroup",
     "Parallel",
     "Plan",
+    "RankShard",
     "Rename",
     "Reshape",
     "Scoped",
     "Select",
     "Sequential",
-    "Shard",
     "Slicer",
     "Stack",
     "Transpose",

@@ -11,7 +11,7 @@ from ..errors import MapperError, format_keys
 from ..specs import Region, TensorSpec
 from .base import PASS_THROUGH, GroupFn, Mapper, MapperGroup
 
-__all__ = ["Parallel", "Sequential", "Shard"]
+__all__ = ["Parallel", "RankShard", "Sequential"]
 
 
 def _fuse(first: list[MapperGroup], second: list[MapperGroup]) -> list[MapperGroup]:
@@ -153,10 +153,10 @@ class Parallel(Mapper):
         return "Parallel(" + ", ".join(repr(m) for m in self.mappers) + ")"
 
 
-class Shard(Mapper):
+class RankShard(Mapper):
     """Keeps this rank's share of ``inner``'s groups (balanced by bytes read); drops the rest.
 
-    Lets N processes convert one checkpoint in parallel: each runs ``Shard(m, N, rank)`` and writes
+    Lets N processes convert one checkpoint in parallel: each runs ``RankShard(m, N, rank)`` and writes
     its outputs (see :func:`plait.model_state.convert_checkpoint`). Defaults come from
     ``torch.distributed`` when it is initialised (else one shard).
     """
@@ -167,7 +167,7 @@ class Shard(Mapper):
         if index is None:
             index = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if not 0 <= index < num_shards:
-            raise MapperError(f"Shard: index {index} out of range for {num_shards} shards")
+            raise MapperError(f"RankShard: index {index} out of range for {num_shards} shards")
         self.inner, self.num_shards, self.index = inner, num_shards, index
 
     def assignment(self, source: Mapping[str, TensorSpec]) -> list[tuple[MapperGroup, int]]:
@@ -191,13 +191,13 @@ class Shard(Mapper):
             else:
                 others.extend(g.inputs)
         return mine + (
-            [MapperGroup.drop(others, f"Shard({self.index}/{self.num_shards}): other ranks")]
+            [MapperGroup.drop(others, f"RankShard({self.index}/{self.num_shards}): other ranks")]
             if others
             else []
         )
 
     def inverse(self) -> Mapper:
-        return Shard(self.inner.inverse(), self.num_shards, self.index)
+        return RankShard(self.inner.inverse(), self.num_shards, self.index)
 
     def __repr__(self) -> str:
-        return f"Shard({self.inner!r}, {self.index}/{self.num_shards})"
+        return f"RankShard({self.inner!r}, {self.index}/{self.num_shards})"

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from plait.model_state import Mapper
 from plait.models.common.config import DecoderConfig
 from plait.models.common.flops import gqa_decoder_flops_per_token
-from plait.models.common.model import CausalLMStage
+from plait.models.common.model import CausalLMStage, LayerFactory
 from plait.models.common.parallel.plan import LayerTensorParallel, tp_gqa_layer
 
 __all__ = ["Family"]
@@ -23,10 +23,12 @@ class Family:
 
     Attributes:
         name: The family's folder name.
+        config_classes: The family's config class per ``model_type`` it implements.
         config_from_hf: ``config.json`` dict (consumed) -> the family's config; raises ``ValueError``
             naming an unsupported key or value.
         config_to_hf: The family's config -> ``config.json`` dict.
         causal_lm: ``(config, *, stage_index, num_stages) -> stage`` (the family's causal-LM class).
+        layer: The family's decoder layer factory (``(config, layer_idx) -> DecoderLayer``).
         hf_to_plait: ``config -> mapper`` from Hugging Face keys to plait's.
         plait_to_hf: ``(config, *, fused_experts) -> mapper`` from plait keys to Hugging Face's.
         tp_layer_plan: Tensor-parallel plan of one decoder layer.
@@ -34,9 +36,11 @@ class Family:
     """
 
     name: str
+    config_classes: Mapping[str, type[DecoderConfig]]
     config_from_hf: Callable[[dict[str, Any]], DecoderConfig]
     config_to_hf: Callable[[DecoderConfig], dict[str, Any]]
     causal_lm: Callable[..., CausalLMStage]
+    layer: LayerFactory
     hf_to_plait: Callable[[DecoderConfig], Mapper]
     plait_to_hf: Callable[..., Mapper]
     tp_layer_plan: LayerTensorParallel = tp_gqa_layer

@@ -33,6 +33,7 @@ __all__ = [
     "DecoderTrunk",
     "LayerFactory",
     "SequenceClassifierStage",
+    "estimate_num_parameters",
     "stage_layer_ids",
 ]
 
@@ -49,6 +50,23 @@ def stage_layer_ids(num_layers: int, stage_index: int, num_stages: int) -> list[
     base, rem = divmod(num_layers, num_stages)
     start = stage_index * base + min(stage_index, rem)
     return list(range(start, start + base + (1 if stage_index < rem else 0)))
+
+
+def estimate_num_parameters(config: DecoderConfig, layer_factory: LayerFactory) -> int:
+    """Parameters of the whole model (embedding and an untied head included), counted on meta
+    modules: one layer of each kind (MoE or dense, window), so that nothing is allocated and a
+    config with a million layers is counted in milliseconds."""
+    kinds: dict[tuple[bool, int | None], tuple[int, int]] = {}  # kind -> (first layer, count)
+    for i in range(config.num_hidden_layers):
+        key = (config.is_moe_layer(i), config.sliding_window_of(i))
+        first, count = kinds.get(key, (i, 0))
+        kinds[key] = (first, count + 1)
+    total = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    total += config.hidden_size  # final norm
+    with torch.device("meta"):
+        for first, count in kinds.values():
+            total += count * sum(p.numel() for p in layer_factory(config, first).parameters())
+    return total
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:

@@ -50,7 +50,7 @@ def rope_inv_freq(
         base = base * ((f * n / max_position_embeddings) - (f - 1)) ** (dim / (dim - 2))
         return 1.0 / (base**exps), 1.0
     if params.rope_type == "llama3":
-        return _llama3_inv_freq(params, 1.0 / (base**exps)), 1.0
+        return _frequency_band_inv_freq(params, 1.0 / (base**exps)), 1.0
     # yarn
     orig = params.original_max_position_embeddings
     assert orig is not None
@@ -86,7 +86,7 @@ def rope_inv_freq(
     return inv_freq, float(attention_factor)
 
 
-def _llama3_inv_freq(params: RopeParameters, inv_freq: torch.Tensor) -> torch.Tensor:
+def _frequency_band_inv_freq(params: RopeParameters, inv_freq: torch.Tensor) -> torch.Tensor:
     """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
     factor, orig = params.factor, params.original_max_position_embeddings
     low, high = params.low_freq_factor, params.high_freq_factor

@@ -7,9 +7,11 @@ from plait.models.gpt_oss.model import GptOssForCausalLM, gpt_oss_layer
 
 FAMILY = Family(
     name="gpt_oss",
+    config_classes={"gpt_oss": GptOssConfig},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=GptOssForCausalLM,
+    layer=gpt_oss_layer,
     hf_to_plait=hf_to_plait_mapper,
     plait_to_hf=plait_to_hf_mapper,
 )

@@ -101,7 +101,12 @@ class GptOssConfig(DecoderConfig):
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
         """``sliding_window`` for ``sliding_attention`` layers, None for ``full_attention`` ones."""
-        return self.sliding_window if self.resolved_layer_types[layer_idx] == "sliding_attention" else None
+        kind = (
+            self.layer_types[layer_idx]
+            if self.layer_types is not None
+            else ("full_attention", "sliding_attention")[layer_idx % 2 == 0]
+        )
+        return self.sliding_window if kind == "sliding_attention" else None
 
     def pooled_router_aux_loss_coef(self) -> float | None:
         """``router_aux_loss_coef`` with ``router_aux_loss_pooling="all_layers"``, else None."""

@@ -7,9 +7,11 @@ from plait.models.llama.model import LlamaForCausalLM, llama_layer
 
 FAMILY = Family(
     name="llama",
+    config_classes={"llama": LlamaConfig},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=LlamaForCausalLM,
+    layer=llama_layer,
     hf_to_plait=hf_to_plait_mapper,
     plait_to_hf=plait_to_hf_mapper,
 )

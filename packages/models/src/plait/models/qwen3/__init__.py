@@ -7,9 +7,11 @@ from plait.models.qwen3.model import Qwen3ForCausalLM, Qwen3ForSequenceClassific
 
 FAMILY = Family(
     name="qwen3",
+    config_classes={"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=Qwen3ForCausalLM,
+    layer=qwen3_layer,
     hf_to_plait=hf_to_plait_mapper,
     plait_to_hf=plait_to_hf_mapper,
 )

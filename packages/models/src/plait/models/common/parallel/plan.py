@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-import torch
-from plait.dist_core import DistributedContext
+from plait.dist_core import DistributedContext, parse_dtype
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
 from plait.models.common.layer import DecoderLayer
 from plait.models.common.model import CausalLMStage, DecoderStage
@@ -40,8 +39,6 @@ __all__ = [
 ]
 
 LayerTensorParallel = Callable[[DecoderLayer, DeviceMesh], None]
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _dim_size(mesh: DeviceMesh | None, name: str) -> int:
@@ -285,8 +282,8 @@ def parallelize_decoder(
         mp = None
         if config.param_dtype or config.reduce_dtype:
             mp = MixedPrecisionPolicy(
-                param_dtype=_DTYPES[config.param_dtype] if config.param_dtype else None,
-                reduce_dtype=_DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
+                param_dtype=parse_dtype(config.param_dtype) if config.param_dtype else None,
+                reduce_dtype=parse_dtype(config.reduce_dtype) if config.reduce_dtype else None,
             )
         ep_rep = None
         if experts_sharded and _dim_size(expert_mesh, "ep_replicate") > 1:

@@ -1,0 +1,406 @@
+"""Train a decoder of any family on an embedded corpus: the Python standard library's own source files.
+
+    uv run examples/train.py --config examples/configs/llama/cpu.toml      # CPU (CUDA when present)
+    uv run examples/train.py --config examples/configs/gpt_oss/gpu1.toml   # one GPU
+    uv run examples/train.py --config examples/configs/llama/cpu.toml --init-from HF_DIR
+    torchrun --nproc-per-node 2 examples/train.py --config examples/configs/llama/cpu.toml --mesh.data_shard=2
+
+The family comes from ``[model] model_type`` (Hugging Face's names: ``llama``, ``gpt_oss``,
+``qwen3``, ``qwen3_moe``, ...; the other ``[model]`` keys are that family's ``config.json`` fields).
+With ``--init-from HF_DIR`` the checkpoint's ``config.json`` is the model: a ``[model]`` section may
+then be left out; the keys it sets must agree with the checkpoint's, except the training-only ones
+(``attn_implementation``, router loss settings, ...), which override it (each override is logged).
+
+Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
+attention masking. The last ``data.validation_files`` files of the corpus are held out (never trained
+on) for the validation loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
+``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
+checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
+summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
+
+Bad flags, config files or paths stop it with one message and exit status 2 before anything is
+built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
+Hugging Face export of the unfinished run unless ``--export-unfinished`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from plait.dist_core import parse_dtype
+from plait.loop import (
+    CausalLMTask,
+    ConfigError,
+    DatasetProvider,
+    ModelProvider,
+    Trainer,
+    TrainerConfig,
+    load_config,
+    split_cli_overrides,
+)
+from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents
+from plait.models import (
+    CausalLMProvider,
+    DecoderConfig,
+    ParallelConfig,
+    check_fits,
+    load_hf_config,
+    parse_config,
+)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "llama" / "cpu.toml"
+# [model] keys that change how a checkpoint trains, not what it computes: they may override an
+# --init-from checkpoint's config.json.
+TRAINING_ONLY_FIELDS = frozenset(
+    {
+        "attn_implementation",
+        "initializer_range",
+        "router_aux_loss_coef",
+        "router_aux_loss_pooling",
+        "output_router_logits",
+        "max_position_embeddings",
+    }
+)
+
+
+class DataConfig(BaseModel):
+    """Where the text comes from and how it is cut."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = Field(
+        "stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files"
+    )
+    pattern: str = "*.py"
+    max_files: int | None = Field(
+        400, ge=1, description="Cap on training files (sorted by path), None for all"
+    )
+    validation_files: int = Field(
+        8, ge=1, description="The corpus's last files (sorted by path), held out for evaluation"
+    )
+
+
+class TrainConfig(TrainerConfig):
+    """The loop's config plus the model (any family), its parallel plan and the data.
+
+    ``model`` is None only until an ``--init-from`` checkpoint's config fills it in.
+    """
+
+    # The family of a [model] section without model_type (None: model_type is required).
+    DEFAULT_MODEL_TYPE: ClassVar[str | None] = None
+
+    model: SerializeAsAny[DecoderConfig] | None = None
+    # bfloat16 parameters pair with optimizer.name = "stochastic_adamw" (stochastic rounding).
+    model_dtype: Literal["float32", "bfloat16"] = "float32"
+    parallel: ParallelConfig = ParallelConfig()
+    data: DataConfig = DataConfig()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _family_config(cls, value: Any) -> Any:
+        """A ``[model]`` table -> the config class of its ``model_type`` (unknown keys are errors)."""
+        if not isinstance(value, dict):
+            return value
+        data = dict(value)
+        if "model_type" not in data:
+            if cls.DEFAULT_MODEL_TYPE is None:
+                raise ValueError("model.model_type is required (e.g. 'llama', 'gpt_oss', 'qwen3_moe')")
+            data["model_type"] = cls.DEFAULT_MODEL_TYPE
+        try:
+            return parse_config(data)
+        except ValidationError as e:
+            raise ValueError("; ".join(_describe(err) for err in e.errors())) from None
+
+    @model_validator(mode="after")
+    def _check_model_against_run(self) -> TrainConfig:
+        """Conflicts between the model section and the others, each naming both fields."""
+        m = self.model
+        if m is None:
+            return self
+        if self.batching.seq_len > m.max_position_embeddings:
+            raise ValueError(
+                f"batching.seq_len={self.batching.seq_len} is larger than "
+                f"model.max_position_embeddings={m.max_position_embeddings}"
+            )
+        if m.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's "
+                f"{ByteTokenizer.vocab_size} token ids (data: byte-level tokens)"
+            )
+        stages = self.num_pipeline_stages
+        if stages > m.num_hidden_layers:
+            raise ValueError(
+                f"model.num_hidden_layers={m.num_hidden_layers} is fewer than the {stages} pipeline stages of "
+                f"mesh.pipeline={self.mesh.pipeline} x the schedule's stages per rank (pipeline.kind)"
+            )
+        if stages > 1 and m.tie_word_embeddings:
+            raise ValueError(
+                "model.tie_word_embeddings=true cannot be split over pipeline stages "
+                f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
+            )
+        return self
+
+
+def corpus_files(cfg: DataConfig, split: Literal["train", "validation"] = "train") -> list[Path]:
+    """The training files (the first ``max_files``) or the held-out validation files (the last ones)."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if cfg.source == "stdlib" else Path(cfg.source)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data.source: {root} is not a directory")
+    files = sorted(p for p in root.rglob(cfg.pattern) if p.is_file() and "site-packages" not in p.parts)
+    if len(files) <= cfg.validation_files:
+        raise FileNotFoundError(
+            f"data.source: {len(files)} files matching {cfg.pattern!r} under {root}, not more than "
+            f"data.validation_files={cfg.validation_files}"
+        )
+    n = len(files) - cfg.validation_files
+    return files[:n][: cfg.max_files] if split == "train" else files[n:]
+
+
+def build_dataset(
+    cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
+) -> PackedTokens:
+    """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
+    tok = ByteTokenizer()
+    docs = (tok.encode(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(cfg, split))
+    return pack_documents(docs, seq_len, tok.eos_id)
+
+
+def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
+    """The causal-LM trainer on the packed corpus, validated on the held-out files (also used by
+    ``finetune_lora.py``)."""
+    seq_len = config.batching.seq_len
+    return Trainer(
+        config,
+        provider,
+        DatasetProvider(
+            lambda: build_dataset(data, seq_len),
+            validation=lambda: build_dataset(data, seq_len, "validation"),
+        ),
+        CausalLMTask(labels_to_model=True),
+    )
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"{loc}: {msg} (got {err.get('input')!r})" if loc else msg
+
+
+class StartupError(Exception):
+    """A flag, file or path that keeps the job from starting; the message says which and why."""
+
+
+def parse_args(
+    argv: list[str], cls: type[TrainConfig] = TrainConfig, default_config: Path = DEFAULT_CONFIG
+) -> tuple[TrainConfig, argparse.Namespace]:
+    """Flags and dotted ``--section.field=value`` overrides -> the config and the flags.
+
+    Raises:
+        ConfigError: a missing or bad config file, or an override that does not validate.
+        StartupError: an ``--init-from`` that is not a checkpoint or disagrees with ``[model]``.
+        SystemExit: an unknown or misspelt flag (argparse's message, status 2).
+    """
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    ap.add_argument("--config", type=Path, default=default_config, help="TOML/YAML/JSON config file")
+    ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
+    ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
+    ap.add_argument("--no-export", action="store_true", help="skip the final Hugging Face export")
+    ap.add_argument(
+        "--export-unfinished",
+        action="store_true",
+        help="write the Hugging Face export also when a signal stops the run before run.steps",
+    )
+    ap.add_argument(
+        "--init-from",
+        type=Path,
+        help="start from this Hugging Face checkpoint (its config.json is the model; e.g. a seed checkpoint)",
+    )
+    ap.add_argument(
+        "--write-seed-checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="write the freshly initialised model as a Hugging Face checkpoint to DIR and exit; every "
+        "parallel layout that starts from it (--init-from DIR) starts from the same weights",
+    )
+    overrides, rest = split_cli_overrides(argv)
+    args = ap.parse_args(rest)  # anything else, e.g. "--step 3" for "--steps 3", is an error
+    if args.steps is not None:
+        overrides.append(f"--run.steps={args.steps}")
+    if args.run_dir is not None:
+        overrides.append(f"--run.run_dir={args.run_dir}")
+    config = load_config(args.config, overrides, cls=cls)
+    if args.init_from is not None:  # raises StartupError
+        config = adopt_checkpoint_config(config, args.init_from)
+    elif config.model is None:
+        raise ConfigError(
+            f"{args.config}: no [model] section (give one with model_type, or --init-from HF_DIR)"
+        )
+    return config, args
+
+
+def adopt_checkpoint_config(config: TrainConfig, init_from: Path) -> TrainConfig:
+    """The run's config with ``init_from``'s ``config.json`` as the model.
+
+    Keys of the run's ``[model]`` section (file or ``--model.*`` overrides) that are training-only
+    (:data:`TRAINING_ONLY_FIELDS`) override the checkpoint's, each logged; any other key must agree.
+
+    Raises:
+        StartupError: not a checkpoint directory, no readable ``config.json``, or ``[model]`` keys that disagree with it (each named,
+            with both values).
+    """
+    if not init_from.is_dir():
+        raise StartupError(f"--init-from: {init_from} is not a directory")
+    if not any(init_from.glob("*.safetensors")):
+        raise StartupError(
+            f"--init-from: {init_from} holds no *.safetensors files (expected a Hugging Face checkpoint)"
+        )
+    try:
+        ckpt = load_hf_config(init_from)
+    except (FileNotFoundError, ValueError) as e:
+        raise StartupError(f"--init-from: {e}") from None
+    updates: dict[str, Any] = {}
+    mismatches = []
+    if config.model is not None:
+        for name in sorted(config.model.model_fields_set):
+            mine, theirs = getattr(config.model, name), getattr(ckpt, name, None)
+            if mine == theirs:
+                continue
+            if name in TRAINING_ONLY_FIELDS:
+                updates[name] = mine
+                print(
+                    f"--init-from: model.{name}={mine!r} overrides the checkpoint's {theirs!r}",
+                    file=sys.stderr,
+                )
+            else:
+                mismatches.append(
+                    f"model.{name}: the run sets {mine!r}, {init_from}/config.json has {theirs!r}"
+                )
+    if mismatches:
+        raise StartupError(
+            "the [model] section disagrees with the --init-from checkpoint (drop these keys to take the "
+            "checkpoint's):\n  " + "\n  ".join(mismatches)
+        )
+    model = type(ckpt).model_validate({**ckpt.model_dump(), **updates})
+    try:
+        return type(config).model_validate({**config.model_dump(), "model": model})
+    except ValidationError as e:
+        raise ConfigError("; ".join(_describe(err) for err in e.errors())) from None
+
+
+def check_paths(config: TrainConfig, args: argparse.Namespace) -> None:
+    """Fail before anything is built: the corpus must have files, the run directory (and the checkpoint directory) must be writable.
+
+    Raises:
+        StartupError: naming the flag or field and the path.
+    """
+    assert config.model is not None
+    device = (
+        config.run.device if config.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    try:
+        check_fits(
+            config.model, device, parse_dtype(config.model_dtype), int(os.environ.get("WORLD_SIZE", 1))
+        )
+    except ValueError as e:
+        raise StartupError(f"model: {e}") from None
+    if args.write_seed_checkpoint is None:
+        try:
+            corpus_files(config.data)
+        except FileNotFoundError as e:
+            raise StartupError(str(e)) from None
+    dirs = {"run.run_dir": config.run.run_dir}
+    if config.checkpoint.enabled and config.checkpoint.dir:
+        dirs["checkpoint.dir"] = config.checkpoint.dir
+    if args.write_seed_checkpoint is not None:
+        dirs = {"--write-seed-checkpoint": str(args.write_seed_checkpoint)}
+    for name, path in dirs.items():
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test"):
+                pass
+        except OSError as e:
+            raise StartupError(f"{name}: cannot write to {path}: {e.strerror or e}") from None
+
+
+def build_provider(config: TrainConfig, init_from: Path | None = None) -> CausalLMProvider:
+    """The model provider of ``config`` (weights from ``init_from``, a Hugging Face checkpoint, if given)."""
+    assert config.model is not None
+    return CausalLMProvider(
+        config.model,
+        parallel=config.parallel,
+        init_from=init_from,
+        dtype=parse_dtype(config.model_dtype),
+        seed=config.run.seed,
+    )
+
+
+def main(
+    argv: list[str] | None = None, cls: type[TrainConfig] = TrainConfig, default_config: Path = DEFAULT_CONFIG
+) -> dict[str, float]:
+    """Run the job; returns the last logged metrics.
+
+    Raises:
+        SystemExit: 2 on a bad flag, config or path (one message on stderr, nothing built); 128 +
+            the signal number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped the run.
+    """
+    try:
+        config, args = parse_args(sys.argv[1:] if argv is None else argv, cls, default_config)
+        check_paths(config, args)
+    except (ConfigError, StartupError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    provider = build_provider(config, args.init_from)
+    if args.write_seed_checkpoint is not None:
+        model = provider.build_stage(0, 1)
+        provider.materialize(model, "cpu")
+        return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
+    trainer = build_trainer(config, config.data, provider)
+    try:
+        summary = trainer.fit()
+        if args.no_export:
+            pass
+        elif trainer.stop_signal is not None and not args.export_unfinished:
+            if trainer.topology.is_main:
+                print(
+                    f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}: "
+                    "no Hugging Face export of the unfinished run (--export-unfinished writes it)",
+                    file=sys.stderr,
+                )
+        else:
+            out = provider.export_hf(trainer.model_parts, trainer.run_dir / "hf")
+            trainer.run_summary.export = out
+            if trainer.topology.is_main:
+                print(f"Hugging Face checkpoint: {out}")
+    except KeyboardInterrupt:  # Ctrl-C with checkpointing (and so the signal handler) off
+        trainer.stop_signal = signal.SIGINT
+        summary = {}
+    finally:
+        trainer.close()
+    if trainer.stop_signal is not None:
+        sys.stdout.flush()
+        raise SystemExit(128 + trainer.stop_signal)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
