@@ -17,9 +17,11 @@ from plait.models.deepseek_v3.parallel import tp_mla_layer
 
 FAMILY = Family(
     name="deepseek_v3",
+    config_classes={"deepseek_v3": DeepseekV3Config},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     causal_lm=DeepseekV3ForCausalLM,
+    layer=deepseek_v3_layer,
     hf_to_plait=hf_to_plait_mapper,
     plait_to_hf=plait_to_hf_mapper,
     tp_layer_plan=tp_mla_layer,
