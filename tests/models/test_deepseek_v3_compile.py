@@ -19,8 +19,8 @@ def _setup(device: str, dtype: torch.dtype, attn: str):
     cfg = DeepseekV3Config(
         vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-        n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=20, bias_update_rate=1e-3, seq_aux_loss_coef=1e-2,
+        n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=32,
+        qk_rope_head_dim=32, v_head_dim=32, bias_update_rate=1e-3, seq_aux_loss_coef=1e-2,
         attn_implementation=attn,
     )  # fmt: skip
     layer = deepseek_v3_layer(cfg, 0).to(device=device, dtype=dtype).train()
@@ -75,5 +75,5 @@ def test_deepseek_v3_layer_compiles_fullgraph_on_cpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("attn", ["sdpa", "flex"])
 def test_deepseek_v3_layer_compiles_fullgraph_on_cuda(attn: str) -> None:
-    # Inductor; SDPA or FlexAttention (document mask) with v's head size (20) != q/k's (16 + 8).
+    # Inductor; SDPA or FlexAttention (document mask) with v's head size (32) != q/k's (32 + 32).
     _check("cuda", torch.float32, attn, "inductor", {"atol": 1e-4, "rtol": 1e-3})
