@@ -393,3 +393,129 @@ def test_released_config_parses_and_counts_37b_active_params():
     active = sum(mla_params(cfg) + mlp_params(cfg, i, 2048 * cfg.is_moe_layer(i)) for i in range(61))
     active += 2 * cfg.vocab_size * cfg.hidden_size  # embedding + head
     assert active / 1e9 == pytest.approx(37.55, abs=0.01)  # the paper's "37B activated parameters"
+
+
+def _with_mtp(path: Path, hf) -> dict[str, torch.nn.Module]:
+    """Add a random MTP module to the checkpoint at ``path``, laid out as DeepSeek's (layer index
+    ``num_hidden_layers``, per-expert keys, copies of the embedding and the head); returns the
+    transformers modules that compute it (the reference)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    cfg, n, h = hf.config, hf.config.num_hidden_layers, hf.config.hidden_size
+    torch.manual_seed(7)
+    mods = {
+        "block": DeepseekV3DecoderLayer(cfg, n),
+        "enorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
+        "hnorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
+        "eh_proj": torch.nn.Linear(2 * h, h, bias=False),
+        "shared_head.norm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
+    }
+    sd = load_file(path / "model.safetensors")
+    with torch.no_grad():
+        mods["block"].mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts))
+        for name, mod in mods.items():
+            for pn, p in mod.named_parameters():
+                p.copy_(
+                    1.0 + 0.1 * torch.randn_like(p)
+                    if "norm" in name or "norm" in pn
+                    else 0.2 * torch.randn_like(p)
+                )
+            for pn, t in mod.state_dict().items():
+                key = f"model.layers.{n}.{pn}" if name == "block" else f"model.layers.{n}.{name}.{pn}"
+                if pn == "mlp.experts.gate_up_proj":
+                    i = t.shape[1] // 2
+                    for e in range(t.shape[0]):
+                        sd[f"model.layers.{n}.mlp.experts.{e}.gate_proj.weight"] = t[e, :i].clone()
+                        sd[f"model.layers.{n}.mlp.experts.{e}.up_proj.weight"] = t[e, i:].clone()
+                elif pn == "mlp.experts.down_proj":
+                    for e in range(t.shape[0]):
+                        sd[f"model.layers.{n}.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+                else:
+                    sd[key] = t.clone()
+    sd[f"model.layers.{n}.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd[f"model.layers.{n}.shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    save_file(sd, path / "model.safetensors")
+    return mods
+
+
+def test_mtp_module_trains_with_its_loss_weight_and_round_trips(tmp_path, capsys):
+    """With ``mtp_loss_weight`` the MTP module is imported and trained: its weighted cross-entropy
+    (``t[i + 2]`` from ``h[i]`` and ``embed(t[i + 1])``) equals a reference written with
+    transformers' modules, every gradient (trunk, embedding, head, MTP) matches, and the export
+    writes the module back byte for byte (with the embedding and head copies)."""
+    from plait.model_state.cli import main as model_state_cli
+    from plait.models import plait_to_hf_mapper, save_hf_checkpoint
+
+    path, hf = make_hf("deepseek_v3", tmp_path)
+    ref_mods = _with_mtp(path, hf)
+    n, weight = hf.config.num_hidden_layers, 0.3
+    model = from_pretrained(path, mtp_loss_weight=weight)
+    assert model.mtp is not None and list(model.mtp) == [str(n)]
+    ids = _ids()
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    labels[0, 4] = -100
+    out = model(input_ids=ids, labels=labels)
+    (out["loss"] + out["aux_loss"]).backward()
+
+    # The reference: transformers' trunk, then the MTP formula with transformers' modules.
+    h_main = hf.model(ids).last_hidden_state
+    logits = hf.lm_head(h_main)
+    main = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    emb = hf.model.embed_tokens(torch.cat((ids[:, 1:], torch.zeros_like(ids[:, :1])), dim=1))
+    x = ref_mods["eh_proj"](torch.cat((ref_mods["enorm"](emb), ref_mods["hnorm"](h_main)), dim=-1))
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    causal = torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1)[None, None]
+    x = ref_mods["block"](
+        x, attention_mask=causal, position_embeddings=hf.model.rotary_emb(x, pos), position_ids=pos
+    )
+    mtp_logits = hf.lm_head(ref_mods["shared_head.norm"](x))
+    target = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), dim=1)
+    mtp = weight * torch.nn.functional.cross_entropy(
+        mtp_logits.flatten(0, 1), target.flatten(), ignore_index=-100
+    )
+    (main + mtp).backward()
+    torch.testing.assert_close(out["loss"], main, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["mtp_loss"], mtp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["aux_loss"], mtp, atol=1e-5, rtol=1e-5)
+
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    ours = plait_to_hf_mapper(model.config, fused_experts=True).map_state(grads)
+    want = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
+    for name, mod in ref_mods.items():
+        for pn, p in mod.named_parameters():
+            key = f"model.layers.{n}.{pn}" if name == "block" else f"model.layers.{n}.{name}.{pn}"
+            want[key] = p.grad
+    assert set(ours) >= set(want)
+    for k, g in want.items():
+        torch.testing.assert_close(ours[k], g, atol=1e-5, rtol=1e-4, msg=k)
+
+    exported = save_hf_checkpoint(model, tmp_path / "export")
+    assert model_state_cli(["diff", str(path), str(exported)]) == 0
+    assert capsys.readouterr().out.strip().endswith("SAME")
+    with pytest.raises(ValueError, match="needs the embedding and the head on one stage"):
+        DeepseekV3ForCausalLM(model.config, stage_index=0, num_stages=2)
+
+
+def test_mtp_targets_stay_inside_packed_documents(tmp_path):
+    """A row packing two documents gives the MTP loss of the two documents run on their own (no
+    target and no attention crosses the boundary)."""
+    path, hf = make_hf("deepseek_v3", tmp_path)
+    _with_mtp(path, hf)
+    model = from_pretrained(path, mtp_loss_weight=1.0)
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(0, 97, (1, n), generator=g) for n in (7, 9)]
+
+    def labels_of(ids: torch.Tensor) -> torch.Tensor:
+        out = torch.roll(ids, -1, dims=1)
+        out[:, -1] = -100
+        return out
+
+    with torch.no_grad():
+        sums = [model(input_ids=d, labels=labels_of(d))["mtp_loss"] * (d.shape[1] - 2) for d in docs]
+        packed = model(
+            input_ids=torch.cat(docs, dim=1),
+            labels=torch.cat([labels_of(d) for d in docs], dim=1),
+            position_ids=torch.cat([torch.arange(7), torch.arange(9)])[None],
+        )["mtp_loss"]
+    torch.testing.assert_close(packed * (7 - 2 + 9 - 2), sum(sums), atol=1e-5, rtol=1e-5)

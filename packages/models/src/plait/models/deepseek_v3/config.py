@@ -40,9 +40,13 @@ class DeepseekV3Config(DecoderConfig):
         first_k_dense_replace: Number of leading dense-MLP layers.
         topk_method: Only ``noaux_tc`` (DeepSeek-V3's checkpoints).
         scoring_func: Only ``sigmoid``.
-        num_nextn_predict_layers: Multi-token-prediction modules of the checkpoint. plait does not
-            build them: their weights (``model.layers.{num_hidden_layers + i}.*``) are skipped on
-            import with a logged note and not written on export.
+        num_nextn_predict_layers: Multi-token-prediction (MTP) modules of the checkpoint (weights
+            ``model.layers.{num_hidden_layers + i}.*``). Built and trained only with
+            ``mtp_loss_weight``; otherwise skipped on import with a logged note, not exported.
+        mtp_loss_weight: plait-only: train ``num_nextn_predict_layers`` MTP modules with this weight
+            (DeepSeek-V3's lambda: ``weight / D * sum_k`` of their mean cross-entropies, added to
+            ``aux_loss``); None: MTP off. Needs the whole model on one stage (no pipeline split) and
+            no context parallelism.
         bias_update_rate: plait-only: auxiliary-loss-free balancing rate (the loop calls
             ``update_expert_biases`` after each optimizer step); None: the correction bias stays as
             loaded.
@@ -79,6 +83,7 @@ class DeepseekV3Config(DecoderConfig):
     topk_method: str = "noaux_tc"
     scoring_func: str = "sigmoid"
     num_nextn_predict_layers: int = Field(default=1, ge=0)
+    mtp_loss_weight: float | None = Field(default=None, gt=0.0)
     bias_update_rate: float | None = Field(default=None, gt=0.0)
     seq_aux_loss_coef: float = Field(default=0.0, ge=0.0)
     fp8_block_size: tuple[int, int] | None = None
@@ -139,6 +144,11 @@ class DeepseekV3Config(DecoderConfig):
                 f"first_k_dense_replace ({self.first_k_dense_replace}) > num_hidden_layers "
                 f"({self.num_hidden_layers})"
             )
+        if self.mtp_loss_weight is not None and self.num_nextn_predict_layers < 1:
+            raise ValueError(
+                f"mtp_loss_weight={self.mtp_loss_weight} needs num_nextn_predict_layers >= 1 (got "
+                f"{self.num_nextn_predict_layers})"
+            )
         if self.fp8_block_size is not None and min(self.fp8_block_size) <= 0:
             raise ValueError(f"fp8_block_size={self.fp8_block_size} must be positive")
         return self
@@ -157,6 +167,13 @@ class DeepseekV3Config(DecoderConfig):
     def num_experts(self) -> int:
         """Routed experts per MoE layer (``n_routed_experts``)."""
         return self.n_routed_experts
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        """Global indices of the MTP modules plait builds (after the decoder layers; none when off)."""
+        if self.mtp_loss_weight is None:
+            return []
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers))
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Layers from ``first_k_dense_replace`` on are MoE layers."""

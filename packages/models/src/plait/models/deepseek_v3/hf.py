@@ -45,6 +45,7 @@ from plait.models.common.hf.config import dump_hf_config, parse_hf_config
 from plait.models.deepseek_v3.config import DeepseekV3Config
 
 __all__ = [
+    "Duplicate",
     "Fp8BlockDequantize",
     "SkipLayersFrom",
     "config_from_hf",
@@ -115,7 +116,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return dump_hf_config(
         config,
         "DeepseekV3ForCausalLM",
-        exclude={"bias_update_rate", "seq_aux_loss_coef", "fp8_block_size"},
+        exclude={"bias_update_rate", "seq_aux_loss_coef", "fp8_block_size", "mtp_loss_weight"},
     )
 
 
@@ -251,27 +252,77 @@ def _moe_mapper() -> Mapper:
     )
 
 
+class Duplicate(Mapper):
+    """Reads ``source`` once and writes it under its own key and under each of ``copies`` (the
+    embedding and head copies DeepSeek-V3 checkpoints store in every MTP layer)."""
+
+    def __init__(self, source: str, copies: list[str]) -> None:
+        self.source, self.copies = source, copies
+
+    def groups(self, source: Mapping[str, TensorSpec]) -> list[MapperGroup]:
+        if self.source not in source or not self.copies:
+            return []
+        spec, src, copies = source[self.source], self.source, self.copies
+
+        def fn(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {src: t[src], **{c: t[src] for c in copies}}
+
+        outputs = {src: spec, **dict.fromkeys(copies, spec)}
+        return [MapperGroup((src,), outputs, fn, None, None, repr(self))]
+
+    def __repr__(self) -> str:
+        return f"Duplicate({self.source!r} -> {self.copies})"
+
+
+def _mtp_rename(config: DeepseekV3Config) -> Mapper:
+    """``model.layers.{idx}.*`` of each MTP module -> ``mtp.{idx}.*`` (its decoder layer under
+    ``block``)."""
+    rules: list[tuple[str, str]] = []
+    for idx in config.mtp_layer_ids:
+        src, dst = f"model.layers.{idx}", f"mtp.{idx}"
+        for own in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+            rules.append((f"{src}.{own}", f"{dst}.{own}"))
+        rules.append((f"{src}.{{*rest}}", f"{dst}.block.{{*rest}}"))
+    return Rename(rules)
+
+
+def _mtp_copies(config: DeepseekV3Config) -> tuple[list[str], list[str]]:
+    """The embedding and head copies of the MTP layers' checkpoint keys."""
+    ids = config.mtp_layer_ids
+    return [f"model.layers.{i}.embed_tokens.weight" for i in ids], [
+        f"model.layers.{i}.shared_head.head.weight" for i in ids
+    ]
+
+
 def hf_to_plait_mapper(config: DecoderConfig) -> Mapper:
     """Hugging Face DeepSeek-V3 keys (either expert layout, bf16/fp32 or block-scaled FP8) -> plait
-    keys; the multi-token-prediction layers are skipped (logged)."""
+    keys. The multi-token-prediction layers map to ``mtp.{idx}.*`` with ``mtp_loss_weight`` (their
+    embedding and head copies are dropped: plait shares the model's), else are skipped (logged)."""
     assert isinstance(config, DeepseekV3Config)
-    return Sequential(
-        SkipLayersFrom(config.num_hidden_layers),
-        Fp8BlockDequantize(config.fp8_block_size),
-        _moe_mapper(),
-    )
+    parts: list[Mapper] = [SkipLayersFrom(config.num_hidden_layers + len(config.mtp_layer_ids))]
+    embeds, heads = _mtp_copies(config)
+    if embeds:
+        parts.append(Drop(*embeds, *heads))
+    parts += [Fp8BlockDequantize(config.fp8_block_size), _moe_mapper()]
+    if config.mtp_layer_ids:
+        parts.append(_mtp_rename(config))
+    return Sequential(*parts)
 
 
 def plait_to_hf_mapper(config: DecoderConfig, *, fused_experts: bool = False) -> Mapper:
     """plait keys -> Hugging Face DeepSeek-V3 keys (unquantized; tied embeddings drop
-    ``lm_head.weight``).
+    ``lm_head.weight``); MTP modules go back to ``model.layers.{idx}.*`` with the copies of the
+    embedding and head that DeepSeek's checkpoints store there.
 
     Args:
         config: The model config.
         fused_experts: Write transformers 5.x's in-memory fused expert tensors instead of the
             per-expert keys ``save_pretrained`` writes.
     """
+    assert isinstance(config, DeepseekV3Config)
     parts: list[Mapper] = []
+    if config.mtp_layer_ids:
+        parts.append(_mtp_rename(config).inverse())
     if fused_experts:
         parts.append(
             Rename(
@@ -284,6 +335,11 @@ def plait_to_hf_mapper(config: DecoderConfig, *, fused_experts: bool = False) ->
         )
     else:
         parts.append(_moe_mapper().inverse())
+    embeds, heads = _mtp_copies(config)
     if config.tie_word_embeddings:
         parts.append(Drop("lm_head.weight"))
+        if embeds:
+            parts.append(Duplicate("model.embed_tokens.weight", embeds + heads))
+    elif embeds:
+        parts += [Duplicate("model.embed_tokens.weight", embeds), Duplicate("lm_head.weight", heads)]
     return parts[0] if len(parts) == 1 else Sequential(*parts)
