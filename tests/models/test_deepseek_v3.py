@@ -226,6 +226,15 @@ def test_flops_per_token_counts_mla_and_active_experts():
     seq = 64
     attention = 6 * seq * 6 * (10 + 5) * 3  # 6 x context x heads x (qk + v) x layers
     assert flops_per_token(cfg, seq) == pytest.approx(6 * active + attention)
+    # A trained MTP module: its eh_proj, MoE decoder layer and the (shared) head, counted the same way.
+    mtp_cfg = cfg.model_copy(update={"mtp_loss_weight": 0.3})
+    with torch.device("meta"):
+        mtp_model = DeepseekV3ForCausalLM(mtp_cfg)
+    assert mtp_model.mtp is not None
+    extra = 97 * 36  # the head, once more
+    for n, p in mtp_model.mtp.named_parameters():
+        extra += int(p.numel() * (3 / 8 if ".experts." in n else 1.0)) if p.dim() >= 2 else 0
+    assert flops_per_token(mtp_cfg, seq) == pytest.approx(6 * (active + extra) + attention * 4 / 3)
 
 
 @pytest.mark.parametrize(

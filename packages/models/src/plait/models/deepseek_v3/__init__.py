@@ -5,6 +5,7 @@ from plait.models.deepseek_v3.attention import MultiHeadLatentAttention, mla_sof
 from plait.models.deepseek_v3.config import DeepseekV3Config
 from plait.models.deepseek_v3.flops import deepseek_v3_flops_per_token
 from plait.models.deepseek_v3.hf import (
+    Duplicate,
     Fp8BlockDequantize,
     SkipLayersFrom,
     config_from_hf,
@@ -12,7 +13,12 @@ from plait.models.deepseek_v3.hf import (
     hf_to_plait_mapper,
     plait_to_hf_mapper,
 )
-from plait.models.deepseek_v3.model import DeepseekV3ForCausalLM, deepseek_v3_layer, deepseek_v3_router
+from plait.models.deepseek_v3.model import (
+    DeepseekV3ForCausalLM,
+    MultiTokenPrediction,
+    deepseek_v3_layer,
+    deepseek_v3_router,
+)
 from plait.models.deepseek_v3.parallel import tp_mla_layer
 
 FAMILY = Family(
@@ -32,8 +38,10 @@ __all__ = [
     "FAMILY",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",
+    "Duplicate",
     "Fp8BlockDequantize",
     "MultiHeadLatentAttention",
+    "MultiTokenPrediction",
     "SkipLayersFrom",
     "deepseek_v3_flops_per_token",
     "deepseek_v3_layer",
