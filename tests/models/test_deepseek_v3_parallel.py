@@ -261,3 +261,44 @@ def test_context_parallel_matches_single_process(mode, tmp_path):
         assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _mtp_rank(ckpt: str) -> dict:
+    cfg = load_hf_config(ckpt).model_copy(update={"mtp_loss_weight": 0.3})
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    dense = init_device_mesh("cpu", (1, 1, 2, 1, 1), mesh_dim_names=DENSE)
+    expert = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=EXPERT)
+    parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)  # the MTP module's shards too
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)  # both ranks the whole batch: summed grads = 2 x
+    (out["loss"] + out["aux_loss"]).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    return {"mtp": out["mtp_loss"].item(), "grads": grads}
+
+
+def test_mtp_under_fsdp2_matches_single_process(tmp_path):
+    cfg = DeepseekV3Config(**{**CFG, "mtp_loss_weight": 0.3})
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.reset_parameters()
+    ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))  # with the MTP module
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    (out["loss"] + out["aux_loss"]).backward()
+    assert model.mtp is not None and float(out["mtp_loss"]) > 0
+    results = run_distributed(_mtp_rank, 2, ckpt, timeout=240.0)
+    for r in results:
+        assert r["mtp"] == pytest.approx(out["mtp_loss"].item(), abs=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(results[0]["grads"][name], 2 * p.grad, atol=1e-5, rtol=1e-4, msg=name)
