@@ -32,6 +32,35 @@ _GPT_OSS: dict[str, Any] = dict(
     _COMMON, intermediate_size=20, num_local_experts=5, num_experts_per_tok=2, sliding_window=4
 )
 
+_DEEPSEEK: dict[str, Any] = dict(
+    _COMMON,
+    num_key_value_heads=6,
+    moe_intermediate_size=12,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=10,
+    q_lora_rank=14,
+    qk_nope_head_dim=6,
+    qk_rope_head_dim=4,
+    v_head_dim=5,
+    routed_scaling_factor=2.5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 1000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 0.8,
+        "mscale_all_dim": 0.9,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+)
+del _DEEPSEEK["head_dim"]
+
 # case -> (HF config class, HF model class, config kwargs)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rope_parameters=_LLAMA3_ROPE)),
@@ -67,6 +96,40 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
             num_experts_per_tok=3,
         ),
     ),
+    # MLA with the q bottleneck, YaRN with DeepSeek's mscale, interleaved RoPE, 4 groups of 2 experts
+    # of which 2 are kept, a dense first layer, 2 shared experts.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK),
+    # A plain q_proj, half-split RoPE, no renormalisation, every layer MoE, no groups, tied.
+    "deepseek_v3_no_q_lora_all_moe_tied": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _DEEPSEEK,
+            q_lora_rank=None,
+            rope_interleave=False,
+            norm_topk_prob=False,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
+    # Two dense layers first, attention biases on the projections that have them, 8 groups of 1+1.
+    "deepseek_v3_dense_first2": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _DEEPSEEK,
+            num_hidden_layers=4,
+            first_k_dense_replace=2,
+            attention_bias=True,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+        ),
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -90,6 +153,9 @@ def make_hf(case: str, tmp: Path, seed: int = 0) -> tuple[Path, Any]:
                 p.copy_(torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a correction bias that changes the picks
+                b.copy_(0.3 * torch.randn_like(b))
     model.eval()
     path = tmp / f"hf_{case}"
     model.save_pretrained(path)

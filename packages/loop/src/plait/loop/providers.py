@@ -44,6 +44,9 @@ class ModelProvider(Protocol):
     The loop calls, per local stage: :meth:`build_stage` (on the meta device), :meth:`parallelize`,
     :meth:`materialize` (allocate on the device + initialise), then :meth:`load_initial_weights`
     with all local stages. Stage forwards take keyword tensors and return ``dict[str, Tensor]``.
+    Optional: ``after_optimizer_step(modules, ctx)``, which the :class:`~plait.loop.Trainer` calls
+    with the local stages and its distributed context after every optimizer step that ran (e.g.
+    the MoE routers' auxiliary-loss-free bias update).
     """
 
     def build_stage(self, stage_index: int, num_stages: int) -> nn.Module:

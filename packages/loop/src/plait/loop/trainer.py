@@ -152,6 +152,11 @@ class Trainer:
                 model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
             )
 
+            # A provider's own update after each optimizer step (e.g. MoE routers' expert biases).
+            after_step = getattr(model, "after_optimizer_step", None)
+            if callable(after_step):
+                self.subscribe(AfterOptimizerStep, lambda e: after_step(self.model_parts, self.ctx))
+
             # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
             opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
             self.optimizers = [opt_factory(part, config) for part in self.model_parts]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from plait.dist_core import DistributedContext
 from plait.model_state import materialize
 from plait.models.common.config import DecoderConfig
@@ -16,6 +17,7 @@ from plait.models.common.parallel import ParallelConfig
 from plait.models.flops import flops_per_token
 from plait.models.hf import build_causal_lm, load_hf_checkpoint, save_hf_checkpoint
 from plait.models.plan import parallelize
+from plait.moe import MoELayer, update_expert_biases
 from torch import nn
 
 __all__ = ["CausalLMProvider"]
@@ -98,6 +100,23 @@ class CausalLMProvider:
     def export_hf(self, modules: Sequence[nn.Module], out_dir: str | os.PathLike[str], **kwargs: Any) -> Path:
         """Export the local stages as a Hugging Face checkpoint (collective; see :func:`save_hf_checkpoint`)."""
         return save_hf_checkpoint(list(modules), out_dir, **kwargs)
+
+    @staticmethod
+    def after_optimizer_step(modules: Sequence[nn.Module], ctx: DistributedContext | None) -> None:
+        """Auxiliary-loss-free balancing (``plait.loop.Trainer`` calls it after every optimizer step):
+        every router with a ``bias_update_rate`` moves its expert bias by the sign of the step's load
+        against the mean, the integer token counts summed over the batch mesh's data and context
+        ranks (``dp x cp``: every replica of this stage's routers, the expert-parallel ranks among
+        them; pipeline ranks hold other layers, tensor ranks the same tokens). Every replica then
+        applies the same update, bit for bit. Routers without a rate are left alone (no collective)."""
+        moe = CausalLMProvider.moe_layers(modules)
+        if not any(isinstance(m, MoELayer) and m.router.config.bias_update_rate is not None for m in moe):
+            return
+        group = None
+        if ctx is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = ctx.mesh_for("batch")["dp", "cp"]
+        for m in modules:
+            update_expert_biases(m, group)
 
     @staticmethod
     def moe_layers(modules: Sequence[nn.Module]) -> list[nn.Module]:

@@ -17,6 +17,7 @@ _FAMILIES: dict[str, str] = {
     "qwen3_moe": "plait.models.qwen3",
     "llama": "plait.models.llama",
     "gpt_oss": "plait.models.gpt_oss",
+    "deepseek_v3": "plait.models.deepseek_v3",
 }
 
 

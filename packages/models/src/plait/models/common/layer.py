@@ -94,7 +94,8 @@ class DecoderLayer(nn.Module):
         return hidden + out.hidden_states, out.aux_loss, out.switch_stats
 
     def reset_parameters(self, std: float) -> None:
-        """Hugging Face's init: normal(0, std) weights, zero biases and expert biases, unit norms."""
+        """Hugging Face's init: normal(0, std) weights, zero biases and expert biases, unit norms; the
+        routers' load counters (not in the state dict, uninitialised after ``to_empty``) start at 0."""
         attn: AttentionModule = self.self_attn  # type: ignore[assignment]
         attn.reset_parameters(std)
         if isinstance(self.mlp, MoELayer):
@@ -103,8 +104,8 @@ class DecoderLayer(nn.Module):
                     nn.init.zeros_(p)
                 else:
                     nn.init.normal_(p, 0.0, std)
-            for name, b in self.mlp.named_buffers():
-                if name.endswith("expert_bias"):
+            with torch.no_grad():
+                for b in self.mlp.buffers():  # the routers' expert bias and load counters
                     b.zero_()
         else:
             mlp: DenseMLP = self.mlp  # type: ignore[assignment]

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.model_state import Mapper, load_module, materialize, save_module, write_file_atomic
-from plait.moe import TopKRouter
 from torch import nn
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -36,6 +35,17 @@ def _as_module(modules: nn.Module | Sequence[nn.Module]) -> nn.Module:
     if isinstance(modules, nn.Module):
         return modules
     return modules[0] if len(modules) == 1 else _Stages(modules)
+
+
+def _zero_transient_buffers(module: nn.Module) -> None:
+    """Zero the buffers a checkpoint does not hold (running statistics such as the MoE routers'
+    load counters), which ``to_empty`` left uninitialised."""
+    with torch.no_grad():
+        for m in module.modules():
+            for name in m._non_persistent_buffers_set:
+                buf = m._buffers.get(name)
+                if buf is not None:
+                    buf.zero_()
 
 
 def load_checkpoint(
@@ -67,11 +77,7 @@ def load_checkpoint(
     """
     for stage in [modules] if isinstance(modules, nn.Module) else modules:
         if materialize(stage, device):  # each stage on its own: its tied names are its own keys
-            # Uninitialised memory now; the checkpoint fills parameters and persistent buffers, not
-            # the routers' load counters.
-            for m in stage.modules():
-                if isinstance(m, TopKRouter):
-                    m.reset_counters()
+            _zero_transient_buffers(stage)
     module = _as_module(modules)
     result = load_module(
         module,

@@ -1,0 +1,304 @@
+"""DeepSeek-V3 layouts on gloo against the single-process model: FSDP2 and EP=2 x FSDP2 (full
+activation checkpointing), each streaming a block-scaled FP8 checkpoint into its shards, and cp=2
+(ring, all-gather): loss and every gradient; the auxiliary-loss-free bias update leaves every rank
+with the same bias, bit for bit, as the single process (also through the Trainer); tensor
+parallelism is refused for multi-head latent attention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from plait.models import (
+    ActivationCheckpointing,
+    ParallelConfig,
+    from_pretrained,
+    load_hf_checkpoint,
+    load_hf_config,
+    parallelize,
+    save_hf_checkpoint,
+)
+from plait.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from plait.moe import update_expert_biases
+from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+dist_testing = pytest.importorskip("plait.dist_core.testing")
+run_distributed = dist_testing.run_distributed
+
+DENSE = ("pp", "dp_replicate", "dp_cp_shard", "cp_replicate", "tp")
+EXPERT = ("pp", "ep_replicate", "ep_shard")
+CFG = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+    n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+    qk_rope_head_dim=4, v_head_dim=6, initializer_range=0.2, bias_update_rate=0.01,
+)  # fmt: skip
+BLOCK = [8, 16]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (4, 8), generator=g)
+    labels = torch.randint(0, 128, (4, 8), generator=g)
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _to_fp8(src, dst) -> None:
+    """``src`` as a block-scaled FP8 checkpoint (every decoder linear but the router)."""
+    dst.mkdir()
+    out = {}
+    for k, v in load_file(src / "model.safetensors").items():
+        if k.startswith("model.layers.") and (k.endswith("proj.weight") or "proj_with_mqa" in k):
+            br, bc = BLOCK
+            blocks = torch.nn.functional.pad(v, (0, -v.shape[1] % bc, 0, -v.shape[0] % br))
+            blocks = blocks.unflatten(0, (-1, br)).unflatten(2, (-1, bc))  # [R/br, br, C/bc, bc]
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: v.shape[0], : v.shape[1]]
+            out[k], out[k + "_scale_inv"] = (v / full).to(torch.float8_e4m3fn), scale
+        else:
+            out[k] = v
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": BLOCK}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def _rank_main(layout: str, ckpt: str) -> dict:
+    world = dist.get_world_size()
+    cfg = load_hf_config(ckpt).model_copy(update={"bias_update_rate": 0.01})  # FP8: with its block size
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    if layout.startswith("ep2_fsdp2"):
+        from plait.dist_core import DeviceMeshParameters, DistributedContext
+
+        ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=2, expert=2), device="cpu")
+        # full activation checkpointing: the recomputed forwards must not count the tokens again
+        ac = ActivationCheckpointing(mode="full")
+        parallelize(model, context=ctx, config=ParallelConfig(activation_checkpointing=ac))
+        bias_group = ctx.mesh_for("batch")["dp", "cp"]  # what the loop sums the counts over
+        assert all(isinstance(m.experts.gate_up_proj, DTensor) for m in model.moe_layers())
+    else:
+        dense = init_device_mesh("cpu", (1, 1, world, 1, 1), mesh_dim_names=DENSE)
+        expert = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=EXPERT)
+        parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
+        bias_group = dense["dp_cp_shard"].get_group()
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)  # each rank reads (and dequantizes) only its shards
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    rank = dist.get_rank()
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    out = model(input_ids=ids[rows], labels=labels[rows])
+    global_tokens = int((labels != -100).sum())
+    (out["loss_sum"] / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    dist.all_reduce(loss_sum)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    assert update_expert_biases(model, bias_group) == 2
+    biases = [m.router.expert_bias.clone() for m in model.moe_layers()]
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads if rank == 0 else None, "biases": biases}
+
+
+def _reference(tmp_path, fp8: bool):
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
+    model.reset_parameters()
+    with torch.no_grad():
+        for m in model.moe_layers():
+            m.router.expert_bias.normal_(0.0, 0.3)
+    ckpt = save_hf_checkpoint(model, tmp_path / "seed")
+    if fp8:
+        _to_fp8(ckpt, tmp_path / "fp8")
+        ckpt = tmp_path / "fp8"
+        model = from_pretrained(ckpt, bias_update_rate=0.01)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    out["loss"].backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    update_expert_biases(model)
+    return out["loss"].item(), grads, [m.router.expert_bias.clone() for m in model.moe_layers()], str(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2_fp8", "ep2_fsdp2_fp8"])
+def test_layout_matches_single_process_and_biases_agree(layout, tmp_path):
+    ref_loss, ref_grads, ref_biases, ckpt = _reference(tmp_path, fp8=layout.endswith("fp8"))
+    results = run_distributed(_rank_main, 2, layout, ckpt, timeout=240.0)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, abs=1e-5)
+        for got, want in zip(r["biases"], ref_biases, strict=True):
+            assert torch.equal(got, want)  # every rank, bit for bit, as the single process
+    grads = results[0]["grads"]
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _tp_worker() -> str:
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
+    dense = init_device_mesh("cpu", (1, 1, 1, 1, 2), mesh_dim_names=DENSE)
+    try:
+        parallelize(model, dense_mesh=dense, config=ParallelConfig())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tensor_parallel_is_refused_for_mla():
+    for message in run_distributed(_tp_worker, 2):
+        assert (
+            "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention"
+            in message
+        )
+
+
+TRAINER_CFG = dict(vocab_size=32, n_group=1, topk_group=1)  # the loop tests' vocabulary; no groups
+
+
+def _trainer_worker(run_dir: str, steps: int, dp: int, ckpt: str) -> list[torch.Tensor]:
+    from plait.loop import CausalLMTask, DatasetProvider, Trainer, load_config, pack_documents
+    from plait.models import CausalLMProvider
+
+    from tests.loop._lm import VOCAB, pattern_tokens
+
+    assert TRAINER_CFG["vocab_size"] == VOCAB
+
+    cfg = load_config(
+        overrides=[
+            f"--run.run_dir={run_dir}", f"--run.steps={steps}", f"--mesh.data_shard={dp}", f"--mesh.expert={dp}",
+            "--batching.global_batch_size=4", "--batching.microbatch_size=2", "--batching.seq_len=16",
+            "--optimizer.lr=0.01", "--logging.progress_bar=false",
+        ]
+    )  # fmt: skip
+    model_cfg = DeepseekV3Config(**{**CFG, **TRAINER_CFG})
+    provider = CausalLMProvider(model_cfg, parallel=ParallelConfig(), init_from=ckpt)
+    tr = Trainer(
+        cfg, provider, DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1)), CausalLMTask()
+    )
+    tr.fit()
+    tr.close()
+    return [m.router.expert_bias.clone() for m in CausalLMProvider.moe_layers(tr.model_parts)]
+
+
+def test_trainer_updates_the_biases_alike_on_every_rank(tmp_path):
+    """The Trainer calls the provider's bias update after each optimizer step: under EP=2 x FSDP2 both
+    ranks hold the same biases, bit for bit, each moved by +-rate per step (its first step's counts are
+    those of the whole global batch, so they equal the single-process run's first update)."""
+    torch.manual_seed(0)
+    seed = DeepseekV3ForCausalLM(DeepseekV3Config(**{**CFG, **TRAINER_CFG}))
+    seed.reset_parameters()
+    ckpt = str(save_hf_checkpoint(seed, tmp_path / "seed"))
+    one = _trainer_worker(str(tmp_path / "one"), 1, 1, ckpt)
+    first = run_distributed(_trainer_worker, 2, str(tmp_path / "ep_1"), 1, 2, ckpt)
+    for rank in first:
+        for got, want in zip(rank, one, strict=True):
+            assert torch.equal(got, want)
+    ranks = run_distributed(_trainer_worker, 2, str(tmp_path / "ep"), 3, 2, ckpt)
+    for a, b in zip(ranks[0], ranks[1], strict=True):
+        assert torch.equal(a, b)
+        steps = a / 0.01
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and a.abs().max() > 0  # +-rate (or 0) per step
+
+
+def _cp_rank(mode: str, ckpt: str) -> dict:
+    from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device="cpu")
+    cfg = load_hf_config(ckpt).model_copy(update={"attn_implementation": "sdpa"})
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)  # documents cross the ranks
+    cp = ctx.mesh_for("batch")["cp"]
+    shard = shard_batch(
+        {"input_ids": ids, "labels": labels, "position_ids": positions}, 2, cp.get_local_rank()
+    )
+    out = model(**shard)
+    global_tokens = int((labels != -100).sum())
+    (out["loss_sum"] / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    dist.all_reduce(loss_sum)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads}
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_context_parallel_matches_single_process(mode, tmp_path):
+    """cp = 2 with packed documents (v's head size 6 != q/k's 12: padded for the context kernels)."""
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
+    model.reset_parameters()
+    ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))
+    ids, labels = _batch()
+    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    ref = model(input_ids=ids, labels=labels, position_ids=positions)
+    ref["loss"].backward()
+    results = run_distributed(_cp_rank, 2, mode, ckpt, timeout=240.0)
+    for r in results:
+        assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _mtp_rank(ckpt: str) -> dict:
+    cfg = load_hf_config(ckpt).model_copy(update={"mtp_loss_weight": 0.3})
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    dense = init_device_mesh("cpu", (1, 1, 2, 1, 1), mesh_dim_names=DENSE)
+    expert = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=EXPERT)
+    parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)  # the MTP module's shards too
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)  # both ranks the whole batch: summed grads = 2 x
+    (out["loss"] + out["aux_loss"]).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    return {"mtp": out["mtp_loss"].item(), "grads": grads}
+
+
+def test_mtp_under_fsdp2_matches_single_process(tmp_path):
+    cfg = DeepseekV3Config(**{**CFG, "mtp_loss_weight": 0.3})
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.reset_parameters()
+    ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))  # with the MTP module
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    (out["loss"] + out["aux_loss"]).backward()
+    assert model.mtp is not None and float(out["mtp_loss"]) > 0
+    results = run_distributed(_mtp_rank, 2, ckpt, timeout=240.0)
+    for r in results:
+        assert r["mtp"] == pytest.approx(out["mtp_loss"].item(), abs=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(results[0]["grads"][name], 2 * p.grad, atol=1e-5, rtol=1e-4, msg=name)
