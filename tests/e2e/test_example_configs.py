@@ -22,7 +22,12 @@ from plait.loop import TrainerConfig, load_config
 from tests.e2e._pretrain_runner import PRETRAIN, REPO, read_metrics
 
 EXAMPLES = REPO / "examples"
-CONFIGS = sorted(p for ext in ("toml", "yaml", "yml", "json") for p in EXAMPLES.rglob(f"configs/*.{ext}"))
+CONFIGS = sorted(
+    p
+    for ext in ("toml", "yaml", "yml", "json")
+    for pattern in (f"configs/*.{ext}", f"configs/*/*.{ext}")
+    for p in EXAMPLES.rglob(pattern)
+)
 
 
 def _script_of(config: Path) -> Path:
@@ -58,6 +63,11 @@ def test_configs_are_found() -> None:
         "qwen3_moe/configs/cpu.toml",
         "qwen3_moe/configs/gpu1.toml",
         "qwen3_moe/configs/gpu2.toml",
+        *(
+            f"configs/{family}/{name}"
+            for family in ("llama", "gpt_oss", "deepseek_v3")
+            for name in ("cpu.toml", "gpu1.toml")
+        ),
     } <= names
 
 

@@ -1,0 +1,36 @@
+"""The family-neutral main job (``examples/train.py``) trains every family's CPU config, and its
+Hugging Face export loads in transformers with the logits plait computes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import transformers
+from plait.models import from_pretrained
+
+from tests.e2e._pretrain_runner import REPO
+
+EXAMPLES = REPO / "examples"
+FAST = ["--batching.seq_len=64", "--batching.global_batch_size=4", "--batching.microbatch_size=4",
+        "--data.max_files=8", "--logging.progress_bar=false", "--checkpoint.enabled=false",
+        "--evaluation.enabled=false"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "deepseek_v3"])
+def test_family_trains_and_exports_to_transformers(family, tmp_path):
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train
+
+    run_dir = tmp_path / "run"
+    config = EXAMPLES / "configs" / family / "cpu.toml"
+    metrics = train.main(["--config", str(config), "--steps", "3", "--run-dir", str(run_dir), *FAST])
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
+    assert hf.config.model_type == family
+    ours = from_pretrained(run_dir / "hf").eval()
+    ids = torch.randint(0, 259, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids)["logits"], hf(ids).logits, atol=2e-5, rtol=1e-4)
