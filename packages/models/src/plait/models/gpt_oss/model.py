@@ -13,12 +13,8 @@ __all__ = ["GptOssForCausalLM", "gpt_oss_layer"]
 def gpt_oss_layer(config: DecoderConfig, layer_idx: int) -> DecoderLayer:
     """Decoder layer ``layer_idx`` of a gpt-oss model."""
     assert isinstance(config, GptOssConfig)
-    attn = GroupedQueryAttention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.kv_heads,
-        config.resolved_head_dim,
-        config.attention_bias,
+    attn = GroupedQueryAttention.from_config(
+        config,
         qk_norm=False,
         sinks=True,
         sliding_window=config.sliding_window_of(layer_idx),

@@ -11,12 +11,8 @@ __all__ = ["LlamaForCausalLM", "llama_layer"]
 def llama_layer(config: DecoderConfig, layer_idx: int) -> DecoderLayer:
     """Decoder layer ``layer_idx`` of a Llama model."""
     assert isinstance(config, LlamaConfig)
-    attn = GroupedQueryAttention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.kv_heads,
-        config.resolved_head_dim,
-        config.attention_bias,
+    attn = GroupedQueryAttention.from_config(
+        config,
         qk_norm=False,
     )
     mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)

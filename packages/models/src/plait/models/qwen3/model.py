@@ -32,13 +32,8 @@ def _moe(config: Qwen3MoeConfig) -> MoELayer:
 def qwen3_layer(config: DecoderConfig, layer_idx: int) -> DecoderLayer:
     """Decoder layer ``layer_idx`` of a Qwen3 / Qwen3-MoE model."""
     assert isinstance(config, Qwen3Config)
-    attn = GroupedQueryAttention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.kv_heads,
-        config.resolved_head_dim,
-        config.attention_bias,
-        config.rms_norm_eps,
+    attn = GroupedQueryAttention.from_config(
+        config,
         qk_norm=True,
     )
     mlp: nn.Module

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from plait.models.common.attention.core import attention
 from plait.models.common.attention.mask import AttentionMask
+from plait.models.common.config import DecoderConfig
 from plait.models.common.norm import RMSNorm
 from plait.models.common.rope import apply_rotary
 from torch import nn
@@ -57,6 +58,23 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.has_sinks = sinks
+
+    @classmethod
+    def from_config(
+        cls, config: DecoderConfig, *, qk_norm: bool, sinks: bool = False, sliding_window: int | None = None
+    ) -> GroupedQueryAttention:
+        """The attention of a config's layer (widths, heads, ``attention_bias``, ``rms_norm_eps``)."""
+        return cls(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.kv_heads,
+            config.resolved_head_dim,
+            config.attention_bias,
+            config.rms_norm_eps,
+            qk_norm=qk_norm,
+            sinks=sinks,
+            sliding_window=sliding_window,
+        )
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask

@@ -16,7 +16,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionKernels", "apply_sinks", "flash_attn_available", "sink_reference_attention"]
+__all__ = [
+    "AttentionKernels",
+    "apply_sinks",
+    "flash_attn_available",
+    "masked_attention",
+    "sink_reference_attention",
+]
 
 
 def flash_attn_available() -> bool:
@@ -103,6 +109,32 @@ def sink_reference_attention(
     logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    kernels: AttentionKernels,
+    block_mask: Any = None,
+    dense_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``[B, H, L, D]`` tensors under a FlexAttention ``block_mask``, else an SDPA boolean
+    ``dense_mask`` (None: causal), with optional sink logits per query head."""
+    if block_mask is not None:
+        if sinks is None:
+            return kernels.flex(q, k, v, block_mask, scale)  # type: ignore[no-any-return]
+        out, lse = kernels.flex(q, k, v, block_mask, scale, return_lse=True)
+        return apply_sinks(out, lse, sinks)
+    if sinks is not None:
+        return sink_reference_attention(q, k, v, dense_mask, scale, sinks)
+    gqa = q.shape[1] != k.shape[1]
+    if dense_mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 def flash(

@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from plait.dist_core.context_parallel import unshard_sequence
 from plait.models.common.attention.context._aten import SdpaLseKernel
 from plait.models.common.attention.context.group import ContextParallelMask
 from plait.models.common.attention.context.lse import merge_lse
-from plait.models.common.attention.kernels import apply_sinks, sink_reference_attention
+from plait.models.common.attention.kernels import masked_attention
 from plait.models.common.attention.mask import AttentionMask
 
 __all__ = ["allgather_attention", "gather_stacked"]
@@ -68,19 +67,10 @@ def allgather_attention(
         if mask.block_mask is None and mask.dense_mask is None:  # plain causal
             return _CausalChunks.apply(q, kv, cp, scale)  # type: ignore[no-any-return]
         qt, kt, vt = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-        if mask.backend == "flex":
-            if sinks is None:
-                out = mask.kernels.flex(qt, kt, vt, mask.block_mask, scale)
-            else:
-                out, lse = mask.kernels.flex(qt, kt, vt, mask.block_mask, scale, return_lse=True)
-                out = apply_sinks(out, lse, sinks)
-        elif sinks is not None:
-            out = sink_reference_attention(qt, kt, vt, mask.dense_mask, scale, sinks)
-        else:
-            gqa = qt.shape[1] != kt.shape[1]
-            out = F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask.dense_mask, scale=scale, enable_gqa=gqa
-            )
+        block = mask.block_mask if mask.backend == "flex" else None
+        out = masked_attention(
+            qt, kt, vt, scale, kernels=mask.kernels, block_mask=block, dense_mask=mask.dense_mask, sinks=sinks
+        )
     return out.transpose(1, 2)
 
 
