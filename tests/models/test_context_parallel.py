@@ -613,3 +613,16 @@ def check_model_layout(layout: str, tmp_path, device: str, family: str = "qwen3_
             torch.testing.assert_close(
                 res["grads"][name], want, rtol=1e-5, atol=1e-7, msg=f"rank {rank} {name}"
             )
+
+
+def test_private_aten_attention_ops_keep_the_arguments_passed_positionally():
+    """The private SDPA ops the context-parallel chunk kernels call positionally
+    (``common/attention/context/_aten.py``): a torch upgrade that renames, reorders or drops one of
+    their leading arguments fails here."""
+    from plait.models.common.attention.context._aten import FORWARD_OPS
+
+    for op, names in FORWARD_OPS.items():
+        packet = getattr(torch.ops.aten, op, None)
+        assert packet is not None, f"torch.ops.aten.{op} is gone (torch {torch.__version__})"
+        args = [a.name for a in packet.default._schema.arguments]
+        assert args[: len(names)] == list(names), f"aten.{op}: schema now {args}"
