@@ -37,7 +37,7 @@ def test_compiled_graphs_counts_dynamo_compilations_and_marks_the_interval() -> 
 def _trainer(flops: float | None, peak: float | None) -> SimpleNamespace:
     return SimpleNamespace(
         events=EventBus(),
-        state=SimpleNamespace(tokens_seen=0),
+        state=SimpleNamespace(tokens_seen=0, skipped_steps=0),
         throughput=ThroughputMeter(flops, peak, world_size=2),
         step=0,
         config=SimpleNamespace(run=SimpleNamespace(steps=40)),

@@ -216,6 +216,8 @@ class Trainer:
             finally:
                 if self._run_lock is not None:
                     self._run_lock.release()
+                if self._owns_ctx:  # the process groups this constructor created
+                    self.ctx.shutdown()
             raise
 
     # ------------------------------------------------------------------ setup helpers
