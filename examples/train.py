@@ -11,14 +11,18 @@ With ``--init-from HF_DIR`` the checkpoint's ``config.json`` is the model: a ``[
 then be left out; the keys it sets must agree with the checkpoint's, except the training-only ones
 (``attn_implementation``, router loss settings, ...), which override it (each override is logged).
 
-Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
-attention masking. The last ``data.validation_files`` files of the corpus are held out (never trained
-on) for the validation loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
+By default byte-level tokens (no tokenizer download), documents packed into fixed-length rows with
+per-document attention masking. ``[data]`` takes your own corpus: ``source`` a file, a directory or a
+glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``;
+``text_field``; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
+``--init-from`` checkpoint's, when it has one; the export gets a copy). The last
+``data.validation_files`` files of the corpus are held out (never trained on) for the validation loss
+(``[evaluation]``; 0 holds out nothing, with ``evaluation.enabled=false``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
 ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
 checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
 summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
 
-Bad flags, config files or paths stop it with one message and exit status 2 before anything is
+Bad flags, config files, paths or data stop it with one message and exit status 2 before anything is
 built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
 Hugging Face export of the unfinished run unless ``--export-unfinished`` is given.
 """

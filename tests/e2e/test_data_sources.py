@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
 import transformers
 
@@ -26,20 +25,20 @@ def _jsonl_corpus(root):
 
 
 def test_jsonl_with_a_tokenizer_trains_and_exports_it(tmp_path):
-    pretrain = _import_pretrain()
+    job = _import_pretrain()
     tok_dir = make_tokenizer(tmp_path / "tok")
     corpus = _jsonl_corpus(tmp_path / "corpus")
     run_dir = tmp_path / "run"
     argv = [*TINY, "--steps", "2", "--run-dir", str(run_dir), f"--data.source={corpus}",
             f"--data.tokenizer={tok_dir}", "--data.validation_files=1", "--evaluation.enabled=false"]  # fmt: skip
-    config, _ = pretrain.parse_args(argv)
+    config, _ = job.parse_args(argv)
     # the training rows are the first three files' texts as transformers tokenises them, each + eos
     reference = transformers.AutoTokenizer.from_pretrained(tok_dir)
     stream = [t for text in TEXTS[:30] for t in [*reference(text)["input_ids"], reference.eos_token_id]]
-    ds = pretrain.build_dataset(config.data, config.batching.seq_len)
+    ds = job.build_dataset(config.data, config.batching.seq_len)
     assert np.asarray(ds.tokens).tolist() == stream
-    assert np.asarray(pretrain.build_dataset(config.data, 64, "validation").tokens).max() < 60
-    metrics = pretrain.main(argv)
+    assert np.asarray(job.build_dataset(config.data, 64, "validation").tokens).max() < 60
+    metrics = job.main(argv)
     assert torch.isfinite(torch.tensor(metrics["loss"]))
     exported = transformers.AutoTokenizer.from_pretrained(run_dir / "hf")
     assert exported(TEXTS[0])["input_ids"] == reference(TEXTS[0])["input_ids"]
@@ -47,15 +46,15 @@ def test_jsonl_with_a_tokenizer_trains_and_exports_it(tmp_path):
 
 
 def test_init_from_a_checkpoint_with_a_tokenizer_makes_it_the_default(tmp_path):
-    pretrain = _import_pretrain()
+    job = _import_pretrain()
     seed = tmp_path / "seed"
-    pretrain.main([*FAST, "--write-seed-checkpoint", str(seed)])
+    job.main([*FAST, "--write-seed-checkpoint", str(seed)])
     make_tokenizer(seed)
-    config, _ = pretrain.parse_args(["--init-from", str(seed), "--run-dir", str(tmp_path / "r")])
+    config, _ = job.parse_args(["--init-from", str(seed), "--run-dir", str(tmp_path / "r")])
     assert config.data.tokenizer == str(seed)
-    config, _ = pretrain.parse_args(["--init-from", str(seed), "--data.tokenizer=bytes", "--run-dir", "r"])
+    config, _ = job.parse_args(["--init-from", str(seed), "--data.tokenizer=bytes", "--run-dir", "r"])
     assert config.data.tokenizer == "bytes"
-    config, _ = pretrain.parse_args(["--run-dir", str(tmp_path / "r")])
+    config, _ = job.parse_args(["--run-dir", str(tmp_path / "r")])
     assert config.data.tokenizer is None  # bytes
 
 
