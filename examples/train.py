@@ -11,14 +11,18 @@ With ``--init-from HF_DIR`` the checkpoint's ``config.json`` is the model: a ``[
 then be left out; the keys it sets must agree with the checkpoint's, except the training-only ones
 (``attn_implementation``, router loss settings, ...), which override it (each override is logged).
 
-Byte-level tokens (no tokenizer download), documents packed into fixed-length rows with per-document
-attention masking. The last ``data.validation_files`` files of the corpus are held out (never trained
-on) for the validation loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
+By default byte-level tokens (no tokenizer download), documents packed into fixed-length rows with
+per-document attention masking. ``[data]`` takes your own corpus: ``source`` a file, a directory or a
+glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``;
+``text_field``; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
+``--init-from`` checkpoint's, when it has one; the export gets a copy). The last
+``data.validation_files`` files of the corpus are held out (never trained on) for the validation loss
+(``[evaluation]``; 0 holds out nothing, with ``evaluation.enabled=false``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
 ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
 checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
 summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
 
-Bad flags, config files or paths stop it with one message and exit status 2 before anything is
+Bad flags, config files, paths or data stop it with one message and exit status 2 before anything is
 built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
 Hugging Face export of the unfinished run unless ``--export-unfinished`` is given.
 """
@@ -26,6 +30,7 @@ Hugging Face export of the unfinished run unless ``--export-unfinished`` is give
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -48,7 +53,18 @@ from plait.loop import (
     split_cli_overrides,
 )
 from plait.loop.checkpoint import CheckpointWriteError
-from plait.loop.data import ByteTokenizer, PackedTokens, pack_documents, read_text_file
+from plait.loop.data import (
+    ByteTokenizer,
+    DataSourceError,
+    HFTokenizer,
+    PackedTokens,
+    Tokenizer,
+    build_packed_corpus,
+    copy_tokenizer_files,
+    has_tokenizer,
+    resolve_source,
+)
+from plait.loop.data.sources import DataFormat
 from plait.models import (
     CausalLMProvider,
     DecoderConfig,
@@ -84,19 +100,33 @@ TRAINING_ONLY_FIELDS = frozenset(
 
 
 class DataConfig(BaseModel):
-    """Where the text comes from and how it is cut."""
+    """Where the text comes from, how it is read and tokenised, and how it is cut."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: str = Field(
-        "stdlib", description="'stdlib' (this Python's own library sources) or a directory of text files"
+        "stdlib",
+        description="'stdlib' (this Python's own library sources), or a file, a directory or a glob",
     )
-    pattern: str = "*.py"
+    format: DataFormat = Field(
+        "auto",
+        description="'auto' (from each file's extension; a datasets.save_to_disk folder is arrow), "
+        "'text', 'jsonl', 'parquet', 'arrow' or 'tokens' (raw token files)",
+    )
+    text_field: str = Field("text", description="The JSONL field / parquet or arrow column of the text")
+    pattern: str | None = Field(
+        None, description="The files of a directory source ('*.py' for stdlib, else every file)"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="'bytes' or a directory with tokenizer.json; unset: --init-from's tokenizer if it has "
+        "one, else bytes",
+    )
     max_files: int | None = Field(
         400, ge=1, description="Cap on training files (sorted by path), None for all"
     )
     validation_files: int = Field(
-        8, ge=1, description="The corpus's last files (sorted by path), held out for evaluation"
+        8, ge=0, description="The corpus's last files (sorted by path), held out for evaluation"
     )
 
 
@@ -142,7 +172,7 @@ class TrainConfig(TrainerConfig):
                 f"batching.seq_len={self.batching.seq_len} is larger than "
                 f"model.max_position_embeddings={m.max_position_embeddings}"
             )
-        if m.vocab_size < ByteTokenizer.vocab_size:
+        if self.data.tokenizer in (None, "bytes") and m.vocab_size < ByteTokenizer.vocab_size:
             raise ValueError(
                 f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's "
                 f"{ByteTokenizer.vocab_size} token ids (data: byte-level tokens)"
@@ -162,27 +192,55 @@ class TrainConfig(TrainerConfig):
 
 
 def corpus_files(cfg: DataConfig, split: Literal["train", "validation"] = "train") -> list[Path]:
-    """The training files (the first ``max_files``) or the held-out validation files (the last ones)."""
-    root = Path(sysconfig.get_paths()["stdlib"]) if cfg.source == "stdlib" else Path(cfg.source)
-    if not root.is_dir():
-        raise FileNotFoundError(f"data.source: {root} is not a directory")
-    files = sorted(p for p in root.rglob(cfg.pattern) if p.is_file() and "site-packages" not in p.parts)
+    """The training files (the first ``max_files``) or the held-out validation files (the last ones).
+
+    Raises:
+        DataSourceError: a source that does not exist, is empty or has too few files.
+    """
+    if cfg.source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [p for p in resolve_source(root, cfg.pattern or "*.py") if "site-packages" not in p.parts]
+    else:
+        files = resolve_source(cfg.source, cfg.pattern or "*")
     if len(files) <= cfg.validation_files:
-        raise FileNotFoundError(
-            f"data.source: {len(files)} files matching {cfg.pattern!r} under {root}, not more than "
-            f"data.validation_files={cfg.validation_files}"
+        raise DataSourceError(
+            f"data.source: {len(files)} file(s) in {cfg.source}, not more than "
+            f"data.validation_files={cfg.validation_files} (set it lower, or 0 with evaluation.enabled=false)"
         )
     n = len(files) - cfg.validation_files
     return files[:n][: cfg.max_files] if split == "train" else files[n:]
 
 
+def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The byte tokenizer, or the Hugging Face tokenizer of directory ``cfg.tokenizer``.
+
+    Raises:
+        DataSourceError: a directory without ``tokenizer.json`` or a tokenizer that cannot be used.
+    """
+    if cfg.tokenizer in (None, "bytes"):
+        return ByteTokenizer()
+    if not has_tokenizer(cfg.tokenizer):
+        raise DataSourceError(f"data.tokenizer: {cfg.tokenizer} holds no tokenizer.json (or give 'bytes')")
+    try:
+        return HFTokenizer(cfg.tokenizer)
+    except (ImportError, ValueError) as e:
+        raise DataSourceError(f"data.tokenizer: {e}") from None
+
+
+@functools.lru_cache(maxsize=4)
 def build_dataset(
     cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
 ) -> PackedTokens:
-    """Byte-tokenised files, each followed by an end-of-document token, packed into rows of ``seq_len``."""
-    tok = ByteTokenizer()
-    docs = (tok.encode(read_text_file(p)) for p in corpus_files(cfg, split))
-    return pack_documents(docs, seq_len, tok.eos_id)
+    """The split's documents tokenised, each ending in the end-of-document token, packed into rows of
+    ``seq_len`` (cached: the startup check and the trainer share one read)."""
+    return build_packed_corpus(
+        corpus_files(cfg, split),
+        seq_len,
+        build_tokenizer(cfg),
+        cfg.format,
+        cfg.text_field,
+        strict_utf8=cfg.source != "stdlib",
+    )
 
 
 def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
@@ -194,7 +252,9 @@ def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvid
         provider,
         DatasetProvider(
             lambda: build_dataset(data, seq_len),
-            validation=lambda: build_dataset(data, seq_len, "validation"),
+            validation=(lambda: build_dataset(data, seq_len, "validation"))
+            if data.validation_files
+            else None,
         ),
         CausalLMTask(labels_to_model=True),
     )
@@ -253,6 +313,10 @@ def parse_args(
     config = load_config(args.config, overrides, cls=cls)
     if args.init_from is not None:  # raises StartupError
         config = adopt_checkpoint_config(config, args.init_from)
+        if config.data.tokenizer is None and has_tokenizer(args.init_from):
+            config = config.model_copy(
+                update={"data": config.data.model_copy(update={"tokenizer": str(args.init_from)})}
+            )
     elif config.model is None:
         raise ConfigError(
             f"{args.config}: no [model] section (give one with model_type, or --init-from HF_DIR)"
@@ -326,10 +390,7 @@ def check_paths(config: TrainConfig, args: argparse.Namespace) -> None:
     except ValueError as e:
         raise StartupError(f"model: {e}") from None
     if args.write_seed_checkpoint is None:
-        try:
-            corpus_files(config.data)
-        except FileNotFoundError as e:
-            raise StartupError(str(e)) from None
+        check_data(config)
     dirs = {"run.run_dir": config.run.run_dir}
     if config.checkpoint.enabled and config.checkpoint.dir:
         dirs["checkpoint.dir"] = config.checkpoint.dir
@@ -342,6 +403,30 @@ def check_paths(config: TrainConfig, args: argparse.Namespace) -> None:
                 pass
         except OSError as e:
             raise StartupError(f"{name}: cannot write to {path}: {e.strerror or e}") from None
+
+
+def check_data(config: TrainConfig) -> None:
+    """Read and tokenise the corpus (cached for the trainer) and check the tokenizer fits the model.
+
+    Raises:
+        StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
+    """
+    assert config.model is not None
+    data, seq_len = config.data, config.batching.seq_len
+    if data.validation_files == 0 and config.evaluation.enabled:
+        raise StartupError("data.validation_files=0 holds out nothing for evaluation.enabled=true")
+    try:
+        tokenizer = build_tokenizer(data)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise StartupError(
+                f"data.tokenizer: {data.tokenizer} has {tokenizer.vocab_size} token ids, more than "
+                f"model.vocab_size={config.model.vocab_size}"
+            )
+        build_dataset(data, seq_len)
+        if config.evaluation.enabled:
+            build_dataset(data, seq_len, "validation")
+    except DataSourceError as e:
+        raise StartupError(str(e)) from None
 
 
 def build_provider(config: TrainConfig, init_from: Path | None = None) -> CausalLMProvider:
@@ -396,6 +481,8 @@ def main(
                 )
         else:
             out = provider.export_hf(trainer.model_parts, trainer.run_dir / "hf")
+            if config.data.tokenizer not in (None, "bytes") and trainer.topology.is_main:
+                copy_tokenizer_files(config.data.tokenizer, out)  # AutoTokenizer loads the export
             trainer.run_summary.export = out
             if trainer.topology.is_main:
                 print(f"Hugging Face checkpoint: {out}")

@@ -6,15 +6,15 @@
     torchrun --nproc-per-node 2 examples/qwen3_moe/pretrain.py --mesh.data_shard=2 --mesh.expert=2
 
 The family-neutral main job (``examples/train.py``) with this folder's configs, whose ``[model]``
-sections are Qwen3-MoE's (``model_type`` defaults to ``qwen3_moe``). Byte-level tokens (no tokenizer
-download), documents packed into fixed-length rows with per-document attention masking. The last
+sections are Qwen3-MoE's (``model_type`` defaults to ``qwen3_moe``). Byte-level tokens by default
+(no tokenizer download; ``[data]`` takes other sources, formats and tokenizers: see ``train.py``), documents packed into fixed-length rows with per-document attention masking. The last
 ``data.validation_files`` files of the corpus are held out (never trained on) for the validation
 loss (``[evaluation]``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints
 under ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging
 Face checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained``
 loads, a summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
 
-Bad flags, config files or paths stop it with one message and exit status 2 before anything is
+Bad flags, config files, paths or data stop it with one message and exit status 2 before anything is
 built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
 Hugging Face export of the unfinished run unless ``--export-unfinished`` is given.
 """

@@ -92,10 +92,10 @@ def test_data_source_errors_come_before_the_model(pretrain, capsys, tmp_path):
     err = _fails(
         pretrain, capsys, [f"--data.source={tmp_path / 'nowhere'}", "--run-dir", str(tmp_path / "r")]
     )
-    assert f"data.source: {tmp_path / 'nowhere'} is not a directory" in err
+    assert f"data.source: {tmp_path / 'nowhere'} does not exist" in err
     (tmp_path / "empty").mkdir()
     err = _fails(pretrain, capsys, [f"--data.source={tmp_path / 'empty'}", "--run-dir", str(tmp_path / "r")])
-    assert "data.source: 0 files matching '*.py'" in err
+    assert f"data.source: no files matching '*' under {tmp_path / 'empty'}" in err
 
 
 def test_init_from_adopts_the_checkpoint_config_and_names_each_mismatch(pretrain, capsys, tmp_path):

@@ -22,6 +22,15 @@ from plait.loop import (
     read_token_file,
     write_token_file,
 )
+from plait.loop.data import (
+    DataSourceError,
+    build_packed_corpus,
+    copy_tokenizer_files,
+    read_documents,
+    resolve_source,
+)
+
+from tests.loop._tiny_tokenizer import make_tokenizer
 
 
 def test_packing_matches_a_naive_reference():
@@ -170,11 +179,13 @@ def test_bytes_that_are_not_utf8_are_named(tmp_path, caplog):
     (tmp_path / "u.txt").write_bytes("fine é".encode())
     plait_log = logging.getLogger("plait")  # a trainer's set-up stops it propagating: listen on it
     plait_log.addHandler(caplog.handler)
+    propagate, plait_log.propagate = plait_log.propagate, False  # each record once, trainer or not
     try:
         assert read_text_file(tmp_path / "t.txt") == raw.decode("utf-8", errors="replace")
         assert read_text_file(tmp_path / "u.txt") == "fine é"
     finally:
         plait_log.removeHandler(caplog.handler)
+        plait_log.propagate = propagate
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [f"{tmp_path / 't.txt'}: 3 byte(s) that are not UTF-8 were replaced by U+FFFD"]
 
@@ -208,3 +219,134 @@ def test_hf_tokenizer_from_local_dir(tmp_path):
     assert (hf.eos_id, hf.pad_id, hf.vocab_size) == (0, 0, 4)
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         HFTokenizer(tmp_path / "missing")
+
+
+# -- corpus sources: formats, bad input, tokenizers ---------------------------------------------------------
+DOCS = ["first document\n", "zweites Dokument: grün", "third, with a\nsecond line"]
+
+
+def _write_sources(root):
+    """The same documents as text files, JSONL, parquet, an arrow (IPC) file and a save_to_disk-layout
+    folder (arrow stream files listed in state.json)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "txt").mkdir()
+    for i, d in enumerate(DOCS):
+        (root / "txt" / f"{i}.txt").write_text(d, encoding="utf-8")
+    (root / "a.jsonl").write_text(
+        "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(DOCS))
+    )
+    table = pa.table({"id": list(range(len(DOCS))), "text": DOCS})
+    pq.write_table(table, root / "a.parquet", row_group_size=2)
+    with pa.ipc.new_file(root / "a.arrow", table.schema) as w:
+        w.write_table(table)
+    saved = root / "saved"
+    saved.mkdir()
+    for i, part in enumerate([table.slice(0, 2), table.slice(2)]):
+        with pa.ipc.new_stream(saved / f"data-0000{i}-of-00002.arrow", part.schema) as w:
+            w.write_table(part)
+    files = [{"filename": f"data-0000{i}-of-00002.arrow"} for i in range(2)]
+    (saved / "state.json").write_text(json.dumps({"_data_files": files}))
+    (saved / "dataset_info.json").write_text("{}")
+
+
+def test_every_format_reads_the_same_documents(tmp_path):
+    _write_sources(tmp_path)
+    for source in ["txt", "a.jsonl", "a.parquet", "a.arrow", "saved", "txt/*.txt"]:
+        files = resolve_source(str(tmp_path / source))
+        assert list(read_documents(files)) == DOCS, source
+    (tmp_path / "data.dat").write_text(json.dumps({"body": "x"}) + "\n")
+    assert list(read_documents([tmp_path / "data.dat"], "jsonl", "body")) == ["x"]
+
+
+def test_packed_corpus_is_the_documents_bytes_each_ending_in_eos(tmp_path):
+    _write_sources(tmp_path)
+    tok = ByteTokenizer()
+    stream = [t for d in DOCS for t in [*d.encode("utf-8"), tok.eos_id]]
+    ds = build_packed_corpus(resolve_source(tmp_path / "a.jsonl"), 8, tok)
+    assert list(np.asarray(ds.tokens)) == stream
+    write_token_file(tmp_path / "c.tokens", stream)
+    ds = build_packed_corpus(resolve_source(tmp_path / "c.tokens"), 8, tok)
+    assert list(np.asarray(ds.tokens)) == stream
+    assert len(ds) == (len(stream) - 1) // 8
+    assert ds[1]["input_ids"].tolist() == stream[8:16]
+
+
+def test_hf_tokenizer_places_bos_and_eos_as_transformers_does(tmp_path):
+    import transformers
+
+    text = "hello the lazy world"
+    for i, template in enumerate(["<s> $A", "$A </s>", "<s> $A </s>"]):
+        path = make_tokenizer(tmp_path / f"tok{i}", template)
+        tok = HFTokenizer(path)
+        reference = transformers.AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+        assert tok.encode_document(text) == reference
+        (tmp_path / f"d{i}.txt").write_text(text)
+        ds = build_packed_corpus([tmp_path / f"d{i}.txt"] * 2, 4, tok)
+        doc = reference if reference[-1] == tok.eos_id else [*reference, tok.eos_id]  # eos once
+        assert list(np.asarray(ds.tokens)) == doc * 2
+        out = tmp_path / f"export{i}"
+        out.mkdir()
+        copy_tokenizer_files(path, out)
+        assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == reference
+
+
+def _error(match, fn, *args, **kwargs):
+    with pytest.raises(DataSourceError, match=match) as e:
+        result = fn(*args, **kwargs)
+        if not isinstance(result, list | np.ndarray):
+            list(result)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_sources_are_one_line_naming_file_and_line_or_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _error("does not exist", resolve_source, tmp_path / "nowhere")
+    _error("no files match", resolve_source, str(tmp_path / "*.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    _error(r"empty\.jsonl is empty", resolve_source, tmp_path / "empty.jsonl")
+    (tmp_path / "x.bin").write_bytes(b"\x00\x01")
+    _error(r"x\.bin: cannot tell the format from the extension '\.bin'", read_documents, [tmp_path / "x.bin"])
+    _error(r"x\.bin: a binary file", read_documents, [tmp_path / "x.bin"], "text")
+    (tmp_path / "bad.txt").write_bytes(b"ok\nstill ok\nbad \xff byte\n")
+    _error(r"bad\.txt:3: not valid UTF-8 \(byte 0xff\)", read_documents, [tmp_path / "bad.txt"])
+    lines = {
+        "notjson": b'{"text": "a"}\n{"text": \n',
+        "missing": b'{"text": "a"}\n\n{"body": "b"}\n',
+        "number": b'{"text": 3}\n',
+        "utf8": b'{"text": "a"}\n{"text": "\xc3"}\n',
+    }
+    where = {
+        "notjson": "2: not valid JSON",
+        "missing": "3: field 'text' missing",
+        "number": "1: field",
+        "utf8": "2: not valid UTF-8",
+    }
+    for name, data in lines.items():
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+        _error(rf"{name}\.jsonl:{where[name]}", read_documents, [tmp_path / f"{name}.jsonl"])
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "col.parquet")
+    _error(r"col\.parquet: no column 'text' \(columns: body\)", read_documents, [tmp_path / "col.parquet"])
+    pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
+    _error(r"null\.parquet: row 1: column 'text' is NoneType", read_documents, [tmp_path / "null.parquet"])
+    write_token_file(tmp_path / "t.tokens", [1, 300, 2])
+    _error(r"t\.tokens: token id 300 is outside the tokenizer's 259 ids", build_packed_corpus,
+           [tmp_path / "t.tokens"], 1, ByteTokenizer())  # fmt: skip
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    (tmp_path / "a.parquet").write_bytes(b"PAR1")
+    _error(r"pyarrow: pip install 'plait-loop\[parquet\]'", read_documents, [tmp_path / "a.parquet"])

@@ -11,20 +11,44 @@ from plait.loop.data.readers import (
     write_token_file,
 )
 from plait.loop.data.sampler import GlobalBatchPlan
-from plait.loop.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+from plait.loop.data.sources import (
+    FORMATS,
+    DataSourceError,
+    build_packed_corpus,
+    infer_format,
+    read_documents,
+    resolve_source,
+    token_dtype,
+)
+from plait.loop.data.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    copy_tokenizer_files,
+    has_tokenizer,
+)
 
 __all__ = [
+    "FORMATS",
     "ByteTokenizer",
+    "DataSourceError",
     "DistributedDataLoader",
     "GlobalBatchPlan",
     "HFTokenizer",
     "PackedTokens",
     "PadCollator",
     "Tokenizer",
+    "build_packed_corpus",
+    "copy_tokenizer_files",
+    "has_tokenizer",
+    "infer_format",
     "pack_documents",
+    "read_documents",
     "read_hf_texts",
     "read_jsonl_texts",
     "read_text_file",
     "read_token_file",
+    "resolve_source",
+    "token_dtype",
     "write_token_file",
 ]

@@ -80,12 +80,17 @@ def pack_documents(
     *,
     mask_cross_document: bool = True,
     dtype: Any = np.int32,
+    append_eos: bool = True,
 ) -> PackedTokens:
-    """Concatenate tokenised documents, each followed by ``eos_id``, into a :class:`PackedTokens`."""
+    """Concatenate tokenised documents, each followed by ``eos_id``, into a :class:`PackedTokens`.
+
+    With ``append_eos=False`` the documents are taken as they are (each already ending in ``eos_id``).
+    """
     parts: list[np.ndarray] = []
     for d in docs:
         parts.append(np.asarray(d, dtype=dtype))
-        parts.append(np.asarray([eos_id], dtype=dtype))
+        if append_eos:
+            parts.append(np.asarray([eos_id], dtype=dtype))
     if not parts:
         raise ValueError("pack_documents: no documents")
     return PackedTokens(np.concatenate(parts), seq_len, eos_id, mask_cross_document)

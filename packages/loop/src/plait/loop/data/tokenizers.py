@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "copy_tokenizer_files",
+    "has_tokenizer",
+]
 
 
 @runtime_checkable
@@ -94,6 +102,35 @@ class HFTokenizer:
         """Token ids of ``text`` without special tokens."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_document(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the special tokens the tokenizer's post-processor places (e.g. a
+        leading bos), as ``transformers`` encodes it by default."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
         return str(self._tok.decode(ids))
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether directory ``path`` holds a fast tokenizer (``tokenizer.json``)."""
+    return (Path(path) / "tokenizer.json").is_file()
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[Path]:
+    """Copy a tokenizer's files (:data:`TOKENIZER_FILES` that exist) from directory ``src`` to ``dst``,
+    so that ``transformers.AutoTokenizer.from_pretrained(dst)`` loads it; returns the copies."""
+    out = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            out.append(Path(shutil.copy2(Path(src) / name, Path(dst) / name)))
+    return out

@@ -1,0 +1,260 @@
+"""Corpus sources: a file, a directory or a glob of text, JSONL, parquet, arrow or token files, read as documents.
+
+Every problem with the input (a path that does not exist, an empty source, a file of unknown kind, a
+line that is not JSON or not UTF-8, a missing field or column) raises :class:`DataSourceError`, one
+line naming the file and the line or row.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from plait.loop.data.packing import PackedTokens, pack_documents
+from plait.loop.data.readers import read_jsonl_texts, read_text_file, read_token_file
+from plait.loop.data.tokenizers import Tokenizer
+
+__all__ = [
+    "FORMATS",
+    "DataFormat",
+    "DataSourceError",
+    "build_packed_corpus",
+    "infer_format",
+    "read_documents",
+    "resolve_source",
+    "token_dtype",
+]
+
+DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens"]
+FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens")
+_EXTENSIONS = {
+    **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
+    **dict.fromkeys((".jsonl", ".ndjson"), "jsonl"),
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".tokens": "tokens",
+}
+
+
+class DataSourceError(ValueError):
+    """Bad corpus input; the message (one line) names the file and, where it applies, the line or row."""
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A ``datasets`` ``save_to_disk`` folder (``state.json`` and arrow files)."""
+    return path.is_dir() and (path / "state.json").is_file() and any(path.glob("*.arrow"))
+
+
+def _saved_dataset_files(path: Path) -> list[Path]:
+    """The arrow files of a ``save_to_disk`` folder, in the order its ``state.json`` lists them."""
+    state = json.loads((path / "state.json").read_text())
+    names = [f["filename"] for f in state.get("_data_files", [])]
+    return [path / n for n in names] if names else sorted(path.glob("*.arrow"))
+
+
+def resolve_source(source: str | Path, pattern: str = "*") -> list[Path]:
+    """The files of ``source``: one file, a directory's files matching ``pattern`` (recursively, sorted;
+    a ``datasets.save_to_disk`` folder gives its arrow files in order), or the files matching a glob.
+    Hidden files (``.name``) of a directory are left out.
+
+    Raises:
+        DataSourceError: the source does not exist or holds no (non-empty) files.
+    """
+    text = str(source)
+    path = Path(text)
+    if path.is_file():
+        files = [path]
+    elif _is_saved_dataset(path):
+        files = _saved_dataset_files(path)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob(pattern) if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise DataSourceError(f"data.source: no files matching {pattern!r} under {path}")
+    elif glob.has_magic(text):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        if not files:
+            raise DataSourceError(f"data.source: no files match {text}")
+    else:
+        raise DataSourceError(f"data.source: {path} does not exist")
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataSourceError(f"data.source: {files[0] if len(files) == 1 else text} is empty")
+    return files
+
+
+def infer_format(path: Path) -> str:
+    """The format of ``path`` from its extension.
+
+    Raises:
+        DataSourceError: an unknown extension (binary or not), naming the file and the choices.
+    """
+    fmt = _EXTENSIONS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataSourceError(
+            f"{path}: cannot tell the format from the extension {path.suffix or '(none)'!r}; "
+            f"set data.format to one of {', '.join(FORMATS)}"
+        )
+    return fmt
+
+
+def _read_text_strict(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\x00" in data:
+        raise DataSourceError(f"{path}: a binary file (NUL bytes), not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataSourceError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x})") from None
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise DataSourceError(
+            "the parquet and arrow formats need pyarrow: pip install 'plait-loop[parquet]'"
+        ) from None
+    return pyarrow
+
+
+def _column_texts(path: Path, batches: Any, names: Sequence[str], field: str) -> Iterator[str]:
+    if field not in names:
+        raise DataSourceError(f"{path}: no column {field!r} (columns: {', '.join(names)})")
+    row = 0
+    for batch in batches:
+        for value in batch.column(field).to_pylist():
+            if not isinstance(value, str):
+                raise DataSourceError(
+                    f"{path}: row {row}: column {field!r} is {type(value).__name__}, not a string"
+                )
+            yield value
+            row += 1
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[str]:
+    pa = _pyarrow()
+    try:
+        pf = pa.parquet.ParquetFile(path)
+    except pa.ArrowException as e:
+        raise DataSourceError(f"{path}: not a parquet file: {e}") from None
+    names = pf.schema_arrow.names
+    yield from _column_texts(path, pf.iter_batches(columns=[field] if field in names else None), names, field)
+
+
+def _read_arrow(path: Path, field: str) -> Iterator[str]:
+    pa = _pyarrow()
+    try:  # datasets writes the IPC stream format; plain arrow files use the file format
+        reader = pa.ipc.open_stream(path)
+        batches: Any = reader
+    except pa.ArrowInvalid:
+        try:
+            reader = pa.ipc.open_file(path)
+        except pa.ArrowInvalid as e:
+            raise DataSourceError(f"{path}: not an arrow file: {e}") from None
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    yield from _column_texts(path, batches, reader.schema.names, field)
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    try:
+        yield from read_jsonl_texts(path, field)
+    except ValueError as e:
+        raise DataSourceError(str(e)) from None
+
+
+def read_documents(
+    files: Sequence[Path], fmt: str = "auto", text_field: str = "text", *, strict_utf8: bool = True
+) -> Iterator[str]:
+    """The documents (texts) of ``files`` in order: a text file is one document; a JSONL line, a
+    parquet or arrow row is one (its ``text_field``).
+
+    With ``strict_utf8=False`` a text file's bytes that are not UTF-8 become U+FFFD (with a warning,
+    :func:`read_text_file`) instead of an error.
+
+    Raises:
+        DataSourceError: naming the file and line/row of bad input (see the module docstring).
+    """
+    for path in files:
+        kind = infer_format(path) if fmt == "auto" else fmt
+        if kind == "text":
+            yield _read_text_strict(path) if strict_utf8 else read_text_file(path)
+        elif kind == "jsonl":
+            yield from _read_jsonl(path, text_field)
+        elif kind == "parquet":
+            yield from _read_parquet(path, text_field)
+        elif kind == "arrow":
+            yield from _read_arrow(path, text_field)
+        else:
+            raise DataSourceError(f"{path}: format {kind!r} holds tokens, not documents")
+
+
+def token_dtype(vocab_size: int) -> Any:
+    """The token-file dtype of a vocabulary: ``uint16`` below 65536 ids, else ``uint32``."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def _read_tokens(files: Sequence[Path], tokenizer: Tokenizer) -> Any:
+    dtype = token_dtype(tokenizer.vocab_size)
+    arrays = []
+    for path in files:
+        try:
+            arr = read_token_file(path, dtype)
+        except ValueError as e:
+            raise DataSourceError(str(e)) from None
+        if arr.size and int(arr.max()) >= tokenizer.vocab_size:
+            raise DataSourceError(
+                f"{path}: token id {int(arr.max())} is outside the tokenizer's {tokenizer.vocab_size} ids"
+            )
+        arrays.append(arr)
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The document's ids with the tokenizer's special tokens, ending in eos (the document separator)."""
+    encode_document = getattr(tokenizer, "encode_document", None)
+    ids = list(encode_document(text)) if encode_document is not None else tokenizer.encode(text)
+    if not ids or ids[-1] != tokenizer.eos_id:
+        ids.append(tokenizer.eos_id)
+    return ids
+
+
+def build_packed_corpus(
+    files: Sequence[Path],
+    seq_len: int,
+    tokenizer: Tokenizer,
+    fmt: str = "auto",
+    text_field: str = "text",
+    *,
+    strict_utf8: bool = True,
+) -> PackedTokens:
+    """``files`` tokenised (or, for ``tokens``, memory-mapped) and packed into rows of ``seq_len``.
+
+        Each document gets the tokenizer's special tokens (:meth:`HFTokenizer.encode_document`) and ends
+        in its eos token, which :class:`PackedTokens` takes as the document boundary. ``strict_utf8``: see
+    :func:`read_documents`.
+
+        Raises:
+            DataSourceError: bad input, or too few tokens for one row.
+    """
+    kinds = {infer_format(p) if fmt == "auto" else fmt for p in files}
+    if "tokens" in kinds:
+        if kinds != {"tokens"}:
+            raise DataSourceError(f"data.source: token files mixed with {sorted(kinds - {'tokens'})} files")
+        tokens = _read_tokens(files, tokenizer)
+        try:
+            return PackedTokens(tokens, seq_len, tokenizer.eos_id)
+        except ValueError as e:
+            raise DataSourceError(f"data.source: {e}") from None
+    docs = (
+        _encode_document(tokenizer, text)
+        for text in read_documents(files, fmt, text_field, strict_utf8=strict_utf8)
+    )
+    try:
+        return pack_documents(docs, seq_len, tokenizer.eos_id, append_eos=False)
+    except ValueError as e:
+        raise DataSourceError(f"data.source: {e}") from None

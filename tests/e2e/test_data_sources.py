@@ -1,0 +1,88 @@
+"""The main job's ``[data]``: JSONL / parquet sources, a Hugging Face tokenizer (also --init-from's),
+its export next to the model, and bad input stopped before the model is built."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import transformers
+
+from tests.e2e._pretrain_runner import FAST, _import_pretrain
+from tests.e2e.test_pretrain_cli import TINY, _fails, pretrain  # noqa: F401  (the fixture)
+from tests.loop._tiny_tokenizer import CORPUS, make_tokenizer
+
+TEXTS = [f"{CORPUS[i % 4]} {CORPUS[(i * 3) % 4]} number {i}" for i in range(40)]
+
+
+def _jsonl_corpus(root):
+    root.mkdir()
+    for k in range(4):  # the last file is held out for validation
+        lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(TEXTS[k * 10 : (k + 1) * 10])]
+        (root / f"part{k}.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_jsonl_with_a_tokenizer_trains_and_exports_it(tmp_path):
+    job = _import_pretrain()
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    corpus = _jsonl_corpus(tmp_path / "corpus")
+    run_dir = tmp_path / "run"
+    argv = [*TINY, "--steps", "2", "--run-dir", str(run_dir), f"--data.source={corpus}",
+            f"--data.tokenizer={tok_dir}", "--data.validation_files=1", "--evaluation.enabled=false"]  # fmt: skip
+    config, _ = job.parse_args(argv)
+    # the training rows are the first three files' texts as transformers tokenises them, each + eos
+    reference = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    stream = [t for text in TEXTS[:30] for t in [*reference(text)["input_ids"], reference.eos_token_id]]
+    ds = job.build_dataset(config.data, config.batching.seq_len)
+    assert np.asarray(ds.tokens).tolist() == stream
+    assert np.asarray(job.build_dataset(config.data, 64, "validation").tokens).max() < 60
+    metrics = job.main(argv)
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    exported = transformers.AutoTokenizer.from_pretrained(run_dir / "hf")
+    assert exported(TEXTS[0])["input_ids"] == reference(TEXTS[0])["input_ids"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf").config.model_type == "qwen3_moe"
+
+
+def test_init_from_a_checkpoint_with_a_tokenizer_makes_it_the_default(tmp_path):
+    job = _import_pretrain()
+    seed = tmp_path / "seed"
+    job.main([*FAST, "--write-seed-checkpoint", str(seed)])
+    make_tokenizer(seed)
+    config, _ = job.parse_args(["--init-from", str(seed), "--run-dir", str(tmp_path / "r")])
+    assert config.data.tokenizer == str(seed)
+    config, _ = job.parse_args(["--init-from", str(seed), "--data.tokenizer=bytes", "--run-dir", "r"])
+    assert config.data.tokenizer == "bytes"
+    config, _ = job.parse_args(["--run-dir", str(tmp_path / "r")])
+    assert config.data.tokenizer is None  # bytes
+
+
+def test_bad_data_is_one_line_and_exit_2_before_the_model(pretrain, capsys, tmp_path):  # noqa: F811
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = ["--run-dir", str(tmp_path / "r"), "--data.validation_files=0", "--evaluation.enabled=false"]
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    big = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"text": " ".join(CORPUS)}) + "\n")
+    err = _fails(pretrain, capsys, [*run, f"--data.source={tmp_path / 'ok.jsonl'}", f"--data.tokenizer={tok_dir}",
+                                    "--model.vocab_size=40"])  # fmt: skip
+    assert f"data.tokenizer: {tok_dir} has {len(big)} token ids, more than model.vocab_size=40" in err
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+    err = _fails(pretrain, capsys, [*run, f"--data.source={tmp_path / 'bad.jsonl'}"])
+    assert f"{tmp_path / 'bad.jsonl'}:2: not valid JSON" in err and err.count("\n") == 1
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
+    err = _fails(pretrain, capsys, [*run, f"--data.source={tmp_path / 'a.parquet'}"])
+    assert f"{tmp_path / 'a.parquet'}: no column 'text' (columns: body)" in err
+    (tmp_path / "w.bin").write_bytes(b"\x00\x01\x02")
+    err = _fails(pretrain, capsys, [*run, f"--data.source={tmp_path / 'w.bin'}"])
+    assert f"{tmp_path / 'w.bin'}: cannot tell the format from the extension '.bin'" in err
+    err = _fails(pretrain, capsys, [*run[:2], f"--data.source={tmp_path / 'ok.jsonl'}"])
+    assert "data.source: 1 file(s) in" in err and "data.validation_files=8" in err
+    err = _fails(pretrain, capsys, [*run[:3], f"--data.source={tmp_path / 'ok.jsonl'}"])
+    assert "data.validation_files=0 holds out nothing for evaluation.enabled=true" in err
+    err = _fails(
+        pretrain, capsys, [*run, f"--data.source={tmp_path / 'ok.jsonl'}", f"--data.tokenizer={tmp_path}"]
+    )
+    assert f"data.tokenizer: {tmp_path} holds no tokenizer.json" in err
