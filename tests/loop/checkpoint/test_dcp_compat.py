@@ -143,3 +143,23 @@ def test_no_other_checkpoint_module_reaches_torch_internals():
             if any(p.startswith("_") for p in parts):
                 offenders.append(f"{file.name}:{node.lineno}")
     assert not offenders, f"torch internals imported outside dcp_compat: {offenders}"
+
+
+def test_the_writer_process_stops_when_its_last_user_releases_it(monkeypatch):
+    from plait.loop.checkpoint import writer_process as wp
+
+    stopped = []
+    monkeypatch.setattr(wp.dcp_compat, "stop_writer_process", lambda: stopped.append(True))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.delenv(dcp_compat.PREFIX_STORE_ENV, raising=False)
+    writer = wp.WriterProcess()
+    writer.acquire(world_size=2)
+    writer.acquire(world_size=2)
+    assert writer.users == 2 and dcp_compat.os.environ[dcp_compat.PREFIX_STORE_ENV] == "1"
+    writer.release()
+    assert not stopped
+    writer.release()
+    assert stopped == [True] and writer.users == 0
+    with pytest.raises(RuntimeError, match="without a matching acquire"):
+        writer.release()
