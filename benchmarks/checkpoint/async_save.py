@@ -146,7 +146,7 @@ def main() -> None:
             if reserve:
                 t0 = time.perf_counter()
                 ck.reserve(state)
-                while ck._reserving is not None and ck._reserving.is_alive():
+                while ck.staging is not None and ck.staging.reserving:
                     step()  # training continues while the buffers are allocated
                 reserve_s = time.perf_counter() - t0
             for i in range(args.saves):

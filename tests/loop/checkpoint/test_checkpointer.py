@@ -94,8 +94,8 @@ def test_repeated_async_saves_are_exact_and_reuse_staging_buffers(tmp_path):
         expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
         ck.save(step, _state(model, opt, step))
         ck.wait_for_staging()
-    assert ck._stager is not None
-    staged = [ck._stager.stage({"w": model[0].weight}).result()["w"] for _ in range(2)]
+    assert ck.staging is not None and ck.staging.stager is not None
+    staged = [ck.staging.stager.stage({"w": model[0].weight}).result()["w"] for _ in range(2)]
     assert staged[0].data_ptr() == staged[1].data_ptr()
     assert torch.equal(staged[1], model[0].weight)
     ck.close()

@@ -105,9 +105,10 @@ def test_reserve_allocates_the_staging_buffers_the_first_save_uses(tmp_path):
     ck = Checkpointer(tmp_path, async_mode="thread")
     state = _state(model, opt)
     ck.reserve(state)
-    ck._wait_reserved()
-    assert ck._stager is not None
-    cache = ck._stager._state_dict_stager._cached_storage_mapping
+    assert ck.staging is not None
+    ck.staging.wait_reserved()
+    assert ck.staging is not None and ck.staging.stager is not None
+    cache = ck.staging.stager.cached_buffers()
     tensors = [model[0].weight, model[2].bias, *(v for s in opt.state.values() for v in s.values())]
     reserved = {id(t): cache[t.untyped_storage()].data_ptr() for t in tensors}
     ck.save(1, state)
@@ -283,12 +284,19 @@ def test_process_writer_listens_on_no_wildcard_address(tmp_path, job_store):
 
 def test_process_mode_of_several_ranks_without_master_address_is_a_clear_error(monkeypatch, tmp_path):
     import plait.loop.checkpoint.checkpointer as checkpointer
+    import plait.loop.checkpoint.group as group
+    from plait.loop.checkpoint.writer_process import WriterProcess
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.setattr(checkpointer, "_initialised", lambda: True)
-    monkeypatch.setattr(checkpointer.dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="async_mode='process' needs MASTER_ADDR and MASTER_PORT"):
-        Checkpointer(tmp_path, async_mode="process")
+        WriterProcess().acquire(world_size=2)
+    monkeypatch.setattr(checkpointer, "initialised", lambda: True)
+    monkeypatch.setattr(group, "initialised", lambda: True)
+    monkeypatch.setattr(group.dist, "get_world_size", lambda group=None: 2)
+    writer = WriterProcess()
+    with pytest.raises(ValueError, match="async_mode='process' needs MASTER_ADDR and MASTER_PORT"):
+        Checkpointer(tmp_path, async_mode="process", writer_process=writer)
+    assert writer.users == 0
 
 
 def test_tensorboard_tracker_purges_the_redone_steps(monkeypatch, tmp_path):

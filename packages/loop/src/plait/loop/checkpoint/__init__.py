@@ -14,6 +14,7 @@ from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.resume_policy import ResumeConfigError
 from plait.loop.checkpoint.state import ModelState, OptimizerState, PerRankState, RngState, ValueState
 from plait.loop.checkpoint.training import TrainingCheckpoints
+from plait.loop.checkpoint.writer_process import WriterProcess
 
 __all__ = [
     "AsyncMode",
@@ -31,5 +32,6 @@ __all__ = [
     "RngState",
     "TrainingCheckpoints",
     "ValueState",
+    "WriterProcess",
     "export_checkpoint",
 ]

@@ -19,21 +19,22 @@ the local plans plans again.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
 import torch
+from plait.loop.checkpoint import dcp_compat
+from plait.loop.checkpoint.dcp_compat import GLOBAL_PLAN_CACHES as _GLOBAL
+from plait.loop.checkpoint.dcp_compat import LOCAL_PLAN_CACHES as _LOCAL
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint import planner as _planner
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-__all__ = ["CachingSavePlanner", "plan_file"]
+__all__ = ["PLAN_CACHE_KEYS", "CachingSavePlanner", "PlanCacheKeys", "plan_file"]
 
 _FORMAT = "plait-plan/1"
-_LOCAL = ("_cached_save_plan", "_cached_final_save_plan")
-_GLOBAL = ("_cached_all_plans", "_cached_global_plan", "_cached_metadata")
 # DCP's plan records: dataclasses and enums of plain values, nothing that runs code when built.
 _SAFE = [
     getattr(module, name)
@@ -51,13 +52,38 @@ _SAFE = [
                 "TensorProperties",
                 "TensorStorageMetadata",
                 "BytesStorageMetadata",
-                "_MEM_FORMAT_ENCODING",
             ),
         ),
     )
     for name in names
     if hasattr(module, name)
-] + [_StoragePrefix, torch.Size]
+] + [*dcp_compat.plan_record_types(), torch.Size]
+
+
+class PlanCacheKeys:
+    """Hands out the keys of DCP's save-plan caches, one per planner.
+
+    DCP keys its plan caches (class-level dicts, so process-wide) by the planner's class name, so two
+    checkpointers in one process would mix their plans (a checkpoint of one state planned with
+    another's chunks). Process-wide because those caches are: :data:`PLAN_CACHE_KEYS` is the one
+    instance.
+    """
+
+    def __init__(self) -> None:
+        self._numbers = itertools.count()
+
+    def assign(self, planner: SavePlanner) -> None:
+        """Give ``planner``'s plan caches a key no other planner of this process has."""
+        dcp_compat.set_plan_cache_key(planner, f"plait.Checkpointer/{next(self._numbers)}")
+
+    @staticmethod
+    def drop(planner: SavePlanner) -> None:
+        """Forget ``planner``'s cached plans in this process."""
+        dcp_compat.drop_plan_caches(planner)
+
+
+PLAN_CACHE_KEYS = PlanCacheKeys()
+"""Process-wide, as DCP's plan caches are."""
 
 
 def plan_file(rank: int) -> str:
@@ -83,11 +109,11 @@ class CachingSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         # The process that plans (maybe DCP's writer process) starts from the restored caches once.
-        key = self._cached_plans_key
-        if self.restored is not None and key not in getattr(SavePlanner, _LOCAL[0], {}):
+        key = dcp_compat.plan_cache_key(self)
+        if self.restored is not None and key not in dcp_compat.plan_cache(_LOCAL[0]):
             for name, value in self.restored.items():
                 if name in _LOCAL + _GLOBAL:
-                    getattr(SavePlanner, name)[key] = value
+                    dcp_compat.plan_cache(name)[key] = value
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
@@ -96,9 +122,9 @@ class CachingSavePlanner(DefaultSavePlanner):
         return plan
 
     def _caches(self) -> dict[str, Any]:
-        key = self._cached_plans_key
+        key = dcp_compat.plan_cache_key(self)
         names = _LOCAL + (_GLOBAL if self.is_coordinator else ())
-        caches = {name: getattr(SavePlanner, name)[key] for name in names}
+        caches = {name: dcp_compat.plan_cache(name)[key] for name in names}
         if "_cached_metadata" in caches:  # where the last save put each chunk is not part of the plan
             md = caches["_cached_metadata"]
             fields = {f: None for f in ("storage_data", "storage_meta") if hasattr(md, f)}
