@@ -40,7 +40,7 @@ def _fails(pretrain, capsys, argv: list[str]) -> str:
     return err
 
 
-# -- item 9: conflicts between sections name both fields ----------------------------------------------------
+# -- conflicts between sections name both fields ----------------------------------------------------
 def test_conflicting_sections_are_config_errors_naming_both_fields(pretrain):
     cls, cfg = pretrain.PretrainConfig, pretrain.DEFAULT_CONFIG
     with pytest.raises(
@@ -64,7 +64,7 @@ def test_conflicting_sections_are_config_errors_naming_both_fields(pretrain):
     assert ok.num_pipeline_stages == 4
 
 
-# -- item 10: overrides by field type; no abbreviated or unknown flags ----------------------------------------
+# -- overrides by field type; no abbreviated or unknown flags ----------------------------------------
 def test_numeric_run_name_and_unknown_or_abbreviated_flags(pretrain, capsys, tmp_path):
     config, _ = pretrain.parse_args(["--run.name=2024", "--run-dir", str(tmp_path)])
     assert config.run.name == "2024"
@@ -73,7 +73,7 @@ def test_numeric_run_name_and_unknown_or_abbreviated_flags(pretrain, capsys, tmp
     assert "unrecognized arguments: --run.steps 3" in _fails(pretrain, capsys, ["--run.steps", "3"])
 
 
-# -- item 11: one message, exit 2, nothing built ----------------------------------------------------------------
+# -- one message, exit 2, nothing built ----------------------------------------------------------------
 def test_startup_errors_are_one_message_before_anything_is_built(pretrain, capsys, tmp_path):
     err = _fails(pretrain, capsys, ["--config", str(tmp_path / "missing.toml")])
     assert f"error: config file {tmp_path / 'missing.toml'} does not exist" in err
@@ -137,7 +137,7 @@ def test_init_from_adopts_the_checkpoint_config_and_names_each_mismatch(pretrain
         train.parse_args(["--config", str(cfg_file)])
 
 
-# -- item 12: signals exit 128 + signum after the final checkpoint, without the export --------------------------
+# -- signals exit 128 + signum after the final checkpoint, without the export --------------------------
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -184,7 +184,7 @@ def test_export_unfinished_writes_the_export_and_still_exits_143(tmp_path):
     assert (run_dir / "hf" / "config.json").is_file()
 
 
-# -- item 13: the end-of-run summary and loss curve; the README's parameter count -------------------------------
+# -- the end-of-run summary and loss curve; the README's parameter count -------------------------------
 def test_run_writes_summary_and_loss_curve(tmp_path):
     run_dir = tmp_path / "run"
     _import_pretrain().main(["--steps", "3", "--run-dir", str(run_dir), *TINY, "--no-export"])

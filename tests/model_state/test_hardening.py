@@ -25,7 +25,7 @@ from plait.model_state.cli import main
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-# --- item 1: a writer replaces only its own files ------------------------------------------------
+# --- a writer replaces only its own files ------------------------------------------------
 
 
 def _state(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
@@ -123,7 +123,7 @@ def test_save_module_and_abort_keep_other_files(tmp_path: Path) -> None:
         assert p.read_bytes() == data
 
 
-# --- item 7: hostile indexes and headers ----------------------------------------------------------
+# --- hostile indexes and headers ----------------------------------------------------------
 
 
 def _index(ck: Path, weight_map: dict[str, str]) -> None:
@@ -190,7 +190,7 @@ def test_overlapping_data_offsets_are_refused(tmp_path: Path) -> None:
         CheckpointReader(f)
 
 
-# --- item 8: torch + safetensors only (no numpy) --------------------------------------------------
+# --- torch + safetensors only (no numpy) --------------------------------------------------
 
 _NO_NUMPY = textwrap.dedent(
     """
@@ -232,7 +232,7 @@ def test_load_and_save_work_without_numpy(tmp_path: Path) -> None:
     )
 
 
-# --- item 11: the CLI's errors and its diff summary ----------------------------------------------
+# --- the CLI's errors and its diff summary ----------------------------------------------
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

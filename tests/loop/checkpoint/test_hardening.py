@@ -81,7 +81,7 @@ def _trainer(run_dir, steps: int, *extra: str) -> Trainer:
     return Trainer(cfg, ModuleProvider(TinyLM), data, CausalLMTask())
 
 
-# -- item 2: a checkpoint is complete promptly; its staging buffers are allocated ahead of it ----------
+# -- a checkpoint is complete promptly; its staging buffers are allocated ahead of it ----------
 def test_async_checkpoint_is_complete_before_two_more_steps_end(tmp_path):
     """Step k's async save is finalised by the trainer's poll at a later step end, not when the next save
     starts (k + interval) or at exit: at the end of step k + 2 it is complete on disk."""
@@ -121,7 +121,7 @@ def test_reserve_allocates_the_staging_buffers_the_first_save_uses(tmp_path):
     assert torch.equal(fresh[0].weight, model[0].weight)
 
 
-# -- item 4: a damaged checkpoint is named; the previous complete one is used, or the run stops ----------
+# -- a damaged checkpoint is named; the previous complete one is used, or the run stops ----------
 def _two_checkpoints(root: Path, **kw):
     model, opt = _setup()
     ck = Checkpointer(root, async_mode="off", **kw)
@@ -192,7 +192,7 @@ def test_trainer_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged
         _trainer(tmp_path, 4, "--checkpoint.interval=2", "--checkpoint.on_damaged=stop")
 
 
-# -- item 5: loading cannot execute code ------------------------------------------------------------------
+# -- loading cannot execute code ------------------------------------------------------------------
 class _Plant:
     """Unpickling this runs ``os.mkdir(path)``."""
 
@@ -251,7 +251,7 @@ def test_per_rank_state_codec_round_trips_rng_states():
     assert out["a"] == nested["a"] and out["b"][0].numel() == 0 and torch.equal(out["b"][1], nested["b"][1])
 
 
-# -- item 6: the async writer process opens no listening socket on every interface ------------------------
+# -- the async writer process opens no listening socket on every interface ------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
