@@ -116,6 +116,11 @@ class DecoderTrunk(nn.Module):
         )
         self.context_parallel: ContextParallel | None = None
         self.kernels = AttentionKernels()
+        # What each forward's masks depend on, fixed by the layers: one mask per distinct window (in
+        # layer order, the same on every rank), built for the sinks' kernels when any layer has them.
+        layers = list(self.decoder_layers())
+        self._windows = tuple(dict.fromkeys(layer.sliding_window for layer in layers)) or (None,)
+        self._sinks = any(layer.has_sinks for layer in layers)
 
     def decoder_layers(self) -> Iterator[DecoderLayer]:
         """This stage's decoder layers in order."""
@@ -132,20 +137,17 @@ class DecoderTrunk(nn.Module):
     ) -> tuple[dict[int | None, AttentionMask], torch.Tensor]:
         """One mask per sliding window among this stage's layers, and the position ids."""
         b, s = h.shape[:2]
-        layers = list(self.decoder_layers())
-        windows = sorted({layer.sliding_window for layer in layers}, key=lambda w: -1 if w is None else w)
-        sinks = any(layer.has_sinks for layer in layers)
         common: dict[str, Any] = {
             "document_ids": document_ids,
             "attention_mask": attention_mask,
             "implementation": self.config.attn_implementation,
             "kernels": self.kernels,
-            "sinks": sinks,
+            "sinks": self._sinks,
         }
         cp = self.context_parallel
         masks: dict[int | None, AttentionMask] = {}
         if cp is not None:
-            for w in windows or [None]:
+            for w in self._windows:
                 masks[w] = cp.build_mask(
                     b, s, h.device, position_ids=position_ids, dtype=h.dtype, sliding_window=w, **common
                 )
@@ -154,7 +156,7 @@ class DecoderTrunk(nn.Module):
             return masks, position_ids
         if position_ids is None:
             position_ids = torch.arange(s, device=h.device).unsqueeze(0)
-        for w in windows or [None]:
+        for w in self._windows:
             masks[w] = build_attention_mask(
                 b, s, h.device, h.dtype, position_ids=position_ids, sliding_window=w, **common
             )

@@ -56,21 +56,8 @@ def load_checkpoint(
     allow_cast: bool = True,
     device: torch.device | str | None = None,
 ) -> int:
-    """Load a Hugging Face checkpoint directory into plait stage module(s), in place.
-
-    Works on plain, meta-device, FSDP2, tensor-parallel, expert-parallel and pipeline-stage modules:
-    every rank reads only the bytes of the shards it holds (``plait.model_state.load_module`` with
-    the family's ``mapper``). Checkpoint keys of other stages are skipped unread.
-
-    Args:
-        modules: One stage module or all stages this rank holds.
-        path: Checkpoint directory (``model.safetensors`` or sharded with an index).
-        mapper: The family's Hugging Face -> plait mapper.
-        allow_cast: Cast checkpoint dtypes to the module's parameter dtypes (e.g. bf16 -> fp32).
-        device: Where to materialise meta modules.
-
-    Returns:
-        Bytes read by this process.
+    """Load a Hugging Face checkpoint into plait stage module(s) in place through ``mapper`` (the family's
+    Hugging Face -> plait mapper); returns the bytes read. See :func:`plait.models.load_hf_checkpoint`.
 
     Raises:
         KeyError: the checkpoint lacks parameters the module(s) need (listed).
@@ -104,25 +91,9 @@ def save_checkpoint(
     group: dist.ProcessGroup | None = None,
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Export plait stage module(s) as a Hugging Face checkpoint (safetensors + ``config.json``).
-
-    Collective when torch.distributed is initialised: every rank calls it with its local stages
-    (DTensors are gathered group by group). ``is_writer`` marks the ranks that write their stages'
-    keys: by default the first rank of ``group``; with pipeline parallelism pass True on one rank
-    per stage (e.g. the data-parallel rank 0 of each stage). ``config.json`` is written by the
-    first rank of ``group``.
-
-    Args:
-        modules: Stage module(s) on this rank.
-        out_dir: Output directory (its shards, index and ``config.json`` are replaced; other files stay).
-        mapper: The family's plait -> Hugging Face mapper.
-        hf_config: The ``config.json`` dict (``dtype`` is added when the tensors share one).
-        is_writer: Whether this rank writes its keys.
-        group: Process group of the save (default: world).
-        max_shard_size: Per-file size bound.
-
-    Returns:
-        The checkpoint directory.
+    """Export plait stage module(s) through ``mapper`` (plait -> Hugging Face) with ``hf_config`` as
+    ``config.json`` (``dtype`` added when the tensors share one); collective. See
+    :func:`plait.models.save_hf_checkpoint` for the arguments.
     """
     module = _as_module(modules)
     out = save_module(
