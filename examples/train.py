@@ -85,18 +85,6 @@ from pydantic import (
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "llama" / "cpu.toml"
-# [model] keys that change how a checkpoint trains, not what it computes: they may override an
-# --init-from checkpoint's config.json.
-TRAINING_ONLY_FIELDS = frozenset(
-    {
-        "attn_implementation",
-        "initializer_range",
-        "router_aux_loss_coef",
-        "router_aux_loss_pooling",
-        "output_router_logits",
-        "max_position_embeddings",
-    }
-)
 
 
 class DataConfig(BaseModel):
@@ -328,7 +316,7 @@ def adopt_checkpoint_config(config: TrainConfig, init_from: Path) -> TrainConfig
     """The run's config with ``init_from``'s ``config.json`` as the model.
 
     Keys of the run's ``[model]`` section (file or ``--model.*`` overrides) that are training-only
-    (:data:`TRAINING_ONLY_FIELDS`) override the checkpoint's, each logged; any other key must agree.
+    (the family config's ``training_only_fields``) override the checkpoint's, each logged; any other key must agree.
 
     Raises:
         StartupError: not a checkpoint directory, no readable ``config.json``, or ``[model]`` keys that disagree with it (each named,
@@ -351,7 +339,7 @@ def adopt_checkpoint_config(config: TrainConfig, init_from: Path) -> TrainConfig
             mine, theirs = getattr(config.model, name), getattr(ckpt, name, None)
             if mine == theirs:
                 continue
-            if name in TRAINING_ONLY_FIELDS:
+            if name in type(ckpt).training_only_fields:
                 updates[name] = mine
                 print(
                     f"--init-from: model.{name}={mine!r} overrides the checkpoint's {theirs!r}",

@@ -1,12 +1,17 @@
-"""Loss curves of the Qwen3-MoE main job across parallel layouts on NCCL, from one seed checkpoint.
+"""Loss curves of the main job across parallel layouts on NCCL, from one seed checkpoint.
 
     python benchmarks/training/layouts.py --gpus 4 --steps 20 --out results.md
     python benchmarks/training/layouts.py --gpus 4 --only "FSDP4,CP4,resume,lora"
     python benchmarks/training/layouts.py --gpus 4 --cpu-smoke --steps 3 --only "CP4,EP4"   # gloo, CPU
+    python benchmarks/training/layouts.py --gpus 2 --family llama    # another model family
 
 Writes a seed checkpoint, runs the 1-GPU reference and every layout that fits ``--gpus`` with
 torchrun, and compares each layout's per-step loss with the reference (max relative difference).
-Two more parts (``--only`` names them like layouts; both run when ``--only`` is not given):
+``--family`` picks the model: ``qwen3_moe`` (default: the Qwen3-MoE main job
+``examples/qwen3_moe/pretrain.py`` at 8 layers, every layout below) or a family of
+``examples/configs/<family>/cpu.toml`` run by ``examples/train.py`` on the GPU, with the layouts that
+family is meant for (``FAMILY_LAYOUTS``; ``--only`` picks among all of them).
+Two more parts, Qwen3-MoE only (``--only`` names them like layouts; both run when ``--only`` is not given):
 
 - ``resume``: an async checkpoint saved halfway on all GPUs with FSDP x EP, resumed on half of them
   with other layouts (FSDP, and PP 1F1B when half >= 2): each resumed curve must continue the reference.
@@ -35,6 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "qwen3_moe"
 SCRIPT = EXAMPLES / "pretrain.py"
+FAMILY_SCRIPT = ROOT / "examples" / "train.py"
 
 # name, processes, overrides
 LAYOUTS: list[tuple[str, int, list[str]]] = [
@@ -44,6 +50,7 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("PP2 ZBV", 2, ["--mesh.pipeline=2", "--pipeline.kind=zbv"]),
     ("PP2 DualPipeV", 2, ["--mesh.pipeline=2", "--pipeline.kind=dualpipev"]),
     ("CP2", 2, ["--mesh.context_shard=2"]),
+    ("TP2", 2, ["--mesh.tensor=2"]),
     ("FSDP4", 4, ["--mesh.data_shard=4"]),
     ("HSDP 2x2", 4, ["--mesh.data_replicate=2", "--mesh.data_shard=2"]),
     ("DP2 x TP2", 4, ["--mesh.data_replicate=2", "--mesh.tensor=2"]),
@@ -71,6 +78,14 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("PP4 x DP2", 8, ["--mesh.pipeline=4", "--mesh.data_shard=2", "--pipeline.kind=1f1b"]),
 ]
 PARTS = ("resume", "lora")  # selectable with --only next to the layout names
+# --family: the layouts each family is checked in by default, and the [model] overrides every run of it
+# takes (DeepSeek-V3's multi-token prediction needs one pipeline stage and no context parallelism)
+FAMILY_LAYOUTS: dict[str, list[str]] = {
+    "llama": ["FSDP2", "TP2", "PP2 ZBV", "PP2 DualPipeV", "CP2"],
+    "gpt_oss": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
+    "deepseek_v3": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
+}
+FAMILY_MODEL: dict[str, list[str]] = {"deepseek_v3": ["--model.mtp_loss_weight=none"]}
 
 SMOKE = "--cpu-smoke" in sys.argv  # gloo on CPU processes: checks the driver itself, not the numbers
 # Arguments of both the main job and the LoRA fine-tuning (sequence divisible by 2 x CP for CP4).
@@ -92,10 +107,20 @@ LORA = EXAMPLES / "finetune_lora.py"
 LORA_BASE = [*COMMON, "--batching.global_batch_size=8", "--batching.microbatch_size=2", "--optimizer.lr=0.01"]
 
 
+def main_job(family: str) -> tuple[Path, list[str]]:
+    """The script and the arguments of every run of ``family``'s main job."""
+    if family == "qwen3_moe":
+        return SCRIPT, BASE
+    config = ROOT / "examples" / "configs" / family / "cpu.toml"
+    family_base = [a for a in BASE if not a.startswith("--model.")]  # the family's own layer count
+    return FAMILY_SCRIPT, ["--config", str(config), *family_base, *FAMILY_MODEL.get(family, [])]
+
+
 def launch(
-    nproc: int, run_dir: Path, args: list[str], timeout: int, script: Path = SCRIPT
+    nproc: int, run_dir: Path, args: list[str], timeout: int, script: Path = SCRIPT, base: list[str] = BASE
 ) -> tuple[int, float, str]:
-    """torchrun ``script`` (the main job: with BASE); on timeout every process dumps its Python stacks and dies."""
+    """torchrun ``script`` with ``base`` (the main job's: BASE) then ``args``; on timeout every process dumps
+    its Python stacks and dies."""
     cmd = [
         sys.executable,
         "-m",
@@ -109,7 +134,7 @@ def launch(
     if SMOKE:  # several CPU processes on few cores
         env["OMP_NUM_THREADS"] = "1"
     p = subprocess.Popen(
-        [*cmd, *(BASE if script == SCRIPT else []), f"--run-dir={run_dir}", *args],
+        [*cmd, *base, f"--run-dir={run_dir}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -165,8 +190,8 @@ class Results:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not SMOKE else "CPU (gloo)"
         lines = [
             f"Device: {device} x {self.args.gpus}, torch {torch.__version__}, "
-            f"NCCL (NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}); {self.args.steps} steps from one seed "
-            "checkpoint.",
+            f"NCCL (NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}); model family {self.args.family}; "
+            f"{self.args.steps} steps from one seed checkpoint.",
             "",
             "| layout | GPUs | rc | wall s | max rel. loss diff vs 1 GPU | loss first step | loss last step |",
             "|---|---|---|---|---|---|---|",
@@ -186,9 +211,15 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU processes over gloo (checks the driver)")
     ap.add_argument("--only", default="", help=f"comma-separated layout names and parts {PARTS}")
     ap.add_argument("--skip-resume", action="store_true", help="skip the save-on-all, resume-on-half run")
+    ap.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", *FAMILY_LAYOUTS])
     args = ap.parse_args()
-    known = {name for name, _, _ in LAYOUTS} | set(PARTS)
-    only = set(args.only.split(",")) if args.only else known - ({"resume"} if args.skip_resume else set())
+    known = {name for name, _, _ in LAYOUTS} | (set(PARTS) if args.family == "qwen3_moe" else set())
+    if args.only:
+        only = set(args.only.split(","))
+    elif args.family != "qwen3_moe":
+        only = set(FAMILY_LAYOUTS[args.family])
+    else:
+        only = known - ({"resume"} if args.skip_resume else set())
     if unknown := only - known:
         ap.error(f"--only: unknown layouts or parts {sorted(unknown)}; known: {sorted(known)}")
     work = Path(args.dir)
@@ -196,21 +227,22 @@ def main() -> None:
     work.mkdir(parents=True)
     seed = work / "seed"
     steps = [f"--steps={args.steps}", f"--init-from={seed}", "--checkpoint.enabled=false"]
-    subprocess.run([sys.executable, str(SCRIPT), *BASE, f"--write-seed-checkpoint={seed}"], check=True)
+    script, base = main_job(args.family)
+    subprocess.run([sys.executable, str(script), *base, f"--write-seed-checkpoint={seed}"], check=True)
     results = Results(args)
     layouts = [(n, p, e) for n, p, e in LAYOUTS if n in only and p <= args.gpus]
     if skipped := sorted(n for n, p, _ in LAYOUTS if n in only and p > args.gpus):
         print(f"skipped (more than --gpus={args.gpus} processes): {', '.join(skipped)}", flush=True)
     ref: dict[int, float] = {}
     if layouts or "resume" in only:
-        rc, secs, log = launch(1, work / "ref", steps, args.timeout)
+        rc, secs, log = launch(1, work / "ref", steps, args.timeout, script, base)
         ref = losses(work / "ref")
         if rc:
             print(log)
         results.add("1 GPU (reference)", 1, rc, secs, 0.0, ref.get(1), ref.get(args.steps))
     for name, nproc, extra in layouts:
         d = work / name.replace(" ", "_")
-        rc, secs, log = launch(nproc, d, steps + extra, args.timeout)
+        rc, secs, log = launch(nproc, d, steps + extra, args.timeout, script, base)
         got = losses(d)
         diff = max_rel_diff(got, ref)
         if rc or len(got) != len(ref):
@@ -290,7 +322,7 @@ def lora_rows(args: argparse.Namespace, work: Path, seed: Path, results: Results
     for name, nproc, extra in runs:
         d = work / name.replace(" ", "_")
         rc, secs, log = launch(nproc, d, ["--base", str(seed), "--steps", str(args.steps), *LORA_BASE, *extra],
-                               args.timeout, script=LORA)  # fmt: skip
+                               args.timeout, script=LORA, base=[])  # fmt: skip
         got = losses(d)
         ref = ref or got
         diff = max_rel_diff(got, ref)

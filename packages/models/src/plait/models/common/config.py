@@ -8,7 +8,7 @@ written to ``config.json``. Every float that scales the numerics must be finite.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -112,6 +112,18 @@ class DecoderConfig(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    # Fields that change how a checkpoint trains, not what it computes: a run may set them over a
+    # checkpoint's config.json (the main job's --init-from logs each override).
+    training_only_fields: ClassVar[frozenset[str]] = frozenset(
+        {
+            "attn_implementation",
+            "initializer_range",
+            "router_aux_loss_coef",
+            "router_aux_loss_pooling",
+            "output_router_logits",
+            "max_position_embeddings",
+        }
+    )
 
     model_type: str
     vocab_size: int = Field(default=32000, gt=0)

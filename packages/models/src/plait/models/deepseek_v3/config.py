@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from plait.models.common.config import DecoderConfig, check_finite
 from pydantic import Field, model_validator
@@ -83,6 +83,11 @@ class DeepseekV3Config(DecoderConfig):
     topk_method: str = "noaux_tc"
     scoring_func: str = "sigmoid"
     num_nextn_predict_layers: int = Field(default=1, ge=0)
+    training_only_fields: ClassVar[frozenset[str]] = DecoderConfig.training_only_fields | {
+        "mtp_loss_weight",
+        "bias_update_rate",
+        "seq_aux_loss_coef",
+    }
     mtp_loss_weight: float | None = Field(default=None, gt=0.0)
     bias_update_rate: float | None = Field(default=None, gt=0.0)
     seq_aux_loss_coef: float = Field(default=0.0, ge=0.0)
