@@ -79,13 +79,17 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
 ]
 PARTS = ("resume", "lora")  # selectable with --only next to the layout names
 # --family: the layouts each family is checked in by default, and the [model] overrides every run of it
-# takes (DeepSeek-V3's multi-token prediction needs one pipeline stage and no context parallelism)
+# takes (TP2 needs 2 KV heads, the Llama config has one; DeepSeek-V3's multi-token prediction needs one
+# pipeline stage and no context parallelism)
 FAMILY_LAYOUTS: dict[str, list[str]] = {
     "llama": ["FSDP2", "TP2", "PP2 ZBV", "PP2 DualPipeV", "CP2"],
     "gpt_oss": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
     "deepseek_v3": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
 }
-FAMILY_MODEL: dict[str, list[str]] = {"deepseek_v3": ["--model.mtp_loss_weight=none"]}
+FAMILY_MODEL: dict[str, list[str]] = {
+    "llama": ["--model.num_key_value_heads=2"],
+    "deepseek_v3": ["--model.mtp_loss_weight=none"],
+}
 
 SMOKE = "--cpu-smoke" in sys.argv  # gloo on CPU processes: checks the driver itself, not the numbers
 # Arguments of both the main job and the LoRA fine-tuning (sequence divisible by 2 x CP for CP4).
