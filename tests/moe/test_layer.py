@@ -155,3 +155,22 @@ def test_meta_init_then_reset_parameters() -> None:
     out = layer(torch.randn(5, H))
     assert torch.isfinite(out.hidden_states).all()
     assert layer.tokens_per_expert_stats().sum() == 10
+
+
+def test_bf16_expert_bias_gradients_accumulate_in_fp32() -> None:
+    # Each expert's bias gradient sums thousands of rows: in bf16 every add would round to 8 bits
+    # (and on CUDA in an order that changes run to run). Against the float64 sum of the same rows.
+    from plait.moe import ClampedSwiGLU, GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, 16, 8, activation=ClampedSwiGLU(), bias=True)
+    experts.reset_parameters()
+    experts.to(torch.bfloat16)
+    rows = 4096
+    x = torch.randn(rows, 16, dtype=torch.bfloat16)
+    counts = torch.tensor([rows // 2, rows // 2])
+    g = torch.randn(rows, 16, dtype=torch.bfloat16) + 1.0  # a non-zero mean: large sums
+    experts(x, counts).backward(g)
+    want = g.double().view(2, rows // 2, 16).sum(1)
+    got = experts.down_proj_bias.grad.double()
+    assert torch.allclose(got, want, rtol=8e-3, atol=0.0), (got - want).abs().max()

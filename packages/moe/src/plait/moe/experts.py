@@ -45,8 +45,12 @@ def row_experts(tokens_per_expert: Tensor, num_rows: int) -> Tensor:
 
 
 def _bias_rows(bias: Tensor, experts_of_rows: Tensor) -> Tensor:
-    """``bias[e]`` for each row's expert ``e``; zero for the rows past the groups (expert id ``E``)."""
-    return torch.nn.functional.pad(bias, (0, 0, 0, 1))[experts_of_rows]
+    """``bias[e]`` in fp32 for each row's expert ``e``; zero for the rows past the groups (expert id ``E``).
+
+    fp32 so that the backward's scatter-add (one add per row into its expert's bias gradient) accumulates
+    in fp32: in bf16 each of the thousands of adds rounds to 8 bits, in an order that changes run to run.
+    """
+    return torch.nn.functional.pad(bias.float(), (0, 0, 0, 1))[experts_of_rows]
 
 
 class GroupedExperts(nn.Module):
@@ -136,7 +140,7 @@ class GroupedExperts(nn.Module):
         experts_of_rows = None
         if self.gate_up_proj_bias is not None:
             experts_of_rows = row_experts(tokens_per_expert, x.shape[0])
-            h = h + _bias_rows(local_tensor(self.gate_up_proj_bias), experts_of_rows)
+            h = (h.float() + _bias_rows(local_tensor(self.gate_up_proj_bias), experts_of_rows)).to(h.dtype)
         act = self.activation
         if isinstance(act, ClampedSwiGLU):
             a = clamped_swiglu(h, act.alpha, act.limit, row_weight)
@@ -148,7 +152,8 @@ class GroupedExperts(nn.Module):
         if self.down_proj_bias is not None:
             assert experts_of_rows is not None
             b = _bias_rows(local_tensor(self.down_proj_bias), experts_of_rows)
-            out = out + (b if row_weight is None else b * row_weight.unsqueeze(-1).to(b.dtype))
+            b = b if row_weight is None else b * row_weight.unsqueeze(-1).float()
+            out = (out.float() + b).to(out.dtype)
         return out
 
     def extra_repr(self) -> str:

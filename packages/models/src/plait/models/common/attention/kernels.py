@@ -63,7 +63,11 @@ class AttentionKernels:
         scale: float,
         return_lse: bool = False,
     ) -> Any:
-        """FlexAttention of ``[B, H, L, D]`` tensors; ``(out, lse)`` with ``return_lse``."""
+        """FlexAttention of ``[B, H, L, D]`` tensors; ``(out, lse)`` with ``return_lse``.
+
+        On CUDA, head sizes below the kernel's minimum (``FLEX_MIN_HEAD_DIM``) are zero-padded (exact:
+        zero columns add nothing to ``q @ k.T``; v's padded columns are cut from the output).
+        """
         from torch.nn.attention.flex_attention import flex_attention
 
         fn: Any = flex_attention
@@ -71,8 +75,22 @@ class AttentionKernels:
             if self._flex is None:
                 self._flex = torch.compile(flex_attention, dynamic=False)
             fn = self._flex
+        dv = v.shape[-1]
+        if q.device.type == "cuda":
+            q, k = _pad_head_dim(q, FLEX_MIN_HEAD_DIM), _pad_head_dim(k, FLEX_MIN_HEAD_DIM)
+            v = _pad_head_dim(v, FLEX_MIN_HEAD_DIM)
         gqa = q.shape[1] != k.shape[1]
-        return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=return_lse)
+        res = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=return_lse)
+        if v.shape[-1] == dv:
+            return res
+        return (res[0][..., :dv], res[1]) if return_lse else res[..., :dv]
+
+
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernel refuses smaller q/k and v head sizes
+
+
+def _pad_head_dim(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] >= size else F.pad(x, (0, size - x.shape[-1]))
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
