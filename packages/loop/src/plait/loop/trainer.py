@@ -152,10 +152,10 @@ class Trainer:
                 model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
             )
 
-            # A provider's own update after each optimizer step (e.g. MoE routers' expert biases).
-            after_step = getattr(model, "after_optimizer_step", None)
-            if callable(after_step):
-                self.subscribe(AfterOptimizerStep, lambda e: after_step(self.model_parts, self.ctx))
+            # The model's own update after each optimizer step (e.g. MoE routers' expert biases).
+            self.subscribe(
+                AfterOptimizerStep, lambda e: model.after_optimizer_step(self.model_parts, self.ctx)
+            )
 
             # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
             opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
@@ -181,9 +181,7 @@ class Trainer:
             self.metrics.add("loss", Mean())
             self.metrics.add("grad_norm", Mean())
             self.metrics.add("grad_norm_max", Max())
-            flops = (
-                model.flops_per_token(config.batching.seq_len) if hasattr(model, "flops_per_token") else None
-            )
+            flops = model.flops_per_token(config.batching.seq_len)
             peak = config.logging.peak_flops or peak_flops_for(self.device)
             if peak is None and self.device.type == "cpu" and flops:
                 peak = measure_matmul_flops(self.device)
