@@ -93,6 +93,17 @@ def test_bad_values_name_field_and_value(override, field, value):
     assert f"{field}:" in msg and f"(got {value})" in msg
 
 
+@pytest.mark.parametrize("name", ["adamw", "stochastic_adamw", "sgd"])
+def test_each_optimizer_is_listed_and_its_errors_name_the_plain_field(name):
+    from plait.loop.config.sections import OPTIMIZER_NAMES
+
+    assert name in OPTIMIZER_NAMES
+    assert load_config(overrides=[f"--optimizer.name={name}"]).optimizer.name == name
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[f"--optimizer.name={name}", "--optimizer.lr=-1"])
+    assert "  optimizer.lr:" in str(e.value) and name + "." not in str(e.value)
+
+
 def test_an_infinite_norm_type_is_the_max_norm():
     assert load_config(overrides=["--grad_clip.norm_type=inf"]).grad_clip.norm_type == float("inf")
 

@@ -11,8 +11,7 @@ from plait.loop.engine import _bound_loss_gradients, forwards_in_flight, place_s
 from plait.loop.events import EventBus, StepEnd
 from plait.loop.ops import set_collective_timeout
 from plait.loop.topology import connect
-from plait.pipelining import Program, build_program, parse_action
-from plait.pipelining import Topology as StageTopology
+from plait.pipelining import Program, StageTopology, build_program, parse_action
 
 
 def _config(tmp_path, *extra: str):

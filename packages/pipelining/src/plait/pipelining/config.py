@@ -11,7 +11,7 @@ from plait.pipelining import schedules as S
 from plait.pipelining.executor import OfflineExecutor, PipelineExecutor
 from plait.pipelining.program import Program
 from plait.pipelining.runner import BackwardHook, ForwardKwargsFn, LossFn
-from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+from plait.pipelining.topology import StageTopology, loop_topology, vshape_topology
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch import nn
 
@@ -43,7 +43,7 @@ class BaseScheduleConfig(BaseModel):
     num_microbatches: int = Field(ge=1)
     loss_reduction: Literal["mean", "sum"] = "mean"
 
-    def topology(self, pp_size: int) -> Topology:
+    def topology(self, pp_size: int) -> StageTopology:
         """Stage placement this schedule uses on `pp_size` ranks."""
         return loop_topology(pp_size, getattr(self, "stages_per_rank", 1))
 
@@ -74,7 +74,7 @@ class ZB1PConfig(BaseScheduleConfig):
 class ZBVConfig(BaseScheduleConfig):
     kind: Literal["zbv"] = "zbv"
 
-    def topology(self, pp_size: int) -> Topology:
+    def topology(self, pp_size: int) -> StageTopology:
         return vshape_topology(pp_size)
 
 
@@ -84,7 +84,7 @@ class DualPipeVConfig(BaseScheduleConfig):
     kind: Literal["dualpipev"] = "dualpipev"
     order: S.DualPipeVOrder = "greedy"
 
-    def topology(self, pp_size: int) -> Topology:
+    def topology(self, pp_size: int) -> StageTopology:
         return vshape_topology(pp_size)
 
 

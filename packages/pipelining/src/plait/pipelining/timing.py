@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction
 from plait.pipelining.program import Program
-from plait.pipelining.topology import Topology
+from plait.pipelining.topology import StageTopology
 
 F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _Key = tuple[str, int, int]  # ("F" | "BWD" | "W", stage, microbatch)
@@ -16,7 +16,7 @@ def _key(kind: ActionKind, stage: int, mb: int) -> _Key:
     return ("F" if kind is F else "W" if kind is W else "BWD", stage, mb)
 
 
-def _needs(x: Action, topo: Topology, comm_latency: float) -> list[tuple[_Key, float]]:
+def _needs(x: Action, topo: StageTopology, comm_latency: float) -> list[tuple[_Key, float]]:
     """The results (key, latency) that the action ``x`` waits for."""
     s, k, ns = x.stage, x.microbatch, topo.num_stages
     if x.kind is F and s > 0:

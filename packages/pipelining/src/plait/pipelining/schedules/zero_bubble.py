@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction
 from plait.pipelining.program import Program
-from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+from plait.pipelining.topology import StageTopology, loop_topology, vshape_topology
 
 F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 
@@ -32,7 +32,7 @@ _COST = {F: 1, B: 2, BI: 1, W: 1}
 class _Greedy:
     """The unit-cost simulation of one greedy schedule: what each rank has issued and what is ready."""
 
-    def __init__(self, topo: Topology, m: int, policy: _Policy) -> None:
+    def __init__(self, topo: StageTopology, m: int, policy: _Policy) -> None:
         ns, pp = topo.num_stages, topo.num_ranks
         self.topo, self.m, self.policy = topo, m, policy
         self.done: dict[tuple[ActionKind, int, int], int] = {}  # (F|BWD, stage, mb) -> finish time
@@ -132,7 +132,7 @@ class _Greedy:
         return act, _COST[W]
 
 
-def _greedy(topo: Topology, m: int, policy: _Policy, name: str) -> Program:
+def _greedy(topo: StageTopology, m: int, policy: _Policy, name: str) -> Program:
     sim = _Greedy(topo, m, policy)
     limit = 20 * topo.num_stages * m * 3 + 100
     t = 0
