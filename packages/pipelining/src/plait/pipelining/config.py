@@ -49,32 +49,45 @@ class BaseScheduleConfig(BaseModel):
 
 
 class GPipeConfig(BaseScheduleConfig):
+    """GPipe: every microbatch's forward, then every backward (one stage per rank)."""
+
     kind: Literal["gpipe"] = "gpipe"
 
 
 class LoopedBFSConfig(BaseScheduleConfig):
+    """Looped breadth-first: GPipe over ``stages_per_rank`` stages per rank, placed round-robin."""
+
     kind: Literal["looped_bfs"] = "looped_bfs"
     stages_per_rank: int = Field(1, ge=1)
 
 
 class OneFOneBConfig(BaseScheduleConfig):
+    """1F1B: warm-up forwards, then one forward and one backward alternating (one stage per rank)."""
+
     kind: Literal["1f1b"] = "1f1b"
 
 
 class Interleaved1F1BConfig(BaseScheduleConfig):
+    """Interleaved 1F1B over ``stages_per_rank`` (>= 2) stages per rank, placed round-robin."""
+
     kind: Literal["interleaved_1f1b"] = "interleaved_1f1b"
     stages_per_rank: int = Field(2, ge=2)
 
 
 class ZB1PConfig(BaseScheduleConfig):
+    """Zero bubble ZB1P: backward split into input and weight passes, weight passes fill the bubbles."""
+
     kind: Literal["zb1p"] = "zb1p"
     stages_per_rank: int = Field(1, ge=1)
 
 
 class ZBVConfig(BaseScheduleConfig):
+    """ZB-V: zero bubble on the V-shape placement (rank ``r`` holds stages ``r`` and ``2pp-1-r``)."""
+
     kind: Literal["zbv"] = "zbv"
 
     def topology(self, pp_size: int) -> StageTopology:
+        """The V-shape placement on ``pp_size`` ranks."""
         return vshape_topology(pp_size)
 
 
@@ -85,10 +98,13 @@ class DualPipeVConfig(BaseScheduleConfig):
     order: S.DualPipeVOrder = "greedy"
 
     def topology(self, pp_size: int) -> StageTopology:
+        """The V-shape placement on ``pp_size`` ranks."""
         return vshape_topology(pp_size)
 
 
 class InferenceConfig(BaseScheduleConfig):
+    """Forward-only program over ``stages_per_rank`` stages per rank (evaluation, generation)."""
+
     kind: Literal["inference"] = "inference"
     stages_per_rank: int = Field(1, ge=1)
 
@@ -121,6 +137,7 @@ def register_schedule(kind: str, config_cls: type[BaseScheduleConfig], builder: 
 
 
 def registered_schedules() -> list[str]:
+    """The kinds of every registered schedule, sorted."""
     return sorted(_REGISTRY)
 
 
