@@ -41,7 +41,7 @@ def test_place_stages_follows_the_schedules_placement(tmp_path, schedule, expect
     cfg = _config(tmp_path, "--mesh.pipeline=2", *schedule)
     plan = BatchPlan.from_config(cfg)
     for pp_rank, placement in expected.items():
-        assert place_stages(plan.schedule(cfg), Topology(pp_rank=pp_rank, pp_size=2)) == placement
+        assert place_stages(plan.schedule(cfg.pipeline), Topology(pp_rank=pp_rank, pp_size=2)) == placement
 
 
 def test_place_stages_without_a_schedule_is_one_stage():
