@@ -196,6 +196,21 @@ def test_events_and_post_optimizer_hook(tmp_path):
     assert [(parts, ctx) for parts, ctx in provider_calls] == [(tr.model_parts, tr.ctx)] * 2
 
 
+def test_a_provider_without_the_post_step_method_fails_at_construction(tmp_path):
+    class NoPostStep:
+        """Every ModelProvider method but after_optimizer_step."""
+
+        def __init__(self) -> None:
+            self.inner = ModuleProvider(TinyLM)
+            self.build_stage, self.parallelize = self.inner.build_stage, self.inner.parallelize
+            self.materialize = self.inner.materialize
+            self.load_initial_weights = self.inner.load_initial_weights
+            self.flops_per_token = self.inner.flops_per_token
+
+    with pytest.raises(AttributeError, match="after_optimizer_step"):
+        Trainer(_config(tmp_path, steps=1), NoPostStep(), DatasetProvider(_dataset()), CausalLMTask())
+
+
 class _NaNAt:
     """A task whose loss is NaN at one step (counting loss calls)."""
 

@@ -153,10 +153,10 @@ class Trainer:
                 model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
             )
 
-            # The model's own update after each optimizer step (e.g. MoE routers' expert biases).
-            self.subscribe(
-                AfterOptimizerStep, lambda e: model.after_optimizer_step(self.model_parts, self.ctx)
-            )
+            # The model's own update after each optimizer step (e.g. MoE routers' expert biases); bound
+            # here so that a provider without it fails now, not after the first step.
+            after_step = model.after_optimizer_step
+            self.subscribe(AfterOptimizerStep, lambda e: after_step(self.model_parts, self.ctx))
 
             # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
             opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
