@@ -87,7 +87,10 @@ def load_reference_weights(modules) -> None:
 
 
 class MeshContext:
-    """The slice of ``plait.dist_core.DistributedContext`` the trainer reads: ``mesh_for("batch")``."""
+    """The slice of ``plait.dist_core.DistributedContext`` the trainer reads: ``mesh_for("batch")`` and
+    ``host_group`` (None: host-side collectives run on the default gloo group)."""
+
+    host_group = None
 
     def __init__(self, pp: int, dp: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh

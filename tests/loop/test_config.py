@@ -93,6 +93,30 @@ def test_bad_values_name_field_and_value(override, field, value):
     assert f"{field}:" in msg and f"(got {value})" in msg
 
 
+@pytest.mark.parametrize("name", ["adamw", "stochastic_adamw", "sgd"])
+def test_each_optimizer_is_listed_and_its_errors_name_the_plain_field(name):
+    from plait.loop.config.sections import OPTIMIZER_NAMES
+
+    assert name in OPTIMIZER_NAMES
+    assert load_config(overrides=[f"--optimizer.name={name}"]).optimizer.name == name
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[f"--optimizer.name={name}", "--optimizer.lr=-1"])
+    assert "  optimizer.lr:" in str(e.value) and name + "." not in str(e.value)
+
+
+def test_batch_plan_from_its_sections_alone():
+    from plait.dist_core import DeviceMeshParameters
+    from plait.loop.config import BatchingConfig, PipelineConfig
+
+    batching = BatchingConfig(global_batch_size=24, microbatch_size=2, seq_len=64)
+    mesh = DeviceMeshParameters(data_replicate=2, data_shard=3, context_shard=2, pipeline=2)
+    plan = BatchPlan.from_sections(batching, mesh)
+    assert (plan.dp_size, plan.cp_size, plan.rank_batch_size, plan.num_microbatches) == (6, 2, 4, 2)
+    schedule = plan.schedule(PipelineConfig(kind="gpipe"))
+    assert (schedule.kind, schedule.num_microbatches, schedule.loss_reduction) == ("gpipe", 2, "sum")
+    assert plan.schedule(None).kind == "1f1b"
+
+
 def test_an_infinite_norm_type_is_the_max_norm():
     assert load_config(overrides=["--grad_clip.norm_type=inf"]).grad_clip.norm_type == float("inf")
 
@@ -170,7 +194,7 @@ def test_pipeline_section_uses_the_schedule_union():
             "--batching.microbatch_size=2",
         ]
     )
-    schedule = BatchPlan.from_config(cfg).schedule(cfg)
+    schedule = BatchPlan.from_config(cfg).schedule(cfg.pipeline)
     assert isinstance(schedule, ZBVConfig) and schedule.num_microbatches == 4
     with pytest.raises(ConfigError, match=r"pipeline.num_microbatches=3 must equal .* steps 4"):
         load_config(

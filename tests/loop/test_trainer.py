@@ -168,7 +168,11 @@ def test_data_parallel_2_matches_one_process(tmp_path, fsdp, gather_once):
 
 
 def test_events_and_post_optimizer_hook(tmp_path):
-    tr = _trainer(_config(tmp_path, steps=2))
+    provider_calls: list[tuple[list[torch.nn.Module], object]] = []
+    provider = ModuleProvider(
+        TinyLM, after_optimizer_step=lambda parts, ctx: provider_calls.append((parts, ctx))
+    )
+    tr = Trainer(_config(tmp_path, steps=2), provider, DatasetProvider(_dataset()), CausalLMTask())
     names: list[str] = []
     tr.subscribe(Event, lambda e: names.append(type(e).__name__))
     snapshots = []
@@ -188,6 +192,23 @@ def test_events_and_post_optimizer_hook(tmp_path):
     assert names[0] == "TrainingStart" and names[-1] == "TrainingEnd"
     assert names[1:10] == one_step and names[10] == "MetricsLogged" and names[11] == "StepEnd"
     assert len(snapshots) == 2 and not torch.equal(snapshots[0], snapshots[1])
+    # The provider's own update ran after each optimizer step, on the local stages.
+    assert [(parts, ctx) for parts, ctx in provider_calls] == [(tr.model_parts, tr.ctx)] * 2
+
+
+def test_a_provider_without_the_post_step_method_fails_at_construction(tmp_path):
+    class NoPostStep:
+        """Every ModelProvider method but after_optimizer_step."""
+
+        def __init__(self) -> None:
+            self.inner = ModuleProvider(TinyLM)
+            self.build_stage, self.parallelize = self.inner.build_stage, self.inner.parallelize
+            self.materialize = self.inner.materialize
+            self.load_initial_weights = self.inner.load_initial_weights
+            self.flops_per_token = self.inner.flops_per_token
+
+    with pytest.raises(AttributeError, match="after_optimizer_step"):
+        Trainer(_config(tmp_path, steps=1), NoPostStep(), DatasetProvider(_dataset()), CausalLMTask())
 
 
 class _NaNAt:

@@ -56,3 +56,26 @@ def test_provider_stages_materialize_and_protocol():
         assert torch.equal(a, b), n  # seeded init: every rank draws the same weights
     assert len(CausalLMProvider.moe_layers(stages)) == 2
     assert provider.flops_per_token(64) == flops_per_token(cfg, 64)
+
+
+def test_lm_head_is_a_one_pass_loss_the_loop_switches_under_gpipe():
+    """The loop's engine reaches the head of a real stage through ``OnePassLoss``: a default head
+    switches to two passes under GPipe (4 forwards in flight), an explicit choice is kept."""
+    loop_providers = pytest.importorskip("plait.loop.providers")
+    engine = pytest.importorskip("plait.loop.engine")
+    from plait.models.common.heads import LMHead
+    from plait.pipelining import build_program
+
+    assert isinstance(LMHead(8, 16), loop_providers.OnePassLoss)
+    gpipe = build_program({"kind": "gpipe", "num_microbatches": 4}, 2)
+    one_f_one_b = build_program({"kind": "1f1b", "num_microbatches": 4}, 2)
+    provider = CausalLMProvider(
+        Qwen3Config(**{k: v for k, v in MOE.items() if k in Qwen3Config.model_fields})
+    )
+    for program, explicit, expected in ((gpipe, None, False), (one_f_one_b, None, None), (gpipe, True, True)):
+        stage = provider.build_stage(1, 2)
+        heads = [m for m in stage.modules() if isinstance(m, LMHead)]
+        assert len(heads) == 1
+        heads[0].grad_in_forward = explicit
+        engine._bound_loss_gradients({1: stage}, program, 1)
+        assert heads[0].grad_in_forward is expected

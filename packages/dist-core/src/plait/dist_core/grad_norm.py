@@ -59,7 +59,8 @@ def _power_sum(tensors: list[torch.Tensor], norm_type: float, device: torch.devi
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
     for group in groups.values():
-        norms = torch.stack(torch._foreach_norm(group, norm_type, dtype=torch.float32))
+        # One kernel per group, as torch.nn.utils.get_total_norm does (the op has no public name).
+        norms = torch.stack(torch._foreach_norm(group, norm_type, dtype=torch.float32))  # noqa: SLF001
         part = norms.amax() if inf else norms.pow(norm_type).sum()
         total = torch.maximum(total, part.to(device)) if inf else total + part.to(device)
     return total

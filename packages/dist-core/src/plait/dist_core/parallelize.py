@@ -202,7 +202,8 @@ def _make_hook(state: _ReplicateState) -> Callable[[torch.Tensor], None]:
             return
         if not state.callback_queued:
             state.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(state))
+            # No public API runs a callback at the end of the current backward; DDP and FSDP use this one.
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(state))  # noqa: SLF001
         bucket = state.bucket_of[id(param)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):

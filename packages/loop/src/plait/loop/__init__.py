@@ -60,6 +60,7 @@ from plait.loop.providers import (
     LRSchedulerProvider,
     ModelProvider,
     ModuleProvider,
+    OnePassLoss,
     OptimizerProvider,
     Task,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "Min",
     "ModelProvider",
     "ModuleProvider",
+    "OnePassLoss",
     "OptimizerProvider",
     "PackedTokens",
     "PadCollator",

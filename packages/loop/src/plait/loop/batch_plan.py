@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from plait.pipelining import BaseScheduleConfig, parse_schedule_config
 
 if TYPE_CHECKING:
-    from plait.loop.config import TrainerConfig
+    from plait.dist_core import DeviceMeshParameters
+    from plait.loop.config import BatchingConfig, PipelineConfig, TrainerConfig
 
 __all__ = ["BatchPlan"]
 
@@ -17,7 +18,8 @@ __all__ = ["BatchPlan"]
 class BatchPlan:
     """Per-rank batch, microbatch size and count of a step, counted in sequences (samples).
 
-    Built once (:meth:`from_config`); the data loader reads :attr:`rank_batch_size` samples per step
+    Built once from the config's ``batching`` and ``mesh`` sections (:meth:`from_sections`, or
+    :meth:`from_config`); the data loader reads :attr:`rank_batch_size` samples per step
     (one step batch per rank), the executor splits them into :attr:`num_microbatches` microbatches of
     :attr:`microbatch_size`, the pipeline schedule runs :attr:`num_microbatches` (= the gradient
     accumulation steps), and the loop divides the summed loss by the step's global token count.
@@ -57,11 +59,16 @@ class BatchPlan:
             )
 
     @classmethod
-    def from_config(cls, config: TrainerConfig) -> BatchPlan:
-        """The plan of ``config.batching`` on ``config.mesh``'s data-parallel and context sizes."""
-        b, mesh = config.batching, config.mesh
+    def from_sections(cls, batching: BatchingConfig, mesh: DeviceMeshParameters) -> BatchPlan:
+        """The plan of ``batching`` on ``mesh``'s data-parallel and context sizes."""
+        dp = int(mesh.data_replicate) * int(mesh.data_shard)
         cp = int(mesh.context_shard) * int(mesh.context_replicate)
-        return cls(b.global_batch_size, b.microbatch_size, config.dp_size, b.seq_len, cp)
+        return cls(batching.global_batch_size, batching.microbatch_size, dp, batching.seq_len, cp)
+
+    @classmethod
+    def from_config(cls, config: TrainerConfig) -> BatchPlan:
+        """The plan of ``config.batching`` on ``config.mesh`` (:meth:`from_sections`)."""
+        return cls.from_sections(config.batching, config.mesh)
 
     @property
     def rank_batch_size(self) -> int:
@@ -73,8 +80,8 @@ class BatchPlan:
         """Microbatches per rank and step: the gradient-accumulation steps and the schedule's count."""
         return self.rank_batch_size // self.microbatch_size
 
-    def schedule(self, config: TrainerConfig) -> BaseScheduleConfig:
-        """The pipeline schedule of ``config.pipeline`` (1F1B when absent) for this plan's microbatches.
+    def schedule(self, pipeline: PipelineConfig | None) -> BaseScheduleConfig:
+        """The pipeline schedule of the ``pipeline`` section (1F1B when None) for this plan's microbatches.
 
         The loop runs it with ``loss_reduction="sum"`` (it divides by the global token count itself).
 
@@ -82,7 +89,7 @@ class BatchPlan:
             ValueError: naming ``pipeline.num_microbatches`` when it is given and differs from
                 :attr:`num_microbatches`, or the schedule's own field errors.
         """
-        options = config.pipeline.model_dump(exclude_none=True) if config.pipeline is not None else {}
+        options = pipeline.model_dump(exclude_none=True) if pipeline is not None else {}
         given = options.pop("num_microbatches", None)
         if given is not None and given != self.num_microbatches:
             raise ValueError(

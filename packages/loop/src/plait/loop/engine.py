@@ -16,10 +16,11 @@ from contextlib import contextmanager
 import torch
 from plait.dist_core import DistributedContext
 from plait.loop.batch_plan import BatchPlan
+from plait.loop.compile_compat import allow_retained_compiled_backward
 from plait.loop.config import TrainerConfig
 from plait.loop.grads import prepare_fsdp_for_sum
 from plait.loop.loss import StepLoss, batch_of
-from plait.loop.providers import ModelProvider
+from plait.loop.providers import ModelProvider, OnePassLoss
 from plait.loop.topology import Topology
 from plait.pipelining import (
     ActionKind,
@@ -124,21 +125,17 @@ def forwards_in_flight(program: Program, stage: int) -> int:
 def _bound_loss_gradients(stages: Mapping[int, nn.Module], program: Program, last: int) -> None:
     """Two-pass loss on the last stage when its schedule holds several forwards before their backwards.
 
-    A loss computed in one pass (plait.models' ``LMHead``, ``grad_in_forward=None``) keeps the
-    classifier's gradient from the forward to the backward: once per forward in flight. Modules that
-    expose ``grad_in_forward`` and leave it to the default (``None``) are set to ``False`` when more
-    than one forward of the last stage is in flight (GPipe, deferred weight passes); an explicit
-    choice is kept.
+    A loss computed in one pass (a :class:`~plait.loop.providers.OnePassLoss`, e.g. plait.models'
+    ``LMHead``) keeps the classifier's gradient from the forward to the backward: once per forward in
+    flight. Such modules are asked to use two passes when more than one forward of the last stage is
+    in flight (GPipe, deferred weight passes); an explicit choice is kept.
     """
     if last not in stages or (in_flight := forwards_in_flight(program, last)) <= 1:
         return
-    switched = [m for m in stages[last].modules() if getattr(m, "grad_in_forward", False) is None]
-    for module in switched:
-        module.grad_in_forward = False  # type: ignore[assignment]
+    switched = [m for m in stages[last].modules() if isinstance(m, OnePassLoss) and m.use_two_pass_loss()]
     if switched:
         logger.info(
-            "%s holds up to %d forwards of the last stage before their weight gradients: "
-            "two-pass loss (grad_in_forward=False)",
+            "%s holds up to %d forwards of the last stage before their weight gradients: two-pass loss",
             program.name,
             in_flight,
         )
@@ -184,12 +181,9 @@ def build_executor(
         stages, topology.pp_group, loss, forward_kwargs_fn=stage_inputs,
         loss_reduction="sum", device=device, on_backward=on_backward, fsdp_gather_once=fsdp_gather_once,
     )  # fmt: skip
-    import torch._functorch.config as functorch_config
-
-    if executor.splits_backward and functorch_config.donated_buffer:
+    if executor.splits_backward and allow_retained_compiled_backward():
         # The I pass keeps the autograd graph for the W pass (retain_graph); a torch.compile'd backward
         # with donated buffers refuses that (seen with the compiled FlexAttention on GPU). The compiled
         # parts (FlexAttention, per-layer compile) compile at their first forward, after this.
-        functorch_config.donated_buffer = False
-        logger.info("split-backward schedule: torch._functorch.config.donated_buffer set to False")
+        logger.info("split-backward schedule: compiled backwards no longer donate their buffers")
     return executor

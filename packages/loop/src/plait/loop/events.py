@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from plait.loop.trainer import Trainer
 
 __all__ = [
     "AfterBackward",
@@ -36,7 +39,7 @@ __all__ = [
 class Event:
     """Base of all events. ``trainer`` is the :class:`~plait.loop.Trainer` that published it."""
 
-    trainer: Any = field(repr=False)
+    trainer: Trainer = field(repr=False)
     step: int
 
 

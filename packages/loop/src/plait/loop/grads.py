@@ -11,6 +11,7 @@ from plait.dist_core import (
     clip_grad_norm_,
     global_grad_norm,
     is_replicated,
+    parse_dtype,
     replicated_reduce,
 )
 from plait.loop.config.sections import GradientConfig
@@ -63,7 +64,7 @@ def all_reduce_plain_grads(
     issues the same collectives.
     """
     plain = [p for p in params if not isinstance(p, DTensor)]
-    dtype = None if settings.reduce_dtype is None else getattr(torch, settings.reduce_dtype)
+    dtype = None if settings.reduce_dtype is None else parse_dtype(settings.reduce_dtype)
     all_reduce_grads(plain, group, bucket_cap_mb=settings.bucket_size_mb, reduce_dtype=dtype)
 
 

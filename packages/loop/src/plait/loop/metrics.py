@@ -34,12 +34,13 @@ class Metric:
         """Back to the empty state."""
         self._state = list(self._init)
 
-    def _value(self, state: list[float]) -> float:
+    def value_of(self, state: list[float]) -> float:
+        """The value of accumulators ``state`` (this metric's own, or reduced over ranks)."""
         return state[0]
 
     def local(self) -> float:
         """The value over this rank's observations only."""
-        return self._value(self._state)
+        return self.value_of(self._state)
 
     def state_dict(self) -> dict[str, Any]:
         """The accumulators (plain floats)."""
@@ -71,7 +72,7 @@ class Mean(Metric):
         self._state[0] += _f(value) * w
         self._state[1] += w
 
-    def _value(self, state: list[float]) -> float:
+    def value_of(self, state: list[float]) -> float:
         return state[0] / state[1] if state[1] else math.nan
 
 
@@ -152,13 +153,13 @@ class MetricCollection:
         """
         if sync and dist.is_available() and dist.is_initialized():
             self._union_names()
-        states = {n: list(m._state) for n, m in self.metrics.items() if isinstance(m, Metric)}
+        states = {n: m.state_dict()["state"] for n, m in self.metrics.items() if isinstance(m, Metric)}
         if sync and dist.is_available() and dist.is_initialized():
             states = self._reduce(states)
         out: dict[str, float] = {}
         for n, m in self.metrics.items():
             if isinstance(m, Metric):
-                out[n] = m._value(states[n])
+                out[n] = m.value_of(states[n])
         for n, m in self.metrics.items():
             if isinstance(m, Derived):
                 out[n] = float(m.fn(*(out[i] for i in m.inputs)))

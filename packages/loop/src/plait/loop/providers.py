@@ -29,6 +29,7 @@ __all__ = [
     "LossOutput",
     "ModelProvider",
     "ModuleProvider",
+    "OnePassLoss",
     "OptimizerProvider",
     "Task",
     "default_init_weights",
@@ -44,9 +45,8 @@ class ModelProvider(Protocol):
     The loop calls, per local stage: :meth:`build_stage` (on the meta device), :meth:`parallelize`,
     :meth:`materialize` (allocate on the device + initialise), then :meth:`load_initial_weights`
     with all local stages. Stage forwards take keyword tensors and return ``dict[str, Tensor]``.
-    Optional: ``after_optimizer_step(modules, ctx)``, which the :class:`~plait.loop.Trainer` calls
-    with the local stages and its distributed context after every optimizer step that ran (e.g.
-    the MoE routers' auxiliary-loss-free bias update).
+    After every optimizer step that ran, the :class:`~plait.loop.Trainer` calls
+    :meth:`after_optimizer_step` with the local stages and its distributed context.
     """
 
     def build_stage(self, stage_index: int, num_stages: int) -> nn.Module:
@@ -69,6 +69,30 @@ class ModelProvider(Protocol):
 
     def flops_per_token(self, seq_len: int) -> float | None:
         """Training FLOPs (forward + backward) per token of the whole model, for MFU (None: unknown)."""
+        ...
+
+    def after_optimizer_step(self, modules: Sequence[nn.Module], ctx: DistributedContext | None) -> None:
+        """The model's own update after an optimizer step (e.g. the MoE routers' auxiliary-loss-free
+        bias update); ``modules`` are the local stages. Most models do nothing here."""
+        ...
+
+
+@runtime_checkable
+class OnePassLoss(Protocol):
+    """A module whose loss may compute its gradients in the forward (e.g. plait.models' ``LMHead``).
+
+    One pass over the classifier instead of two, but the gradients are held from the forward to the
+    backward: once per forward in flight. When the last stage's pipeline schedule holds several
+    forwards before their backwards (GPipe, deferred weight passes), the loop calls
+    :meth:`use_two_pass_loss` on every such module of that stage.
+    """
+
+    def use_two_pass_loss(self) -> bool:
+        """Compute the gradients in the backward instead, unless the mode was chosen explicitly.
+
+        Returns:
+            Whether the mode changed (False: an explicit choice is kept).
+        """
         ...
 
 
@@ -96,6 +120,7 @@ class ModuleProvider:
         initial_weights: ``fn(modules)`` that loads weights after initialisation.
         flops_per_token: a number, ``fn(seq_len) -> float``, or None.
         stages: whether ``factory`` takes ``(stage_index, num_stages)``.
+        after_optimizer_step: ``fn(modules, ctx)`` run after every optimizer step (default: nothing).
     """
 
     def __init__(
@@ -108,6 +133,7 @@ class ModuleProvider:
         initial_weights: Callable[[Sequence[nn.Module]], None] | None = None,
         flops_per_token: float | Callable[[int], float] | None = None,
         stages: bool = False,
+        after_optimizer_step: Callable[[Sequence[nn.Module], DistributedContext | None], None] | None = None,
     ) -> None:
         self.factory = factory
         self.parallelize_fn = parallelize_fn
@@ -115,6 +141,7 @@ class ModuleProvider:
         self.initial_weights = initial_weights
         self._flops = flops_per_token
         self.stages = stages
+        self._after_step = after_optimizer_step
 
     def build_stage(self, stage_index: int, num_stages: int) -> nn.Module:
         if num_stages > 1 and not self.stages:
@@ -142,6 +169,10 @@ class ModuleProvider:
         if self._flops is None or isinstance(self._flops, int | float):
             return self._flops
         return self._flops(seq_len)
+
+    def after_optimizer_step(self, modules: Sequence[nn.Module], ctx: DistributedContext | None) -> None:
+        if self._after_step is not None:
+            self._after_step(modules, ctx)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ __all__ = ["Topology", "connect", "pick_device"]
 
 @dataclass(frozen=True)
 class Topology:
-    """Ranks, sizes and process groups the loop needs.
+    """Ranks, sizes and process groups the loop needs (where each pipeline stage runs is another
+    thing: :class:`plait.pipelining.StageTopology`).
 
     Attributes:
         rank / world_size: global.

@@ -130,6 +130,7 @@ class Trainer:
         topo = self.topology
         # One job per run directory: the main rank holds its lock until close() (or an error here).
         self._run_lock = lock_run_dir(self.run_dir) if topo.is_main else None
+        self.checkpoints: TrainingCheckpoints | None = None
         try:
             self.log = setup_logging(mesh_prefix(topo.rank, topo.coords, topo.sizes), config.logging.level)
             self.reporter = RunReporter(
@@ -146,16 +147,16 @@ class Trainer:
 
             # Model: this rank's stages, built on meta, parallelized, materialised, with initial weights.
             torch.manual_seed(config.run.seed)
-            self.schedule = self.batch_plan.schedule(config) if topo.pp_size > 1 else None
+            self.schedule = self.batch_plan.schedule(config.pipeline) if topo.pp_size > 1 else None
             self.num_stages, self.stage_indices = place_stages(self.schedule, topo)
             self.model_parts = build_stages(
                 model, config, self.ctx, topo, self.stage_indices, self.num_stages, self.device
             )
 
-            # A provider's own update after each optimizer step (e.g. MoE routers' expert biases).
-            after_step = getattr(model, "after_optimizer_step", None)
-            if callable(after_step):
-                self.subscribe(AfterOptimizerStep, lambda e: after_step(self.model_parts, self.ctx))
+            # The model's own update after each optimizer step (e.g. MoE routers' expert biases); bound
+            # here so that a provider without it fails now, not after the first step.
+            after_step = model.after_optimizer_step
+            self.subscribe(AfterOptimizerStep, lambda e: after_step(self.model_parts, self.ctx))
 
             # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
             opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
@@ -181,9 +182,7 @@ class Trainer:
             self.metrics.add("loss", Mean())
             self.metrics.add("grad_norm", Mean())
             self.metrics.add("grad_norm_max", Max())
-            flops = (
-                model.flops_per_token(config.batching.seq_len) if hasattr(model, "flops_per_token") else None
-            )
+            flops = model.flops_per_token(config.batching.seq_len)
             peak = config.logging.peak_flops or peak_flops_for(self.device)
             if peak is None and self.device.type == "cpu" and flops:
                 peak = measure_matmul_flops(self.device)
@@ -192,8 +191,7 @@ class Trainer:
             self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
             self.rng = RngState()
             # The CPU group over all ranks (gloo): checkpoint coordination, the stop signal, token counts.
-            self.host_group = getattr(self.ctx, "host_group", None) if dist.is_initialized() else None
-            self.checkpoints: TrainingCheckpoints | None = None
+            self.host_group = self.ctx.host_group if dist.is_initialized() else None
             if config.checkpoint.enabled:
                 self.checkpoints = TrainingCheckpoints(
                     config,
@@ -209,10 +207,9 @@ class Trainer:
             self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
             self.run_summary = RunSummaryCollector(self)  # printed and written by close()
         except BaseException:
-            checkpoints = getattr(self, "checkpoints", None)
             try:
-                if checkpoints is not None:  # e.g. a resume refused: stop its writer process
-                    checkpoints.close()
+                if self.checkpoints is not None:  # e.g. a resume refused: stop its writer process
+                    self.checkpoints.close()
             finally:
                 if self._run_lock is not None:
                     self._run_lock.release()

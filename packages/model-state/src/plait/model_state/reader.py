@@ -164,7 +164,7 @@ def bytes_view(t: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(bytearray())
     buf = (ctypes.c_char * n).from_address(t.data_ptr())
-    buf._tensor = t  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
+    buf._tensor = t  # type: ignore[attr-defined]  # noqa: SLF001  the memory's owner lives as long as the view
     return memoryview(buf).cast("B")
 
 

@@ -53,7 +53,7 @@ def in_recomputation() -> bool:
     seen there is a recomputation, so statistics must not be counted again. Outside backward the
     current graph task id is -1.
     """
-    return torch._C._current_graph_task_id() != -1
+    return torch._C._current_graph_task_id() != -1  # noqa: SLF001  no public "inside backward" query
 
 
 @torch.library.custom_op(

@@ -92,11 +92,11 @@ class _LowRankFields(_Frozen):
 
 
 class LoRAConfig(_LowRankFields):
-    """Low-rank adapters ``W x + scaling * B A dropout(x)`` on linear layers and grouped experts.
+    r"""Low-rank adapters ``W x + scaling * B A dropout(x)`` on linear layers and grouped experts.
 
     Example:
-        ``LoRAConfig(r=16, alpha=32, target_modules=r".*\\.(q|k|v|o)_proj",
-        target_parameters=r".*\\.experts\\.(gate_up_proj|down_proj)")``
+        ``LoRAConfig(r=16, alpha=32, target_modules=r".*\.(q|k|v|o)_proj",
+        target_parameters=r".*\.experts\.(gate_up_proj|down_proj)")``
     """
 
     method: Literal["lora"] = "lora"

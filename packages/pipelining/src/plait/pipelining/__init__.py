@@ -43,7 +43,7 @@ from plait.pipelining.schedules import (
 from plait.pipelining.simulator import ActionCosts, SimulationResult, TimelineEntry, simulate
 from plait.pipelining.split_backward import WeightGradWork, backward_input, backward_weight
 from plait.pipelining.state import Chunk, MicrobatchSpec, MicrobatchView, PipelineState, Shared, Stack
-from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+from plait.pipelining.topology import StageTopology, loop_topology, vshape_topology
 from plait.pipelining.validation import ProgramError, dry_run, validate
 
 __all__ = [
@@ -79,8 +79,8 @@ __all__ = [
     "SimulationResult",
     "Stack",
     "StageRunner",
+    "StageTopology",
     "TimelineEntry",
-    "Topology",
     "WeightGradWork",
     "ZB1PConfig",
     "ZBVConfig",

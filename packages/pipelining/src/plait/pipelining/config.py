@@ -11,7 +11,7 @@ from plait.pipelining import schedules as S
 from plait.pipelining.executor import OfflineExecutor, PipelineExecutor
 from plait.pipelining.program import Program
 from plait.pipelining.runner import BackwardHook, ForwardKwargsFn, LossFn
-from plait.pipelining.topology import Topology, loop_topology, vshape_topology
+from plait.pipelining.topology import StageTopology, loop_topology, vshape_topology
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch import nn
 
@@ -43,38 +43,51 @@ class BaseScheduleConfig(BaseModel):
     num_microbatches: int = Field(ge=1)
     loss_reduction: Literal["mean", "sum"] = "mean"
 
-    def topology(self, pp_size: int) -> Topology:
+    def topology(self, pp_size: int) -> StageTopology:
         """Stage placement this schedule uses on `pp_size` ranks."""
         return loop_topology(pp_size, getattr(self, "stages_per_rank", 1))
 
 
 class GPipeConfig(BaseScheduleConfig):
+    """GPipe: every microbatch's forward, then every backward (one stage per rank)."""
+
     kind: Literal["gpipe"] = "gpipe"
 
 
 class LoopedBFSConfig(BaseScheduleConfig):
+    """Looped breadth-first: GPipe over ``stages_per_rank`` stages per rank, placed round-robin."""
+
     kind: Literal["looped_bfs"] = "looped_bfs"
     stages_per_rank: int = Field(1, ge=1)
 
 
 class OneFOneBConfig(BaseScheduleConfig):
+    """1F1B: warm-up forwards, then one forward and one backward alternating (one stage per rank)."""
+
     kind: Literal["1f1b"] = "1f1b"
 
 
 class Interleaved1F1BConfig(BaseScheduleConfig):
+    """Interleaved 1F1B over ``stages_per_rank`` (>= 2) stages per rank, placed round-robin."""
+
     kind: Literal["interleaved_1f1b"] = "interleaved_1f1b"
     stages_per_rank: int = Field(2, ge=2)
 
 
 class ZB1PConfig(BaseScheduleConfig):
+    """Zero bubble ZB1P: backward split into input and weight passes, weight passes fill the bubbles."""
+
     kind: Literal["zb1p"] = "zb1p"
     stages_per_rank: int = Field(1, ge=1)
 
 
 class ZBVConfig(BaseScheduleConfig):
+    """ZB-V: zero bubble on the V-shape placement (rank ``r`` holds stages ``r`` and ``2pp-1-r``)."""
+
     kind: Literal["zbv"] = "zbv"
 
-    def topology(self, pp_size: int) -> Topology:
+    def topology(self, pp_size: int) -> StageTopology:
+        """The V-shape placement on ``pp_size`` ranks."""
         return vshape_topology(pp_size)
 
 
@@ -84,11 +97,14 @@ class DualPipeVConfig(BaseScheduleConfig):
     kind: Literal["dualpipev"] = "dualpipev"
     order: S.DualPipeVOrder = "greedy"
 
-    def topology(self, pp_size: int) -> Topology:
+    def topology(self, pp_size: int) -> StageTopology:
+        """The V-shape placement on ``pp_size`` ranks."""
         return vshape_topology(pp_size)
 
 
 class InferenceConfig(BaseScheduleConfig):
+    """Forward-only program over ``stages_per_rank`` stages per rank (evaluation, generation)."""
+
     kind: Literal["inference"] = "inference"
     stages_per_rank: int = Field(1, ge=1)
 
@@ -121,6 +137,7 @@ def register_schedule(kind: str, config_cls: type[BaseScheduleConfig], builder: 
 
 
 def registered_schedules() -> list[str]:
+    """The kinds of every registered schedule, sorted."""
     return sorted(_REGISTRY)
 
 

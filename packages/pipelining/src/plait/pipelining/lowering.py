@@ -8,14 +8,14 @@ import itertools
 from plait.pipelining.actions import Action, ActionKind, AnyAction, CommGroup
 from plait.pipelining.program import Program
 from plait.pipelining.timing import compute_times, produced_at, unit_cost
-from plait.pipelining.topology import Topology
+from plait.pipelining.topology import StageTopology
 
 __all__ = ["lower", "recvs_for", "sends_for"]
 
 _BWD = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
 
 
-def recvs_for(topo: Topology, action: AnyAction) -> list[Action]:
+def recvs_for(topo: StageTopology, action: AnyAction) -> list[Action]:
     """Receive actions that must complete before `action` can run on its rank."""
     out: list[Action] = []
     for a in action.sub_actions():
@@ -26,7 +26,7 @@ def recvs_for(topo: Topology, action: AnyAction) -> list[Action]:
     return out
 
 
-def sends_for(topo: Topology, action: AnyAction, *, has_backward: bool = True) -> list[Action]:
+def sends_for(topo: StageTopology, action: AnyAction, *, has_backward: bool = True) -> list[Action]:
     """Send actions that forward `action`'s results to a stage on another rank."""
     out: list[Action] = []
     for a in action.sub_actions():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from plait.dist_core import parse_dtype
 from plait.pipelining.actions import Action, ActionKind, AnyAction
 from plait.pipelining.runner import StageRunner
-from plait.pipelining.topology import Topology
+from plait.pipelining.topology import StageTopology
 
 __all__ = ["P2PLink"]
 
@@ -38,7 +38,7 @@ class P2PLink:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, topology: Topology, runner: StageRunner, device: torch.device
+        self, group: dist.ProcessGroup, topology: StageTopology, runner: StageRunner, device: torch.device
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)

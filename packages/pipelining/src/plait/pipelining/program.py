@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from plait.pipelining.actions import AnyAction, parse_action
-from plait.pipelining.topology import Topology
+from plait.pipelining.topology import StageTopology
 
 __all__ = ["Program", "parse_program"]
 
@@ -23,7 +23,7 @@ class Program:
         name: schedule name, for messages.
     """
 
-    topology: Topology
+    topology: StageTopology
     num_microbatches: int
     actions: tuple[tuple[AnyAction, ...], ...]
     lowered: bool = False
@@ -38,7 +38,7 @@ class Program:
 
     @staticmethod
     def from_lists(
-        topology: Topology,
+        topology: StageTopology,
         num_microbatches: int,
         actions: Sequence[Sequence[AnyAction]],
         *,
@@ -88,7 +88,7 @@ def parse_program(text: str) -> Program:
     try:
         stage_to_rank = tuple(int(x) for x in fields["stage_to_rank"].split(","))
         style = fields.get("style", "loop")
-        topo = Topology(max(stage_to_rank) + 1, stage_to_rank, style)  # type: ignore[arg-type]
+        topo = StageTopology(max(stage_to_rank) + 1, stage_to_rank, style)  # type: ignore[arg-type]
         m = int(fields["microbatches"])
     except KeyError as e:
         raise ValueError(f"program header is missing field {e}") from e

@@ -52,6 +52,8 @@ class ActionCosts:
 
 @dataclass(frozen=True)
 class TimelineEntry:
+    """One action of a simulated run: the rank that ran it, the action printed, its start and end."""
+
     rank: int
     action: str
     start: float

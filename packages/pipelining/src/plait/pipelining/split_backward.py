@@ -42,6 +42,85 @@ def _node(t: torch.Tensor) -> Node | None:
     return get_gradient_edge(t).node
 
 
+def _graph_parents(root_nodes: list[Node]) -> tuple[dict[Node, list[Node]], set[Node]]:
+    """Each node's consumers (the nodes it feeds), and every node reachable from the roots."""
+    parents: dict[Node, list[Node]] = {}
+    stack, seen = list(root_nodes), set(root_nodes)
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            parents.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return parents, seen
+
+
+def _input_path(in_nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """The nodes on a path from an output to a stage input."""
+    closure, stack = set(in_nodes), list(in_nodes)
+    while stack:
+        for p in parents.get(stack.pop(), []):
+            if p not in closure:
+                closure.add(p)
+                stack.append(p)
+    return closure
+
+
+def _branch_joins(pn: Node, parents: dict[Node, list[Node]], closure: set[Node]) -> set[Node]:
+    """The nodes of the input path where the weight-only branch starting at ``pn`` joins it."""
+    stack, visited, joins = [pn], {pn}, set()
+    while stack:
+        node = stack.pop()
+        for p in parents.get(node, []):
+            if p in closure:
+                joins.add(p)
+            elif p not in visited:
+                visited.add(p)
+                stack.append(p)
+    return joins
+
+
+def _intermediates(
+    weights: list[torch.Tensor], parents: dict[Node, list[Node]], seen: set[Node], closure: set[Node]
+) -> tuple[dict[Node, list[int]], bool]:
+    """Where each weight's branch joins the input path, and whether a weight joins at several nodes."""
+    inter: dict[Node, list[int]] = {}
+    shared = False
+    for i, prm in enumerate(weights):
+        pn = _node(prm)
+        if pn is None or pn not in seen:
+            continue
+        joins = _branch_joins(pn, parents, closure)
+        shared |= len(joins) > 1
+        for p in joins:
+            inter.setdefault(p, []).append(i)
+    return inter, shared
+
+
+def _input_grads(
+    roots: list[tuple[torch.Tensor, torch.Tensor | None]], inputs: Sequence[torch.Tensor], closure: set[Node]
+) -> list[torch.Tensor | None]:
+    """The I pass: gradients of the on-path outputs w.r.t. the inputs that require them."""
+    want = [i for i, t in enumerate(inputs) if t.requires_grad]
+    on_path = [(o, g) for o, g in roots if _node(o) in closure]
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    if want and on_path:
+        with grad_direction(GradDirection.INPUTS):
+            got = torch.autograd.grad(
+                [o for o, _ in on_path],
+                [inputs[i] for i in want],
+                grad_outputs=[g for _, g in on_path],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        for i, g in zip(want, got):
+            result[i] = g
+    return result
+
+
 def backward_input(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor | None],
@@ -54,46 +133,10 @@ def backward_input(
         per-input gradients (None where an input does not require grad or is unused) and the W-pass work.
     """
     roots = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
-    root_nodes = [n for o, _ in roots if (n := _node(o)) is not None]
-    parents: dict[Node, list[Node]] = {}
-    stack, seen = list(root_nodes), set(root_nodes)
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            parents.setdefault(nxt, []).append(node)
-            if nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    # nodes on a path from an output to a stage input
-    in_nodes = [n for t in inputs if (n := _node(t)) is not None and n in seen]
-    closure, stack = set(in_nodes), list(in_nodes)
-    while stack:
-        for p in parents.get(stack.pop(), []):
-            if p not in closure:
-                closure.add(p)
-                stack.append(p)
-    # intermediates: where a weight's branch joins the input path
+    parents, seen = _graph_parents([n for o, _ in roots if (n := _node(o)) is not None])
+    closure = _input_path([n for t in inputs if (n := _node(t)) is not None and n in seen], parents)
     weights = [p for p in params if p.requires_grad]
-    inter: dict[Node, list[int]] = {}
-    shared = False
-    for i, prm in enumerate(weights):
-        pn = _node(prm)
-        if pn is None or pn not in seen:
-            continue
-        stack, visited, joins = [pn], {pn}, set()
-        while stack:
-            node = stack.pop()
-            for p in parents.get(node, []):
-                if p in closure:
-                    joins.add(p)
-                elif p not in visited:
-                    visited.add(p)
-                    stack.append(p)
-        shared |= len(joins) > 1
-        for p in joins:
-            inter.setdefault(p, []).append(i)
+    inter, shared = _intermediates(weights, parents, seen, closure)
     work = WeightGradWork(weights, list(inter), None if shared else list(inter.values()))
     work.outputs = [o for o, _ in roots]
     for o, g in roots:
@@ -110,24 +153,78 @@ def backward_input(
 
     handles = [node.register_prehook(hook_for(i)) for i, node in enumerate(work.intermediates)]
     try:
-        want = [i for i, t in enumerate(inputs) if t.requires_grad]
-        on_path = [(o, g) for o, g in roots if _node(o) in closure]
-        result: list[torch.Tensor | None] = [None] * len(inputs)
-        if want and on_path:
-            with grad_direction(GradDirection.INPUTS):
-                got = torch.autograd.grad(
-                    [o for o, _ in on_path],
-                    [inputs[i] for i in want],
-                    grad_outputs=[g for _, g in on_path],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            for i, g in zip(want, got):
-                result[i] = g
+        result = _input_grads(roots, inputs, closure)
     finally:
         for h in handles:
             h.remove()
     return result, work
+
+
+def _recorded_edges(work: WeightGradWork, i: int) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """The gradients the I pass recorded entering intermediate ``i``, with their edges."""
+    node = work.intermediates[i]
+    return [(GradientEdge(node, j), g) for j, g in enumerate(work.grads.get(i, ())) if g is not None]
+
+
+def _weight_grads_per_branch(work: WeightGradWork, branches: list[list[int]]) -> list[torch.Tensor | None]:
+    """One autograd call per intermediate, asking only for the weights of its own branch.
+
+    Autograd then runs only that branch. (One call for all would also follow the input path from each
+    intermediate down to earlier weights, recomputing every activation gradient of the I pass.)
+    """
+    dws: list[torch.Tensor | None] = [None] * len(work.params)
+    with grad_direction(GradDirection.WEIGHTS):
+        for i in range(len(work.intermediates)):
+            edges = _recorded_edges(work, i)
+            if not edges:
+                continue
+            got = torch.autograd.grad(
+                [e for e, _ in edges],
+                [work.params[k] for k in branches[i]],
+                grad_outputs=[g for _, g in edges],
+                allow_unused=True,
+                retain_graph=bool(work.extra_roots),
+            )
+            for k, g_k in zip(branches[i], got):
+                dws[k] = g_k
+    return dws
+
+
+def _weight_grads_single_pass(work: WeightGradWork) -> list[torch.Tensor | None]:
+    """One autograd call from every intermediate (a weight joins the input path at several nodes)."""
+    edges = [e for i in range(len(work.intermediates)) for e in _recorded_edges(work, i)]
+    handles = []
+    if len(work.intermediates) > 1:
+        # An intermediate downstream of another would receive the upstream one's contribution a second
+        # time; pin every intermediate's incoming gradients to what the I pass recorded.
+        for i, node in enumerate(work.intermediates):
+            recorded = work.grads.get(i)
+            if recorded is not None:
+                handles.append(node.register_prehook(lambda _g, rec=recorded: rec))
+    try:
+        with grad_direction(GradDirection.WEIGHTS):
+            return list(
+                torch.autograd.grad(
+                    [e for e, _ in edges],
+                    work.params,
+                    grad_outputs=[g for _, g in edges],
+                    allow_unused=True,
+                    retain_graph=bool(work.extra_roots),
+                )
+            )
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _accumulate(params: list[torch.Tensor], dws: list[torch.Tensor | None]) -> None:
+    for p, dw in zip(params, dws):
+        if dw is None:
+            continue
+        if p.grad is None:
+            p.grad = dw.detach().clone() if dw.requires_grad else dw
+        else:
+            p.grad += dw
 
 
 def backward_weight(work: WeightGradWork) -> None:
@@ -138,72 +235,20 @@ def backward_weight(work: WeightGradWork) -> None:
     gradient, e.g. the first stage) are backpropagated here in full under ``GradDirection.BOTH``: their
     activation gradients were never computed, and the earlier layers' weights need them.
     """
-    roots: list[Any] = []
-    grads: list[torch.Tensor | None] = []
-    for i, node in enumerate(work.intermediates):
-        for j, g in enumerate(work.grads.get(i, ())):
-            if g is not None:
-                roots.append(GradientEdge(node, j))
-                grads.append(g)
     if not work.params:
         return
+    has_roots = any(_recorded_edges(work, i) for i in range(len(work.intermediates)))
     dws: list[torch.Tensor | None] = [None] * len(work.params)
-    if roots and work.branches is not None:
-        # One autograd call per intermediate, asking only for the weights of its own branch: autograd then
-        # runs only that branch. (One call for all would also follow the input path from each intermediate
-        # down to earlier weights, recomputing every activation gradient of the I pass.)
-        with grad_direction(GradDirection.WEIGHTS):
-            for i, node in enumerate(work.intermediates):
-                edges = [
-                    (GradientEdge(node, j), g) for j, g in enumerate(work.grads.get(i, ())) if g is not None
-                ]
-                if not edges:
-                    continue
-                branch = work.branches[i]
-                got = torch.autograd.grad(
-                    [e for e, _ in edges],
-                    [work.params[k] for k in branch],
-                    grad_outputs=[g for _, g in edges],
-                    allow_unused=True,
-                    retain_graph=bool(work.extra_roots),
-                )
-                for k, g_k in zip(branch, got):
-                    dws[k] = g_k
-    elif roots:
-        handles = []
-        if len(work.intermediates) > 1:
-            # An intermediate downstream of another would receive the upstream one's contribution a second
-            # time; pin every intermediate's incoming gradients to what the I pass recorded.
-            for i, node in enumerate(work.intermediates):
-                recorded = work.grads.get(i)
-                if recorded is not None:
-                    handles.append(node.register_prehook(lambda _g, rec=recorded: rec))
-        try:
-            with grad_direction(GradDirection.WEIGHTS):
-                dws = list(
-                    torch.autograd.grad(
-                        roots,
-                        work.params,
-                        grad_outputs=grads,
-                        allow_unused=True,
-                        retain_graph=bool(work.extra_roots),
-                    )
-                )
-        finally:
-            for h in handles:
-                h.remove()
+    if has_roots and work.branches is not None:
+        dws = _weight_grads_per_branch(work, work.branches)
+    elif has_roots:
+        dws = _weight_grads_single_pass(work)
     if work.extra_roots:
         more = torch.autograd.grad(
             work.extra_roots, work.params, grad_outputs=work.extra_grads, allow_unused=True
         )
         dws = [a if b is None else b if a is None else a + b for a, b in zip(dws, more)]
-    for p, dw in zip(work.params, dws):
-        if dw is None:
-            continue
-        if p.grad is None:
-            p.grad = dw.detach().clone() if dw.requires_grad else dw
-        else:
-            p.grad += dw
+    _accumulate(work.params, dws)
     work.grads.clear()
     work.intermediates.clear()
     work.extra_roots.clear()

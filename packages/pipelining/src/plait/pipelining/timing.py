@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from plait.pipelining.actions import Action, ActionKind, AnyAction, OverlapAction
 from plait.pipelining.program import Program
+from plait.pipelining.topology import StageTopology
 
 F, B, BI, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _Key = tuple[str, int, int]  # ("F" | "BWD" | "W", stage, microbatch)
@@ -13,6 +14,21 @@ _Key = tuple[str, int, int]  # ("F" | "BWD" | "W", stage, microbatch)
 
 def _key(kind: ActionKind, stage: int, mb: int) -> _Key:
     return ("F" if kind is F else "W" if kind is W else "BWD", stage, mb)
+
+
+def _needs(x: Action, topo: StageTopology, comm_latency: float) -> list[tuple[_Key, float]]:
+    """The results (key, latency) that the action ``x`` waits for."""
+    s, k, ns = x.stage, x.microbatch, topo.num_stages
+    if x.kind is F and s > 0:
+        return [(("F", s - 1, k), 0.0 if topo.is_local_edge(s - 1) else comm_latency)]
+    if x.kind in (B, BI):
+        need: list[tuple[_Key, float]] = [(("F", s, k), 0.0)]
+        if s < ns - 1:
+            need.append((("BWD", s + 1, k), 0.0 if topo.is_local_edge(s) else comm_latency))
+        return need
+    if x.kind is W:
+        return [(("BWD", s, k), 0.0)]
+    return []
 
 
 def compute_times(
@@ -28,7 +44,6 @@ def compute_times(
         ValueError: if the actions' data dependencies form a cycle across ranks (the message names them).
     """
     topo = program.topology
-    ns = topo.num_stages
     end: dict[_Key, float] = {}
     out: list[list[tuple[int, float, float]]] = [[] for _ in range(program.num_ranks)]
     compute_idx = [[i for i, a in enumerate(acts) if a.is_compute] for acts in program.actions]
@@ -41,16 +56,7 @@ def compute_times(
         subs = a.sub_actions()
         own = {_key(x.kind, x.stage, x.microbatch) for x in subs}
         for x in subs:
-            s, k = x.stage, x.microbatch
-            need: list[tuple[_Key, float]] = []
-            if x.kind is F and s > 0:
-                need.append((("F", s - 1, k), 0.0 if topo.is_local_edge(s - 1) else comm_latency))
-            elif x.kind in (B, BI):
-                need.append((("F", s, k), 0.0))
-                if s < ns - 1:
-                    need.append((("BWD", s + 1, k), 0.0 if topo.is_local_edge(s) else comm_latency))
-            elif x.kind is W:
-                need.append((("BWD", s, k), 0.0))
+            need = _needs(x, topo, comm_latency)
             for key, lat in need:
                 if key in own:
                     continue

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Topology", "loop_topology", "vshape_topology"]
+__all__ = ["StageTopology", "loop_topology", "vshape_topology"]
 
 
 @dataclass(frozen=True)
-class Topology:
-    """Which rank of the pipeline group runs each stage.
+class StageTopology:
+    """Which rank of the pipeline group runs each stage (``plait.loop.Topology`` is another thing: a
+    rank's coordinates and process groups in the batch mesh).
 
     Attributes:
         num_ranks: pipeline-parallel group size (pp).
@@ -24,13 +25,13 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
-            raise ValueError(f"Topology.num_ranks must be >= 1, got {self.num_ranks}")
+            raise ValueError(f"StageTopology.num_ranks must be >= 1, got {self.num_ranks}")
         bad = [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]
         if bad:
-            raise ValueError(f"Topology.stage_to_rank has ranks outside [0, {self.num_ranks}): {bad}")
+            raise ValueError(f"StageTopology.stage_to_rank has ranks outside [0, {self.num_ranks}): {bad}")
         missing = set(range(self.num_ranks)) - set(self.stage_to_rank)
         if missing:
-            raise ValueError(f"Topology leaves ranks {sorted(missing)} without a stage")
+            raise ValueError(f"StageTopology leaves ranks {sorted(missing)} without a stage")
 
     @property
     def num_stages(self) -> int:
@@ -57,14 +58,14 @@ class Topology:
         return self.rank_of(stage) == self.rank_of(stage + 1)
 
 
-def loop_topology(num_ranks: int, stages_per_rank: int = 1) -> Topology:
+def loop_topology(num_ranks: int, stages_per_rank: int = 1) -> StageTopology:
     """Stage ``s`` on rank ``s % num_ranks``: layers wrap around the ranks `stages_per_rank` times."""
     if stages_per_rank < 1:
         raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
-    return Topology(num_ranks, tuple(s % num_ranks for s in range(num_ranks * stages_per_rank)), "loop")
+    return StageTopology(num_ranks, tuple(s % num_ranks for s in range(num_ranks * stages_per_rank)), "loop")
 
 
-def vshape_topology(num_ranks: int) -> Topology:
+def vshape_topology(num_ranks: int) -> StageTopology:
     """Rank ``r`` holds stages ``r`` and ``2*num_ranks-1-r`` (down the ranks, then back up)."""
     stage_to_rank = tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
-    return Topology(num_ranks, stage_to_rank, "v")
+    return StageTopology(num_ranks, stage_to_rank, "v")

@@ -314,60 +314,82 @@ def dry_run(program: Program, *, lockstep: bool = False) -> None:
     """
     if not program.lowered:
         raise ValueError("dry_run() needs a lowered program (see plait.pipelining.lower)")
-    topo = program.topology
-    n = topo.num_ranks
-    cpu = [0] * n
-    queues: list[list[tuple[int, list[Action]]]] = [[] for _ in range(n)]
-    matched: set[_Msg] = set()
-
-    def head_msgs(r: int) -> set[tuple[str, _Msg]]:
-        if not queues[r]:
-            return set()
-        return {(_side(a), _message(a)[0]) for a in queues[r][0][1]}
-
+    sim = _DryRun(program, lockstep)
     while True:
-        progressed = False
-        for r in range(n):  # hosts: issue groups, run computes whose receives completed
-            acts = program.actions[r]
-            while cpu[r] < len(acts) and not (lockstep and queues[r]):
-                a = acts[cpu[r]]
-                if a.is_comm:
-                    queues[r].append((cpu[r], list(a.sub_actions())))
-                    cpu[r] += 1
-                    progressed = True
-                    continue
-                needs = [_message(x)[0] for x in recvs_for(topo, a)]
-                if not all(msg in matched for msg in needs):
-                    break
-                cpu[r] += 1
-                progressed = True
-        for r in range(n):  # communication: match head operations
-            if not queues[r]:
-                continue
-            for a in queues[r][0][1]:
-                msg, peer_stage = _message(a)
-                if msg not in matched and _partner(a) in head_msgs(topo.rank_of(peer_stage)):
-                    matched.add(msg)
-        for r in range(n):
-            while queues[r] and all(_message(a)[0] in matched for a in queues[r][0][1]):
-                queues[r].pop(0)
-                progressed = True
-        if all(cpu[r] >= len(program.actions[r]) and not queues[r] for r in range(n)):
+        progressed = any([sim.issue(r) for r in range(sim.n)])  # hosts: every rank, no short-circuit
+        sim.match()
+        progressed = sim.retire() or progressed
+        if sim.finished():
             return
         if not progressed:
-            parts, first = [], None
-            for r in range(n):
-                if queues[r]:
-                    idx = queues[r][0][0]
-                    parts.append(f"rank {r} communication blocked at [{idx}] {queues[r][0][1][0]}")
-                elif cpu[r] < len(program.actions[r]):
-                    idx = cpu[r]
-                    parts.append(f"rank {r} waits at [{idx}] {program.actions[r][idx]}")
-                else:
-                    continue
-                first = first if first is not None else (r, idx)
-            assert first is not None
-            raise ProgramError("deadlock in dry run: " + "; ".join(parts), program, *first)
+            raise sim.deadlock()
+
+
+class _DryRun:
+    """The state of :func:`dry_run`: each host's position and each rank's queue of communication groups."""
+
+    def __init__(self, program: Program, lockstep: bool) -> None:
+        self.program, self.lockstep = program, lockstep
+        self.topo = program.topology
+        self.n = self.topo.num_ranks
+        self.cpu = [0] * self.n
+        self.queues: list[list[tuple[int, list[Action]]]] = [[] for _ in range(self.n)]
+        self.matched: set[_Msg] = set()
+
+    def _head_msgs(self, r: int) -> set[tuple[str, _Msg]]:
+        if not self.queues[r]:
+            return set()
+        return {(_side(a), _message(a)[0]) for a in self.queues[r][0][1]}
+
+    def issue(self, r: int) -> bool:
+        """Rank ``r``'s host issues groups and runs computes whose receives completed; True if it moved."""
+        acts, progressed = self.program.actions[r], False
+        while self.cpu[r] < len(acts) and not (self.lockstep and self.queues[r]):
+            a = acts[self.cpu[r]]
+            if a.is_comm:
+                self.queues[r].append((self.cpu[r], list(a.sub_actions())))
+            elif not all(_message(x)[0] in self.matched for x in recvs_for(self.topo, a)):
+                break
+            self.cpu[r] += 1
+            progressed = True
+        return progressed
+
+    def match(self) -> None:
+        """Match the operations at the heads of the queues with their peers' heads."""
+        for r in range(self.n):
+            if not self.queues[r]:
+                continue
+            for a in self.queues[r][0][1]:
+                msg, peer_stage = _message(a)
+                if msg not in self.matched and _partner(a) in self._head_msgs(self.topo.rank_of(peer_stage)):
+                    self.matched.add(msg)
+
+    def retire(self) -> bool:
+        """Pop the head groups whose operations all completed; True if one was."""
+        progressed = False
+        for q in self.queues:
+            while q and all(_message(a)[0] in self.matched for a in q[0][1]):
+                q.pop(0)
+                progressed = True
+        return progressed
+
+    def finished(self) -> bool:
+        return all(self.cpu[r] >= len(self.program.actions[r]) and not self.queues[r] for r in range(self.n))
+
+    def deadlock(self) -> ProgramError:
+        parts, first = [], None
+        for r in range(self.n):
+            if self.queues[r]:
+                idx = self.queues[r][0][0]
+                parts.append(f"rank {r} communication blocked at [{idx}] {self.queues[r][0][1][0]}")
+            elif self.cpu[r] < len(self.program.actions[r]):
+                idx = self.cpu[r]
+                parts.append(f"rank {r} waits at [{idx}] {self.program.actions[r][idx]}")
+            else:
+                continue
+            first = first if first is not None else (r, idx)
+        assert first is not None
+        return ProgramError("deadlock in dry run: " + "; ".join(parts), self.program, *first)
 
 
 def _side(a: Action) -> str:

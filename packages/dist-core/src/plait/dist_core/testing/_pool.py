@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -58,6 +58,39 @@ class _Worker:
         except OSError:
             return ""
         return text if len(text) <= _OUTPUT_TAIL else "...\n" + text[-_OUTPUT_TAIL:]
+
+
+@dataclass
+class _Outcome:
+    """What the ranks of one call answered so far."""
+
+    results: dict[int, TaskResult] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    setup_failures: set[int] = field(default_factory=set)
+    timed_out: bool = False
+
+    def answered(self, rank: int) -> bool:
+        return rank in self.results or rank in self.failures
+
+
+def _receive(conn: Any, rank: int, worker: _Worker, offset: int, outcome: _Outcome) -> bool:
+    """Read one rank's answer into ``outcome``; return True when it is a failure."""
+    try:
+        result: TaskResult = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        worker.process.join(timeout=5.0)
+        outcome.failures[rank] = (
+            f"rank process died (exit code {worker.process.exitcode}); its output:\n"
+            f"{worker.output_since(offset)}"
+        )
+        return True
+    if result.ok:
+        outcome.results[rank] = result
+        return False
+    outcome.failures[rank] = result.error
+    if result.during_setup:
+        outcome.setup_failures.add(rank)
+    return True
 
 
 class _SetupFailure(Exception):
@@ -187,71 +220,61 @@ class WorkerPool:
             return self._collect(workers, offsets, timeout, retry)
 
     def _collect(self, workers: list[_Worker], offsets: list[int], timeout: float, retry: bool) -> list[Any]:
-        results: dict[int, TaskResult] = {}
-        setup_failures: set[int] = set()
-        failures: dict[int, str] = {}
-        rank_of = {id(w.conn): r for r, w in enumerate(workers)}
-        deadline = time.monotonic() + timeout
-        timed_out = False
         try:
-            while len(results) + len(failures) < len(workers):
-                waiting = [w.conn for r, w in enumerate(workers) if r not in results and r not in failures]
-                if failures:
-                    deadline = min(deadline, self._failure_deadline)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = not failures
-                    break
-                for conn in wait(waiting, timeout=remaining):
-                    rank = rank_of[id(conn)]
-                    try:
-                        result: TaskResult = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
-                    except (EOFError, OSError):
-                        w = workers[rank]
-                        w.process.join(timeout=5.0)
-                        failures[rank] = (
-                            f"rank process died (exit code {w.process.exitcode}); its output:\n"
-                            f"{w.output_since(offsets[rank])}"
-                        )
-                    else:
-                        if result.ok:
-                            results[rank] = result
-                            continue
-                        failures[rank] = result.error
-                        if result.during_setup:
-                            setup_failures.add(rank)
-                    if len(failures) == 1:
-                        self._failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE
+            outcome = self._gather(workers, offsets, timeout)
         except BaseException:
             self._kill()
             raise
-
-        stuck = [r for r in range(len(workers)) if r not in results and r not in failures]
-        if retry and failures and set(failures) == setup_failures:
+        stuck = [r for r in range(len(workers)) if r not in outcome.results and r not in outcome.failures]
+        if retry and outcome.failures and set(outcome.failures) == outcome.setup_failures:
             if stuck or any(not w.alive() for w in workers):
                 self._kill()
             raise _SetupFailure
         if stuck:
-            stacks = self._dump_stacks(workers, stuck, offsets)
-            self._kill()
-            if timed_out:
-                raise DistributedTestError(
-                    f"timed out after {timeout:.1f}s; ranks {stuck} did not finish. Their stacks:\n{stacks}",
-                    failed_ranks=stuck,
-                )
-            raise DistributedTestError(
-                _format_failures(failures, workers, offsets)
-                + f"\n\nranks {stuck} did not finish within {_GRACE_AFTER_FAILURE:.0f}s after the failure "
-                f"(probably waiting in a collective for the failed rank). Their stacks:\n{stacks}",
-                failed_ranks=sorted(failures),
-            )
-        if failures:
+            self._raise_stuck(outcome, workers, offsets, stuck, timeout)
+        if outcome.failures:
             if any(not w.alive() for w in workers):
                 self._kill()
             raise DistributedTestError(
-                _format_failures(failures, workers, offsets), failed_ranks=sorted(failures)
+                _format_failures(outcome.failures, workers, offsets), failed_ranks=sorted(outcome.failures)
             )
-        return [pickle.loads(results[r].payload) for r in range(len(workers))]
+        return [pickle.loads(outcome.results[r].payload) for r in range(len(workers))]
+
+    def _gather(self, workers: list[_Worker], offsets: list[int], timeout: float) -> _Outcome:
+        """Wait for every rank's answer, until the deadline (shortened to a grace period by a failure)."""
+        outcome = _Outcome()
+        rank_of = {id(w.conn): r for r, w in enumerate(workers)}
+        deadline = time.monotonic() + timeout
+        while len(outcome.results) + len(outcome.failures) < len(workers):
+            waiting = [w.conn for r, w in enumerate(workers) if not outcome.answered(r)]
+            if outcome.failures:
+                deadline = min(deadline, self._failure_deadline)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                outcome.timed_out = not outcome.failures
+                break
+            for conn in wait(waiting, timeout=remaining):
+                rank = rank_of[id(conn)]
+                if _receive(conn, rank, workers[rank], offsets[rank], outcome) and len(outcome.failures) == 1:
+                    self._failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE
+        return outcome
+
+    def _raise_stuck(
+        self, outcome: _Outcome, workers: list[_Worker], offsets: list[int], stuck: list[int], timeout: float
+    ) -> None:
+        stacks = self._dump_stacks(workers, stuck, offsets)
+        self._kill()
+        if outcome.timed_out:
+            raise DistributedTestError(
+                f"timed out after {timeout:.1f}s; ranks {stuck} did not finish. Their stacks:\n{stacks}",
+                failed_ranks=stuck,
+            )
+        raise DistributedTestError(
+            _format_failures(outcome.failures, workers, offsets)
+            + f"\n\nranks {stuck} did not finish within {_GRACE_AFTER_FAILURE:.0f}s after the failure "
+            f"(probably waiting in a collective for the failed rank). Their stacks:\n{stacks}",
+            failed_ranks=sorted(outcome.failures),
+        )
 
     @staticmethod
     def _dump_stacks(workers: list[_Worker], ranks: list[int], offsets: list[int]) -> str:

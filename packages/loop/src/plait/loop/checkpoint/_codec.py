@@ -11,11 +11,11 @@ import json
 from typing import Any
 
 import torch
+from plait.dist_core import dtype_name, parse_dtype
 
 __all__ = ["StateFormatError", "decode", "encode"]
 
 _MAGIC = "plait-state/1"
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class StateFormatError(ValueError):
@@ -29,7 +29,7 @@ def _to_json(obj: Any) -> Any:
         t = obj.detach().cpu().contiguous()
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {
-            "__tensor__": str(t.dtype).removeprefix("torch."),
+            "__tensor__": dtype_name(t.dtype),
             "shape": list(t.shape),
             "data": base64.b64encode(raw).decode(),
         }
@@ -62,9 +62,10 @@ def _from_json(obj: Any) -> Any:
     if "__tuple__" in obj:
         return tuple(_from_json(x) for x in obj["__tuple__"])
     if "__tensor__" in obj:
-        dtype = _DTYPES.get(obj["__tensor__"])
-        if dtype is None:
-            raise StateFormatError(f"unknown tensor dtype {obj['__tensor__']!r}")
+        try:
+            dtype = parse_dtype(obj["__tensor__"])
+        except ValueError:
+            raise StateFormatError(f"unknown tensor dtype {obj['__tensor__']!r}") from None
         raw = bytearray(base64.b64decode(obj["data"]))
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return flat.view(dtype).reshape(obj["shape"]).clone()

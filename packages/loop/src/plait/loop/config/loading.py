@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
+from plait.loop.config.sections import OPTIMIZER_NAMES
 from plait.loop.config.trainer_config import TrainerConfig
 from pydantic import BaseModel, ValidationError
 
@@ -24,7 +25,6 @@ __all__ = [
 ]
 
 C = TypeVar("C", bound=BaseModel)
-_TAGS = {"adamw", "stochastic_adamw", "sgd"}
 
 
 class ConfigError(ValueError):
@@ -206,7 +206,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         parts = [str(p) for p in e["loc"]]
         # Drop the tag pydantic inserts for tagged unions (optimizer.adamw.lr -> optimizer.lr).
-        parts = [p for i, p in enumerate(parts) if not (i > 0 and parts[i - 1] == "optimizer" and p in _TAGS)]
+        parts = [
+            p
+            for i, p in enumerate(parts)
+            if not (i > 0 and parts[i - 1] == "optimizer" and p in OPTIMIZER_NAMES)
+        ]
         loc = ".".join(parts)
         value = e.get("input")
         shown = repr(value) if not isinstance(value, dict) else "{...}"

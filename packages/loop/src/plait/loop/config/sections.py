@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 __all__ = [
+    "OPTIMIZER_NAMES",
     "AdamWConfig",
     "BatchingConfig",
     "CheckpointConfig",
@@ -125,19 +126,28 @@ class SGDConfig(_Section):
     no_decay_norms_biases_embeddings: bool = True
 
 
+def _name_of(section: type[BaseModel]) -> str:
+    """The optimizer name a section declares (its ``name`` literal)."""
+    return str(section.model_fields["name"].default)
+
+
 def _optimizer_name(value: Any) -> str:
     # A section without ``name`` is AdamW, so ``--optimizer.lr=...`` alone works.
     if isinstance(value, dict):
-        return str(value.get("name", "adamw"))
-    return str(getattr(value, "name", "adamw"))
+        return str(value.get("name", _name_of(AdamWConfig)))
+    return str(getattr(value, "name", _name_of(AdamWConfig)))
 
 
 OptimizerConfig = Annotated[
-    Annotated[AdamWConfig, Tag("adamw")]
-    | Annotated[StochasticAdamWConfig, Tag("stochastic_adamw")]
-    | Annotated[SGDConfig, Tag("sgd")],
+    Annotated[AdamWConfig, Tag(_name_of(AdamWConfig))]
+    | Annotated[StochasticAdamWConfig, Tag(_name_of(StochasticAdamWConfig))]
+    | Annotated[SGDConfig, Tag(_name_of(SGDConfig))],
     Discriminator(_optimizer_name),
 ]
+# Every optimizer's name, read from the union above: the one list of optimizers.
+OPTIMIZER_NAMES: tuple[str, ...] = tuple(
+    _name_of(get_args(m)[0]) for m in get_args(get_args(OptimizerConfig)[0])
+)
 
 
 class GradClipConfig(_Section):

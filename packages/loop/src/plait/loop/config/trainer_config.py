@@ -76,9 +76,11 @@ class TrainerConfig(BaseModel):
     def _check(self) -> TrainerConfig:
         from plait.loop.batch_plan import BatchPlan
 
-        plan = BatchPlan.from_config(self)  # checks the batch arithmetic, naming the fields
+        plan = BatchPlan.from_sections(
+            self.batching, self.mesh
+        )  # checks the batch arithmetic, naming the fields
         if self.mesh.pipeline > 1 or self.pipeline is not None:
-            plan.schedule(self)
+            plan.schedule(self.pipeline)
         self.lr_schedule.resolve(self.run.steps)
         return self
 
@@ -97,7 +99,8 @@ class TrainerConfig(BaseModel):
             return 1
         from plait.loop.batch_plan import BatchPlan
 
-        return int(BatchPlan.from_config(self).schedule(self).topology(pp).num_stages)
+        plan = BatchPlan.from_sections(self.batching, self.mesh)
+        return int(plan.schedule(self.pipeline).topology(pp).num_stages)
 
     def device_type(self) -> Literal["cpu", "cuda"]:
         """``run.device`` with ``auto`` resolved (CUDA when available)."""

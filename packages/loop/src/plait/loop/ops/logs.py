@@ -24,15 +24,18 @@ class _PrefixFilter(logging.Filter):
         return True
 
 
+class _PlaitHandler(logging.StreamHandler):
+    """The stream handler :func:`setup_logging` installs (and replaces on a second call)."""
+
+
 def setup_logging(prefix: str, level: str = "INFO", logger_name: str = "plait") -> logging.Logger:
     """Give the ``plait`` logger one stream handler whose lines start with ``prefix``."""
     logger = logging.getLogger(logger_name)
     logger.setLevel(level)
     for h in list(logger.handlers):
-        if getattr(h, "_plait", False):
+        if isinstance(h, _PlaitHandler):
             logger.removeHandler(h)
-    handler = logging.StreamHandler()
-    handler._plait = True  # type: ignore[attr-defined]
+    handler = _PlaitHandler()
     handler.addFilter(_PrefixFilter(prefix))
     handler.setFormatter(logging.Formatter("%(asctime)s %(mesh)s %(levelname)s %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from plait.dist_core import parse_dtype
 from plait.loop.config.sections import AdamWConfig, OptimizerConfig, SGDConfig, StochasticAdamWConfig
 from torch import nn
 
@@ -102,7 +103,7 @@ def build_optimizer(
             betas=config.betas,
             eps=config.eps,
             weight_decay=config.weight_decay,
-            moment_dtype=getattr(torch, config.moment_dtype),
+            moment_dtype=parse_dtype(config.moment_dtype),
             seed=config.seed,
         )
     if isinstance(config, SGDConfig):

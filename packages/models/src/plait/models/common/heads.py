@@ -39,7 +39,8 @@ class LMHead(nn.Linear):
     ``grad_in_forward`` is passed to the kernel: ``None`` (default) computes the loss's gradients in
     its forward when training (one pass over the classifier instead of two; the gradients of the
     classifier and the hidden states are held until the backward), ``False`` keeps the two-pass
-    loss, e.g. for a pipeline schedule that runs many forwards before their backwards (GPipe).
+    loss, e.g. for a pipeline schedule that runs many forwards before their backwards (GPipe;
+    ``plait.loop`` asks for it through :meth:`use_two_pass_loss`).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
@@ -76,6 +77,17 @@ class LMHead(nn.Linear):
         )
         assert isinstance(loss, torch.Tensor)
         return loss
+
+    def use_two_pass_loss(self) -> bool:
+        """Compute the loss's gradients in the backward (``grad_in_forward=False``) unless chosen explicitly.
+
+        Returns:
+            Whether the mode changed (False: ``grad_in_forward`` was already set and is kept).
+        """
+        if self.grad_in_forward is not None:
+            return False
+        self.grad_in_forward = False
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., V]`` (gathered over the tensor-parallel group if sharded)."""

@@ -74,7 +74,7 @@ class AllGatherDispatcher:
         # Equal token counts on every rank, checked on the device (no host wait): an all-gather of
         # unequal shards would read past the smaller ones.
         tokens = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
-        torch._assert_async(
+        torch._assert_async(  # noqa: SLF001  the only device-side assertion (no host wait)
             torch.all(funcol.all_gather_tensor(tokens, 0, self.group) == tokens),
             "AllGatherDispatcher: every rank of the EP group must pass the same number of tokens",
         )

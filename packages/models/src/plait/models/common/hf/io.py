@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.dist_core import dtype_name
 from plait.model_state import Mapper, load_module, materialize, save_module, write_file_atomic
 from torch import nn
 
@@ -109,7 +110,7 @@ def save_checkpoint(
         hf = dict(hf_config)
         dtypes = {v.dtype for v in module.state_dict().values() if v.is_floating_point()}
         if len(dtypes) == 1:
-            hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+            hf["dtype"] = dtype_name(dtypes.pop())
         write_file_atomic(
             Path(out) / "config.json", (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
         )

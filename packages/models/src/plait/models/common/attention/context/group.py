@@ -98,30 +98,10 @@ class ContextParallel:
                 "use auto, sdpa or flex"
             )
         n = self.size
-        docs: torch.Tensor | None = None
-        if document_ids is not None:
-            if tuple(document_ids.shape) != (batch, local_len):
-                raise ValueError(
-                    f"document_ids must have shape {(batch, local_len)} (this rank's shard), "
-                    f"got {tuple(document_ids.shape)}"
-                )
-            docs = gather_sequence(document_ids.to(device), self.group)
-        elif position_ids is not None and local_len * n > 1:
-            pos = gather_sequence(position_ids.to(device).expand(batch, local_len).contiguous(), self.group)
-            if bool((pos[:, 1:] <= pos[:, :-1]).any()):
-                docs = document_ids_from_position_ids(pos)
+        docs = self._gather_documents(batch, local_len, device, document_ids, position_ids)
         padding: torch.Tensor | None = None
         if attention_mask is not None:
-            if tuple(attention_mask.shape) != (batch, local_len):
-                raise ValueError(
-                    f"attention_mask must have shape {(batch, local_len)} (this rank's shard; 1 = "
-                    f"token, 0 = padding), got {tuple(attention_mask.shape)}"
-                )
-            full = gather_sequence(attention_mask.to(device).contiguous(), self.group)
-            full_padding = padding_mask(full, batch, local_len * n, device)
-            if full_padding is not None:  # the same answer on every rank: the rows are the same
-                docs = isolate_padding(docs, full_padding)
-                padding = attention_mask.to(device=device, dtype=torch.bool)
+            docs, padding = self._gather_padding(batch, local_len, device, attention_mask, docs)
         kernels = kernels or AttentionKernels()
         total = local_len * n
         window = sliding_window if sliding_window is not None and sliding_window < total else None
@@ -137,26 +117,94 @@ class ContextParallel:
             implementation if implementation != "auto" else ("flex" if device.type == "cuda" else "sdpa")
         )
         if backend == "flex":
-            q_docs = None if docs is None else docs[:, q_pos]
-
-            def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-                keep = q_pos[q_idx] >= kv_idx
-                if window is not None:
-                    keep = keep & (q_pos[q_idx] - kv_idx < window)
-                if docs is None or q_docs is None:
-                    return keep
-                return keep & (q_docs[b, q_idx] == docs[b, kv_idx])
-
-            block = kernels.block_mask(mask_mod, batch, local_len, total, device)
+            block = _flex_block_mask(kernels, q_pos, docs, window, batch, total, device)
             return AttentionMask("flex", block_mask=block, sliding_window=window, **common)
-        kv_pos = torch.arange(total, device=device)
-        dense = q_pos[:, None] >= kv_pos[None, :]
+        dense = _dense_mask(q_pos, docs, window, batch, total, device)
+        return AttentionMask("sdpa", dense_mask=dense, sliding_window=window, **common)
+
+    def _gather_documents(
+        self,
+        batch: int,
+        local_len: int,
+        device: torch.device,
+        document_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """``[B, T]`` document ids of the full sequence, or None when it holds one document."""
+        if document_ids is not None:
+            if tuple(document_ids.shape) != (batch, local_len):
+                raise ValueError(
+                    f"document_ids must have shape {(batch, local_len)} (this rank's shard), "
+                    f"got {tuple(document_ids.shape)}"
+                )
+            return gather_sequence(document_ids.to(device), self.group)
+        if position_ids is not None and local_len * self.size > 1:
+            pos = gather_sequence(position_ids.to(device).expand(batch, local_len).contiguous(), self.group)
+            if bool((pos[:, 1:] <= pos[:, :-1]).any()):
+                return document_ids_from_position_ids(pos)
+        return None
+
+    def _gather_padding(
+        self,
+        batch: int,
+        local_len: int,
+        device: torch.device,
+        attention_mask: torch.Tensor,
+        docs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The document ids with each padding token isolated, and this rank's padding mask."""
+        if tuple(attention_mask.shape) != (batch, local_len):
+            raise ValueError(
+                f"attention_mask must have shape {(batch, local_len)} (this rank's shard; 1 = "
+                f"token, 0 = padding), got {tuple(attention_mask.shape)}"
+            )
+        full = gather_sequence(attention_mask.to(device).contiguous(), self.group)
+        full_padding = padding_mask(full, batch, local_len * self.size, device)
+        if full_padding is None:  # the same answer on every rank: the rows are the same
+            return docs, None
+        return isolate_padding(docs, full_padding), attention_mask.to(device=device, dtype=torch.bool)
+
+
+def _flex_block_mask(
+    kernels: AttentionKernels,
+    q_pos: torch.Tensor,
+    docs: torch.Tensor | None,
+    window: int | None,
+    batch: int,
+    total: int,
+    device: torch.device,
+) -> Any:
+    """FlexAttention block mask of the local queries against the full sequence's keys."""
+    q_docs = None if docs is None else docs[:, q_pos]
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        keep = q_pos[q_idx] >= kv_idx
         if window is not None:
-            dense = dense & (q_pos[:, None] - kv_pos[None, :] < window)
-        dense = dense.expand(batch, local_len, total)
-        if docs is not None:
-            dense = dense & (docs[:, q_pos, None] == docs[:, None, :])
-        return AttentionMask("sdpa", dense_mask=dense[:, None], sliding_window=window, **common)
+            keep = keep & (q_pos[q_idx] - kv_idx < window)
+        if docs is None or q_docs is None:
+            return keep
+        return keep & (q_docs[b, q_idx] == docs[b, kv_idx])
+
+    return kernels.block_mask(mask_mod, batch, q_pos.numel(), total, device)
+
+
+def _dense_mask(
+    q_pos: torch.Tensor,
+    docs: torch.Tensor | None,
+    window: int | None,
+    batch: int,
+    total: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[B, 1, local_len, T]`` boolean mask of the local queries against the full sequence's keys."""
+    kv_pos = torch.arange(total, device=device)
+    dense = q_pos[:, None] >= kv_pos[None, :]
+    if window is not None:
+        dense = dense & (q_pos[:, None] - kv_pos[None, :] < window)
+    dense = dense.expand(batch, q_pos.numel(), total)
+    if docs is not None:
+        dense = dense & (docs[:, q_pos, None] == docs[:, None, :])
+    return dense[:, None]
 
 
 @dataclass(frozen=True)
