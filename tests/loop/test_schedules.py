@@ -119,3 +119,33 @@ def test_build_optimizers():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter with requires_grad"):
         build_optimizer(SGDConfig(), net)
+
+
+def _fused_mixed_step() -> list[torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        net[0].weight = nn.Parameter(distribute_tensor(net[0].weight.detach(), mesh, [Replicate()]))
+        net[0].bias = nn.Parameter(distribute_tensor(net[0].bias.detach(), mesh, [Replicate()]))
+        opt = build_optimizer(AdamWConfig(lr=0.1, fused=fused), net)
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        results += [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in net.parameters()]
+    return results
+
+
+def test_fused_adamw_takes_dtensor_and_plain_parameters_together():
+    # Tensor parallelism without FSDP leaves norms plain: one fused call over both kinds is refused
+    # by DTensor's dispatch, so the groups are split by kind (the update is the unfused one).
+    from plait.dist_core.testing import run_distributed
+
+    (params,) = run_distributed(_fused_mixed_step, 1)
+    half = len(params) // 2
+    for fused, plain in zip(params[half:], params[:half], strict=True):
+        torch.testing.assert_close(fused, plain)

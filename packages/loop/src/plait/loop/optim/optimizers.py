@@ -12,6 +12,7 @@ import torch
 from plait.dist_core import parse_dtype
 from plait.loop.config.sections import AdamWConfig, OptimizerConfig, SGDConfig, StochasticAdamWConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["build_optimizer", "param_groups", "wants_no_decay"]
 
@@ -72,6 +73,23 @@ def _fused_ok(params: Iterable[torch.Tensor]) -> bool:
     return all(p.device.type not in ("cpu", "meta") and p.is_floating_point() for p in params)
 
 
+def split_by_tensor_kind(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split in two where it mixes DTensor and plain-tensor parameters (same settings).
+
+    torch's fused AdamW updates a group in one multi-tensor call, which DTensor's dispatch refuses when
+    some of its tensors are DTensors and some are not (tensor parallelism without FSDP leaves the
+    norms plain). Optimizer checkpoints name parameters by FQN, so resuming across layouts whose
+    groups split differently stays possible.
+    """
+    out = []
+    for group in groups:
+        for is_dtensor in (True, False):
+            params = [p for p in group["params"] if isinstance(p, DTensor) == is_dtensor]
+            if params:
+                out.append({**group, "params": params})
+    return out
+
+
 def build_optimizer(
     config: OptimizerConfig, modules: nn.Module | Sequence[nn.Module]
 ) -> torch.optim.Optimizer:
@@ -87,7 +105,7 @@ def build_optimizer(
         flat = [p for g in groups for p in g["params"]]
         fused = _fused_ok(flat) if config.fused is None else config.fused
         return torch.optim.AdamW(
-            groups,
+            split_by_tensor_kind(groups) if fused else groups,
             lr=config.lr,
             betas=config.betas,
             eps=config.eps,
