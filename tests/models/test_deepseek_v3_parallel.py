@@ -212,14 +212,19 @@ def test_trainer_updates_the_biases_alike_on_every_rank(tmp_path):
         assert torch.allclose(steps, steps.round(), atol=1e-4) and a.abs().max() > 0  # +-rate (or 0) per step
 
 
-def _cp_rank(mode: str, ckpt: str) -> dict:
+def _cp_rank(mode: str, ckpt: str, size: int, docs: bool) -> dict:
     from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+    from plait.models.deepseek_v3 import MultiHeadLatentAttention
 
-    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device="cpu")
+    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=size), device="cpu")
     cfg = load_hf_config(ckpt).model_copy(update={"attn_implementation": "sdpa"})
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
-    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
+    attention = mode.split("_")[0]
+    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=attention))
+    for m in model.modules():
+        if isinstance(m, MultiHeadLatentAttention) and mode.endswith("expanded"):
+            m.context_gather = "expanded"
     model.to_empty(device="cpu")
     model.reset_parameters()
     load_hf_checkpoint(model, ckpt)
@@ -230,35 +235,61 @@ def _cp_rank(mode: str, ckpt: str) -> dict:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     ids, labels = _batch()
-    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)  # documents cross the ranks
-    cp = ctx.mesh_for("batch")["cp"]
-    shard = shard_batch(
-        {"input_ids": ids, "labels": labels, "position_ids": positions}, 2, cp.get_local_rank()
-    )
-    out = model(**shard)
+    batch = {"input_ids": ids, "labels": labels}
+    if docs:
+        batch["position_ids"] = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)  # cross the ranks
+    shard = shard_batch(batch, size, ctx.mesh_for("batch")["cp"].get_local_rank())
+    cp_group = ctx.mesh_for("batch")["cp"].get_group()
+    gathered: list[int] = []  # values per token of the attention's all-gathers over the context group
+    all_gather = dist.all_gather_into_tensor
+
+    def counting(out, x, group=None, **kw):
+        if group is cp_group and x.dim() > 2:  # not FSDP's flat parameter gathers
+            gathered.append(x.numel() // ids[:, : 8 // size].numel())
+        return all_gather(out, x, group=group, **kw)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        out = model(**shard)
+    finally:
+        dist.all_gather_into_tensor = all_gather
     global_tokens = int((labels != -100).sum())
     (out["loss_sum"] / global_tokens).backward()
     loss_sum = out["loss_sum"].detach().clone()
     dist.all_reduce(loss_sum)
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
              for n, p in model.named_parameters()}  # fmt: skip
-    return {"loss": loss_sum.item() / global_tokens, "grads": grads}
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads, "gathered": gathered}
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ring"])
-def test_context_parallel_matches_single_process(mode, tmp_path):
-    """cp = 2 with packed documents (v's head size 6 != q/k's 12: padded for the context kernels)."""
+@pytest.mark.parametrize(
+    ("mode", "size", "docs"),
+    [
+        ("allgather", 2, True),
+        ("allgather", 2, False),
+        ("allgather", 4, True),
+        ("allgather_expanded", 2, True),
+        ("ring", 2, True),
+    ],
+)
+def test_context_parallel_matches_single_process(mode, size, docs, tmp_path):
+    """cp = 2 and 4, with packed documents crossing the ranks and without: the all-gather mode moves
+    the latent (kv_lora_rank + qk_rope_head_dim = 20 values a token) or, with ``context_gather =
+    "expanded"``, the keys and values (2 x 4 heads x 12, v's head size 6 padded to q/k's 12); the
+    ring moves K/V. Loss and every weight gradient equal the single-process model's."""
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
     model.reset_parameters()
     ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))
     ids, labels = _batch()
-    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8) if docs else None
     ref = model(input_ids=ids, labels=labels, position_ids=positions)
     ref["loss"].backward()
-    results = run_distributed(_cp_rank, 2, mode, ckpt, timeout=240.0)
+    results = run_distributed(_cp_rank, size, mode, ckpt, size, docs, timeout=240.0)
+    widths = {"allgather": [20] * 3, "allgather_expanded": [2 * 4 * 12] * 3, "ring": []}[mode]
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
+        assert r["gathered"] == widths  # per token, one all-gather per layer
     for name, p in model.named_parameters():
         torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
