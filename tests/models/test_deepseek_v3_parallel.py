@@ -1,8 +1,8 @@
 """DeepSeek-V3 layouts on gloo against the single-process model: FSDP2 and EP=2 x FSDP2 (full
 activation checkpointing), each streaming a block-scaled FP8 checkpoint into its shards, and cp=2
-(ring, all-gather): loss and every gradient; the auxiliary-loss-free bias update leaves every rank
-with the same bias, bit for bit, as the single process (also through the Trainer); tensor
-parallelism is refused for multi-head latent attention."""
+(ring; all-gather of the latent or of the expanded K/V) and cp=4, tp=2 and tp=2 x cp=2: loss and
+every gradient; the auxiliary-loss-free bias update leaves every rank with the same bias, bit for
+bit, as the single process (also through the Trainer)."""
 
 from __future__ import annotations
 
@@ -145,23 +145,66 @@ def test_layout_matches_single_process_and_biases_agree(layout, tmp_path):
         torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _tp_worker() -> str:
+def _tp_sharded(p: DTensor) -> bool:
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+
+def _tp_rank(ckpt: str, tp: int, cp: int) -> dict:
+    from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(tensor=tp, context_shard=cp), device="cpu")
+    cfg = load_hf_config(ckpt).model_copy(update={"attn_implementation": "sdpa"})
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
-    dense = init_device_mesh("cpu", (1, 1, 1, 1, 2), mesh_dim_names=DENSE)
-    try:
-        parallelize(model, dense_mesh=dense, config=ParallelConfig())
-    except ValueError as e:
-        return str(e)
-    return "no error"
+        model = DeepseekV3ForCausalLM(cfg)
+    parallelize(model, context=ctx, config=ParallelConfig())
+    attn = model.model.layers["0"].self_attn
+    sharded = [n for n, p in attn.named_parameters() if isinstance(p, DTensor) and _tp_sharded(p)]
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    batch = {"input_ids": ids, "labels": labels}
+    batch["position_ids"] = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    out = model(**shard_batch(batch, cp, ctx.mesh_for("batch")["cp"].get_local_rank()))
+    global_tokens = int((labels != -100).sum())
+    (out["loss_sum"] / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    if cp > 1:
+        dist.all_reduce(loss_sum, group=ctx.mesh_for("batch")["cp"].get_group())
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads, "sharded": sharded}
 
 
-def test_tensor_parallel_is_refused_for_mla():
-    for message in run_distributed(_tp_worker, 2):
-        assert (
-            "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention"
-            in message
-        )
+@pytest.mark.parametrize(
+    ("q_lora_rank", "tp", "cp"), [(24, 2, 1), (None, 2, 1), (24, 2, 2)], ids=["q_lora", "q_proj", "tp2_cp2"]
+)
+def test_tensor_parallel_matches_single_process(q_lora_rank, tp, cp, tmp_path):
+    """Heads sharded over tp = 2 (also with cp = 2, the latent all-gathered): every rank's loss and
+    every weight gradient (replicated kv_a_proj_with_mqa and latent norms included, whose rope-key
+    part is read by each rank's heads) equal the single-process model's."""
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**CFG, "q_lora_rank": q_lora_rank}))
+    model.reset_parameters()
+    ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))
+    ids, labels = _batch()
+    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    ref = model(input_ids=ids, labels=labels, position_ids=positions)
+    ref["loss"].backward()
+    results = run_distributed(_tp_rank, tp * cp, ckpt, tp, cp, timeout=240.0)
+    q = "q_b_proj" if q_lora_rank else "q_proj"
+    for r in results:
+        assert sorted(r["sharded"]) == sorted([f"{q}.weight", "kv_b_proj.weight", "o_proj.weight"])
+        assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 TRAINER_CFG = dict(vocab_size=32, n_group=1, topk_group=1)  # the loop tests' vocabulary; no groups
