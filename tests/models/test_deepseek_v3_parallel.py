@@ -255,7 +255,7 @@ def test_trainer_updates_the_biases_alike_on_every_rank(tmp_path):
         assert torch.allclose(steps, steps.round(), atol=1e-4) and a.abs().max() > 0  # +-rate (or 0) per step
 
 
-def _cp_rank(mode: str, ckpt: str, size: int, docs: bool) -> dict:
+def _cp_rank(mode: str, ckpt: str, size: int, docs: bool, ac: str = "none", compile: bool = False) -> dict:
     from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
     from plait.models.deepseek_v3 import MultiHeadLatentAttention
 
@@ -264,7 +264,11 @@ def _cp_rank(mode: str, ckpt: str, size: int, docs: bool) -> dict:
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
     attention = mode.split("_")[0]
-    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=attention))
+    checkpointing = ActivationCheckpointing(mode=ac)
+    config = ParallelConfig(
+        context_parallel_attention=attention, activation_checkpointing=checkpointing, compile=compile
+    )
+    parallelize(model, context=ctx, config=config)
     for m in model.modules():
         if isinstance(m, MultiHeadLatentAttention) and mode.endswith("expanded"):
             m.context_gather = "expanded"
@@ -306,20 +310,21 @@ def _cp_rank(mode: str, ckpt: str, size: int, docs: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("mode", "size", "docs"),
+    ("mode", "size", "docs", "ac"),
     [
-        ("allgather", 2, True),
-        ("allgather", 2, False),
-        ("allgather", 4, True),
-        ("allgather_expanded", 2, True),
-        ("ring", 2, True),
+        ("allgather", 2, True, "none"),
+        ("allgather", 2, False, "full"),
+        ("allgather", 4, True, "none"),
+        ("allgather_expanded", 2, True, "none"),
+        ("ring", 2, True, "none"),
     ],
 )
-def test_context_parallel_matches_single_process(mode, size, docs, tmp_path):
+def test_context_parallel_matches_single_process(mode, size, docs, ac, tmp_path):
     """cp = 2 and 4, with packed documents crossing the ranks and without: the all-gather mode moves
     the latent (kv_lora_rank + qk_rope_head_dim = 20 values a token) or, with ``context_gather =
     "expanded"``, the keys and values (2 x 4 heads x 12, v's head size 6 padded to q/k's 12); the
-    ring moves K/V. Loss and every weight gradient equal the single-process model's."""
+    ring moves K/V. Loss and every weight gradient equal the single-process model's (also under full
+    activation checkpointing, whose recomputed forward gathers again)."""
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
     model.reset_parameters()
@@ -328,7 +333,7 @@ def test_context_parallel_matches_single_process(mode, size, docs, tmp_path):
     positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8) if docs else None
     ref = model(input_ids=ids, labels=labels, position_ids=positions)
     ref["loss"].backward()
-    results = run_distributed(_cp_rank, size, mode, ckpt, size, docs, timeout=240.0)
+    results = run_distributed(_cp_rank, size, mode, ckpt, size, docs, ac, timeout=240.0)
     widths = {"allgather": [20] * 3, "allgather_expanded": [2 * 4 * 12] * 3, "ring": []}[mode]
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
