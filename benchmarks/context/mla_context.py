@@ -147,7 +147,7 @@ def main() -> None:
         cp = ContextParallel(group, mode)
         mask = cp.build_mask(1, local, device, dtype=dtype, kernels=AttentionKernels())
         rope = rotary(cp.local_positions(local, device)[None], dtype)
-        attn.context_gather = gather  # type: ignore[assignment]
+        attn.context_gather = gather
 
         def step(layer: Any = layer, rope: Any = rope, mask: Any = mask) -> None:
             layer(x, rope, mask)[0].backward(grad)

@@ -207,6 +207,22 @@ def test_tensor_parallel_matches_single_process(q_lora_rank, tp, cp, tmp_path):
             torch.testing.assert_close(r["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def _tp_error_rank(heads: int) -> str:
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**CFG, "num_attention_heads": heads}))
+    dense = init_device_mesh("cpu", (1, 1, 1, 1, 2), mesh_dim_names=DENSE)
+    try:
+        parallelize(model, dense_mesh=dense, config=ParallelConfig())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tensor_parallel_needs_whole_heads_per_rank():
+    for message in run_distributed(_tp_error_rank, 2, 3):
+        assert message == "tensor parallel size 2 does not divide config.num_attention_heads=3"
+
+
 TRAINER_CFG = dict(vocab_size=32, n_group=1, topk_group=1)  # the loop tests' vocabulary; no groups
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,9 @@ from plait.models.common.rope import apply_rotary
 from plait.models.deepseek_v3.config import DeepseekV3Config
 from torch import nn
 
-__all__ = ["MultiHeadLatentAttention", "mla_softmax_scale"]
+__all__ = ["ContextGather", "MultiHeadLatentAttention", "mla_softmax_scale"]
+
+ContextGather = Literal["latent", "expanded"]
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -80,8 +82,6 @@ class MultiHeadLatentAttention(nn.Module):
         config: The DeepSeek-V3 config.
 
     Attributes:
-        context_gather: What the all-gather context parallelism moves: ``"latent"`` (default) or
-            ``"expanded"`` (the keys and values).
         tp_group: The tensor-parallel group (None without tensor parallelism).
     """
 
@@ -117,8 +117,26 @@ class MultiHeadLatentAttention(nn.Module):
         self.scaling = mla_softmax_scale(
             self.qk_head_dim, config.rope_parameters, config.max_position_embeddings
         )
-        self.context_gather: Literal["latent", "expanded"] = "latent"
+        self._context_gather: ContextGather = "latent"
         self.tp_group: dist.ProcessGroup | None = None
+
+    @property
+    def context_gather(self) -> ContextGather:
+        """What the all-gather context parallelism moves: ``"latent"`` (default) or ``"expanded"``
+        (the keys and values).
+
+        Raises:
+            ValueError: on setting another value.
+        """
+        return self._context_gather
+
+    @context_gather.setter
+    def context_gather(self, value: str) -> None:
+        if value not in get_args(ContextGather):
+            raise ValueError(
+                f"MultiHeadLatentAttention.context_gather must be 'latent' or 'expanded', got {value!r}"
+            )
+        self._context_gather = cast(ContextGather, value)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask
