@@ -74,6 +74,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("long_context_compiled",
              _torchrun(2, "benchmarks/context/long_context.py", "--search", "none", "--compile", "--flex-row"),
              gpus=2),
+        Step("mla_context", _torchrun(2, "benchmarks/context/mla_context.py", "--markdown",
+             "benchmarks/results/mla_context.md"), gpus=2, writes="mla_context.md"),
     ),
     "checkpoint": (
         Step("async_save", ("benchmarks/checkpoint/async_save.py", "--params-b", "1.0", "--saves", "3",

@@ -14,7 +14,12 @@ import torch
 from plait.model_state import TensorSpec
 from plait.model_state.errors import MapperError
 from plait.models import config_from_hf, flops_per_token, from_pretrained, load_hf_config
-from plait.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, Fp8BlockDequantize
+from plait.models.deepseek_v3 import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Fp8BlockDequantize,
+    MultiHeadLatentAttention,
+)
 from safetensors.torch import load_file, save_file
 
 from ._families import make_hf
@@ -258,6 +263,17 @@ def test_bad_config_names_the_key(changes, message):
         config_from_hf({**base, **changes})
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         DeepseekV3Config(num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_context_gather_accepts_latent_or_expanded():
+    cfg = DeepseekV3Config(hidden_size=32, num_attention_heads=4, kv_lora_rank=8, q_lora_rank=None,
+                           qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)  # fmt: skip
+    attn = MultiHeadLatentAttention(cfg)
+    assert attn.context_gather == "latent"
+    attn.context_gather = "expanded"
+    assert attn.context_gather == "expanded"
+    with pytest.raises(ValueError, match="context_gather must be 'latent' or 'expanded', got 'kv'"):
+        attn.context_gather = "kv"
 
 
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])

@@ -1,8 +1,8 @@
 """DeepSeek-V3 layouts on gloo against the single-process model: FSDP2 and EP=2 x FSDP2 (full
 activation checkpointing), each streaming a block-scaled FP8 checkpoint into its shards, and cp=2
-(ring, all-gather): loss and every gradient; the auxiliary-loss-free bias update leaves every rank
-with the same bias, bit for bit, as the single process (also through the Trainer); tensor
-parallelism is refused for multi-head latent attention."""
+(ring; all-gather of the latent or of the expanded K/V) and cp=4, tp=2 and tp=2 x cp=2: loss and
+every gradient; the auxiliary-loss-free bias update leaves every rank with the same bias, bit for
+bit, as the single process (also through the Trainer)."""
 
 from __future__ import annotations
 
@@ -145,9 +145,71 @@ def test_layout_matches_single_process_and_biases_agree(layout, tmp_path):
         torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _tp_worker() -> str:
+def _tp_sharded(p: DTensor) -> bool:
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+
+def _tp_rank(ckpt: str, tp: int, cp: int) -> dict:
+    from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(tensor=tp, context_shard=cp), device="cpu")
+    cfg = load_hf_config(ckpt).model_copy(update={"attn_implementation": "sdpa"})
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
+        model = DeepseekV3ForCausalLM(cfg)
+    parallelize(model, context=ctx, config=ParallelConfig())
+    attn = model.model.layers["0"].self_attn
+    sharded = [n for n, p in attn.named_parameters() if isinstance(p, DTensor) and _tp_sharded(p)]
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    ids, labels = _batch()
+    batch = {"input_ids": ids, "labels": labels}
+    batch["position_ids"] = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    out = model(**shard_batch(batch, cp, ctx.mesh_for("batch")["cp"].get_local_rank()))
+    global_tokens = int((labels != -100).sum())
+    (out["loss_sum"] / global_tokens).backward()
+    loss_sum = out["loss_sum"].detach().clone()
+    if cp > 1:
+        dist.all_reduce(loss_sum, group=ctx.mesh_for("batch")["cp"].get_group())
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for n, p in model.named_parameters()}  # fmt: skip
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads, "sharded": sharded}
+
+
+@pytest.mark.parametrize(
+    ("q_lora_rank", "tp", "cp"), [(24, 2, 1), (None, 2, 1), (24, 2, 2)], ids=["q_lora", "q_proj", "tp2_cp2"]
+)
+def test_tensor_parallel_matches_single_process(q_lora_rank, tp, cp, tmp_path):
+    """Heads sharded over tp = 2 (also with cp = 2, the latent all-gathered): every rank's loss and
+    every weight gradient (replicated kv_a_proj_with_mqa and latent norms included, whose rope-key
+    part is read by each rank's heads) equal the single-process model's."""
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**CFG, "q_lora_rank": q_lora_rank}))
+    model.reset_parameters()
+    ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))
+    ids, labels = _batch()
+    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    ref = model(input_ids=ids, labels=labels, position_ids=positions)
+    ref["loss"].backward()
+    results = run_distributed(_tp_rank, tp * cp, ckpt, tp, cp, timeout=240.0)
+    q = "q_b_proj" if q_lora_rank else "q_proj"
+    for r in results:
+        assert sorted(r["sharded"]) == sorted([f"{q}.weight", "kv_b_proj.weight", "o_proj.weight"])
+        assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _tp_error_rank(heads: int) -> str:
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**CFG, "num_attention_heads": heads}))
     dense = init_device_mesh("cpu", (1, 1, 1, 1, 2), mesh_dim_names=DENSE)
     try:
         parallelize(model, dense_mesh=dense, config=ParallelConfig())
@@ -156,12 +218,9 @@ def _tp_worker() -> str:
     return "no error"
 
 
-def test_tensor_parallel_is_refused_for_mla():
-    for message in run_distributed(_tp_worker, 2):
-        assert (
-            "tensor parallelism (tp=2) is not supported for DeepSeek-V3's multi-head latent attention"
-            in message
-        )
+def test_tensor_parallel_needs_whole_heads_per_rank():
+    for message in run_distributed(_tp_error_rank, 2, 3):
+        assert message == "tensor parallel size 2 does not divide config.num_attention_heads=3"
 
 
 TRAINER_CFG = dict(vocab_size=32, n_group=1, topk_group=1)  # the loop tests' vocabulary; no groups
@@ -212,14 +271,23 @@ def test_trainer_updates_the_biases_alike_on_every_rank(tmp_path):
         assert torch.allclose(steps, steps.round(), atol=1e-4) and a.abs().max() > 0  # +-rate (or 0) per step
 
 
-def _cp_rank(mode: str, ckpt: str) -> dict:
+def _cp_rank(mode: str, ckpt: str, size: int, docs: bool, ac: str = "none", compile: bool = False) -> dict:
     from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+    from plait.models.deepseek_v3 import MultiHeadLatentAttention
 
-    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=2), device="cpu")
+    ctx = DistributedContext.from_env(DeviceMeshParameters(context_shard=size), device="cpu")
     cfg = load_hf_config(ckpt).model_copy(update={"attn_implementation": "sdpa"})
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
-    parallelize(model, context=ctx, config=ParallelConfig(context_parallel_attention=mode))
+    attention = mode.split("_")[0]
+    checkpointing = ActivationCheckpointing(mode=ac)
+    config = ParallelConfig(
+        context_parallel_attention=attention, activation_checkpointing=checkpointing, compile=compile
+    )
+    parallelize(model, context=ctx, config=config)
+    for m in model.modules():
+        if isinstance(m, MultiHeadLatentAttention) and mode.endswith("expanded"):
+            m.context_gather = "expanded"
     model.to_empty(device="cpu")
     model.reset_parameters()
     load_hf_checkpoint(model, ckpt)
@@ -230,35 +298,62 @@ def _cp_rank(mode: str, ckpt: str) -> dict:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     ids, labels = _batch()
-    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)  # documents cross the ranks
-    cp = ctx.mesh_for("batch")["cp"]
-    shard = shard_batch(
-        {"input_ids": ids, "labels": labels, "position_ids": positions}, 2, cp.get_local_rank()
-    )
-    out = model(**shard)
+    batch = {"input_ids": ids, "labels": labels}
+    if docs:
+        batch["position_ids"] = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)  # cross the ranks
+    shard = shard_batch(batch, size, ctx.mesh_for("batch")["cp"].get_local_rank())
+    cp_group = ctx.mesh_for("batch")["cp"].get_group()
+    gathered: list[int] = []  # values per token of the attention's all-gathers over the context group
+    all_gather = dist.all_gather_into_tensor
+
+    def counting(out, x, group=None, **kw):
+        if group is cp_group and x.dim() > 2:  # not FSDP's flat parameter gathers
+            gathered.append(x.numel() // ids[:, : 8 // size].numel())
+        return all_gather(out, x, group=group, **kw)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        out = model(**shard)
+    finally:
+        dist.all_gather_into_tensor = all_gather
     global_tokens = int((labels != -100).sum())
     (out["loss_sum"] / global_tokens).backward()
     loss_sum = out["loss_sum"].detach().clone()
     dist.all_reduce(loss_sum)
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
              for n, p in model.named_parameters()}  # fmt: skip
-    return {"loss": loss_sum.item() / global_tokens, "grads": grads}
+    return {"loss": loss_sum.item() / global_tokens, "grads": grads, "gathered": gathered}
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ring"])
-def test_context_parallel_matches_single_process(mode, tmp_path):
-    """cp = 2 with packed documents (v's head size 6 != q/k's 12: padded for the context kernels)."""
+@pytest.mark.parametrize(
+    ("mode", "size", "docs", "ac"),
+    [
+        ("allgather", 2, True, "none"),
+        ("allgather", 2, False, "full"),
+        ("allgather", 4, True, "none"),
+        ("allgather_expanded", 2, True, "none"),
+        ("ring", 2, True, "none"),
+    ],
+)
+def test_context_parallel_matches_single_process(mode, size, docs, ac, tmp_path):
+    """cp = 2 and 4, with packed documents crossing the ranks and without: the all-gather mode moves
+    the latent (kv_lora_rank + qk_rope_head_dim = 20 values a token) or, with ``context_gather =
+    "expanded"``, the keys and values (2 x 4 heads x 12, v's head size 6 padded to q/k's 12); the
+    ring moves K/V. Loss and every weight gradient equal the single-process model's (also under full
+    activation checkpointing, whose recomputed forward gathers again)."""
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**CFG))
     model.reset_parameters()
     ckpt = str(save_hf_checkpoint(model, tmp_path / "seed"))
     ids, labels = _batch()
-    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
+    positions = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8) if docs else None
     ref = model(input_ids=ids, labels=labels, position_ids=positions)
     ref["loss"].backward()
-    results = run_distributed(_cp_rank, 2, mode, ckpt, timeout=240.0)
+    results = run_distributed(_cp_rank, size, mode, ckpt, size, docs, ac, timeout=240.0)
+    widths = {"allgather": [20] * 3, "allgather_expanded": [2 * 4 * 12] * 3, "ring": []}[mode]
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"].item(), abs=1e-5)
+        assert r["gathered"] == widths  # per token, one all-gather per layer
     for name, p in model.named_parameters():
         torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 

@@ -1,7 +1,7 @@
 """DeepSeek-V3 (Hugging Face ``model_type`` ``deepseek_v3``)."""
 
 from plait.models.common.family import Family
-from plait.models.deepseek_v3.attention import MultiHeadLatentAttention, mla_softmax_scale
+from plait.models.deepseek_v3.attention import ContextGather, MultiHeadLatentAttention, mla_softmax_scale
 from plait.models.deepseek_v3.config import DeepseekV3Config
 from plait.models.deepseek_v3.flops import deepseek_v3_flops_per_token
 from plait.models.deepseek_v3.hf import (
@@ -36,6 +36,7 @@ FAMILY = Family(
 
 __all__ = [
     "FAMILY",
+    "ContextGather",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",
     "Duplicate",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Literal, cast, get_args
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from plait.models.common.attention import AttentionMask
+from plait.models.common._comm import all_reduce_backward
+from plait.models.common.attention import AttentionMask, allgather_latent_attention
 from plait.models.common.attention.core import attention
 from plait.models.common.config import RopeParameters
 from plait.models.common.norm import RMSNorm
@@ -14,7 +17,9 @@ from plait.models.common.rope import apply_rotary
 from plait.models.deepseek_v3.config import DeepseekV3Config
 from torch import nn
 
-__all__ = ["MultiHeadLatentAttention", "mla_softmax_scale"]
+__all__ = ["ContextGather", "MultiHeadLatentAttention", "mla_softmax_scale"]
+
+ContextGather = Literal["latent", "expanded"]
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -43,16 +48,11 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _padded_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
-) -> torch.Tensor:
-    """Attention through kernels that need one head size for q, k and v (FlashAttention's; context
-    parallelism's, which move k and v in one buffer): the narrower side is zero-padded, which adds
-    nothing to a score or to an output column, and the output is cut back to v's width."""
-    d = max(q.shape[-1], v.shape[-1])
-    q, k = F.pad(q, (0, d - q.shape[-1])), F.pad(k, (0, d - k.shape[-1]))
-    out = attention(q, k, F.pad(v, (0, d - v.shape[-1])), mask, scale)
-    return out[..., : v.shape[-1]]
+def _pad(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` zero-padded to head size ``d`` (kernels that need one head size for q, k and v:
+    FlashAttention's; context parallelism's, which move k and v in one buffer). Zero columns add
+    nothing to a score or to an output column; the output is cut back to v's width."""
+    return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -65,11 +65,24 @@ class MultiHeadLatentAttention(nn.Module):
     rope parts (interleaved pairs with ``rope_interleave``); attention runs on the trunk's kernels
     with v's head size != q/k's (SDPA, FlexAttention; for FlashAttention and under context
     parallelism, whose kernels need one head size, the narrower of q/k and v is zero-padded);
-    ``o_proj`` maps ``heads * v_head_dim`` back. Context parallelism moves the expanded keys and
-    values, not the latent.
+    ``o_proj`` maps ``heads * v_head_dim`` back.
+
+    Context parallelism in the all-gather mode moves the latent (``kv_a_layernorm(c_kv)`` and the
+    rope key after RoPE at the global positions, ``kv_lora_rank + qk_rope_head_dim`` values a token)
+    and every rank expands the whole sequence with ``kv_b_proj``
+    (:func:`plait.models.common.attention.allgather_latent_attention`); ``context_gather =
+    "expanded"`` gathers the expanded keys and values instead (``2 * heads * max(qk_head_dim,
+    v_head_dim)`` values a token), as the ring mode moves them.
+
+    Under tensor parallelism the heads are sharded (``q_b_proj`` / ``q_proj`` and ``kv_b_proj``
+    column-parallel, ``o_proj`` row-parallel) and the latent path is replicated; every local head
+    reads the one rope key, so its gradient is summed over ``tp_group`` (set by the plan).
 
     Args:
         config: The DeepSeek-V3 config.
+
+    Attributes:
+        tp_group: The tensor-parallel group (None without tensor parallelism).
     """
 
     sliding_window: int | None = None
@@ -104,6 +117,26 @@ class MultiHeadLatentAttention(nn.Module):
         self.scaling = mla_softmax_scale(
             self.qk_head_dim, config.rope_parameters, config.max_position_embeddings
         )
+        self._context_gather: ContextGather = "latent"
+        self.tp_group: dist.ProcessGroup | None = None
+
+    @property
+    def context_gather(self) -> ContextGather:
+        """What the all-gather context parallelism moves: ``"latent"`` (default) or ``"expanded"``
+        (the keys and values).
+
+        Raises:
+            ValueError: on setting another value.
+        """
+        return self._context_gather
+
+    @context_gather.setter
+    def context_gather(self, value: str) -> None:
+        if value not in get_args(ContextGather):
+            raise ValueError(
+                f"MultiHeadLatentAttention.context_gather must be 'latent' or 'expanded', got {value!r}"
+            )
+        self._context_gather = cast(ContextGather, value)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask
@@ -118,19 +151,41 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(b, s, -1, self.qk_head_dim)
         q_nope, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, s, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_rot = k_rot.view(b, s, 1, self.qk_rope_head_dim)
+        k_rot = all_reduce_backward(k_rot, self.tp_group).view(b, s, 1, self.qk_rope_head_dim)
         if self.rope_interleave:
             q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
         q_rot, k_rot = apply_rotary(q_rot, k_rot, *rope)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-        if (mask.context is not None or mask.backend == "flash") and self.v_head_dim != self.qk_head_dim:
-            out = _padded_attention(q, k, v, mask, self.scaling)
+        c_kv = self.kv_a_layernorm(c_kv)
+        cp, dv = mask.context, self.v_head_dim
+        if cp is not None and cp.mode == "allgather" and self.context_gather == "latent":
+            latent = torch.cat((c_kv, k_rot.flatten(2)), dim=-1)
+            d = max(self.qk_head_dim, dv)
+            out = allgather_latent_attention(_pad(q, d), latent, self._expand_latent, mask, self.scaling, cp)
+            out = out[..., :dv]
         else:
-            out = attention(q, k, v, mask, self.scaling)
+            k, v = self._expand(c_kv, k_rot)
+            if (cp is not None or mask.backend == "flash") and dv != self.qk_head_dim:
+                d = max(self.qk_head_dim, dv)
+                out = attention(_pad(q, d), _pad(k, d), _pad(v, d), mask, self.scaling)[..., :dv]
+            else:
+                out = attention(q, k, v, mask, self.scaling)
         return self.o_proj(out.reshape(b, s, -1))
+
+    def _expand(self, c_kv: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed latent ``[B, T, kv_lora_rank]`` and rope key ``[B, T, 1, rope]`` -> per-head
+        ``k [B, T, heads, qk_head_dim]``, ``v [B, T, heads, v_head_dim]``."""
+        b, t, _ = c_kv.shape
+        kv = self.kv_b_proj(c_kv).view(b, t, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        return torch.cat((k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)), dim=-1), v
+
+    def _expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered ``[B, T, kv_lora_rank + rope]`` -> ``k, v`` padded to one head size."""
+        c_kv, k_rot = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k, v = self._expand(c_kv, k_rot.unsqueeze(2))
+        d = max(self.qk_head_dim, self.v_head_dim)
+        return _pad(k, d), _pad(v, d)
 
     def reset_parameters(self, std: float) -> None:
         """Normal(0, std) projections, zero biases, unit norms."""

@@ -4,6 +4,7 @@ from plait.models.common.attention.context import (
     ContextParallel,
     ContextParallelMask,
     ContextParallelMode,
+    allgather_latent_attention,
     context_attention,
 )
 from plait.models.common.attention.core import attention
@@ -29,6 +30,7 @@ __all__ = [
     "ContextParallelMask",
     "ContextParallelMode",
     "GroupedQueryAttention",
+    "allgather_latent_attention",
     "apply_sinks",
     "attention",
     "build_attention_mask",

@@ -1,15 +1,20 @@
 """All-gather context parallelism: gather K and V over the group, attend the local queries to the
 whole sequence (differentiable: the backward reduce-scatters the K/V gradients).
 
+Attention whose K/V are a per-token function of a narrower latent (multi-head latent attention)
+gathers the latent instead (:func:`allgather_latent_attention`) and expands it on every rank.
+
 Plain causal rows (no documents, padding, window or sinks) run SDPA kernels per local chunk: the
 chunk against its own keys (causal) and against the keys before it (no mask), merged by the
 log-sum-exp rule (cuDNN on Hopper+ GPUs for fp16/bf16, FlashAttention-for-CPU on CPU); otherwise
 one FlexAttention (CUDA) or dense-mask call whose mask is causal in global positions, per document
-and windowed. The gathered K/V are not kept for the backward: it gathers them again.
+and windowed. The gathered K/V are not kept for the backward: it gathers them again (or, for a
+gathered latent, expands the saved latent again).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +26,7 @@ from plait.models.common.attention.context.lse import merge_lse
 from plait.models.common.attention.kernels import masked_attention
 from plait.models.common.attention.mask import AttentionMask
 
-__all__ = ["allgather_attention", "gather_stacked"]
+__all__ = ["allgather_attention", "allgather_latent_attention", "gather_stacked"]
 
 
 def gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -59,11 +64,59 @@ def allgather_attention(
 ) -> torch.Tensor:
     """Local ``q [B, S, Hq, D]`` attending to the K/V of all ranks, all-gathered (``[B, S, Hq, D]`` out)."""
     local = torch.stack([k, v])
-    kv = _unshard_kv(_AllGather.apply(local, cp.group))
+    kv = _unshard(_AllGather.apply(local, cp.group), dim=2)
     # The attention saves the gathered K/V for its backward: keep this rank's shard instead and
     # gather again when the backward needs them (1/size of the memory, one more all-gather).
-    regather = _RegatherSaved(kv, local.detach(), cp.group)
-    with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+    shard = local.detach()
+    return _attend_gathered(
+        q, kv, mask, scale, cp, sinks, lambda: _unshard(gather_stacked(shard, cp.group), 2)
+    )
+
+
+@torch.compiler.disable  # collectives and saved-tensor hooks run eagerly
+def allgather_latent_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    mask: AttentionMask,
+    scale: float,
+    cp: ContextParallelMask,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Local ``q [B, S, Hq, D]`` attending to K/V expanded from the all-gathered per-token latent.
+
+    The all-gather moves ``latent [B, S, L]`` (its backward reduce-scatters the latent's gradient);
+    every rank then expands the whole sequence's latent with ``expand`` (``[B, T, L]`` ->
+    ``k, v [B, T, Hk, D]``; the gradient of its weights is this rank's queries' share, summed over
+    the group by data parallelism like every other weight's). The expanded K/V are not kept for the
+    backward: it expands the saved latent again (one more ``expand``, no communication).
+
+    Returns:
+        ``[B, S, Hq, D]``.
+    """
+    full = _unshard(_AllGather.apply(latent, cp.group), dim=1)
+    kv = torch.stack(expand(full))
+    saved = full.detach()
+
+    def rebuild() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack(expand(saved))
+
+    return _attend_gathered(q, kv, mask, scale, cp, sinks, rebuild)
+
+
+def _attend_gathered(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    mask: AttentionMask,
+    scale: float,
+    cp: ContextParallelMask,
+    sinks: torch.Tensor | None,
+    rebuild: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """Local queries to the whole sequence's ``kv [2, B, T, Hk, D]``; the backward gets the K/V it
+    saved from ``rebuild()`` (the same tensor again) instead of keeping them."""
+    with torch.autograd.graph.saved_tensors_hooks(*_RebuildSaved(kv, rebuild).hooks()):
         if mask.block_mask is None and mask.dense_mask is None:  # plain causal
             return _CausalChunks.apply(q, kv, cp, scale)  # type: ignore[no-any-return]
         qt, kt, vt = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)
@@ -140,28 +193,33 @@ class _CausalChunks(torch.autograd.Function):
         return dq.transpose(1, 2).to(q.dtype), dkv.transpose(2, 3).to(kv.dtype), None, None
 
 
-def _unshard_kv(gathered: torch.Tensor) -> torch.Tensor:
-    """``[n, 2, B, S/n, Hk, D]`` gathered shards -> ``[2, B, S, Hk, D]`` K/V in sequence order."""
-    return unshard_sequence(list(gathered.unbind(0)), dim=2)
+def _unshard(gathered: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[n, ...]`` gathered shards (sequence at ``dim`` of the result) -> the sequence in order."""
+    return unshard_sequence(list(gathered.unbind(0)), dim=dim)
 
 
-class _RegatherSaved:
-    """``saved_tensors_hooks`` that store a saved view of the gathered K/V as this rank's shard.
+class _RebuildSaved:
+    """``saved_tensors_hooks`` that store a saved view of the gathered K/V as its geometry only.
 
     ``pack`` replaces a saved tensor that shares the storage of ``full`` by its view geometry;
-    ``unpack`` all-gathers the shards again (once per backward: the views saved by one forward
-    share one gather) and returns the same view of the new tensor. Other saved tensors pass through.
-    Both ranks unpack in the same backward node, so the all-gathers pair up.
+    ``unpack`` calls ``rebuild`` (once per backward: the views saved by one forward share one
+    rebuild; a re-gather is a collective, and both ranks unpack in the same backward node, so the
+    all-gathers pair up) and returns the same view of the new tensor. Other saved tensors pass through.
     """
 
-    def __init__(self, full: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def __init__(self, full: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> None:
         self.storage = full.untyped_storage().data_ptr()
-        self.local, self.group = local, group
+        self.device = full.device
+        self.rebuild = rebuild
         self.pending = 0  # packed views not yet unpacked
         self.full: torch.Tensor | None = None
 
+    def hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """``(pack, unpack)`` for :func:`torch.autograd.graph.saved_tensors_hooks`."""
+        return self.pack, self.unpack
+
     def pack(self, t: torch.Tensor) -> Any:
-        if t.untyped_storage().data_ptr() != self.storage or t.device != self.local.device:
+        if t.untyped_storage().data_ptr() != self.storage or t.device != self.device:
             return t
         self.pending += 1
         return tuple(t.shape), t.stride(), t.storage_offset()
@@ -171,9 +229,9 @@ class _RegatherSaved:
             return packed
         shape, stride, offset = packed
         if self.full is None:
-            self.full = _unshard_kv(gather_stacked(self.local, self.group))
+            self.full = self.rebuild()
         view = self.full.as_strided(shape, stride, offset)
         self.pending -= 1
-        if self.pending <= 0:  # every view has its tensor: drop the reference (retain_graph re-gathers)
+        if self.pending <= 0:  # every view has its tensor: drop the reference (retain_graph rebuilds)
             self.full, self.pending = None, 0
         return view
