@@ -89,6 +89,9 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("schedules", _torchrun(2, "benchmarks/pipelining/schedules.py", "--batch", "32", "--seq", "2048",
              "--microbatches", "8"), gpus=2),
         Step("layouts", ("benchmarks/training/layouts.py", "--gpus", "4", "--steps", "10"), gpus=4),
+        *(Step(f"layouts_{family}", ("benchmarks/training/layouts.py", "--gpus", "2", "--steps", "10", "--family",
+               family, "--dir", f"/tmp/plait_layouts_{family}"), gpus=2)
+          for family in ("llama", "gpt_oss", "deepseek_v3")),
     ),
     "gpu-tests": (
         Step("gpu_tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests")),
