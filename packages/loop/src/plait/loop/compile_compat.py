@@ -3,8 +3,8 @@
 A split-backward pipeline schedule keeps the autograd graph of the input-gradient pass for the
 weight-gradient pass (``retain_graph``). A backward compiled by AOTAutograd with donated buffers
 refuses that, and torch has no public switch for it: only ``torch._functorch.config.donated_buffer``.
-``tests/loop/test_compile_compat.py`` checks that the flag still exists and still governs donation,
-so a torch upgrade that changes it fails there, by name.
+``tests/loop/test_compile_compat.py`` checks that the flag still exists as a boolean setting and
+that this function turns it off, so a torch upgrade that removes or renames it fails there, by name.
 """
 
 from __future__ import annotations
