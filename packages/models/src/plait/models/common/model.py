@@ -128,7 +128,7 @@ class DecoderTrunk(nn.Module):
             assert isinstance(layer, DecoderLayer)
             yield layer
 
-    def _masks(
+    def masks(
         self,
         h: torch.Tensor,
         position_ids: torch.Tensor | None,
@@ -195,7 +195,7 @@ class DecoderTrunk(nn.Module):
             if hidden_states is None:
                 raise ValueError("stages after the first need hidden_states from the previous stage")
             h = hidden_states
-        masks, position_ids = self._masks(h, position_ids, document_ids, attention_mask)
+        masks, position_ids = self.masks(h, position_ids, document_ids, attention_mask)
         rope = self.rotary_emb(position_ids.to(h.device), h.dtype)
         aux: torch.Tensor | None = None
         stats: torch.Tensor | None = None

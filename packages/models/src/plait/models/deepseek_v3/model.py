@@ -169,7 +169,7 @@ class DeepseekV3ForCausalLM(CausalLMStage):
             handle.remove()
         assert input_ids is not None and self.model.embed_tokens is not None and self.lm_head is not None
         h = captured[0]
-        masks, positions = self.model._masks(h, position_ids, document_ids, attention_mask)
+        masks, positions = self.model.masks(h, position_ids, document_ids, attention_mask)
         rope = self.model.rotary_emb(positions.to(h.device), h.dtype)
         labels = labels.to(h.device)
         if attention_mask is not None:
