@@ -146,3 +146,35 @@ def test_activation_checkpointing_matches_no_checkpointing(case, mode, tmp_path)
     assert len(counts) == (3 if case == "gpt_oss" else 0)
     for a, b in zip(counts, ref_counts, strict=True):
         assert torch.equal(a, b) and int(a.sum()) == ids.numel() * 2  # top-2 of each token, once
+
+
+def test_selective_checkpointing_keeps_matmuls_and_grouped_gemms(tmp_path):
+    """Per-op selective checkpointing recomputes the layer but not its matmuls or the experts' grouped
+    GEMMs: the backward runs as many of them as without checkpointing (full checkpointing runs more)."""
+    import collections
+
+    from plait.models import ActivationCheckpointing, ParallelConfig, parallelize
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    path, _ = make_hf("gpt_oss", tmp_path)
+    ids, labels = _batch()
+    counts = {}
+    for ac in ("none", "full", "selective"):
+        model = from_pretrained(path).train()
+        parallelize(model, config=ParallelConfig(activation_checkpointing=ActivationCheckpointing(mode=ac)))
+        out = model(input_ids=ids, labels=labels)
+        with Count() as c:
+            (out["loss"] + out["aux_loss"]).backward()
+        counts[ac] = c.ops
+    for op in ("plait.gmm.default", "aten.addmm.default"):  # gpt-oss projections have biases
+        assert counts["full"][op] > counts["none"][op], op
+        assert counts["selective"][op] == counts["none"][op], op

@@ -16,8 +16,10 @@ class ActivationCheckpointing(BaseModel):
         mode: ``none``; ``full`` (recompute the whole layer in backward); ``selective`` (recompute
             the layer but keep the outputs of the ops in ``save_ops``).
         every: Checkpoint every k-th layer (by global layer index: layers with ``idx % every == 0``).
-        save_ops: ``selective`` only: ATen op names whose outputs are saved instead of recomputed
-            (default: matmuls and attention, the expensive ops).
+        save_ops: ``selective`` only: op names whose outputs are saved instead of recomputed
+            (default: the expensive ones, as torchtitan's per-op policy: matmuls, the experts' grouped
+            GEMMs, attention kernels, and the collectives of tensor and expert parallelism, whose
+            recomputation would repeat the communication).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -32,6 +34,12 @@ class ActivationCheckpointing(BaseModel):
         "aten._scaled_dot_product_flash_attention.default",
         "aten._scaled_dot_product_flash_attention_for_cpu.default",
         "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._flash_attention_forward.default",
+        "aten._efficient_attention_forward.default",
+        "aten._grouped_mm.default",
+        "plait.gmm.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "_c10d_functional.all_to_all_single.default",
     )
 
 
