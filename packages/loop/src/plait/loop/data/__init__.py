@@ -1,10 +1,12 @@
 """Data: a stateful distributed loader, packing, collation, readers and tokenizers."""
 
+from plait.loop.data.chat import ChatTemplate
 from plait.loop.data.collate import PadCollator
 from plait.loop.data.loader import DistributedDataLoader
 from plait.loop.data.packing import PackedTokens, pack_documents
 from plait.loop.data.readers import (
     read_hf_texts,
+    read_jsonl_records,
     read_jsonl_texts,
     read_text_file,
     read_token_file,
@@ -15,7 +17,10 @@ from plait.loop.data.sources import (
     FORMATS,
     DataSourceError,
     build_packed_corpus,
+    chat_template_of,
+    encode_chat,
     infer_format,
+    read_chats,
     read_documents,
     resolve_source,
     token_dtype,
@@ -31,6 +36,7 @@ from plait.loop.data.tokenizers import (
 __all__ = [
     "FORMATS",
     "ByteTokenizer",
+    "ChatTemplate",
     "DataSourceError",
     "DistributedDataLoader",
     "GlobalBatchPlan",
@@ -39,12 +45,16 @@ __all__ = [
     "PadCollator",
     "Tokenizer",
     "build_packed_corpus",
+    "chat_template_of",
     "copy_tokenizer_files",
+    "encode_chat",
     "has_tokenizer",
     "infer_format",
     "pack_documents",
+    "read_chats",
     "read_documents",
     "read_hf_texts",
+    "read_jsonl_records",
     "read_jsonl_texts",
     "read_text_file",
     "read_token_file",

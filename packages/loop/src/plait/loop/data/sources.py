@@ -14,23 +14,29 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from plait.loop.data.chat import ChatTemplate, assistant_token_mask, check_messages
 from plait.loop.data.packing import PackedTokens, pack_documents
-from plait.loop.data.readers import read_jsonl_texts, read_text_file, read_token_file
+from plait.loop.data.readers import read_jsonl_records, read_jsonl_texts, read_text_file, read_token_file
 from plait.loop.data.tokenizers import Tokenizer
 
 __all__ = [
     "FORMATS",
     "DataFormat",
     "DataSourceError",
+    "LossOn",
     "build_packed_corpus",
+    "chat_template_of",
+    "encode_chat",
     "infer_format",
+    "read_chats",
     "read_documents",
     "resolve_source",
     "token_dtype",
 ]
 
-DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens"]
-FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens")
+DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "chat"]
+LossOn = Literal["assistant", "all"]
+FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens", "chat")
 _EXTENSIONS = {
     **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
     **dict.fromkeys((".jsonl", ".ndjson"), "jsonl"),
@@ -190,7 +196,90 @@ def read_documents(
         elif kind == "arrow":
             yield from _read_arrow(path, text_field)
         else:
-            raise DataSourceError(f"{path}: format {kind!r} holds tokens, not documents")
+            what = "conversations" if kind == "chat" else "tokens"
+            raise DataSourceError(f"{path}: format {kind!r} holds {what}, not documents")
+
+
+def read_chats(files: Sequence[Path]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """``(file:line, messages)`` of each record of JSON-lines chat files: ``{"messages": [{"role",
+    "content"}, ...]}`` with roles among :data:`~plait.loop.data.chat.ROLES` and an assistant turn.
+
+    Raises:
+        DataSourceError: naming the file and line of a record that is not UTF-8, not JSON, has no
+            ``messages`` list, a message with an unknown role or no content, or no assistant turn.
+    """
+    for path in files:
+        try:
+            for lineno, record in read_jsonl_records(path):
+                try:
+                    yield f"{path}:{lineno}", check_messages(record)
+                except ValueError as e:
+                    raise DataSourceError(f"{path}:{lineno}: {e}") from None
+        except ValueError as e:
+            raise DataSourceError(str(e)) from None
+
+
+def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template of a Hugging Face tokenizer's directory.
+
+    Raises:
+        DataSourceError: the byte tokenizer (it has none), a directory without a template, jinja2 missing.
+    """
+    path = getattr(tokenizer, "path", None)
+    if path is None or not hasattr(tokenizer, "encode_with_char_map"):
+        raise DataSourceError(
+            "data.format='chat' needs data.tokenizer = a Hugging Face tokenizer directory with a chat template "
+            "(the byte tokenizer has none)"
+        )
+    try:
+        return ChatTemplate.from_dir(path)
+    except (ImportError, ValueError) as e:
+        raise DataSourceError(f"data.tokenizer: {e}") from None
+
+
+def encode_chat(
+    tokenizer: Any, template: ChatTemplate, messages: Sequence[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
+    """A conversation's token ids and its assistant-token mask (1 = an assistant token), as
+    ``transformers``' ``apply_chat_template(messages, tokenize=True, return_dict=True,
+    return_assistant_tokens_mask=True)`` gives ``input_ids`` and ``assistant_masks``.
+
+    Raises:
+        ValueError: the template failed on the messages.
+    """
+    text, spans = template.render_with_spans(messages)
+    ids, char_to_token = tokenizer.encode_with_char_map(text)
+    return ids, assistant_token_mask(len(ids), spans, char_to_token)
+
+
+def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_on: LossOn) -> PackedTokens:
+    template = chat_template_of(tokenizer)
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    offsets, total = [], 0
+    for where, messages in read_chats(files):
+        try:
+            tokens, mask = encode_chat(tokenizer, template, messages)
+        except ValueError as e:
+            raise DataSourceError(f"{where}: {e}") from None
+        if loss_on == "assistant" and not any(mask):
+            raise DataSourceError(f"{where}: the chat template renders no assistant token for this record")
+        offsets.append(total)
+        total += len(tokens)
+        ids.append(np.asarray(tokens, dtype=np.int32))
+        masks.append(np.asarray(mask, dtype=np.uint8))
+    if not ids:
+        raise DataSourceError(f"data.source: no chat records in {', '.join(map(str, files))}")
+    try:
+        return PackedTokens(
+            np.concatenate(ids),
+            seq_len,
+            None,
+            doc_offsets=np.asarray(offsets, dtype=np.int64),
+            loss_mask=np.concatenate(masks) if loss_on == "assistant" else None,
+        )
+    except ValueError as e:
+        raise DataSourceError(f"data.source: {e}") from None
 
 
 def token_dtype(vocab_size: int) -> Any:
@@ -231,17 +320,22 @@ def build_packed_corpus(
     text_field: str = "text",
     *,
     strict_utf8: bool = True,
+    loss_on: LossOn = "assistant",
 ) -> PackedTokens:
     """``files`` tokenised (or, for ``tokens``, memory-mapped) and packed into rows of ``seq_len``.
 
-        Each document gets the tokenizer's special tokens (:meth:`HFTokenizer.encode_document`) and ends
-        in its eos token, which :class:`PackedTokens` takes as the document boundary. ``strict_utf8``: see
-    :func:`read_documents`.
+    Each document gets the tokenizer's special tokens (:meth:`HFTokenizer.encode_document`) and ends
+    in its eos token, which :class:`PackedTokens` takes as the document boundary. ``strict_utf8``: see
+    :func:`read_documents`. A ``chat`` record is one document, rendered with the tokenizer's chat
+    template (:func:`encode_chat`), its boundaries kept as offsets; with ``loss_on="assistant"`` only
+    its assistant tokens are targets, with ``"all"`` every token is.
 
-        Raises:
-            DataSourceError: bad input, or too few tokens for one row.
+    Raises:
+        DataSourceError: bad input, or too few tokens for one row.
     """
     kinds = {infer_format(p) if fmt == "auto" else fmt for p in files}
+    if kinds == {"chat"}:
+        return _pack_chats(files, seq_len, tokenizer, loss_on)
     if "tokens" in kinds:
         if kinds != {"tokens"}:
             raise DataSourceError(f"data.source: token files mixed with {sorted(kinds - {'tokens'})} files")
