@@ -13,7 +13,8 @@ then be left out; the keys it sets must agree with the checkpoint's, except the 
 
 By default byte-level tokens (no tokenizer download), documents packed into fixed-length rows with
 per-document attention masking. ``[data]`` takes your own corpus: ``source`` a file, a directory or a
-glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``;
+glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``
+| ``chat`` (supervised fine-tuning on conversations: ``loss_on`` ``assistant`` (default) or ``all``);
 ``text_field``; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
 ``--init-from`` checkpoint's, when it has one; the export gets a copy). The last
 ``data.validation_files`` files of the corpus are held out (never trained on) for the validation loss
@@ -64,7 +65,7 @@ from plait.loop.data import (
     has_tokenizer,
     resolve_source,
 )
-from plait.loop.data.sources import DataFormat
+from plait.loop.data.sources import DataFormat, LossOn
 from plait.models import (
     CausalLMProvider,
     DecoderConfig,
@@ -111,9 +112,14 @@ class DataConfig(BaseModel):
     format: DataFormat = Field(
         "auto",
         description="'auto' (from each file's extension; a datasets.save_to_disk folder is arrow), "
-        "'text', 'jsonl', 'parquet', 'arrow' or 'tokens' (raw token files)",
+        "'text', 'jsonl', 'parquet', 'arrow', 'tokens' (raw token files) or 'chat' (JSONL records with a "
+        "'messages' list, rendered with the tokenizer's chat template)",
     )
     text_field: str = Field("text", description="The JSONL field / parquet or arrow column of the text")
+    loss_on: LossOn = Field(
+        "assistant",
+        description="format='chat': train on the assistant tokens only ('assistant') or on every token ('all')",
+    )
     pattern: str | None = Field(
         None, description="The files of a directory source ('*.py' for stdlib, else every file)"
     )
@@ -240,6 +246,7 @@ def build_dataset(
         cfg.format,
         cfg.text_field,
         strict_utf8=cfg.source != "stdlib",
+        loss_on=cfg.loss_on,
     )
 
 
@@ -412,18 +419,27 @@ def check_data(config: TrainConfig) -> None:
         StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
     """
     assert config.model is not None
-    data, seq_len = config.data, config.batching.seq_len
-    if data.validation_files == 0 and config.evaluation.enabled:
+    check_corpus(config.data, config.batching.seq_len, config.model.vocab_size, config.evaluation.enabled)
+
+
+def check_corpus(data: DataConfig, seq_len: int, vocab_size: int, evaluate: bool) -> None:
+    """Read and tokenise the training (and, with ``evaluate``, the validation) corpus of ``data``, cached
+    for the trainer, and check the tokenizer's ids fit ``vocab_size`` (also used by ``finetune_lora.py``).
+
+    Raises:
+        StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
+    """
+    if data.validation_files == 0 and evaluate:
         raise StartupError("data.validation_files=0 holds out nothing for evaluation.enabled=true")
     try:
         tokenizer = build_tokenizer(data)
-        if tokenizer.vocab_size > config.model.vocab_size:
+        if tokenizer.vocab_size > vocab_size:
             raise StartupError(
                 f"data.tokenizer: {data.tokenizer} has {tokenizer.vocab_size} token ids, more than "
-                f"model.vocab_size={config.model.vocab_size}"
+                f"model.vocab_size={vocab_size}"
             )
         build_dataset(data, seq_len)
-        if config.evaluation.enabled:
+        if evaluate:
             build_dataset(data, seq_len, "validation")
     except DataSourceError as e:
         raise StartupError(str(e)) from None

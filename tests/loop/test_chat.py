@@ -8,7 +8,6 @@ import json
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -102,7 +101,9 @@ def test_packed_chats_keep_documents_and_train_on_assistant_tokens_only(tmp_path
     files = [_write_chats(tmp_path / "c.jsonl", CHATS[:2] * 3)]
     stream, target, starts = [], [], []
     for m in CHATS[:2] * 3:
-        enc = theirs.apply_chat_template(m, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        enc = theirs.apply_chat_template(
+            m, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         starts.append(len(stream))
         stream += list(enc["input_ids"])
         target += list(enc["assistant_masks"])
@@ -143,7 +144,10 @@ def test_bad_chat_records_name_file_and_line(tmp_path):
     fails([ok, ok, json.dumps({"messages": [{"role": "bot", "content": "x"}]})],
           f"{bad}:3: message 0 has role 'bot' (expected one of system, user, assistant, tool)")  # fmt: skip
     fails([json.dumps({"messages": [{"role": "user", "content": "x"}]})], f"{bad}:1: no assistant message")
-    fails([json.dumps({"messages": [{"role": "user"}, CHATS[0][1]]})], f"{bad}:1: message 0 (user) has no string")
+    fails(
+        [json.dumps({"messages": [{"role": "user"}, CHATS[0][1]]})],
+        f"{bad}:1: message 0 (user) has no string",
+    )
     fails([ok, "{not json"], f"{bad}:2: not valid JSON")
     fails([json.dumps({"messages": [{"role": "tool", "content": "x"}, CHATS[0][1]]})],
           f"{bad}:1: the chat template failed: unsupported role tool")  # fmt: skip

@@ -91,7 +91,7 @@ class ChatTemplate:
         blocks: list[str] = []
         tracking = [False]
 
-        class _Generation(jinja2.ext.Extension):  # type: ignore[misc]
+        class _Generation(jinja2.ext.Extension):  # type: ignore[misc,name-defined]
             """``{% generation %}...{% endgeneration %}``: records the character span it renders."""
 
             tags: ClassVar[set[str]] = {"generation"}
