@@ -3,6 +3,7 @@
 from plait.loop.data.chat import ChatTemplate
 from plait.loop.data.collate import PadCollator
 from plait.loop.data.loader import DistributedDataLoader
+from plait.loop.data.mixture import MixtureDataset, mixture_counts
 from plait.loop.data.packing import PackedTokens, pack_documents
 from plait.loop.data.readers import (
     read_hf_texts,
@@ -41,6 +42,7 @@ __all__ = [
     "DistributedDataLoader",
     "GlobalBatchPlan",
     "HFTokenizer",
+    "MixtureDataset",
     "PackedTokens",
     "PadCollator",
     "Tokenizer",
@@ -50,6 +52,7 @@ __all__ = [
     "encode_chat",
     "has_tokenizer",
     "infer_format",
+    "mixture_counts",
     "pack_documents",
     "read_chats",
     "read_documents",
