@@ -26,6 +26,7 @@ from plait.loop.data.sources import (
     resolve_source,
     token_dtype,
 )
+from plait.loop.data.tokenize import tokenize_corpus
 from plait.loop.data.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
@@ -63,5 +64,6 @@ __all__ = [
     "read_token_file",
     "resolve_source",
     "token_dtype",
+    "tokenize_corpus",
     "write_token_file",
 ]

@@ -17,6 +17,7 @@ import numpy as np
 from plait.loop.data.chat import ChatTemplate, assistant_token_mask, check_messages
 from plait.loop.data.packing import PackedTokens, pack_documents
 from plait.loop.data.readers import read_jsonl_records, read_jsonl_texts, read_text_file, read_token_file
+from plait.loop.data.tokenize import DOCUMENTS_FILE, META_FILE, TOKENS_FILE, is_tokenized_dir
 from plait.loop.data.tokenizers import Tokenizer
 
 __all__ = [
@@ -74,6 +75,8 @@ def resolve_source(source: str | Path, pattern: str = "*") -> list[Path]:
     path = Path(text)
     if path.is_file():
         files = [path]
+    elif is_tokenized_dir(path):
+        files = [path / TOKENS_FILE]
     elif _is_saved_dataset(path):
         files = _saved_dataset_files(path)
     elif path.is_dir():
@@ -287,6 +290,24 @@ def token_dtype(vocab_size: int) -> Any:
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
+def _read_tokenized_dir(path: Path, tokenizer: Tokenizer) -> tuple[np.memmap, np.ndarray]:
+    """The memory-mapped tokens and the document offsets of a ``tokenize`` output directory."""
+    meta = json.loads((path.parent / META_FILE).read_text())
+    if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("eos_id") != tokenizer.eos_id:
+        raise DataSourceError(
+            f"{path.parent}: tokenized with a tokenizer of {meta.get('vocab_size')} ids and eos "
+            f"{meta.get('eos_id')}, but data.tokenizer has {tokenizer.vocab_size} ids and eos {tokenizer.eos_id}"
+        )
+    try:
+        tokens = read_token_file(path, np.dtype(meta["dtype"]))
+    except ValueError as e:
+        raise DataSourceError(str(e)) from None
+    offsets = np.load(path.parent / DOCUMENTS_FILE, mmap_mode="r")
+    if len(tokens) != meta["num_tokens"] or len(offsets) != meta["num_documents"]:
+        raise DataSourceError(f"{path.parent}: {TOKENS_FILE} or {DOCUMENTS_FILE} does not match {META_FILE}")
+    return tokens, offsets
+
+
 def _read_tokens(files: Sequence[Path], tokenizer: Tokenizer) -> Any:
     dtype = token_dtype(tokenizer.vocab_size)
     arrays = []
@@ -339,9 +360,13 @@ def build_packed_corpus(
     if "tokens" in kinds:
         if kinds != {"tokens"}:
             raise DataSourceError(f"data.source: token files mixed with {sorted(kinds - {'tokens'})} files")
-        tokens = _read_tokens(files, tokenizer)
+        offsets = None
+        if len(files) == 1 and is_tokenized_dir(files[0].parent) and files[0].name == TOKENS_FILE:
+            tokens, offsets = _read_tokenized_dir(files[0], tokenizer)  # memory-mapped, with its index
+        else:
+            tokens = _read_tokens(files, tokenizer)
         try:
-            return PackedTokens(tokens, seq_len, tokenizer.eos_id)
+            return PackedTokens(tokens, seq_len, tokenizer.eos_id, doc_offsets=offsets)
         except ValueError as e:
             raise DataSourceError(f"data.source: {e}") from None
     docs = (
