@@ -16,7 +16,8 @@ per-document attention masking. ``[data]`` takes your own corpus: ``source`` a f
 glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``
 | ``chat`` (supervised fine-tuning on conversations: ``loss_on`` ``assistant`` (default) or ``all``);
 ``text_field``; ``[[data.mixture]]`` tables (``source``, ``format``, ``weight``, ``text_field``) mix
-several sources by weight instead of ``source``; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
+several sources by weight instead of ``source``; a ``python -m plait.loop.data tokenize`` output
+directory is a ``tokens`` source read memory-mapped; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
 ``--init-from`` checkpoint's, when it has one; the export gets a copy). The last
 ``data.validation_files`` files of the corpus are held out (never trained on) for the validation loss
 (``[evaluation]``; 0 holds out nothing, with ``evaluation.enabled=false``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under

@@ -135,3 +135,20 @@ def test_a_bad_mixture_table_is_named(tmp_path, pretrain, capsys):  # noqa: F811
     assert f"data.mixture[1].source: no files match {b}/*.txt" in err and err.count("\n") == 1
     err = _fails(pretrain, capsys, [*argv, f"--data.source={b}"])
     assert "data.source and data.mixture: give one" in err
+
+
+def test_a_tokenized_directory_is_the_same_rows_memory_mapped(tmp_path):
+    from plait.loop.data.__main__ import main as data_cli
+
+    job = _import_pretrain()
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    corpus = _jsonl_corpus(tmp_path / "corpus")
+    assert data_cli(["tokenize", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--workers", "1",
+                     "--no-progress", str(corpus)]) == 0  # fmt: skip
+    common = [*TINY, f"--data.tokenizer={tok_dir}", "--data.validation_files=0", "--evaluation.enabled=false"]
+    mapped, _ = job.parse_args([*common, f"--data.source={tmp_path / 'out'}", "--data.format=tokens"])
+    jsonl, _ = job.parse_args([*common, f"--data.source={corpus}"])
+    a, b = job.build_dataset(mapped.data, 32), job.build_dataset(jsonl.data, 32)
+    assert isinstance(a.tokens, np.memmap) and len(a) == len(b)
+    for i in range(len(a)):
+        assert all(torch.equal(a[i][k], b[i][k]) for k in b[i])
