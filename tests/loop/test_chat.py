@@ -169,6 +169,41 @@ def test_fully_masked_microbatch_has_zero_loss_and_gradient():
     assert logits.grad is not None and torch.equal(logits.grad, torch.zeros_like(logits))
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: a tiny model on a shared CPU is many times faster without thread contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_fully_masked_microbatch_in_a_training_step_adds_nothing(tmp_path, one_thread):
+    """Through the trainer's step (4 microbatches of 2 rows): the first microbatch's labels all ignored,
+    the gradient is finite and equals float64 PyTorch's over the global batch's remaining labels."""
+    import copy
+
+    from tests.loop.test_trainer import _config, _trainer
+
+    tr = _trainer(_config(tmp_path))
+    batch = next(tr.data_loader)
+    batch["labels"][:2] = -100
+    stats, tokens, _ = tr.forward_backward(batch)
+    assert tokens == int((batch["labels"] != -100).sum()) and torch.isfinite(stats.loss_sum)
+    ref = copy.deepcopy(tr.model_parts[0]).double()
+    ref.zero_grad(set_to_none=True)
+    logits = ref(batch["input_ids"])["logits"]
+    torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+    ).backward()
+    for name, p in tr.model_parts[0].named_parameters():
+        assert torch.isfinite(p.grad).all()
+        torch.testing.assert_close(
+            p.grad.double(), dict(ref.named_parameters())[name].grad, rtol=1e-4, atol=1e-6
+        )
+    tr.close()
+
+
 # -- a short SFT run --------------------------------------------------------------------------------
 WORDS = ["hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 
@@ -202,15 +237,6 @@ def _train(ds, steps: int) -> float:
         loss.backward()
         opt.step()
     return float(loss.detach())
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: a tiny model on a shared CPU is many times faster without thread contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_sft_learns_the_answers_only_with_prompts_out_of_the_loss(tmp_path, one_thread):
