@@ -30,7 +30,7 @@ TEMPLATE = """{{ bos_token }}
     {% endif %}
     {% if m['role'] == 'assistant' %}
 <|assistant|>
-{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}
+{% generation %}{% if m.reasoning_content is defined %}{{ m.reasoning_content }} {% endif %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}
     {% else %}
 <|{{ m['role'] }}|>
 {{ m['content'] }}
@@ -53,6 +53,7 @@ CHATS = [
         {"role": "assistant", "content": "hello  world "},
     ],
     [{"role": "assistant", "content": ""}, {"role": "user", "content": "over"}],
+    [{"role": "user", "content": "dog"}, {"role": "assistant", "content": "fox", "thinking": "the lazy"}],
 ]
 
 

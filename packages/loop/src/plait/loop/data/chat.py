@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 __all__ = ["ROLES", "ChatTemplate", "assistant_token_mask", "check_messages"]
 
 ROLES = ("system", "user", "assistant", "tool")
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -47,9 +48,23 @@ def _token_text(value: object) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
+def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as ``transformers`` hands them to a template: keys whose value is None dropped, a
+    message's reasoning (``reasoning_content``, ``thinking`` or ``reasoning``) under both
+    ``reasoning_content`` and ``thinking``."""
+    out = []
+    for m in messages:
+        message = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
 def check_messages(record: object) -> list[dict[str, Any]]:
     """The ``messages`` of a chat record, checked: a list of ``{"role", "content"}`` dicts with known roles
-    and at least one assistant turn (keys whose value is None are dropped, as ``transformers`` does).
+    and at least one assistant turn.
 
     Raises:
         ValueError: naming what is wrong (the caller adds the file and line).
@@ -67,7 +82,7 @@ def check_messages(record: object) -> list[dict[str, Any]]:
             raise ValueError(f"message {i} has role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
         if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
             raise ValueError(f"message {i} ({m['role']}) has no string 'content'")
-        out.append({k: v for k, v in m.items() if v is not None})
+        out.append(m)
     if not any(m["role"] == "assistant" for m in out):
         raise ValueError("no assistant message (nothing to train on)")
     return out
@@ -175,7 +190,7 @@ class ChatTemplate:
         try:
             return str(
                 self._template.render(
-                    messages=list(messages),
+                    messages=_template_messages(messages),
                     tools=None,
                     documents=None,
                     add_generation_prompt=add_generation_prompt,
@@ -200,7 +215,7 @@ class ChatTemplate:
         self._tracking[0] = True
         try:
             for block in self._template.generate(
-                messages=list(messages),
+                messages=_template_messages(messages),
                 tools=None,
                 documents=None,
                 add_generation_prompt=False,
