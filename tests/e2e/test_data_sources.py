@@ -152,3 +152,21 @@ def test_a_tokenized_directory_is_the_same_rows_memory_mapped(tmp_path):
     assert isinstance(a.tokens, np.memmap) and len(a) == len(b)
     for i in range(len(a)):
         assert all(torch.equal(a[i][k], b[i][k]) for k in b[i])
+
+
+def test_a_mixture_run_resumes_exactly_from_its_checkpoint(tmp_path):
+    """The loader state of a mixture (with its sizes, weights and seed) goes through the checkpoint: a
+    run resumed at step 2 trains steps 3-4 on the same rows, with the same losses, as the run that went on."""
+    import shutil
+
+    from tests.e2e._pretrain_runner import losses
+
+    job, argv, _, _ = _mixture_config(tmp_path)
+    argv = [a for a in argv if a != "--checkpoint.enabled=false"]
+    argv += ["--steps", "4", "--checkpoint.interval=2", "--checkpoint.keep_last=2", "--no-export"]
+    job.main(argv)
+    went_on = losses(tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    job.main(argv)
+    assert losses(tmp_path / "run") == {3: went_on[3], 4: went_on[4]}
