@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -126,6 +127,25 @@ def test_packed_chats_keep_documents_and_train_on_assistant_tokens_only(tmp_path
                 for p in range(lo, lo + seq_len)
             ]
             assert s["labels"].tolist() == want
+
+
+def test_parquet_and_arrow_messages_columns_read_as_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = HFTokenizer(make_chat_tokenizer(tmp_path / "tok"))
+    chats = CHATS[:2] * 3
+    want = build_packed_corpus([_write_chats(tmp_path / "c.jsonl", chats)], 8, tok, "chat")
+    table = pa.table({"id": list(range(len(chats))), "messages": chats})
+    pq.write_table(table, tmp_path / "c.parquet")
+    with pa.ipc.new_stream(tmp_path / "c.arrow", table.schema) as writer:  # as datasets.save_to_disk writes
+        writer.write_table(table)
+    for name in ("c.parquet", "c.arrow"):
+        got = build_packed_corpus([tmp_path / name], 8, tok, "chat")
+        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.loss_mask, want.loss_mask)
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "x"}]]}), tmp_path / "bad.parquet")
+    with pytest.raises(DataSourceError, match=r"bad.parquet: row 0: no assistant message"):
+        build_packed_corpus([tmp_path / "bad.parquet"], 8, tok, "chat")
 
 
 def test_bad_chat_records_name_file_and_line(tmp_path):

@@ -131,13 +131,16 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def _column_texts(path: Path, batches: Any, names: Sequence[str], field: str) -> Iterator[str]:
+def _column_values(
+    path: Path, batches: Any, names: Sequence[str], field: str, text: bool = True
+) -> Iterator[Any]:
+    """The ``field`` column's values, row by row (strings only, with ``text``)."""
     if field not in names:
         raise DataSourceError(f"{path}: no column {field!r} (columns: {', '.join(names)})")
     row = 0
     for batch in batches:
         for value in batch.column(field).to_pylist():
-            if not isinstance(value, str):
+            if text and not isinstance(value, str):
                 raise DataSourceError(
                     f"{path}: row {row}: column {field!r} is {type(value).__name__}, not a string"
                 )
@@ -145,17 +148,18 @@ def _column_texts(path: Path, batches: Any, names: Sequence[str], field: str) ->
             row += 1
 
 
-def _read_parquet(path: Path, field: str) -> Iterator[str]:
+def _read_parquet(path: Path, field: str, text: bool = True) -> Iterator[Any]:
     pa = _pyarrow()
     try:
         pf = pa.parquet.ParquetFile(path)
     except pa.ArrowException as e:
         raise DataSourceError(f"{path}: not a parquet file: {e}") from None
     names = pf.schema_arrow.names
-    yield from _column_texts(path, pf.iter_batches(columns=[field] if field in names else None), names, field)
+    batches = pf.iter_batches(columns=[field] if field in names else None)
+    yield from _column_values(path, batches, names, field, text)
 
 
-def _read_arrow(path: Path, field: str) -> Iterator[str]:
+def _read_arrow(path: Path, field: str, text: bool = True) -> Iterator[Any]:
     pa = _pyarrow()
     try:  # datasets writes the IPC stream format; plain arrow files use the file format
         reader = pa.ipc.open_stream(path)
@@ -166,7 +170,7 @@ def _read_arrow(path: Path, field: str) -> Iterator[str]:
         except pa.ArrowInvalid as e:
             raise DataSourceError(f"{path}: not an arrow file: {e}") from None
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    yield from _column_texts(path, batches, reader.schema.names, field)
+    yield from _column_values(path, batches, reader.schema.names, field, text)
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:
@@ -203,23 +207,37 @@ def read_documents(
             raise DataSourceError(f"{path}: format {kind!r} holds {what}, not documents")
 
 
+def _chat_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(file:line or file: row N, record)`` of a chat file: JSON lines, or the ``messages`` column of
+    a parquet or arrow file (``.parquet`` / ``.arrow``, e.g. a ``datasets.save_to_disk`` folder's)."""
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".arrow"):
+        read = _read_parquet if suffix == ".parquet" else _read_arrow
+        for row, messages in enumerate(read(path, "messages", text=False)):
+            yield f"{path}: row {row}", {"messages": messages}
+        return
+    try:
+        for lineno, record in read_jsonl_records(path):
+            yield f"{path}:{lineno}", record
+    except ValueError as e:
+        raise DataSourceError(str(e)) from None
+
+
 def read_chats(files: Sequence[Path]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """``(file:line, messages)`` of each record of JSON-lines chat files: ``{"messages": [{"role",
-    "content"}, ...]}`` with roles among :data:`~plait.loop.data.chat.ROLES` and an assistant turn.
+    """``(where, messages)`` of each record of chat files: JSON lines ``{"messages": [{"role",
+    "content"}, ...]}``, or parquet / arrow files with a ``messages`` column of such lists; roles among
+    :data:`~plait.loop.data.chat.ROLES`, at least one assistant turn.
 
     Raises:
-        DataSourceError: naming the file and line of a record that is not UTF-8, not JSON, has no
+        DataSourceError: naming the file and line (or row) of a record that is not UTF-8, not JSON, has no
             ``messages`` list, a message with an unknown role or no content, or no assistant turn.
     """
     for path in files:
-        try:
-            for lineno, record in read_jsonl_records(path):
-                try:
-                    yield f"{path}:{lineno}", check_messages(record)
-                except ValueError as e:
-                    raise DataSourceError(f"{path}:{lineno}: {e}") from None
-        except ValueError as e:
-            raise DataSourceError(str(e)) from None
+        for where, record in _chat_records(path):
+            try:
+                yield where, check_messages(record)
+            except ValueError as e:
+                raise DataSourceError(f"{where}: {e}") from None
 
 
 def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
