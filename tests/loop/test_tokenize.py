@@ -78,3 +78,35 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys):
           "1", str(tmp_path / "a.txt")])  # fmt: skip
     with pytest.raises(ValueError, match="tokenized with a tokenizer of"):
         build_packed_corpus(resolve_source(tmp_path / "t"), 4, HFTokenizer(small), "tokens")
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_tokenized_chats_give_the_rows_of_the_chat_format(tmp_path, loss_on):
+    from tests.loop.test_chat import CHATS, make_chat_tokenizer
+
+    tok_dir = make_chat_tokenizer(tmp_path / "tok")
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS[:2] * 20))
+    assert main(["tokenize", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--format", "chat",
+                 "--workers", "2", "--batch-size", "8", "--no-progress", str(chats)]) == 0  # fmt: skip
+    tok = HFTokenizer(tok_dir)
+    mapped = build_packed_corpus(resolve_source(tmp_path / "out"), 16, tok, "tokens", loss_on=loss_on)
+    direct = build_packed_corpus([chats], 16, tok, "chat", loss_on=loss_on)
+    assert isinstance(mapped.tokens, np.memmap) and len(mapped) == len(direct)
+    for i in range(len(mapped)):
+        a, b = mapped[i], direct[i]
+        assert {k: v.tolist() for k, v in a.items()} == {k: v.tolist() for k, v in b.items()}
+
+
+def test_a_chat_the_template_refuses_is_named_from_a_worker(tmp_path, capsys):
+    from tests.loop.test_chat import CHATS, make_chat_tokenizer
+
+    tok_dir = make_chat_tokenizer(tmp_path / "tok")
+    chats = tmp_path / "c.jsonl"
+    bad = [{"role": "tool", "content": "x"}, CHATS[0][1]]  # the template raises on the tool role
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [*CHATS[:2] * 5, bad]))
+    code = main(["tokenize", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--format", "chat",
+                 "--workers", "2", "--batch-size", "4", "--no-progress", str(chats)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and f"{chats}:11: the chat template failed: unsupported role tool" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out" / "corpus.tokens").exists()

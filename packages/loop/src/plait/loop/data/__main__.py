@@ -22,9 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tok.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
     tok.add_argument("--output", required=True, help="output directory")
-    tok.add_argument(
-        "--format", default="auto", choices=["auto", *(f for f in FORMATS if f not in ("tokens", "chat"))]
-    )
+    tok.add_argument("--format", default="auto", choices=["auto", *(f for f in FORMATS if f != "tokens")])
     tok.add_argument("--text-field", default="text", help="the JSONL field / parquet or arrow column")
     tok.add_argument("--workers", type=int, default=None, help="encoding processes (default: the CPU count)")
     tok.add_argument("--batch-size", type=int, default=256, help="documents per task")

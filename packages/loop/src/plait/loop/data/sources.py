@@ -17,7 +17,7 @@ import numpy as np
 from plait.loop.data.chat import ChatTemplate, assistant_token_mask, check_messages
 from plait.loop.data.packing import PackedTokens, pack_documents
 from plait.loop.data.readers import read_jsonl_records, read_jsonl_texts, read_text_file, read_token_file
-from plait.loop.data.tokenize import DOCUMENTS_FILE, META_FILE, TOKENS_FILE, is_tokenized_dir
+from plait.loop.data.tokenize import DOCUMENTS_FILE, MASK_FILE, META_FILE, TOKENS_FILE, is_tokenized_dir
 from plait.loop.data.tokenizers import Tokenizer
 
 __all__ = [
@@ -308,8 +308,9 @@ def token_dtype(vocab_size: int) -> Any:
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
-def _read_tokenized_dir(path: Path, tokenizer: Tokenizer) -> tuple[np.memmap, np.ndarray]:
-    """The memory-mapped tokens and the document offsets of a ``tokenize`` output directory."""
+def _read_tokenized_dir(path: Path, tokenizer: Tokenizer) -> tuple[np.memmap, np.ndarray, np.ndarray | None]:
+    """The memory-mapped tokens, document offsets and (conversations) assistant mask of a ``tokenize``
+    output directory."""
     meta = json.loads((path.parent / META_FILE).read_text())
     if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("eos_id") != tokenizer.eos_id:
         raise DataSourceError(
@@ -323,7 +324,10 @@ def _read_tokenized_dir(path: Path, tokenizer: Tokenizer) -> tuple[np.memmap, np
     offsets = np.load(path.parent / DOCUMENTS_FILE, mmap_mode="r")
     if len(tokens) != meta["num_tokens"] or len(offsets) != meta["num_documents"]:
         raise DataSourceError(f"{path.parent}: {TOKENS_FILE} or {DOCUMENTS_FILE} does not match {META_FILE}")
-    return tokens, offsets
+    mask = np.load(path.parent / MASK_FILE, mmap_mode="r") if (path.parent / MASK_FILE).is_file() else None
+    if mask is not None and len(mask) != len(tokens):
+        raise DataSourceError(f"{path.parent}: {MASK_FILE} does not match {TOKENS_FILE}")
+    return tokens, offsets, mask
 
 
 def _read_tokens(files: Sequence[Path], tokenizer: Tokenizer) -> Any:
@@ -378,13 +382,19 @@ def build_packed_corpus(
     if "tokens" in kinds:
         if kinds != {"tokens"}:
             raise DataSourceError(f"data.source: token files mixed with {sorted(kinds - {'tokens'})} files")
-        offsets = None
+        offsets = mask = None
         if len(files) == 1 and is_tokenized_dir(files[0].parent) and files[0].name == TOKENS_FILE:
-            tokens, offsets = _read_tokenized_dir(files[0], tokenizer)  # memory-mapped, with its index
+            tokens, offsets, mask = _read_tokenized_dir(files[0], tokenizer)  # memory-mapped, with its index
         else:
             tokens = _read_tokens(files, tokenizer)
         try:
-            return PackedTokens(tokens, seq_len, tokenizer.eos_id, doc_offsets=offsets)
+            return PackedTokens(
+                tokens,
+                seq_len,
+                tokenizer.eos_id,
+                doc_offsets=offsets,
+                loss_mask=mask if loss_on == "assistant" else None,
+            )
         except ValueError as e:
             raise DataSourceError(f"data.source: {e}") from None
     docs = (
