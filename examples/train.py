@@ -13,8 +13,11 @@ then be left out; the keys it sets must agree with the checkpoint's, except the 
 
 By default byte-level tokens (no tokenizer download), documents packed into fixed-length rows with
 per-document attention masking. ``[data]`` takes your own corpus: ``source`` a file, a directory or a
-glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``;
-``text_field``; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
+glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | ``arrow`` | ``tokens``
+| ``chat`` (supervised fine-tuning on conversations: ``loss_on`` ``assistant`` (default) or ``all``);
+``text_field``; ``[[data.mixture]]`` tables (``source``, ``format``, ``weight``, ``text_field``) mix
+several sources by weight instead of ``source``; a ``python -m plait.loop.data tokenize`` output
+directory is a ``tokens`` source read memory-mapped; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
 ``--init-from`` checkpoint's, when it has one; the export gets a copy). The last
 ``data.validation_files`` files of the corpus are held out (never trained on) for the validation loss
 (``[evaluation]``; 0 holds out nothing, with ``evaluation.enabled=false``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
@@ -57,6 +60,7 @@ from plait.loop.data import (
     ByteTokenizer,
     DataSourceError,
     HFTokenizer,
+    MixtureDataset,
     PackedTokens,
     Tokenizer,
     build_packed_corpus,
@@ -64,7 +68,7 @@ from plait.loop.data import (
     has_tokenizer,
     resolve_source,
 )
-from plait.loop.data.sources import DataFormat
+from plait.loop.data.sources import DataFormat, LossOn
 from plait.models import (
     CausalLMProvider,
     DecoderConfig,
@@ -87,6 +91,17 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "llama" / "cpu.toml"
 
 
+class MixtureSource(BaseModel):
+    """One ``[[data.mixture]]`` table: a source and its weight in the mixture."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = Field(description="'stdlib', or a file, a directory or a glob")
+    format: DataFormat = Field("auto", description="As data.format")
+    weight: float = Field(gt=0, allow_inf_nan=False, description="Relative share of the rows (> 0)")
+    text_field: str | None = Field(None, description="As data.text_field (None: data.text_field)")
+
+
 class DataConfig(BaseModel):
     """Where the text comes from, how it is read and tokenised, and how it is cut."""
 
@@ -99,9 +114,14 @@ class DataConfig(BaseModel):
     format: DataFormat = Field(
         "auto",
         description="'auto' (from each file's extension; a datasets.save_to_disk folder is arrow), "
-        "'text', 'jsonl', 'parquet', 'arrow' or 'tokens' (raw token files)",
+        "'text', 'jsonl', 'parquet', 'arrow', 'tokens' (raw token files) or 'chat' (JSONL records with a "
+        "'messages' list, rendered with the tokenizer's chat template)",
     )
     text_field: str = Field("text", description="The JSONL field / parquet or arrow column of the text")
+    loss_on: LossOn = Field(
+        "assistant",
+        description="format='chat': train on the assistant tokens only ('assistant') or on every token ('all')",
+    )
     pattern: str | None = Field(
         None, description="The files of a directory source ('*.py' for stdlib, else every file)"
     )
@@ -116,6 +136,18 @@ class DataConfig(BaseModel):
     validation_files: int = Field(
         8, ge=0, description="The corpus's last files (sorted by path), held out for evaluation"
     )
+    mixture: tuple[MixtureSource, ...] = Field(
+        (),
+        description="[[data.mixture]] tables (source, format, weight, text_field): rows drawn from several "
+        "sources in proportion to their weights, instead of data.source",
+    )
+    mixture_seed: int = Field(0, description="Seed of the mixture's assignment of rows to sources")
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> DataConfig:
+        if self.mixture and "source" in self.model_fields_set:
+            raise ValueError("data.source and data.mixture: give one (each mixture table names its source)")
+        return self
 
 
 class TrainConfig(TrainerConfig):
@@ -179,20 +211,29 @@ class TrainConfig(TrainerConfig):
         return self
 
 
-def corpus_files(cfg: DataConfig, split: Literal["train", "validation"] = "train") -> list[Path]:
-    """The training files (the first ``max_files``) or the held-out validation files (the last ones).
+def corpus_files(
+    cfg: DataConfig, split: Literal["train", "validation"] = "train", part: int | None = None
+) -> list[Path]:
+    """The training files (the first ``max_files``) or the held-out validation files (the last ones) of
+    ``data.source``, or of the ``part``-th ``[[data.mixture]]`` table's source.
 
     Raises:
-        DataSourceError: a source that does not exist, is empty or has too few files.
+        DataSourceError: a source that does not exist, is empty or has too few files (naming
+            ``data.source`` or ``data.mixture[part].source``).
     """
-    if cfg.source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = [p for p in resolve_source(root, cfg.pattern or "*.py") if "site-packages" not in p.parts]
-    else:
-        files = resolve_source(cfg.source, cfg.pattern or "*")
+    source = cfg.source if part is None else cfg.mixture[part].source
+    name = "data.source" if part is None else f"data.mixture[{part}].source"
+    try:
+        if source == "stdlib":
+            root = Path(sysconfig.get_paths()["stdlib"])
+            files = [p for p in resolve_source(root, cfg.pattern or "*.py") if "site-packages" not in p.parts]
+        else:
+            files = resolve_source(source, cfg.pattern or "*")
+    except DataSourceError as e:
+        raise DataSourceError(str(e).replace("data.source", name, 1)) from None
     if len(files) <= cfg.validation_files:
         raise DataSourceError(
-            f"data.source: {len(files)} file(s) in {cfg.source}, not more than "
+            f"{name}: {len(files)} file(s) in {source}, not more than "
             f"data.validation_files={cfg.validation_files} (set it lower, or 0 with evaluation.enabled=false)"
         )
     n = len(files) - cfg.validation_files
@@ -218,17 +259,29 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
 @functools.lru_cache(maxsize=4)
 def build_dataset(
     cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
-) -> PackedTokens:
+) -> PackedTokens | MixtureDataset:
     """The split's documents tokenised, each ending in the end-of-document token, packed into rows of
-    ``seq_len`` (cached: the startup check and the trainer share one read)."""
-    return build_packed_corpus(
-        corpus_files(cfg, split),
-        seq_len,
-        build_tokenizer(cfg),
-        cfg.format,
-        cfg.text_field,
-        strict_utf8=cfg.source != "stdlib",
-    )
+    ``seq_len``; with ``[[data.mixture]]`` each table's source packed alone and the rows mixed by weight
+    (cached: the startup check and the trainer share one read)."""
+    tokenizer = build_tokenizer(cfg)
+    parts = [(None, cfg.source, cfg.format, cfg.text_field)] if not cfg.mixture else [
+        (i, m.source, m.format, m.text_field or cfg.text_field) for i, m in enumerate(cfg.mixture)
+    ]  # fmt: skip
+    packed = [
+        build_packed_corpus(
+            corpus_files(cfg, split, part),
+            seq_len,
+            tokenizer,
+            fmt,
+            text_field,
+            strict_utf8=source != "stdlib",
+            loss_on=cfg.loss_on,
+        )
+        for part, source, fmt, text_field in parts
+    ]
+    if not cfg.mixture:
+        return packed[0]
+    return MixtureDataset(packed, [m.weight for m in cfg.mixture], seed=cfg.mixture_seed)
 
 
 def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
@@ -400,18 +453,27 @@ def check_data(config: TrainConfig) -> None:
         StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
     """
     assert config.model is not None
-    data, seq_len = config.data, config.batching.seq_len
-    if data.validation_files == 0 and config.evaluation.enabled:
+    check_corpus(config.data, config.batching.seq_len, config.model.vocab_size, config.evaluation.enabled)
+
+
+def check_corpus(data: DataConfig, seq_len: int, vocab_size: int, evaluate: bool) -> None:
+    """Read and tokenise the training (and, with ``evaluate``, the validation) corpus of ``data``, cached
+    for the trainer, and check the tokenizer's ids fit ``vocab_size`` (also used by ``finetune_lora.py``).
+
+    Raises:
+        StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
+    """
+    if data.validation_files == 0 and evaluate:
         raise StartupError("data.validation_files=0 holds out nothing for evaluation.enabled=true")
     try:
         tokenizer = build_tokenizer(data)
-        if tokenizer.vocab_size > config.model.vocab_size:
+        if tokenizer.vocab_size > vocab_size:
             raise StartupError(
                 f"data.tokenizer: {data.tokenizer} has {tokenizer.vocab_size} token ids, more than "
-                f"model.vocab_size={config.model.vocab_size}"
+                f"model.vocab_size={vocab_size}"
             )
         build_dataset(data, seq_len)
-        if config.evaluation.enabled:
+        if evaluate:
             build_dataset(data, seq_len, "validation")
     except DataSourceError as e:
         raise StartupError(str(e)) from None

@@ -6,7 +6,10 @@
 The base weights load straight into the LoRA-injected model (base keys are mapped onto the
 ``base_layer`` names); only the adapters train. At the end ``<run_dir>/adapter`` holds
 ``adapter_model.safetensors`` + ``adapter_config.json``, which ``peft.PeftModel.from_pretrained``
-loads onto the transformers model of the base checkpoint. Data: as in ``pretrain.py``.
+loads onto the transformers model of the base checkpoint. Data: as in ``pretrain.py``, with
+``--base``'s tokenizer as the default ``data.tokenizer`` when it has one (the adapter directory gets a
+copy); chat data trains on the assistant tokens (``--data.format=chat``, see ``examples/sft/configs/lora.toml``).
+The corpus is read and checked before the model is built.
 
 As in ``pretrain.py``, a bad flag, override, config file or ``--base`` directory, a run directory in
 use by another run, or a checkpoint in the run directory that this config may not resume (one
@@ -29,9 +32,10 @@ from plait.loop import (
     load_config,
     split_cli_overrides,
 )
+from plait.loop.data import copy_tokenizer_files, has_tokenizer
 from plait.models import CausalLMProvider, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
-from pretrain import DataConfig, StartupError, build_trainer
+from pretrain import DataConfig, StartupError, build_trainer, check_corpus
 from torch import nn
 
 DEFAULTS = {
@@ -92,7 +96,12 @@ def parse_args(argv: list[str]) -> tuple[FinetuneConfig, argparse.Namespace]:
         overrides.append(f"--run.steps={args.steps}")
     if args.run_dir is not None:
         overrides.append(f"--run.run_dir={args.run_dir}")
-    return load_config(args.config, overrides, cls=FinetuneConfig, base=DEFAULTS), args
+    config = load_config(args.config, overrides, cls=FinetuneConfig, base=DEFAULTS)
+    if config.data.tokenizer is None and has_tokenizer(args.base):
+        config = config.model_copy(
+            update={"data": config.data.model_copy(update={"tokenizer": str(args.base)})}
+        )
+    return config, args
 
 
 def build_provider(config: FinetuneConfig, base: Path) -> LoRAProvider:
@@ -122,7 +131,11 @@ def main(argv: list[str] | None = None) -> Path:
     """
     try:
         config, args = parse_args(sys.argv[1:] if argv is None else argv)
-        trainer: Trainer = build_trainer(config, config.data, build_provider(config, args.base))
+        provider = build_provider(config, args.base)  # reads config.json, builds nothing
+        check_corpus(
+            config.data, config.batching.seq_len, provider.config.vocab_size, config.evaluation.enabled
+        )
+        trainer: Trainer = build_trainer(config, config.data, provider)
     except (ConfigError, StartupError, RunDirLockedError) as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -132,6 +145,8 @@ def main(argv: list[str] | None = None) -> Path:
         # a collective with FSDP-sharded adapters: every rank gathers, rank 0 writes
         export_hf_adapter(trainer.model_parts[0], out, base_model_name_or_path=str(args.base))
         if trainer.topology.is_main:
+            if config.data.tokenizer not in (None, "bytes"):
+                copy_tokenizer_files(config.data.tokenizer, out)
             print(f"PEFT adapter: {out}")
     finally:
         trainer.close()

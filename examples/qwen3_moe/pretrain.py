@@ -36,6 +36,7 @@ from train import (  # noqa: F401  (re-exported: scripts and tests build on this
     build_dataset,
     build_provider,
     build_trainer,
+    check_corpus,
     check_paths,
     corpus_files,
 )

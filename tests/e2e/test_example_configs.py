@@ -63,6 +63,8 @@ def test_configs_are_found() -> None:
         "qwen3_moe/configs/cpu.toml",
         "qwen3_moe/configs/gpu1.toml",
         "qwen3_moe/configs/gpu2.toml",
+        "sft/configs/full.toml",
+        "sft/configs/lora.toml",
         *(
             f"configs/{family}/{name}"
             for family in ("llama", "gpt_oss", "deepseek_v3")

@@ -131,21 +131,26 @@ class DistributedDataLoader:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Global, dp-size-independent state: ``batches_consumed`` (+ what it must be checked against)."""
-        return {
+        """Global, dp-size-independent state: ``batches_consumed`` (+ what it must be checked against:
+        for a :class:`~plait.loop.data.MixtureDataset`, its sources' sizes, weights and seed too)."""
+        state: dict[str, Any] = {
             "batches_consumed": self.batches_consumed,
             "samples_consumed": self.batches_consumed * self.global_batch_size,
             "global_batch_size": self.global_batch_size,
             "num_samples": self.plan.num_samples,
             "seed": self.plan.seed,
         }
+        if hasattr(self.dataset, "check_state"):
+            state["mixture"] = self.dataset.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume after ``state["batches_consumed"]`` global batches (any dp size or microbatch size).
 
         Raises:
-            ValueError: when the dataset size, seed or global batch size differ from the saved ones
-                (the global order would differ and samples would repeat or be skipped).
+            ValueError: when the dataset size, seed or global batch size (or a mixture's sources, weights
+                or seed) differ from the saved ones (the global order would differ and samples would
+                repeat or be skipped).
         """
         for key, mine in (
             ("num_samples", self.plan.num_samples),
@@ -156,5 +161,7 @@ class DistributedDataLoader:
                 raise ValueError(
                     f"data loader state: {key}={state[key]} was saved, but this loader has {key}={mine}"
                 )
+        if "mixture" in state and hasattr(self.dataset, "check_state"):
+            self.dataset.check_state(state["mixture"])
         self.batches_consumed = int(state["batches_consumed"])
         self._it = None

@@ -17,15 +17,19 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
     Sample ``i`` covers ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` and returns ``input_ids``
     (the first ``seq_len``), ``labels`` (the next-token targets), ``position_ids`` (restarting at each
     document) and ``document_ids`` (0, 1, ... within the window). A document starts after every
-    ``eos_id``. With ``mask_cross_document=True`` the label of a document's last token (predicting the
-    next document's first token) is ``ignore_index``.
+    ``eos_id``, or, with ``doc_offsets``, at each of those offsets (for documents that hold eos inside,
+    such as chats). With ``mask_cross_document=True`` the label of a document's last token (predicting
+    the next document's first token) is ``ignore_index``. With ``loss_mask`` a label is kept only where
+    the mask of the token it predicts is set (e.g. the assistant tokens of a chat).
 
     Args:
         tokens: 1-d integer array-like (numpy array or memmap; read lazily per sample).
         seq_len: tokens per sample.
-        eos_id: the document separator, or None for one unbroken document.
+        eos_id: the document separator, or None for one unbroken document (or ``doc_offsets``).
         mask_cross_document: mask labels that cross a document boundary.
         ignore_index: the masked label value.
+        doc_offsets: sorted start offsets of the documents in ``tokens`` (instead of ``eos_id``).
+        loss_mask: per-token 0/1 array-like as long as ``tokens``: which tokens are targets.
     """
 
     def __init__(
@@ -35,6 +39,8 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
         eos_id: int | None = None,
         mask_cross_document: bool = True,
         ignore_index: int = -100,
+        doc_offsets: Any = None,
+        loss_mask: Any = None,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -43,6 +49,10 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.eos_id = eos_id
         self.mask_cross_document = mask_cross_document
         self.ignore_index = ignore_index
+        self.doc_offsets = doc_offsets
+        self.loss_mask = loss_mask
+        if loss_mask is not None and len(loss_mask) != len(tokens):
+            raise ValueError(f"loss_mask has {len(loss_mask)} entries for {len(tokens)} tokens")
         self._n = max((len(tokens) - 1) // seq_len, 0)
         if self._n == 0:
             raise ValueError(f"{len(tokens)} tokens are too few for one sequence of seq_len={seq_len}")
@@ -55,7 +65,14 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
             raise IndexError(f"sample {i} out of range [0, {self._n})")
         start = i * self.seq_len
         window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1]).astype(np.int64))
-        if self.eos_id is None:
+        if self.doc_offsets is not None:
+            offsets = self.doc_offsets
+            lo = int(np.searchsorted(offsets, start, "right"))
+            hi = int(np.searchsorted(offsets, start + self.seq_len + 1, "left"))
+            starts = torch.zeros(self.seq_len + 1, dtype=torch.long)
+            starts[torch.from_numpy(np.asarray(offsets[lo:hi], dtype=np.int64) - start)] = 1
+            doc = torch.cumsum(starts, 0)
+        elif self.eos_id is None:
             doc = torch.zeros(self.seq_len + 1, dtype=torch.long)
         else:
             # A new document begins right after each eos.
@@ -64,8 +81,11 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
             doc = torch.cumsum(starts, 0)
         inputs, labels = window[:-1], window[1:].clone()
         doc_in = doc[:-1]
-        if self.mask_cross_document and self.eos_id is not None:
+        if self.mask_cross_document and (self.eos_id is not None or self.doc_offsets is not None):
             labels[doc[1:] != doc_in] = self.ignore_index
+        if self.loss_mask is not None:
+            target = np.asarray(self.loss_mask[start + 1 : start + self.seq_len + 1])
+            labels[torch.from_numpy(target == 0)] = self.ignore_index
         idx = torch.arange(self.seq_len)
         is_start = torch.ones(self.seq_len, dtype=torch.bool)
         is_start[1:] = doc_in[1:] != doc_in[:-1]

@@ -11,7 +11,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["read_hf_texts", "read_jsonl_texts", "read_text_file", "read_token_file", "write_token_file"]
+__all__ = [
+    "read_hf_texts",
+    "read_jsonl_records",
+    "read_jsonl_texts",
+    "read_text_file",
+    "read_token_file",
+    "write_token_file",
+]
 
 log = logging.getLogger(__name__)
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what ``surrogateescape`` makes of an invalid byte
@@ -29,12 +36,11 @@ def read_text_file(path: str | Path) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def read_jsonl_texts(path: str | Path, field: str = "text") -> Iterator[str]:
-    """Yield ``record[field]`` of each non-empty line of a JSON-lines file (UTF-8).
+def read_jsonl_records(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line number, parsed JSON)`` of each non-empty line of a JSON-lines file (UTF-8).
 
     Raises:
-        ValueError: naming the file and line for bytes that are not UTF-8, bad JSON or a
-            missing/non-string field.
+        ValueError: naming the file and line for bytes that are not UTF-8 or a line that is not JSON.
     """
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -47,13 +53,23 @@ def read_jsonl_texts(path: str | Path, field: str = "text") -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON: {e}") from None
-            value = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(value, str):
-                raise ValueError(f"{path}:{lineno}: field {field!r} missing or not a string")
-            yield value
+
+
+def read_jsonl_texts(path: str | Path, field: str = "text") -> Iterator[str]:
+    """Yield ``record[field]`` of each non-empty line of a JSON-lines file (UTF-8).
+
+    Raises:
+        ValueError: naming the file and line for bytes that are not UTF-8, bad JSON or a
+            missing/non-string field.
+    """
+    for lineno, record in read_jsonl_records(path):
+        value = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            raise ValueError(f"{path}:{lineno}: field {field!r} missing or not a string")
+        yield value
 
 
 def write_token_file(path: str | Path, tokens: Any, dtype: Any = np.uint16) -> None:

@@ -14,23 +14,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from plait.loop.data.chat import ChatTemplate, assistant_token_mask, check_messages
 from plait.loop.data.packing import PackedTokens, pack_documents
-from plait.loop.data.readers import read_jsonl_texts, read_text_file, read_token_file
+from plait.loop.data.readers import read_jsonl_records, read_jsonl_texts, read_text_file, read_token_file
+from plait.loop.data.tokenize import DOCUMENTS_FILE, MASK_FILE, META_FILE, TOKENS_FILE, is_tokenized_dir
 from plait.loop.data.tokenizers import Tokenizer
 
 __all__ = [
     "FORMATS",
     "DataFormat",
     "DataSourceError",
+    "LossOn",
     "build_packed_corpus",
+    "chat_template_of",
+    "encode_chat",
     "infer_format",
+    "read_chats",
     "read_documents",
     "resolve_source",
     "token_dtype",
 ]
 
-DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens"]
-FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens")
+DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "chat"]
+LossOn = Literal["assistant", "all"]
+FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens", "chat")
 _EXTENSIONS = {
     **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
     **dict.fromkeys((".jsonl", ".ndjson"), "jsonl"),
@@ -68,6 +75,8 @@ def resolve_source(source: str | Path, pattern: str = "*") -> list[Path]:
     path = Path(text)
     if path.is_file():
         files = [path]
+    elif is_tokenized_dir(path):
+        files = [path / TOKENS_FILE]
     elif _is_saved_dataset(path):
         files = _saved_dataset_files(path)
     elif path.is_dir():
@@ -122,13 +131,16 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def _column_texts(path: Path, batches: Any, names: Sequence[str], field: str) -> Iterator[str]:
+def _column_values(
+    path: Path, batches: Any, names: Sequence[str], field: str, text: bool = True
+) -> Iterator[Any]:
+    """The ``field`` column's values, row by row (strings only, with ``text``)."""
     if field not in names:
         raise DataSourceError(f"{path}: no column {field!r} (columns: {', '.join(names)})")
     row = 0
     for batch in batches:
         for value in batch.column(field).to_pylist():
-            if not isinstance(value, str):
+            if text and not isinstance(value, str):
                 raise DataSourceError(
                     f"{path}: row {row}: column {field!r} is {type(value).__name__}, not a string"
                 )
@@ -136,17 +148,18 @@ def _column_texts(path: Path, batches: Any, names: Sequence[str], field: str) ->
             row += 1
 
 
-def _read_parquet(path: Path, field: str) -> Iterator[str]:
+def _read_parquet(path: Path, field: str, text: bool = True) -> Iterator[Any]:
     pa = _pyarrow()
     try:
         pf = pa.parquet.ParquetFile(path)
     except pa.ArrowException as e:
         raise DataSourceError(f"{path}: not a parquet file: {e}") from None
     names = pf.schema_arrow.names
-    yield from _column_texts(path, pf.iter_batches(columns=[field] if field in names else None), names, field)
+    batches = pf.iter_batches(columns=[field] if field in names else None)
+    yield from _column_values(path, batches, names, field, text)
 
 
-def _read_arrow(path: Path, field: str) -> Iterator[str]:
+def _read_arrow(path: Path, field: str, text: bool = True) -> Iterator[Any]:
     pa = _pyarrow()
     try:  # datasets writes the IPC stream format; plain arrow files use the file format
         reader = pa.ipc.open_stream(path)
@@ -157,7 +170,7 @@ def _read_arrow(path: Path, field: str) -> Iterator[str]:
         except pa.ArrowInvalid as e:
             raise DataSourceError(f"{path}: not an arrow file: {e}") from None
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    yield from _column_texts(path, batches, reader.schema.names, field)
+    yield from _column_values(path, batches, reader.schema.names, field, text)
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:
@@ -190,12 +203,131 @@ def read_documents(
         elif kind == "arrow":
             yield from _read_arrow(path, text_field)
         else:
-            raise DataSourceError(f"{path}: format {kind!r} holds tokens, not documents")
+            what = "conversations" if kind == "chat" else "tokens"
+            raise DataSourceError(f"{path}: format {kind!r} holds {what}, not documents")
+
+
+def _chat_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(file:line or file: row N, record)`` of a chat file: JSON lines, or the ``messages`` column of
+    a parquet or arrow file (``.parquet`` / ``.arrow``, e.g. a ``datasets.save_to_disk`` folder's)."""
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".arrow"):
+        read = _read_parquet if suffix == ".parquet" else _read_arrow
+        for row, messages in enumerate(read(path, "messages", text=False)):
+            yield f"{path}: row {row}", {"messages": messages}
+        return
+    try:
+        for lineno, record in read_jsonl_records(path):
+            yield f"{path}:{lineno}", record
+    except ValueError as e:
+        raise DataSourceError(str(e)) from None
+
+
+def read_chats(files: Sequence[Path]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """``(where, messages)`` of each record of chat files: JSON lines ``{"messages": [{"role",
+    "content"}, ...]}``, or parquet / arrow files with a ``messages`` column of such lists; roles among
+    :data:`~plait.loop.data.chat.ROLES`, at least one assistant turn.
+
+    Raises:
+        DataSourceError: naming the file and line (or row) of a record that is not UTF-8, not JSON, has no
+            ``messages`` list, a message with an unknown role or no content, or no assistant turn.
+    """
+    for path in files:
+        for where, record in _chat_records(path):
+            try:
+                yield where, check_messages(record)
+            except ValueError as e:
+                raise DataSourceError(f"{where}: {e}") from None
+
+
+def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template of a Hugging Face tokenizer's directory.
+
+    Raises:
+        DataSourceError: the byte tokenizer (it has none), a directory without a template, jinja2 missing.
+    """
+    path = getattr(tokenizer, "path", None)
+    if path is None or not hasattr(tokenizer, "encode_with_char_map"):
+        raise DataSourceError(
+            "data.format='chat' needs data.tokenizer = a Hugging Face tokenizer directory with a chat template "
+            "(the byte tokenizer has none)"
+        )
+    try:
+        return ChatTemplate.from_dir(path)
+    except (ImportError, ValueError) as e:
+        raise DataSourceError(f"data.tokenizer: {e}") from None
+
+
+def encode_chat(
+    tokenizer: Any, template: ChatTemplate, messages: Sequence[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
+    """A conversation's token ids and its assistant-token mask (1 = an assistant token), as
+    ``transformers``' ``apply_chat_template(messages, tokenize=True, return_dict=True,
+    return_assistant_tokens_mask=True)`` gives ``input_ids`` and ``assistant_masks``.
+
+    Raises:
+        ValueError: the template failed on the messages.
+    """
+    text, spans = template.render_with_spans(messages)
+    ids, char_to_token = tokenizer.encode_with_char_map(text)
+    return ids, assistant_token_mask(len(ids), spans, char_to_token)
+
+
+def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_on: LossOn) -> PackedTokens:
+    template = chat_template_of(tokenizer)
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    offsets, total = [], 0
+    for where, messages in read_chats(files):
+        try:
+            tokens, mask = encode_chat(tokenizer, template, messages)
+        except ValueError as e:
+            raise DataSourceError(f"{where}: {e}") from None
+        if loss_on == "assistant" and not any(mask):
+            raise DataSourceError(f"{where}: the chat template renders no assistant token for this record")
+        offsets.append(total)
+        total += len(tokens)
+        ids.append(np.asarray(tokens, dtype=np.int32))
+        masks.append(np.asarray(mask, dtype=np.uint8))
+    if not ids:
+        raise DataSourceError(f"data.source: no chat records in {', '.join(map(str, files))}")
+    try:
+        return PackedTokens(
+            np.concatenate(ids),
+            seq_len,
+            None,
+            doc_offsets=np.asarray(offsets, dtype=np.int64),
+            loss_mask=np.concatenate(masks) if loss_on == "assistant" else None,
+        )
+    except ValueError as e:
+        raise DataSourceError(f"data.source: {e}") from None
 
 
 def token_dtype(vocab_size: int) -> Any:
     """The token-file dtype of a vocabulary: ``uint16`` below 65536 ids, else ``uint32``."""
     return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def _read_tokenized_dir(path: Path, tokenizer: Tokenizer) -> tuple[np.memmap, np.ndarray, np.ndarray | None]:
+    """The memory-mapped tokens, document offsets and (conversations) assistant mask of a ``tokenize``
+    output directory."""
+    meta = json.loads((path.parent / META_FILE).read_text())
+    if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("eos_id") != tokenizer.eos_id:
+        raise DataSourceError(
+            f"{path.parent}: tokenized with a tokenizer of {meta.get('vocab_size')} ids and eos "
+            f"{meta.get('eos_id')}, but data.tokenizer has {tokenizer.vocab_size} ids and eos {tokenizer.eos_id}"
+        )
+    try:
+        tokens = read_token_file(path, np.dtype(meta["dtype"]))
+    except ValueError as e:
+        raise DataSourceError(str(e)) from None
+    offsets = np.load(path.parent / DOCUMENTS_FILE, mmap_mode="r")
+    if len(tokens) != meta["num_tokens"] or len(offsets) != meta["num_documents"]:
+        raise DataSourceError(f"{path.parent}: {TOKENS_FILE} or {DOCUMENTS_FILE} does not match {META_FILE}")
+    mask = np.load(path.parent / MASK_FILE, mmap_mode="r") if (path.parent / MASK_FILE).is_file() else None
+    if mask is not None and len(mask) != len(tokens):
+        raise DataSourceError(f"{path.parent}: {MASK_FILE} does not match {TOKENS_FILE}")
+    return tokens, offsets, mask
 
 
 def _read_tokens(files: Sequence[Path], tokenizer: Tokenizer) -> Any:
@@ -231,23 +363,38 @@ def build_packed_corpus(
     text_field: str = "text",
     *,
     strict_utf8: bool = True,
+    loss_on: LossOn = "assistant",
 ) -> PackedTokens:
     """``files`` tokenised (or, for ``tokens``, memory-mapped) and packed into rows of ``seq_len``.
 
-        Each document gets the tokenizer's special tokens (:meth:`HFTokenizer.encode_document`) and ends
-        in its eos token, which :class:`PackedTokens` takes as the document boundary. ``strict_utf8``: see
-    :func:`read_documents`.
+    Each document gets the tokenizer's special tokens (:meth:`HFTokenizer.encode_document`) and ends
+    in its eos token, which :class:`PackedTokens` takes as the document boundary. ``strict_utf8``: see
+    :func:`read_documents`. A ``chat`` record is one document, rendered with the tokenizer's chat
+    template (:func:`encode_chat`), its boundaries kept as offsets; with ``loss_on="assistant"`` only
+    its assistant tokens are targets, with ``"all"`` every token is.
 
-        Raises:
-            DataSourceError: bad input, or too few tokens for one row.
+    Raises:
+        DataSourceError: bad input, or too few tokens for one row.
     """
     kinds = {infer_format(p) if fmt == "auto" else fmt for p in files}
+    if kinds == {"chat"}:
+        return _pack_chats(files, seq_len, tokenizer, loss_on)
     if "tokens" in kinds:
         if kinds != {"tokens"}:
             raise DataSourceError(f"data.source: token files mixed with {sorted(kinds - {'tokens'})} files")
-        tokens = _read_tokens(files, tokenizer)
+        offsets = mask = None
+        if len(files) == 1 and is_tokenized_dir(files[0].parent) and files[0].name == TOKENS_FILE:
+            tokens, offsets, mask = _read_tokenized_dir(files[0], tokenizer)  # memory-mapped, with its index
+        else:
+            tokens = _read_tokens(files, tokenizer)
         try:
-            return PackedTokens(tokens, seq_len, tokenizer.eos_id)
+            return PackedTokens(
+                tokens,
+                seq_len,
+                tokenizer.eos_id,
+                doc_offsets=offsets,
+                loss_mask=mask if loss_on == "assistant" else None,
+            )
         except ValueError as e:
             raise DataSourceError(f"data.source: {e}") from None
     docs = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -80,6 +81,7 @@ class HFTokenizer:
         if not file.exists():
             raise FileNotFoundError(f"HFTokenizer: {file} not found (a fast tokenizer's tokenizer.json)")
         self._tok = _Tok.from_file(str(file))
+        self.path = file.parent
         cfg_file = file.parent / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
 
@@ -106,6 +108,12 @@ class HFTokenizer:
         """Token ids of ``text`` with the special tokens the tokenizer's post-processor places (e.g. a
         leading bos), as ``transformers`` encodes it by default."""
         return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def encode_with_char_map(self, text: str) -> tuple[list[int], Callable[[int], int | None]]:
+        """Token ids of ``text`` without special tokens, and the map from a character index to the
+        index of the token that covers it (None for characters no token covers, e.g. dropped spaces)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), enc.char_to_token
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
