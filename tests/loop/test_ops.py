@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import time
 
 import pytest
 from plait.loop import ConsoleTracker, JSONLTracker, build_tracker
@@ -72,3 +73,11 @@ def test_mesh_prefixed_logs(capsys):
     log.info("hello")
     assert "[rank 3 pp1 dp1] INFO hello" in capsys.readouterr().err
     logging.getLogger("plait.test_ops").handlers.clear()
+
+
+def test_throughput_reports_the_data_wait_fraction():
+    meter = ThroughputMeter(flops_per_token=None, peak_flops=None, world_size=1)
+    time.sleep(0.1)
+    meter.add_data_wait(0.05)
+    assert 0.2 < meter.measure()["data_wait_frac"] <= 0.5
+    assert meter.measure()["data_wait_frac"] == 0.0  # reset with the interval

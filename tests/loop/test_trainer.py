@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -348,3 +349,26 @@ def test_too_many_skipped_steps_raise(tmp_path):
         match=r"1 steps skipped .* at step 0 on rank 0\), more than determinism\.max_skipped_steps=0",
     ):
         tr.fit()
+
+
+class _SlowRows(torch.utils.data.Dataset):
+    """The test rows, each taking 20 ms to read (a tokenizer that cannot keep up)."""
+
+    def __init__(self) -> None:
+        self.rows = _dataset()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        time.sleep(0.02)
+        return self.rows[i]
+
+
+def test_metrics_report_the_time_spent_waiting_for_data(tmp_path):
+    # 8 rows per step at 20 ms each: the step loop waits >= 160 ms for a step that computes in a few ms.
+    cfg = _config(tmp_path, "--logging.interval=2", steps=4)
+    tr = Trainer(cfg, ModuleProvider(TinyLM), DatasetProvider(_SlowRows()), CausalLMTask())
+    logged = tr.fit()
+    tr.close()
+    assert 0.5 < logged["data_wait_frac"] <= 1.0

@@ -515,7 +515,9 @@ class Trainer:
             while self.step < total and not self._stop_requested:
                 self.events.publish(StepStart(self, self.step))
                 t0 = time.perf_counter()
-                pending = self._launch(next(self.data_loader))
+                batch = next(self.data_loader)
+                self.throughput.add_data_wait(time.perf_counter() - t0)
+                pending = self._launch(batch)
                 queued.append(pending)
                 self.gc.step(self.step)
                 self.profiler.step()

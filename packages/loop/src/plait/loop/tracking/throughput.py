@@ -89,11 +89,16 @@ class ThroughputMeter:
         self.last_interval: Interval | None = None
         self._t = time.perf_counter()
         self._tokens = 0
+        self._data_wait = 0.0
         self._graphs = compiled_graphs()
 
     def add(self, global_tokens: int) -> None:
         """Count a step's tokens (over all data-parallel ranks)."""
         self._tokens += global_tokens
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Count time the step loop waited for its next batch (reported as ``data_wait_frac``)."""
+        self._data_wait += seconds
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` of the current interval out of the rate (e.g. time spent evaluating).
@@ -104,16 +109,18 @@ class ThroughputMeter:
         self._graphs = compiled_graphs()
 
     def measure(self) -> dict[str, float]:
-        """``tokens_per_s`` (global), ``tokens_per_s_per_device`` and ``mfu`` (when FLOPs are known); resets."""
+        """``tokens_per_s`` (global), ``tokens_per_s_per_device``, ``data_wait_frac`` (the fraction of the
+        interval spent waiting for batches) and ``mfu`` (when FLOPs are known); resets."""
         now = time.perf_counter()
         dt = max(now - self._t, 1e-9)
         tps = self._tokens / dt
         out = {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world_size}
+        out["data_wait_frac"] = self._data_wait / dt
         if self.flops_per_token and self.peak_flops:
             out["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world_size)
         graphs = compiled_graphs()
         self.last_interval = Interval(self._tokens, dt, graphs != self._graphs)
-        self._t, self._tokens, self._graphs = now, 0, graphs
+        self._t, self._tokens, self._graphs, self._data_wait = now, 0, graphs, 0.0
         return out
 
 
