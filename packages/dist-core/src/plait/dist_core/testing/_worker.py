@@ -57,6 +57,7 @@ def _run_task(task: Task) -> TaskResult:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            _forget_meshes()
         try:
             return TaskResult(ok=True, payload=pickle.dumps(value))
         except Exception:
@@ -69,6 +70,25 @@ def _run_task(task: Task) -> TaskResult:
         torch.set_default_dtype(saved_dtype)
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, redistribution plans and mesh topologies.
+
+    Their keys compare device meshes by shape and dim names, not by process group: a later task's mesh
+    of the same shape would otherwise get a cached plan holding the previous task's mesh, whose groups
+    are destroyed ("Could not resolve the process group registered under the name N"; seen running
+    DeepSeek-V3's tp=2 x cp=2 test, then Llama's tp=2 x FSDP2 test, on the same 4 pooled ranks).
+    """
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # noqa: SLF001 (no public API)
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # noqa: SLF001
+    if clear_native is not None:  # the C++ dispatch's own cache (recent torch)
+        clear_native()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()  # noqa: SLF001 (its docstring says to clear it so)
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def main(conn: Connection, log_path: str, num_threads: int) -> None:
