@@ -29,7 +29,12 @@ from plait.models.common import (
     rope_inv_freq,
     stage_layer_ids,
 )
-from plait.models.common.parallel import ActivationCheckpointing, ParallelConfig, apply_context_parallel
+from plait.models.common.parallel import (
+    ActivationCheckpointing,
+    Float8Training,
+    ParallelConfig,
+    apply_context_parallel,
+)
 from plait.models.flops import flops_per_token
 from plait.models.hf import (
     build_causal_lm,
@@ -59,6 +64,7 @@ __all__ = [
     "DecoderLayer",
     "DecoderStage",
     "Family",
+    "Float8Training",
     "GroupedQueryAttention",
     "LMHead",
     "ParallelConfig",
