@@ -215,3 +215,74 @@ def test_emulated_float8_model_trains_close_to_fp32():
     for name, g in ref_grads.items():
         rel = ((grads[name] - g).norm() / g.norm()).item()
         assert rel < 0.15, (name, rel)
+
+
+# --- parallel layouts (gloo): float8 linears under TP and FSDP2 equal the single-process float8 model ---
+
+DENSE = ("pp", "dp_replicate", "dp_cp_shard", "cp_replicate", "tp")
+PARALLEL_CFG = LlamaConfig(**ATTN_DIMS, intermediate_size=48, num_hidden_layers=2)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _rank_float8(mesh_shape: tuple[int, ...], recipe: str, ckpt: str) -> dict:
+    import torch.distributed as dist
+    from plait.models import load_hf_checkpoint
+    from plait.models.common.parallel import precompute_float8_scales
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    with torch.device("meta"):
+        model = build_causal_lm(PARALLEL_CFG)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=DENSE)
+    parallelize(model, dense_mesh=mesh, config=ParallelConfig(float8=Float8Training(recipe=recipe, emulate=True)))
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)  # into the float8 all-gather weights too
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum over ranks
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    world = dist.get_world_size()
+    # Every rank runs the whole batch (tensorwise activation scales depend on the rows a rank holds):
+    # the gradients summed over FSDP's ranks are world x the single-process ones.
+    out = model(input_ids=_ids(), labels=_ids())
+    out["loss"].backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name] = g / (world if mesh_shape[2] > 1 else 1)
+    precompute_float8_scales([model])  # the next all-gather's scales, from the (unchanged) weights
+    with torch.no_grad():
+        again = model(input_ids=_ids(), labels=_ids())["loss"].item()
+    locals_ = {type(p.to_local()).__name__ for p in model.parameters() if isinstance(p, DTensor)}
+    return {"loss": out["loss"].item(), "again": again, "grads": grads, "local_types": locals_}
+
+
+@pytest.mark.parametrize(
+    "layout,recipe",
+    [("tp2", "tensorwise"), ("tp2", "rowwise"), ("fsdp2", "tensorwise")],
+)
+def test_parallel_layouts_match_the_single_process_float8_model(layout, recipe, tmp_path):
+    from plait.models import save_hf_checkpoint
+
+    run_distributed = pytest.importorskip("plait.dist_core.testing").run_distributed
+    torch.manual_seed(0)
+    ref = build_causal_lm(PARALLEL_CFG)
+    ref.reset_parameters()
+    ckpt = str(save_hf_checkpoint(ref, tmp_path / "seed"))
+    apply_float8(ref, Float8Training(recipe=recipe, emulate=True))
+    out = ref(input_ids=_ids(), labels=_ids())
+    out["loss"].backward()
+    shape = (1, 1, 1, 1, 2) if layout == "tp2" else (1, 1, 2, 1, 1)
+    results = run_distributed(_rank_float8, 2, shape, recipe, ckpt, timeout=240.0)
+    for r in results:
+        assert r["loss"] == pytest.approx(out["loss"].item(), abs=1e-5)
+        assert r["again"] == pytest.approx(r["loss"], abs=1e-6)
+    if layout == "fsdp2":  # tensorwise under FSDP2: the weights are all-gathered in float8
+        assert "WeightWithDynamicFloat8CastTensor" in results[0]["local_types"]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
