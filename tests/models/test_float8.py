@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from plait.models import CausalLMProvider, Float8Training, ParallelConfig, build_causal_lm, parallelize
-from plait.models.common.parallel import apply_float8, check_float8_device, float8_linears
+from plait.models.common.parallel import apply_float8, check_float8, float8_linears
 from plait.models.deepseek_v3 import DeepseekV3Config
 from plait.models.gpt_oss import GptOssConfig
 from plait.models.llama import LlamaConfig
@@ -127,7 +127,10 @@ def test_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match=r'pip install "plait-models\[float8\]"'):
         apply_float8(_meta("llama"), Float8Training(**EMULATED))
+    with pytest.raises(ImportError, match=r"plait-models\[float8\]"):
+        check_float8(Float8Training(recipe="tensorwise"))
     apply_float8(_meta("llama"), Float8Training())  # off: torchao is not needed
+    check_float8(Float8Training())
 
 
 def test_device_without_float8_gemms_is_refused(monkeypatch):
@@ -138,11 +141,11 @@ def test_device_without_float8_gemms_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(RuntimeError, match=r"NVIDIA A100-SXM4-80GB is sm_80"):
-        check_float8_device(Float8Training(recipe="rowwise"))
+        check_float8(Float8Training(recipe="rowwise"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    check_float8_device(Float8Training(recipe="rowwise"))  # Hopper
+    check_float8(Float8Training(recipe="rowwise"))  # Hopper
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    check_float8_device(Float8Training(recipe="rowwise", emulate=True))
+    check_float8(Float8Training(recipe="rowwise", emulate=True))
 
 
 # --- numerics: emulated float8 GEMMs against the quantisation written out ---

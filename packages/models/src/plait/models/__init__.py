@@ -34,6 +34,7 @@ from plait.models.common.parallel import (
     Float8Training,
     ParallelConfig,
     apply_context_parallel,
+    check_float8,
 )
 from plait.models.flops import flops_per_token
 from plait.models.hf import (
@@ -79,6 +80,7 @@ __all__ = [
     "build_attention_mask",
     "build_causal_lm",
     "check_fits",
+    "check_float8",
     "config_class_for",
     "config_from_hf",
     "config_to_hf",

@@ -6,7 +6,7 @@ from plait.models.common.parallel.config import ActivationCheckpointing, Float8T
 from plait.models.common.parallel.float8 import (
     Float8Conversion,
     apply_float8,
-    check_float8_device,
+    check_float8,
     float8_linears,
     precompute_float8_scales,
 )
@@ -32,7 +32,7 @@ __all__ = [
     "apply_float8",
     "apply_fsdp",
     "apply_tensor_parallel",
-    "check_float8_device",
+    "check_float8",
     "float8_linears",
     "parallelize_decoder",
     "precompute_float8_scales",

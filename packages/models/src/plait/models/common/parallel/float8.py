@@ -29,7 +29,7 @@ from torch import nn
 __all__ = [
     "Float8Conversion",
     "apply_float8",
-    "check_float8_device",
+    "check_float8",
     "float8_linears",
     "precompute_float8_scales",
 ]
@@ -61,12 +61,17 @@ def _torchao_float8() -> ModuleType:
     return float8
 
 
-def check_float8_device(config: Float8Training) -> None:
-    """Refuse float8 GEMMs where the hardware has none (unless ``config.emulate``).
+def check_float8(config: Float8Training) -> None:
+    """Whether ``config`` can run here: torchao installed, and float8 GEMMs on this machine's GPU
+    (unless ``config.emulate``). Nothing to check when float8 is off.
 
     Raises:
+        ImportError: torchao is not installed (names the ``plait-models[float8]`` extra).
         RuntimeError: no CUDA device, or one below compute capability 8.9 (Ada, Hopper, Blackwell).
     """
+    if config.recipe is None:
+        return
+    _torchao_float8()
     if config.emulate:
         return
     hint = "(parallel.float8.emulate = true runs emulated float8 GEMMs for tests, with no speed-up)"
@@ -138,8 +143,8 @@ def apply_float8(
     """
     if config.recipe is None:
         return Float8Conversion((), ())
+    check_float8(config)
     float8 = _torchao_float8()
-    check_float8_device(config)
     plan = float8_linears(model, config.skip)
     all_gather = config.fsdp_float8_all_gather
     if all_gather is None:
