@@ -437,7 +437,14 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
     common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
-    common += ["--model", args.model_name, "--plait-moments", args.plait_moments, "--fp8-recipe", args.fp8_recipe]
+    common += [
+        "--model",
+        args.model_name,
+        "--plait-moments",
+        args.plait_moments,
+        "--fp8-recipe",
+        args.fp8_recipe,
+    ]
     nproc = trainer_layout(row, 4)[0]
     if nproc > 1:
         if not args.smoke and torch.cuda.device_count() < nproc:

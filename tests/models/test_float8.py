@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from torch import nn
 
 pytest.importorskip("torchao.float8")
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8.float8_linear import Float8Linear
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -36,9 +36,14 @@ FAMILIES = {
     # layer 1 dense (width 48); layers 0 and 2 MoE: router and grouped experts are not converted
     "qwen3_moe": (
         Qwen3MoeConfig(
-            **ATTN_DIMS, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-            num_experts=4, num_experts_per_tok=2, mlp_only_layers=(1,),
-        ),  # fmt: skip
+            **ATTN_DIMS,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=(1,),
+        ),
         [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ATTN]
         + [f"model.layers.1.mlp.{p}" for p in MLP],
         [],
@@ -46,9 +51,13 @@ FAMILIES = {
     # every layer MoE, attention with biases
     "gpt_oss": (
         GptOssConfig(
-            **ATTN_DIMS, intermediate_size=16, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+            **ATTN_DIMS,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_experts=4,
+            num_experts_per_tok=2,
             sliding_window=4,
-        ),  # fmt: skip
+        ),
         [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ATTN],
         [],
     ),
@@ -56,15 +65,33 @@ FAMILIES = {
     # first layer (width 48), then a MoE layer whose shared expert (width 16) is converted
     "deepseek_v3": (
         DeepseekV3Config(
-            hidden_size=32, num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
-            intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, kv_lora_rank=16,
-            q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-        ),  # fmt: skip
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=64,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+        ),
         [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("kv_b_proj", "o_proj")]
         + [f"model.layers.0.mlp.{p}" for p in MLP]
         + [f"model.layers.1.mlp.shared_expert.{p}" for p in MLP],
-        [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")],
+        [
+            f"model.layers.{i}.self_attn.{p}"
+            for i in range(2)
+            for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+        ],
     ),
 }
 
@@ -89,7 +116,9 @@ def test_conversion_picks_the_expected_linears(family):
     assert now == sorted(converted)
     assert type(model.lm_head) is not Float8Linear and type(model.model.embed_tokens) is not Float8Linear
     # parameter names (checkpoints, mappers) are unchanged
-    assert sorted(n for n, _ in model.named_parameters()) == sorted(n for n, _ in _meta(family).named_parameters())
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(
+        n for n, _ in _meta(family).named_parameters()
+    )
 
 
 def test_skip_keeps_named_linears_and_skipped_ones_are_reported(caplog):
@@ -101,7 +130,9 @@ def test_skip_keeps_named_linears_and_skipped_ones_are_reported(caplog):
     assert reasons["model.layers.0.self_attn.k_proj"] == "matches parallel.float8.skip 'k_proj'"
     assert reasons["model.layers.1.self_attn.q_proj"] == "matches parallel.float8.skip 'layers.1.'"
     assert reasons["model.layers.0.mlp.down_proj"] == "in_features=40, out_features=32: not multiples of 16"
-    assert "model.layers.0.mlp.gate_proj (in_features=32, out_features=40: not multiples of 16)" in caplog.text
+    assert (
+        "model.layers.0.mlp.gate_proj (in_features=32, out_features=40: not multiples of 16)" in caplog.text
+    )
 
 
 def test_off_by_default_converts_nothing():
@@ -241,7 +272,9 @@ def _rank_float8(mesh_shape: tuple[int, ...], recipe: str, ckpt: str) -> dict:
     with torch.device("meta"):
         model = build_causal_lm(PARALLEL_CFG)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=DENSE)
-    parallelize(model, dense_mesh=mesh, config=ParallelConfig(float8=Float8Training(recipe=recipe, emulate=True)))
+    parallelize(
+        model, dense_mesh=mesh, config=ParallelConfig(float8=Float8Training(recipe=recipe, emulate=True))
+    )
     model.to_empty(device="cpu")
     model.reset_parameters()
     load_hf_checkpoint(model, ckpt)  # into the float8 all-gather weights too

@@ -111,7 +111,10 @@ def float8_linears(model: DecoderStage, skip: Sequence[str] = ()) -> Float8Conve
             skipped.append((name, f"matches parallel.float8.skip {hits[0]!r}"))
         elif module.in_features % 16 or module.out_features % 16:
             skipped.append(
-                (name, f"in_features={module.in_features}, out_features={module.out_features}: not multiples of 16")
+                (
+                    name,
+                    f"in_features={module.in_features}, out_features={module.out_features}: not multiples of 16",
+                )
             )
         else:
             converted.append(name)
