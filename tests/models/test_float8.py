@@ -261,9 +261,9 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def _rank_float8(mesh_shape: tuple[int, ...], recipe: str, ckpt: str) -> dict:
+def _rank_float8(mesh_shape: tuple[int, ...], recipe: str, ckpt: str, export: str) -> dict:
     import torch.distributed as dist
-    from plait.models import load_hf_checkpoint
+    from plait.models import load_hf_checkpoint, save_hf_checkpoint
     from plait.models.common.parallel import precompute_float8_scales
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
@@ -294,6 +294,7 @@ def _rank_float8(mesh_shape: tuple[int, ...], recipe: str, ckpt: str) -> dict:
     precompute_float8_scales([model])  # the next all-gather's scales, from the (unchanged) weights
     with torch.no_grad():
         again = model(input_ids=_ids(), labels=_ids())["loss"].item()
+    save_hf_checkpoint(model, export)  # collective; reads through the float8 all-gather weights
     locals_ = {type(p.to_local()).__name__ for p in model.parameters() if isinstance(p, DTensor)}
     return {"loss": out["loss"].item(), "again": again, "grads": grads, "local_types": locals_}
 
@@ -303,7 +304,7 @@ def _rank_float8(mesh_shape: tuple[int, ...], recipe: str, ckpt: str) -> dict:
     [("tp2", "tensorwise"), ("tp2", "rowwise"), ("fsdp2", "tensorwise")],
 )
 def test_parallel_layouts_match_the_single_process_float8_model(layout, recipe, tmp_path):
-    from plait.models import save_hf_checkpoint
+    from plait.models import load_hf_checkpoint, save_hf_checkpoint
 
     run_distributed = pytest.importorskip("plait.dist_core.testing").run_distributed
     torch.manual_seed(0)
@@ -314,7 +315,8 @@ def test_parallel_layouts_match_the_single_process_float8_model(layout, recipe, 
     out = ref(input_ids=_ids(), labels=_ids())
     out["loss"].backward()
     shape = (1, 1, 1, 1, 2) if layout == "tp2" else (1, 1, 2, 1, 1)
-    results = run_distributed(_rank_float8, 2, shape, recipe, ckpt, timeout=240.0)
+    export = tmp_path / "export"
+    results = run_distributed(_rank_float8, 2, shape, recipe, ckpt, str(export), timeout=240.0)
     for r in results:
         assert r["loss"] == pytest.approx(out["loss"].item(), abs=1e-5)
         assert r["again"] == pytest.approx(r["loss"], abs=1e-6)
@@ -322,3 +324,10 @@ def test_parallel_layouts_match_the_single_process_float8_model(layout, recipe, 
         assert "WeightWithDynamicFloat8CastTensor" in results[0]["local_types"]
     for name, p in ref.named_parameters():
         torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    # the export holds the checkpoint's weights (nothing trained in between)
+    with torch.device("meta"):
+        again = build_causal_lm(PARALLEL_CFG)
+    again.to_empty(device="cpu")
+    load_hf_checkpoint(again, export)
+    for (name, p), (_, q) in zip(ref.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach()), name

@@ -28,6 +28,7 @@ class ActivationCheckpointing(BaseModel):
         "aten.mm.default",
         "aten.addmm.default",
         "aten.bmm.default",
+        "aten._scaled_mm.default",  # float8 linears (ParallelConfig.float8)
         "aten._scaled_dot_product_efficient_attention.default",
         "aten._scaled_dot_product_flash_attention.default",
         "aten._scaled_dot_product_flash_attention_for_cpu.default",
