@@ -25,6 +25,10 @@ directory is a ``tokens`` source read memory-mapped; ``tokenizer`` ``bytes`` or 
 checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
 summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
 
+FP8 training on GPUs of compute capability 8.9+ (Ada, Hopper): ``--parallel.float8.recipe=rowwise`` (or
+``tensorwise``; a ``[parallel.float8]`` section in the config), with ``pip install "plait-models[float8]"``
+(torchao); see plait-models' README.
+
 Bad flags, config files, paths or data stop it with one message and exit status 2 before anything is
 built. Ctrl-C / SIGTERM finish the step, save a checkpoint and exit with 130 / 143, without the
 Hugging Face export of the unfinished run unless ``--export-unfinished`` is given.
@@ -74,6 +78,7 @@ from plait.models import (
     DecoderConfig,
     ParallelConfig,
     check_fits,
+    check_float8,
     load_hf_config,
     parse_config,
 )
@@ -491,6 +496,19 @@ def build_provider(config: TrainConfig, init_from: Path | None = None) -> Causal
     )
 
 
+def check_float8_config(config: TrainConfig) -> None:
+    """FP8 training (``[parallel.float8]``) needs torchao and a GPU with float8 GEMMs: said before
+    anything is built.
+
+    Raises:
+        ConfigError: torchao missing (names the extra) or no float8-capable device.
+    """
+    try:
+        check_float8(config.parallel.float8)
+    except (ImportError, RuntimeError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(
     argv: list[str] | None = None, cls: type[TrainConfig] = TrainConfig, default_config: Path = DEFAULT_CONFIG
 ) -> dict[str, float]:
@@ -505,6 +523,7 @@ def main(
     try:
         config, args = parse_args(sys.argv[1:] if argv is None else argv, cls, default_config)
         check_paths(config, args)
+        check_float8_config(config)
     except (ConfigError, StartupError) as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

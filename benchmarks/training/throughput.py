@@ -18,6 +18,9 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
                                   all their submodules when missing
   plait_step_eager / _compiled    plait's model: forward + backward + StochasticAdamW, no Trainer (MoE: the
                                   Trainer's own batches, packed documents, document masking, aux loss)
+  plait_step_fp8_compiled         the same, compiled, with float8 linears (``ParallelConfig.float8``, recipe
+                                  ``--fp8-recipe``; dense and llama3_8b workloads; its "vs plait step" column
+                                  is the float8 speed-up over bf16)
   plait_trainer_eager / _compiled the MoE main job (examples/qwen3_moe/pretrain.py) with this model
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
                                   over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
@@ -355,6 +358,13 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
 
     provider = _plait_provider(args, compiled)
     model = provider.build_stage(0, 1)
+    if "_fp8" in args.row:
+        from plait.models import Float8Training
+        from plait.models.common.parallel import apply_float8
+
+        # emulated float8 GEMMs on the CPU (--smoke): the script's path, not its speed
+        f8 = Float8Training(recipe=args.fp8_recipe, emulate=args.device != "cuda")
+        print(f"float8: {len(apply_float8(model, f8, compile=compiled).converted)} linears", flush=True)
     if compiled:
         for layer in model.decoder_layers():
             layer.compile()
@@ -427,7 +437,14 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
     common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
-    common += ["--model", args.model_name, "--plait-moments", args.plait_moments]
+    common += [
+        "--model",
+        args.model_name,
+        "--plait-moments",
+        args.plait_moments,
+        "--fp8-recipe",
+        args.fp8_recipe,
+    ]
     nproc = trainer_layout(row, 4)[0]
     if nproc > 1:
         if not args.smoke and torch.cuda.device_count() < nproc:
@@ -479,7 +496,8 @@ def _table(args: argparse.Namespace, results: list[dict[str, Any]], peak_tflops:
         mode = "eager" if impl.endswith("eager") else "compiled"
         step = by.get(f"{workload}.plait_step_{mode}", {}).get("tok_s_per_gpu")
         ratio = f"{tps / base:.2f}x" if base else ""
-        vs_step = f"{tps / step:.2f}x" if step and impl.startswith("plait_trainer") else ""
+        fp8 = impl.startswith("plait_step_fp8")
+        vs_step = f"{tps / step:.2f}x" if step and (impl.startswith("plait_trainer") or fp8) else ""
         lines.append(f"{head} | {tps / 1e3:.1f}k | {mfu:.1%} | {r['peak_gib']:.1f} | {ratio} | {vs_step} |")
     return "\n".join(lines)
 
@@ -528,6 +546,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bfloat16",
         help="AdamW moment dtype of the plait_step rows (bfloat16: like the peers' torch AdamW on bf16 "
         "parameters; the Trainer rows take the main job's optimizer settings)",
+    )
+    ap.add_argument(
+        "--fp8-recipe",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+        default="tensorwise",
+        help="torchao float8 recipe of the plait_step_fp8 rows (ParallelConfig.float8.recipe)",
     )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
@@ -626,7 +650,7 @@ def main() -> None:
             f"**device:** {env}\n\n**command:** `python3 benchmarks/training/throughput.py "
             f"{' '.join(sys.argv[1:])}`\n\n"
             f"bf16 matmul rate measured in the same run: {peak:.0f} TFLOP/s (MFU denominator). Workloads: {titles}; "
-            f"bf16 parameters; {args.warmup} warm-up steps, {args.steps} timed; one process per row.\n\n"
+            f"bf16 parameters (float8 rows: torchao {args.fp8_recipe} float8 linears); {args.warmup} warm-up steps, {args.steps} timed; one process per row.\n\n"
             f"{table}\n\n" + "\n".join(f"- {v}" for v in lines) + "\n"
         )
 

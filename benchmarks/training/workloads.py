@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 COMPILED = ("hf_compiled", "torchtitan_compiled", "plait_step_compiled")
+# ...and plait's step with float8 linears (``ParallelConfig.float8``; throughput.py --fp8-recipe).
+COMPILED_FP8 = (*COMPILED, "plait_step_fp8_compiled")
 ALL_1GPU = (
     "hf_eager", "hf_compiled", "torchtitan_eager", "torchtitan_compiled",
     "plait_step_eager", "plait_step_compiled", "plait_trainer_eager", "plait_trainer_compiled",
@@ -297,7 +299,7 @@ WORKLOADS: dict[str, Workload] = {
             titan=titan_qwen3,
             batch=2,
             seq=4096,
-            impls=COMPILED,
+            impls=COMPILED_FP8,
             smoke={**_TINY, "intermediate_size": 128},
         ),
         Workload(
@@ -308,7 +310,7 @@ WORKLOADS: dict[str, Workload] = {
             titan=titan_llama3,
             batch=1,
             seq=4096,
-            impls=COMPILED,
+            impls=COMPILED_FP8,
             smoke={**_TINY, "intermediate_size": 128},
         ),
         Workload(
@@ -360,4 +362,5 @@ TARGETS = (
     Target("MoE", "moe", "plait_trainer_compiled", "hf_compiled", 0.7, memory=True),
     Target("Trainer overhead", "moe", "plait_trainer_compiled", "plait_step_compiled", 0.95),
     Target("Dense Qwen3 1.7B", "dense", "plait_step_compiled", "torchtitan_compiled", 1.15),
+    Target("Dense Qwen3 1.7B FP8", "dense", "plait_step_fp8_compiled", "torchtitan_compiled", 1.3),
 )

@@ -34,3 +34,24 @@ def test_family_trains_and_exports_to_transformers(family, tmp_path):
     ids = torch.randint(0, 259, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids)["logits"], hf(ids).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_float8_trains_emulated_and_is_refused_without_a_float8_gpu(tmp_path, monkeypatch, capsys):
+    """``[parallel.float8]``: emulated float8 linears train and export (parameter names unchanged);
+    without ``emulate`` and without a float8-capable GPU the job stops before building anything."""
+    pytest.importorskip("torchao.float8")
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train
+
+    config = EXAMPLES / "configs" / "llama" / "cpu.toml"
+    run_dir = tmp_path / "run"
+    argv = ["--config", str(config), "--steps", "2", "--run-dir", str(run_dir), *FAST]
+    metrics = train.main([*argv, "--parallel.float8.recipe=rowwise", "--parallel.float8.emulate=true"])
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert from_pretrained(run_dir / "hf").config.hidden_size == 128
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        train.main([*argv, "--run-dir", str(tmp_path / "refused"), "--parallel.float8.recipe=tensorwise"])
+    assert exc.value.code == 2
+    assert "parallel.float8 needs an NVIDIA GPU of compute capability 8.9+" in capsys.readouterr().err

@@ -126,3 +126,37 @@ def test_compiled_chain_inductor_cuda(grad_in_forward):
     torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_eager_calls_skip_the_dispatcher_and_match_the_ops():
+    """Eager ``rms_norm`` / ``swiglu`` run the ops' implementation and autograd formula without the
+    custom-op dispatcher (whose host time rivals a memory-bound kernel's GPU time), with the same
+    results as ``torch.ops.plait``."""
+    from plait.kernels import rms_norm, swiglu
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, requires_grad=True)
+    r = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    dy = torch.randn(4, 32)
+
+    def grads(fn):
+        outs = fn()
+        torch.autograd.backward(outs, [dy] * len(outs))
+        got = [t.detach().clone() for t in outs] + [t.grad.clone() for t in (x, r, w)]
+        for t in (x, r, w):
+            t.grad = None
+        return got
+
+    def via_ops():
+        y, h, _ = torch.ops.plait.rms_norm(x, r, w, 1e-6, 0.0)
+        return [y, h, torch.ops.plait.swiglu(x, r, None)]
+
+    with torch.profiler.profile() as prof:
+        eager = grads(lambda: [*rms_norm(x, w, residual=r), swiglu(x, r)])
+    assert not [e.name for e in prof.events() if "plait" in e.name]
+    with torch.profiler.profile() as prof:
+        ops = grads(via_ops)
+    assert "plait::rms_norm_backward" in {e.name for e in prof.events()}  # the check can see them
+    for a, b in zip(eager, ops, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

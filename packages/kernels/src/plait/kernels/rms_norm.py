@@ -5,16 +5,20 @@
 ``(y, h)`` so the caller can carry ``h`` as the next residual stream without another add kernel.
 The weight gradient respects :func:`plait.kernels.grad_direction`.
 
-Eager calls run the torch custom op ``plait::rms_norm`` (backward ``plait::rms_norm_backward``);
+The torch custom ops are ``plait::rms_norm`` (backward ``plait::rms_norm_backward``). Eager calls run
+their implementation and autograd formula without the dispatcher (:mod:`plait.kernels._eager`);
 inside ``torch.compile`` the function traces its PyTorch formulation, which Inductor fuses.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from plait.kernels._dispatch import use_triton
+from plait.kernels._eager import eager_autograd
 from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["rms_norm", "rms_norm_reference"]
@@ -76,6 +80,17 @@ def _backward_torch(
     return dx, dw
 
 
+def _forward_impl(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = [x] + [t for t in (weight, residual) if t is not None]
+    if use_triton(*tensors):
+        from plait.kernels._triton.rms_norm import rms_norm_forward
+
+        return rms_norm_forward(x, residual, weight, eps, offset)
+    return _forward_torch(x, residual, weight, eps, offset)
+
+
 @torch.library.custom_op(
     "plait::rms_norm",
     mutates_args=(),
@@ -85,18 +100,40 @@ def _rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, h, rstd)``: ``h = x + residual`` (empty without a residual), ``rstd`` fp32 ``x.shape[:-1]``."""
-    tensors = [x] + [t for t in (weight, residual) if t is not None]
-    if use_triton(*tensors):
-        from plait.kernels._triton.rms_norm import rms_norm_forward
-
-        return rms_norm_forward(x, residual, weight, eps, offset)
-    return _forward_torch(x, residual, weight, eps, offset)
+    return _forward_impl(x, residual, weight, eps, offset)
 
 
 @_rms_norm_op.register_fake
 def _(x: torch.Tensor, residual: Any, weight: Any, eps: float, offset: float) -> Any:
     h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _backward_impl(
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    want_dw = _weights_wanted(need_dw and weight is not None)
+    dx = dw = None
+    if need_dx or want_dw:
+        tensors = [dy, h] + [t for t in (weight, dh) if t is not None]
+        if use_triton(*tensors):
+            from plait.kernels._triton.rms_norm import rms_norm_backward
+
+            dx, dw = rms_norm_backward(dy, dh, h, weight, rstd, offset, need_dx, want_dw)
+        else:
+            dx, dw = _backward_torch(dy, dh, h, weight, rstd, offset, need_dx, want_dw)
+    if dx is None:
+        dx = h.new_empty(0)
+    if dw is None:
+        dw = torch.zeros_like(weight) if need_dw and weight is not None else h.new_empty(0)
+    return dx, dw
 
 
 @torch.library.custom_op(
@@ -116,21 +153,7 @@ def _rms_norm_backward_op(
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
-    want_dw = _weights_wanted(need_dw and weight is not None)
-    dx = dw = None
-    if need_dx or want_dw:
-        tensors = [dy, h] + [t for t in (weight, dh) if t is not None]
-        if use_triton(*tensors):
-            from plait.kernels._triton.rms_norm import rms_norm_backward
-
-            dx, dw = rms_norm_backward(dy, dh, h, weight, rstd, offset, need_dx, want_dw)
-        else:
-            dx, dw = _backward_torch(dy, dh, h, weight, rstd, offset, need_dx, want_dw)
-    if dx is None:
-        dx = h.new_empty(0)
-    if dw is None:
-        dw = torch.zeros_like(weight) if need_dw and weight is not None else h.new_empty(0)
-    return dx, dw
+    return _backward_impl(dy, dh, h, weight, rstd, offset, need_dx, need_dw)
 
 
 @_rms_norm_backward_op.register_fake
@@ -151,7 +174,13 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) 
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, dy: torch.Tensor | None, dh: torch.Tensor | None, _drstd: Any) -> tuple[Any, ...]:
+def _backward(
+    backward_op: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    ctx: Any,
+    dy: torch.Tensor | None,
+    dh: torch.Tensor | None,
+    _drstd: Any,
+) -> tuple[Any, ...]:
     h, weight, rstd = ctx.saved_tensors
     need_x, need_r, need_w = ctx.needs_input_grad[:3]
     need_dx, need_dw = _returned(need_x or need_r, weight is not None and need_w)
@@ -159,9 +188,7 @@ def _backward(ctx: Any, dy: torch.Tensor | None, dh: torch.Tensor | None, _drstd
         return None, None, None, None, None
     if dy is None:
         dy = torch.zeros_like(h)
-    dx, dw = _rms_norm_backward_op(
-        dy, dh if ctx.has_res else None, h, weight, rstd, ctx.offset, need_dx, need_dw
-    )
+    dx, dw = backward_op(dy, dh if ctx.has_res else None, h, weight, rstd, ctx.offset, need_dx, need_dw)
     dx_out = dx if need_dx else None
     return (
         dx_out if need_x else None,
@@ -172,7 +199,8 @@ def _backward(ctx: Any, dy: torch.Tensor | None, dh: torch.Tensor | None, _drstd
     )
 
 
-_rms_norm_op.register_autograd(_backward, setup_context=_setup)
+_rms_norm_op.register_autograd(functools.partial(_backward, _rms_norm_backward_op), setup_context=_setup)
+_rms_norm_eager = eager_autograd(_forward_impl, _setup, functools.partial(_backward, _backward_impl))
 
 
 def rms_norm(
@@ -206,5 +234,5 @@ def rms_norm(
         # makes no per-call custom-op dispatch (~150 us of host time each on an H100 host); eager
         # runs the Triton kernel.
         return rms_norm_reference(x, weight, eps, offset, residual)
-    y, h, _rstd = _rms_norm_op(x, residual, weight, float(eps), float(offset))
+    y, h, _rstd = _rms_norm_eager(x, residual, weight, float(eps), float(offset))
     return y if residual is None else (y, h)

@@ -3,17 +3,22 @@
 Two layouts: separate ``gate``/``up`` tensors, or one fused ``gate_up [..., 2I]`` tensor (gate half
 first, the layout of a fused gate/up projection). Math is done in fp32 and the result is cast to the
 input dtype. On CUDA (or under ``TRITON_INTERPRET=1``) a Triton kernel recomputes ``silu`` in the
-backward instead of saving it, so the op saves only its inputs. Eager calls run the torch custom op
-``plait::swiglu``; inside ``torch.compile`` the function traces its PyTorch formulation, which Inductor fuses.
+backward instead of saving it, so the op saves only its inputs. The torch custom op is ``plait::swiglu``;
+eager calls run its implementation and autograd formula without the dispatcher
+(:mod:`plait.kernels._eager`); inside ``torch.compile`` the function traces its PyTorch formulation,
+which Inductor fuses.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from plait.kernels._dispatch import use_triton
+from plait.kernels._eager import eager_autograd
 
 __all__ = ["swiglu", "swiglu_fused", "swiglu_reference"]
 
@@ -67,11 +72,7 @@ def _backward_torch(
     return dg.to(a.dtype).contiguous(), du.to(b.dtype).contiguous(), dw
 
 
-@torch.library.custom_op(
-    "plait::swiglu", mutates_args=(), schema="(Tensor a, Tensor? b, Tensor? row_weight) -> Tensor"
-)
-def _swiglu_op(a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None) -> torch.Tensor:
-    """``silu(gate) * up (* row_weight)``; ``b is None`` means ``a`` is the fused ``[..., 2I]`` tensor."""
+def _forward_impl(a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None) -> torch.Tensor:
     tensors = [t for t in (a, b, row_weight) if t is not None]
     if use_triton(*tensors):
         from plait.kernels._triton.swiglu import swiglu_forward
@@ -80,10 +81,31 @@ def _swiglu_op(a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor
     return _forward_torch(a, b, row_weight)
 
 
+@torch.library.custom_op(
+    "plait::swiglu", mutates_args=(), schema="(Tensor a, Tensor? b, Tensor? row_weight) -> Tensor"
+)
+def _swiglu_op(a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None) -> torch.Tensor:
+    """``silu(gate) * up (* row_weight)``; ``b is None`` means ``a`` is the fused ``[..., 2I]`` tensor."""
+    return _forward_impl(a, b, row_weight)
+
+
 @_swiglu_op.register_fake
 def _(a: torch.Tensor, b: Any, row_weight: Any) -> torch.Tensor:
     n = a.shape[-1] if b is not None else a.shape[-1] // 2
     return a.new_empty((*a.shape[:-1], n))
+
+
+def _backward_impl(
+    dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None, need_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = [t for t in (dy, a, b, row_weight) if t is not None]
+    if use_triton(*tensors):
+        from plait.kernels._triton.swiglu import swiglu_backward
+
+        da, db, dw = swiglu_backward(dy, a, b, row_weight, need_dw)
+    else:
+        da, db, dw = _backward_torch(dy, a, b, row_weight, need_dw)
+    return da, (db if db is not None else a.new_empty(0)), (dw if dw is not None else a.new_empty(0))
 
 
 @torch.library.custom_op(
@@ -95,14 +117,7 @@ def _swiglu_backward_op(
     dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None, need_dw: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(da, db, d_row_weight)``; ``db`` empty when fused, ``d_row_weight`` empty when not needed."""
-    tensors = [t for t in (dy, a, b, row_weight) if t is not None]
-    if use_triton(*tensors):
-        from plait.kernels._triton.swiglu import swiglu_backward
-
-        da, db, dw = swiglu_backward(dy, a, b, row_weight, need_dw)
-    else:
-        da, db, dw = _backward_torch(dy, a, b, row_weight, need_dw)
-    return da, (db if db is not None else a.new_empty(0)), (dw if dw is not None else a.new_empty(0))
+    return _backward_impl(dy, a, b, row_weight, need_dw)
 
 
 @_swiglu_backward_op.register_fake
@@ -117,18 +132,23 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(a, b, w)
 
 
-def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+def _backward(
+    backward_op: Callable[..., tuple[torch.Tensor, ...]], ctx: Any, dy: torch.Tensor
+) -> tuple[Any, ...]:
     a, b, w = ctx.saved_tensors
     need_dw = w is not None and ctx.needs_input_grad[2]
-    da, db, dw = _swiglu_backward_op(dy, a, b, w, need_dw)
+    da, db, dw = backward_op(dy, a, b, w, need_dw)
     return da, (db if b is not None else None), (dw if need_dw else None)
 
 
-_swiglu_op.register_autograd(_backward, setup_context=_setup)
+_swiglu_op.register_autograd(functools.partial(_backward, _swiglu_backward_op), setup_context=_setup)
+# Eager calls: the same implementation and formula without the dispatcher (see plait.kernels._eager).
+_swiglu_eager = eager_autograd(_forward_impl, _setup, functools.partial(_backward, _backward_impl))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up (* row_weight[..., None])`` (torch custom op ``plait::swiglu``).
+    """``silu(gate) * up (* row_weight[..., None])`` (torch custom op ``plait::swiglu``; eager calls skip
+    its dispatcher, see :mod:`plait.kernels._eager`).
 
     Args:
         gate: ``[..., I]``.
@@ -142,7 +162,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None
     _check(gate, up, row_weight)
     if torch.compiler.is_compiling():  # Inductor fuses the PyTorch formulation (see rms_norm)
         return swiglu_reference(gate, up, row_weight)
-    return _swiglu_op(gate, up, row_weight)
+    return _swiglu_eager(gate, up, row_weight)
 
 
 def swiglu_fused(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,4 +181,4 @@ def swiglu_fused(gate_up: torch.Tensor, row_weight: torch.Tensor | None = None) 
     _check(gate, up, row_weight)
     if torch.compiler.is_compiling():
         return swiglu_reference(gate, up, row_weight)
-    return _swiglu_op(gate_up, None, row_weight)
+    return _swiglu_eager(gate_up, None, row_weight)

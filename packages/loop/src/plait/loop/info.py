@@ -28,7 +28,7 @@ EXTRAS: tuple[Extra, ...] = (
     Extra("triton", "triton", "Triton kernels (plait-kernels; CUDA, or TRITON_INTERPRET=1 on CPU)"),
     Extra("flash_attn", "flash-attn", "attn_implementation='flash' (pip install 'plait-models[flash]')"),
     Extra("deep_ep", "deep-ep", "expert_dispatch='deepep' (pip install 'plait-moe[deepep]')"),
-    Extra("torchao", "torchao", "float8 training (torchao)"),
+    Extra("torchao", "torchao", "parallel.float8 training (pip install 'plait-models[float8]')"),
     Extra("aim", "aim", "the aim tracker (pip install 'plait-loop[aim]')"),
     Extra("tensorboard", "tensorboard", "the tensorboard tracker (pip install 'plait-loop[tensorboard]')"),
     Extra("wandb", "wandb", "the wandb tracker (pip install 'plait-loop[wandb]')"),

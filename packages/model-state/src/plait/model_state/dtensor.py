@@ -22,8 +22,18 @@ __all__ = ["full_tensor", "is_meta", "local_region", "local_shard", "local_view"
 
 
 def local_view(t: torch.Tensor) -> torch.Tensor:
-    """This rank's local tensor of a DTensor (aliasing its storage), or ``t`` itself if plain."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's local tensor of a DTensor (aliasing its storage), or ``t`` itself if plain.
+
+    A wrapper tensor subclass that keeps its values in one inner tensor (torchao's float8
+    all-gather weights) has no storage of its own: the inner tensor is returned.
+    """
+    local = t.to_local() if isinstance(t, DTensor) else t
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is not None:
+        names, _ = flatten()
+        if len(names) == 1:
+            return local_view(getattr(local, names[0]))
+    return local
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,13 @@ from plait.models.common import (
     rope_inv_freq,
     stage_layer_ids,
 )
-from plait.models.common.parallel import ActivationCheckpointing, ParallelConfig, apply_context_parallel
+from plait.models.common.parallel import (
+    ActivationCheckpointing,
+    Float8Training,
+    ParallelConfig,
+    apply_context_parallel,
+    check_float8,
+)
 from plait.models.flops import flops_per_token
 from plait.models.hf import (
     build_causal_lm,
@@ -59,6 +65,7 @@ __all__ = [
     "DecoderLayer",
     "DecoderStage",
     "Family",
+    "Float8Training",
     "GroupedQueryAttention",
     "LMHead",
     "ParallelConfig",
@@ -73,6 +80,7 @@ __all__ = [
     "build_attention_mask",
     "build_causal_lm",
     "check_fits",
+    "check_float8",
     "config_class_for",
     "config_from_hf",
     "config_to_hf",

@@ -13,7 +13,7 @@ from plait.dist_core import DistributedContext
 from plait.model_state import materialize
 from plait.models.common.config import DecoderConfig
 from plait.models.common.model import CausalLMStage
-from plait.models.common.parallel import ParallelConfig
+from plait.models.common.parallel import ParallelConfig, precompute_float8_scales
 from plait.models.flops import flops_per_token
 from plait.models.hf import build_causal_lm, load_hf_checkpoint, save_hf_checkpoint
 from plait.models.plan import parallelize
@@ -61,13 +61,12 @@ class CausalLMProvider:
     def parallelize(
         self, module: nn.Module, ctx: DistributedContext | None, config: object = None
     ) -> nn.Module:
-        """TP / EP / checkpointing / compile / FSDP from ``ctx`` (None = single process).
+        """Float8 / TP / EP / checkpointing / compile / FSDP from ``ctx`` (None = a single process: the
+        plan's float8, checkpointing and compile only).
 
         ``config`` (the loop's trainer config) is not read: the plan comes from ``parallel``.
         """
         del config
-        if ctx is None:
-            return module
         assert isinstance(module, CausalLMStage)
         return parallelize(module, context=ctx, config=self.parallel)
 
@@ -101,11 +100,18 @@ class CausalLMProvider:
         """Export the local stages as a Hugging Face checkpoint (collective; see :func:`save_hf_checkpoint`)."""
         return save_hf_checkpoint(list(modules), out_dir, **kwargs)
 
+    def after_optimizer_step(self, modules: Sequence[nn.Module], ctx: DistributedContext | None) -> None:
+        """What follows every optimizer step (``plait.loop.Trainer`` calls it): the float8 scales of
+        FSDP-sharded ``tensorwise`` weights for the next all-gather (``parallel.float8``), then
+        auxiliary-loss-free balancing (:meth:`balance_experts`)."""
+        if self.parallel.float8.recipe == "tensorwise":
+            precompute_float8_scales(modules)
+        self.balance_experts(modules, ctx)
+
     @staticmethod
-    def after_optimizer_step(modules: Sequence[nn.Module], ctx: DistributedContext | None) -> None:
-        """Auxiliary-loss-free balancing (``plait.loop.Trainer`` calls it after every optimizer step):
-        every router with a ``bias_update_rate`` moves its expert bias by the sign of the step's load
-        against the mean, the integer token counts summed over the batch mesh's data and context
+    def balance_experts(modules: Sequence[nn.Module], ctx: DistributedContext | None) -> None:
+        """Auxiliary-loss-free balancing: every router with a ``bias_update_rate`` moves its expert
+        bias by the sign of the step's load against the mean, the integer token counts summed over the batch mesh's data and context
         ranks (``dp x cp``: every replica of this stage's routers, the expert-parallel ranks among
         them; pipeline ranks hold other layers, tensor ranks the same tokens). Every replica then
         applies the same update, bit for bit. Routers without a rate are left alone (no collective)."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ActivationCheckpointing", "ParallelConfig"]
+__all__ = ["ActivationCheckpointing", "Float8Training", "ParallelConfig"]
 
 
 class ActivationCheckpointing(BaseModel):
@@ -30,6 +30,7 @@ class ActivationCheckpointing(BaseModel):
         "aten.mm.default",
         "aten.addmm.default",
         "aten.bmm.default",
+        "aten._scaled_mm.default",  # float8 linears (ParallelConfig.float8)
         "aten._scaled_dot_product_efficient_attention.default",
         "aten._scaled_dot_product_flash_attention.default",
         "aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -41,6 +42,51 @@ class ActivationCheckpointing(BaseModel):
         "_c10d_functional.reduce_scatter_tensor.default",
         "_c10d_functional.all_to_all_single.default",
     )
+
+
+class Float8Training(BaseModel):
+    """FP8 training of the decoder layers' linear layers with torchao float8
+    (``pip install "plait-models[float8]"``; NVIDIA compute capability 8.9+: Ada, Hopper, Blackwell).
+
+    Converted: every ``nn.Linear`` inside a decoder layer (attention projections, dense and shared-expert
+    MLP projections) whose two dimensions are multiples of 16 (the float8 GEMMs' requirement; others
+    are skipped and listed). Kept in high precision: the embedding, the LM head, routers, and the
+    routed experts' grouped GEMMs.
+
+    Attributes:
+        recipe: ``None`` (off); ``tensorwise`` (one dynamic scale per tensor, the fastest); ``rowwise``
+            (one scale per row, power-of-two scales: more robust to outliers);
+            ``rowwise_with_gw_hp`` (rowwise, the weight gradient in high precision). torchao's
+            ``Float8LinearConfig.from_recipe_name``.
+        fsdp_float8_all_gather: ``tensorwise`` with FSDP2 only: all-gather the weights in float8 (half
+            the bytes of bf16), their scales precomputed after each optimizer step with one
+            all-reduce. None = on for ``tensorwise`` (where FSDP shards the model), off otherwise.
+        skip: Module-name substrings (``"k_proj"``, ``"layers.0."``) of linears to keep in high
+            precision.
+        emulate: Emulated float8 GEMMs (values rounded to float8, the product in fp32): runs on any
+            device, including CPU, with no speed-up. For tests only.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    fsdp_float8_all_gather: bool | None = None
+    skip: tuple[str, ...] = ()
+    emulate: bool = False
+
+    @model_validator(mode="after")
+    def _all_gather_needs_tensorwise(self) -> Float8Training:
+        if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
+            raise ValueError(
+                "parallel.float8.fsdp_float8_all_gather needs recipe = 'tensorwise' (torchao all-gathers "
+                f"float8 weights only with tensorwise scales), got recipe = {self.recipe!r}"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any linear is converted."""
+        return self.recipe is not None
 
 
 class ParallelConfig(BaseModel):
@@ -58,6 +104,8 @@ class ParallelConfig(BaseModel):
         param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
+        float8: FP8 training of the decoder layers' linears (torchao float8; off by default). Applied
+            first, before tensor parallelism, so that the plan's hooks land on the converted modules.
         compile: ``torch.compile`` each decoder layer (in place; parameter names unchanged).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
@@ -85,6 +133,7 @@ class ParallelConfig(BaseModel):
     param_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
+    float8: Float8Training = Float8Training()
     compile: bool = False
     context_parallel_attention: Literal["ring", "allgather"] = "allgather"
     expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all"

@@ -1,9 +1,10 @@
-"""Parallel plans for decoder stages: TP, CP, EP, FSDP2/HSDP, activation checkpointing, compile.
+"""Parallel plans for decoder stages: float8, TP, CP, EP, FSDP2/HSDP, activation checkpointing, compile.
 
 A family's ``parallelize`` is :func:`parallelize_decoder` with the family's tensor-parallel plan of
 one layer (:func:`tp_gqa_layer` for grouped-query attention with SwiGLU MLPs).
 
-Order matters and follows torchtitan: tensor parallel first (parameters become DTensors on the
+Order matters and follows torchtitan: float8 conversion of the linears first (the later plans
+then act on the converted modules), tensor parallel (parameters become DTensors on the
 ``tp`` mesh), context parallel (attention and MoE balancing losses span the context group), then
 expert parallel (expert weights ``Shard(0)`` over ``ep_shard``), activation
 checkpointing and compile (in place, parameter names unchanged), and FSDP2 last (per decoder
@@ -21,6 +22,7 @@ from plait.models.common.layer import DecoderLayer
 from plait.models.common.model import CausalLMStage, DecoderStage
 from plait.models.common.parallel.activation_checkpointing import apply_activation_checkpointing
 from plait.models.common.parallel.config import ParallelConfig
+from plait.models.common.parallel.float8 import apply_float8
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -218,7 +220,7 @@ def parallelize_decoder(
     context: DistributedContext | None = None,
     cp_mesh: DeviceMesh | None = None,
 ) -> DecoderStage:
-    """Apply TP, CP, EP, activation checkpointing, compile and FSDP2/HSDP to a model stage, in place.
+    """Apply float8, TP, CP, EP, activation checkpointing, compile and FSDP2/HSDP to a stage, in place.
 
     Pass either the meshes or a :class:`~plait.dist_core.DistributedContext` (``context``), whose
     ``mesh_for("dense")`` (dims ``pp, dp_replicate, dp_cp_shard, cp_replicate, tp``),
@@ -246,12 +248,17 @@ def parallelize_decoder(
     Raises:
         ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), or context
             parallelism for a classifier stage.
+        ImportError: ``config.float8`` set without torchao (names ``plait-models[float8]``).
+        RuntimeError: ``config.float8`` set without a float8-capable GPU (compute capability 8.9+).
     """
     config = config or ParallelConfig()
     if context is not None:
         dense_mesh = dense_mesh or context.mesh_for("dense")
         expert_mesh = expert_mesh or context.mesh_for("expert")
         cp_mesh = cp_mesh or context.mesh_for("batch")["cp"]
+    dp = _dim_size(dense_mesh, "dp_replicate") * _dim_size(dense_mesh, "dp_cp_shard")
+    fsdp = config.data_parallel == "fsdp" and dp > 1
+    apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
         apply_tensor_parallel(model, dense_mesh["tp"], layer_plan)
@@ -271,8 +278,7 @@ def parallelize_decoder(
     if config.compile:
         for layer in layers.values():
             layer.compile()
-    dp = _dim_size(dense_mesh, "dp_replicate") * _dim_size(dense_mesh, "dp_cp_shard")
-    if config.data_parallel == "fsdp" and dp > 1:
+    if fsdp:
         assert dense_mesh is not None
         if _dim_size(dense_mesh, "dp_replicate") > 1:
             # HSDP; with dp_cp_shard of size 1 this is plain replication (DDP semantics).
