@@ -25,6 +25,7 @@ __all__ = [
     "CausalLMTask",
     "DataProvider",
     "DatasetProvider",
+    "LRScheduler",
     "LRSchedulerProvider",
     "LossOutput",
     "ModelProvider",
@@ -309,10 +310,31 @@ class OptimizerProvider(Protocol):
 
 
 @runtime_checkable
-class LRSchedulerProvider(Protocol):
-    """Builds the LR scheduler driving all local optimizers (``step()``/``state_dict()``)."""
+class LRScheduler(Protocol):
+    """What the trainer calls on a learning-rate scheduler (torch's ``LRScheduler`` and
+    :class:`~plait.loop.optim.PiecewiseLR` both have it)."""
 
-    def __call__(self, optimizers: Sequence[torch.optim.Optimizer], config: TrainerConfig) -> Any:
+    def step(self) -> None:
+        """Advance one optimizer step."""
+        ...
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rate of each param group, as last set."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state (and re-apply the rate)."""
+        ...
+
+
+class LRSchedulerProvider(Protocol):
+    """Builds the LR scheduler driving all local optimizers."""
+
+    def __call__(self, optimizers: Sequence[torch.optim.Optimizer], config: TrainerConfig) -> LRScheduler:
         """A scheduler whose ``step()`` is called after every optimizer step."""
         ...
 

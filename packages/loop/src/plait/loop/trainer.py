@@ -53,7 +53,14 @@ from plait.loop.loss import LOSS_KEY, LossStats, PendingStep, StepLoss, StepMetr
 from plait.loop.metrics import Max, Mean, MetricCollection
 from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
 from plait.loop.optim import PiecewiseLR, build_optimizer
-from plait.loop.providers import DataProvider, LRSchedulerProvider, ModelProvider, OptimizerProvider, Task
+from plait.loop.providers import (
+    DataProvider,
+    LRScheduler,
+    LRSchedulerProvider,
+    ModelProvider,
+    OptimizerProvider,
+    Task,
+)
 from plait.loop.records import StepResult, TrainerState
 from plait.loop.run_lock import lock_run_dir
 from plait.loop.topology import connect, pick_device
@@ -161,6 +168,7 @@ class Trainer:
             # Optimizers (one per model part, so state dicts stay keyed by FQN) and LR schedule.
             opt_factory = optimizer or (lambda module, cfg: build_optimizer(cfg.optimizer, module))
             self.optimizers = [opt_factory(part, config) for part in self.model_parts]
+            self.lr_scheduler: LRScheduler
             if lr_scheduler is not None:
                 self.lr_scheduler = lr_scheduler(self.optimizers, config)
             else:
@@ -232,8 +240,7 @@ class Trainer:
         for opt, groups in zip(self.optimizers, fresh):
             for group, values in zip(opt.param_groups, groups):
                 group.update(values)
-        if hasattr(self.lr_scheduler, "load_state_dict"):
-            self.lr_scheduler.load_state_dict(self.lr_scheduler.state_dict())  # re-applied to the new lr
+        self.lr_scheduler.load_state_dict(self.lr_scheduler.state_dict())  # re-applied to the new lr
 
     def _after_backward(self, stage: int, microbatch: int) -> None:
         if stage == self.stage_indices[0]:
@@ -345,7 +352,7 @@ class Trainer:
         norm = clip_grad_norm(
             self.parameters(), cfg.grad_clip.max_norm, cfg.grad_clip.norm_type, self.topology.pp_group
         )
-        lr = self.lr_scheduler.get_last_lr()[0] if hasattr(self.lr_scheduler, "get_last_lr") else math.nan
+        lr = self.lr_scheduler.get_last_lr()[0]
         pending = PendingStep(step, stats.pack(norm), lr, global_tokens)
         if cfg.determinism.nonfinite_loss == "skip":
             reading = pending.packed.read()

@@ -5,14 +5,23 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
-__all__ = ["set_collective_timeout"]
+__all__ = ["SetsTimeouts", "set_collective_timeout"]
 
 
-def set_collective_timeout(seconds: float, groups: Iterable[Any] = (), ctx: Any = None) -> None:
+@runtime_checkable
+class SetsTimeouts(Protocol):
+    """A context that sets the timeout of every group it uses (:class:`~plait.dist_core.DistributedContext`)."""
+
+    def set_timeout(self, seconds: float) -> None:
+        """Set the collective timeout of the context's groups."""
+        ...
+
+
+def set_collective_timeout(seconds: float, groups: Iterable[Any] = (), ctx: object = None) -> None:
     """Set the timeout of the default process group and of ``groups`` (no-op when not distributed),
     or, given a ``ctx`` with a ``set_timeout`` method (a :class:`~plait.dist_core.DistributedContext`),
     of every group the context uses, through it.
@@ -20,7 +29,7 @@ def set_collective_timeout(seconds: float, groups: Iterable[Any] = (), ctx: Any 
     Start-up (weight loading, compilation) runs under the long ``timeouts.init_s``; the trainer
     switches to ``timeouts.step_s`` after the first step so a hung rank is detected quickly.
     """
-    if ctx is not None and hasattr(ctx, "set_timeout"):
+    if isinstance(ctx, SetsTimeouts):
         ctx.set_timeout(seconds)
         return
     if not (dist.is_available() and dist.is_initialized()):
