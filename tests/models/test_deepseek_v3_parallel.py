@@ -358,11 +358,12 @@ def test_context_parallel_matches_single_process(mode, size, docs, ac, tmp_path)
         torch.testing.assert_close(results[0]["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _mtp_rank(ckpt: str) -> dict:
+def _mtp_rank(ckpt: str, layout: str) -> dict:
     cfg = load_hf_config(ckpt).model_copy(update={"mtp_loss_weight": 0.3})
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
-    dense = init_device_mesh("cpu", (1, 1, 2, 1, 1), mesh_dim_names=DENSE)
+    tp = layout == "tp2"
+    dense = init_device_mesh("cpu", (1, 1, 1, 1, 2) if tp else (1, 1, 2, 1, 1), mesh_dim_names=DENSE)
     expert = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=EXPERT)
     parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
     model.to_empty(device="cpu")
@@ -382,7 +383,10 @@ def _mtp_rank(ckpt: str) -> dict:
     return {"mtp": out["mtp_loss"].item(), "grads": grads}
 
 
-def test_mtp_under_fsdp2_matches_single_process(tmp_path):
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_mtp_under_fsdp2_and_tp2_matches_single_process(layout, tmp_path):
+    """The MTP module (not sharded by tp: it runs replicated) under FSDP2 and under tp=2: its loss and
+    every gradient equal one process's (FSDP2: both ranks took the whole batch, so twice)."""
     cfg = DeepseekV3Config(**{**CFG, "mtp_loss_weight": 0.3})
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
@@ -392,8 +396,9 @@ def test_mtp_under_fsdp2_matches_single_process(tmp_path):
     out = model(input_ids=ids, labels=labels)
     (out["loss"] + out["aux_loss"]).backward()
     assert model.mtp is not None and float(out["mtp_loss"]) > 0
-    results = run_distributed(_mtp_rank, 2, ckpt, timeout=240.0)
+    results = run_distributed(_mtp_rank, 2, ckpt, layout, timeout=240.0)
     for r in results:
         assert r["mtp"] == pytest.approx(out["mtp_loss"].item(), abs=1e-6)
+    ranks = 1 if layout == "tp2" else 2
     for name, p in model.named_parameters():
-        torch.testing.assert_close(results[0]["grads"][name], 2 * p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(results[0]["grads"][name], ranks * p.grad, atol=1e-5, rtol=1e-4, msg=name)
