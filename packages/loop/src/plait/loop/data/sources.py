@@ -38,6 +38,7 @@ __all__ = [
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "chat"]
 LossOn = Literal["assistant", "all"]
 FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens", "chat")
+NO_ASSISTANT_TOKEN = "the chat template renders no assistant token for this record"
 _EXTENSIONS = {
     **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
     **dict.fromkeys((".jsonl", ".ndjson"), "jsonl"),
@@ -284,7 +285,7 @@ def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_
         except ValueError as e:
             raise DataSourceError(f"{where}: {e}") from None
         if loss_on == "assistant" and not any(mask):
-            raise DataSourceError(f"{where}: the chat template renders no assistant token for this record")
+            raise DataSourceError(f"{where}: {NO_ASSISTANT_TOKEN}")
         offsets.append(total)
         total += len(tokens)
         ids.append(np.asarray(tokens, dtype=np.int32))
