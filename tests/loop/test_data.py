@@ -4,6 +4,7 @@ readers, tokenizers."""
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 from typing import Any
@@ -26,6 +27,7 @@ from plait.loop import (
     write_token_file,
 )
 from plait.loop.data import (
+    ConcatenatedTokens,
     DataSourceError,
     MixtureDataset,
     build_packed_corpus,
@@ -365,6 +367,36 @@ def test_packed_corpus_is_the_documents_bytes_each_ending_in_eos(tmp_path):
     assert list(np.asarray(ds.tokens)) == stream
     assert len(ds) == (len(stream) - 1) // 8
     assert ds[1]["input_ids"].tolist() == stream[8:16]
+
+
+def test_several_token_files_are_memory_mapped_and_give_the_in_memory_rows(tmp_path):
+    tok = ByteTokenizer()
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, 256, 500)
+    stream[rng.choice(500, 40, replace=False)] = tok.eos_id
+    cuts = [0, 1, 2, 130, 131, 340, 500]  # files of 1, 1, 128, 1, 209 and 160 tokens
+    (tmp_path / "raw").mkdir()
+    for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+        write_token_file(tmp_path / "raw" / f"{k}.tokens", stream[a:b])
+    files = resolve_source(tmp_path / "raw")
+    ds = build_packed_corpus(files, 7, tok, "tokens")
+    assert isinstance(ds.tokens, ConcatenatedTokens) and len(ds.tokens.arrays) == 6
+    assert all(isinstance(a, np.memmap) for a in ds.tokens.arrays)
+    reference = PackedTokens(np.concatenate([np.fromfile(f, np.uint16) for f in files]), 7, tok.eos_id)
+    assert len(ds) == len(reference) == 499 // 7
+    for i in range(len(ds)):
+        a, b = ds[i], reference[i]
+        assert {k: v.tolist() for k, v in a.items()} == {k: v.tolist() for k, v in b.items()}, i
+    for a, b in [(0, 500), (0, 0), (1, 2), (0, 3), (129, 132), (5, 499), (-10, None), (300, 1000)]:
+        assert ds.tokens[a:b].tolist() == stream[a:b].tolist(), (a, b)
+    assert [int(ds.tokens[i]) for i in (0, 1, 2, 130, 131, 499, -1, -500)] == [
+        int(stream[i]) for i in (0, 1, 2, 130, 131, 499, -1, -500)
+    ]
+    assert np.asarray(ds.tokens).tolist() == stream.tolist()
+    with pytest.raises(IndexError, match="index 500 is out of bounds for 500 tokens"):
+        ds.tokens[500]
+    with pytest.raises(TypeError, match="only unit-step slices"):
+        ds.tokens[::2]
 
 
 def test_hf_tokenizer_places_bos_and_eos_as_transformers_does(tmp_path):
