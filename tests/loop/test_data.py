@@ -1,9 +1,13 @@
-"""Data: packing, collation, bucketing, exact resume (also across dp sizes), readers, tokenizers."""
+"""Data: packing, collation, bucketing, exact resume (also across dp sizes, for every source format),
+readers, tokenizers."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,11 +27,14 @@ from plait.loop import (
     write_token_file,
 )
 from plait.loop.data import (
+    ConcatenatedTokens,
     DataSourceError,
+    MixtureDataset,
     build_packed_corpus,
     copy_tokenizer_files,
     read_documents,
     resolve_source,
+    tokenize_corpus,
 )
 
 from tests.loop._tiny_tokenizer import make_tokenizer
@@ -95,55 +102,144 @@ class _Ids(torch.utils.data.Dataset):
         return {"input_ids": [i], "labels": [i]}
 
 
-def _loaders(n: int, gb: int, dp: int, **kw) -> list[DistributedDataLoader]:
+# Every source format the main job reads, each packed into rows as `build_packed_corpus` packs it for
+# `examples/train.py` (`tokens`: the tokenize command's output; `tokens-raw`: two raw token files), plus
+# a weighted mixture of formats and plain sample ids.
+RESUME_SOURCES = ["ids", "text", "jsonl", "parquet", "arrow", "tokens", "tokens-chat", "tokens-raw", "chat", "mixture"]  # fmt: skip
+SEQ = 6
+
+
+def _texts(n: int) -> list[str]:
+    from tests.loop._tiny_tokenizer import CORPUS
+
+    return [" ".join(CORPUS[(i + j) % 4] for j in range(1 + i % 3)) for i in range(n)]
+
+
+def _conversations(n: int) -> list[list[dict[str, str]]]:
+    from tests.loop._tiny_tokenizer import CORPUS
+
     return [
-        DistributedDataLoader(_Ids(n), global_batch_size=gb, dp_rank=r, dp_size=dp, seed=3, **kw)
+        [{"role": "user", "content": CORPUS[i % 4]}, {"role": "assistant", "content": CORPUS[(i + 1) % 4]}]
+        for i in range(n)
+    ]
+
+
+def _build_sources(root) -> dict[str, torch.utils.data.Dataset]:
+    """Tiny corpora (65 rows of ``SEQ`` tokens; the mixture 195) in each format, written under ``root`` and
+    packed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.loop.test_chat import make_chat_tokenizer
+
+    tok_dir = make_chat_tokenizer(root / "tok")
+    tok = HFTokenizer(tok_dir)
+    texts = _texts(36)
+    (root / "txt").mkdir()
+    for i, t in enumerate(texts):
+        (root / "txt" / f"{i:02d}.txt").write_text(t)
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    table = pa.table({"text": texts})
+    pq.write_table(table, root / "a.parquet", row_group_size=10)
+    with pa.ipc.new_stream(root / "a.arrow", table.schema) as w:
+        w.write_table(table)
+    (root / "c.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in _conversations(30)))
+    files = {"text": root / "txt", "jsonl": root / "a.jsonl", "parquet": root / "a.parquet",
+             "arrow": root / "a.arrow", "chat": root / "c.jsonl"}  # fmt: skip
+    ds = {fmt: build_packed_corpus(resolve_source(path), SEQ, tok, fmt) for fmt, path in files.items()}
+    for name, fmt, source in (("tokens", "jsonl", "a.jsonl"), ("tokens-chat", "chat", "c.jsonl")):
+        tokenize_corpus([root / source], tok_dir, root / name, fmt=fmt, workers=1, progress=False)
+        ds[name] = build_packed_corpus(resolve_source(root / name), SEQ, tok, "tokens")
+    stream = np.asarray(ds["jsonl"].tokens)
+    (root / "raw").mkdir()
+    write_token_file(root / "raw" / "0.tokens", stream[:101])
+    write_token_file(root / "raw" / "1.tokens", stream[101:])
+    ds["tokens-raw"] = build_packed_corpus(resolve_source(root / "raw"), SEQ, tok, "tokens")
+    ds["mixture"] = MixtureDataset([ds["parquet"], ds["chat"], ds["tokens-raw"]], [2.0, 1.0, 1.0], seed=7)
+    ds["ids"] = _Ids(40)
+    return ds
+
+
+@pytest.fixture(scope="module")
+def resume_sources(tmp_path_factory) -> dict[str, torch.utils.data.Dataset]:
+    return _build_sources(tmp_path_factory.mktemp("resume_sources"))
+
+
+def _loaders(dataset, gb: int, dp: int, **kw) -> list[DistributedDataLoader]:
+    return [
+        DistributedDataLoader(dataset, global_batch_size=gb, dp_rank=r, dp_size=dp, seed=3, **kw)
         for r in range(dp)
     ]
 
 
-def _step(loaders: list[DistributedDataLoader]) -> list[int]:
-    """Sample ids of one global step, in rank order (each rank's step batch holds gb / dp samples)."""
+Row = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> list[Row]:
+    """The batch's rows, each as (key, values) pairs of every field."""
+    return [
+        tuple((k, tuple(v[j].tolist())) for k, v in sorted(batch.items()))
+        for j in range(len(batch["labels"]))
+    ]
+
+
+def _row(sample: dict[str, Any]) -> Row:
+    """A dataset sample as a row of :func:`_rows`."""
+    return tuple((k, tuple(torch.as_tensor(v).tolist())) for k, v in sorted(sample.items()))
+
+
+def _step(loaders: list[DistributedDataLoader]) -> list[Row]:
+    """The rows of one global step, in rank order (each rank's step batch holds gb / dp rows)."""
     batches = [next(ld) for ld in loaders]
-    assert all(b["input_ids"].shape == (8 // len(loaders), 1) for b in batches)
-    return [i for b in batches for i in b["input_ids"][:, 0].tolist()]
+    assert all(len(b["input_ids"]) == 8 // len(loaders) for b in batches)
+    return [r for b in batches for r in _rows(b)]
 
 
 @pytest.mark.parametrize("new_dp", [2, 1, 4])
-def test_resume_yields_exactly_the_unseen_samples(new_dp):
-    n, gb = 40, 8  # 5 steps per epoch: the run crosses an epoch boundary
-    reference = _loaders(n, gb, 2)
-    expected = [_step(reference) for _ in range(9)]
-    # Each epoch is a permutation of all samples.
-    assert sorted(i for s in expected[:5] for i in s) == list(range(n))
+@pytest.mark.parametrize("source", RESUME_SOURCES)
+def test_resume_yields_exactly_the_unseen_samples(resume_sources, source, new_dp):
+    ds, gb = resume_sources[source], 8
+    n = len(ds)
+    per_epoch = n // gb
+    steps = per_epoch + 4  # the run crosses an epoch boundary
+    reference = _loaders(ds, gb, 2)
+    expected = [_step(reference) for _ in range(steps)]
+    # Each epoch is a permutation of the rows (less a trailing partial batch).
+    all_rows = collections.Counter(_row(ds[i]) for i in range(n))
+    epoch = collections.Counter(r for s in expected[:per_epoch] for r in s)
+    assert epoch.total() == per_epoch * gb and not epoch - all_rows
+    if source == "ids":
+        assert sorted(r[0][1][0] for s in expected[:per_epoch] for r in s) == list(range(n))
 
-    first = _loaders(n, gb, 2)
+    first = _loaders(ds, gb, 2)
     seen = [_step(first) for _ in range(3)]
     state = first[0].state_dict()
     assert all(ld.state_dict() == state for ld in first)  # global, identical on all ranks
-    resumed = _loaders(n, gb, new_dp)
+    resumed = _loaders(ds, gb, new_dp)
     for ld in resumed:
         ld.load_state_dict(state)
-    rest = [_step(resumed) for _ in range(6)]
+    rest = [_step(resumed) for _ in range(steps - 3)]
     assert seen + rest == expected
 
 
-def test_resume_with_worker_processes_matches():
-    ref = _loaders(24, 4, 1)[0]
+@pytest.mark.parametrize("source", RESUME_SOURCES)
+def test_resume_with_worker_processes_matches(resume_sources, source):
+    ds = resume_sources[source]
+    ref = _loaders(ds, 4, 1)[0]
     expected = [next(ref) for _ in range(4)]
-    ld = _loaders(24, 4, 1, num_workers=1)[0]
+    ld = _loaders(ds, 4, 1, num_workers=1)[0]
     got = [next(ld), next(ld)]
     state = ld.state_dict()
-    ld2 = _loaders(24, 4, 1, num_workers=1)[0]
+    ld2 = _loaders(ds, 4, 1, num_workers=1)[0]
     ld2.load_state_dict(state)
     got += [next(ld2), next(ld2)]
-    for a, b in zip(got, expected):
-        assert torch.equal(a["input_ids"], b["input_ids"])
+    for a, b in zip(got, expected, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_rejects_a_different_global_order():
-    ld = _loaders(40, 8, 2)[0]
-    other = _loaders(40, 16, 2)[0]
+    ld = _loaders(_Ids(40), 8, 2)[0]
+    other = _loaders(_Ids(40), 16, 2)[0]
     with pytest.raises(ValueError, match="global_batch_size=8 was saved"):
         other.load_state_dict(ld.state_dict())
 
@@ -271,6 +367,36 @@ def test_packed_corpus_is_the_documents_bytes_each_ending_in_eos(tmp_path):
     assert list(np.asarray(ds.tokens)) == stream
     assert len(ds) == (len(stream) - 1) // 8
     assert ds[1]["input_ids"].tolist() == stream[8:16]
+
+
+def test_several_token_files_are_memory_mapped_and_give_the_in_memory_rows(tmp_path):
+    tok = ByteTokenizer()
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, 256, 500)
+    stream[rng.choice(500, 40, replace=False)] = tok.eos_id
+    cuts = [0, 1, 2, 130, 131, 340, 500]  # files of 1, 1, 128, 1, 209 and 160 tokens
+    (tmp_path / "raw").mkdir()
+    for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+        write_token_file(tmp_path / "raw" / f"{k}.tokens", stream[a:b])
+    files = resolve_source(tmp_path / "raw")
+    ds = build_packed_corpus(files, 7, tok, "tokens")
+    assert isinstance(ds.tokens, ConcatenatedTokens) and len(ds.tokens.arrays) == 6
+    assert all(isinstance(a, np.memmap) for a in ds.tokens.arrays)
+    reference = PackedTokens(np.concatenate([np.fromfile(f, np.uint16) for f in files]), 7, tok.eos_id)
+    assert len(ds) == len(reference) == 499 // 7
+    for i in range(len(ds)):
+        a, b = ds[i], reference[i]
+        assert {k: v.tolist() for k, v in a.items()} == {k: v.tolist() for k, v in b.items()}, i
+    for a, b in [(0, 500), (0, 0), (1, 2), (0, 3), (129, 132), (5, 499), (-10, None), (300, 1000)]:
+        assert ds.tokens[a:b].tolist() == stream[a:b].tolist(), (a, b)
+    assert [int(ds.tokens[i]) for i in (0, 1, 2, 130, 131, 499, -1, -500)] == [
+        int(stream[i]) for i in (0, 1, 2, 130, 131, 499, -1, -500)
+    ]
+    assert np.asarray(ds.tokens).tolist() == stream.tolist()
+    with pytest.raises(IndexError, match="index 500 is out of bounds for 500 tokens"):
+        ds.tokens[500]
+    with pytest.raises(TypeError, match="only unit-step slices"):
+        ds.tokens[::2]
 
 
 def test_hf_tokenizer_places_bos_and_eos_as_transformers_does(tmp_path):

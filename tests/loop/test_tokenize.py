@@ -110,3 +110,26 @@ def test_a_chat_the_template_refuses_is_named_from_a_worker(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and f"{chats}:11: the chat template failed: unsupported role tool" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "out" / "corpus.tokens").exists()
+
+
+def test_a_chat_without_assistant_tokens_is_refused_as_the_chat_format_refuses_it(tmp_path, capsys):
+    from tests.loop.test_chat import CHATS, TEMPLATE, make_chat_tokenizer
+
+    # no eos after an assistant turn: an empty last turn renders no assistant token
+    template = TEMPLATE.replace("{{ eos_token }}{% endgeneration %}", "{% endgeneration %}")
+    tok_dir = make_chat_tokenizer(tmp_path / "tok", template)
+    empty = [CHATS[0][0], {"role": "assistant", "content": ""}]
+    reference = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    masks = [reference.apply_chat_template(m, return_dict=True, return_assistant_tokens_mask=True)["assistant_masks"]
+             for m in (CHATS[0], empty)]  # fmt: skip
+    assert any(masks[0]) and not any(masks[1])
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [*CHATS[:2] * 5, empty, CHATS[0]]))
+    want = f"{chats}:11: the chat template renders no assistant token for this record"
+    with pytest.raises(ValueError, match=want):
+        build_packed_corpus([chats], 8, HFTokenizer(tok_dir), "chat", loss_on="assistant")
+    code = main(["tokenize", "--tokenizer", str(tok_dir), "--output", str(tmp_path / "out"), "--format", "chat",
+                 "--workers", "2", "--batch-size", "4", "--no-progress", str(chats)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and want in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out" / "corpus.tokens").exists()

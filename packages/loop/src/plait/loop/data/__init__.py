@@ -6,6 +6,7 @@ from plait.loop.data.loader import DistributedDataLoader
 from plait.loop.data.mixture import MixtureDataset, mixture_counts
 from plait.loop.data.packing import PackedTokens, pack_documents
 from plait.loop.data.readers import (
+    ConcatenatedTokens,
     read_hf_texts,
     read_jsonl_records,
     read_jsonl_texts,
@@ -39,6 +40,7 @@ __all__ = [
     "FORMATS",
     "ByteTokenizer",
     "ChatTemplate",
+    "ConcatenatedTokens",
     "DataSourceError",
     "DistributedDataLoader",
     "GlobalBatchPlan",

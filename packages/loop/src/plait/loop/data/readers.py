@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "ConcatenatedTokens",
     "read_hf_texts",
     "read_jsonl_records",
     "read_jsonl_texts",
@@ -90,6 +91,65 @@ def read_token_file(path: str | Path, dtype: Any = np.uint16) -> np.memmap:
     if size % itemsize:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {np.dtype(dtype).name} tokens")
     return np.memmap(path, dtype=dtype, mode="r")
+
+
+class ConcatenatedTokens:
+    """Flat token arrays (e.g. the ``np.memmap`` of several token files) read as one, without copying.
+
+    Keeps each array and the offsets where each starts in the concatenation; ``tokens[a:b]`` (unit
+    step) reads only the arrays the range covers and ``tokens[i]`` one value, which is all
+    :class:`~plait.loop.data.PackedTokens` reads. ``np.asarray(tokens)`` concatenates them all in memory.
+
+    Args:
+        arrays: 1-d arrays of one dtype, in order.
+
+    Raises:
+        ValueError: no arrays, arrays that are not 1-d or of different dtypes.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        if not arrays:
+            raise ValueError("ConcatenatedTokens: no arrays")
+        dtypes = {np.dtype(a.dtype) for a in arrays}
+        if len(dtypes) > 1 or any(a.ndim != 1 for a in arrays):
+            raise ValueError(
+                f"ConcatenatedTokens: 1-d arrays of one dtype, got {[f'{a.dtype}{a.shape}' for a in arrays]}"
+            )
+        self.arrays = list(arrays)
+        self.dtype = dtypes.pop()
+        self.starts = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise TypeError(f"ConcatenatedTokens: only unit-step slices, got step {step}")
+            parts = []
+            k = int(np.searchsorted(self.starts, start, "right")) - 1
+            while start < stop:
+                lo = start - int(self.starts[k])
+                hi = min(stop, int(self.starts[k + 1])) - int(self.starts[k])
+                parts.append(self.arrays[k][lo:hi])
+                start, k = int(self.starts[k + 1]), k + 1
+            if not parts:
+                return np.empty(0, self.dtype)
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        i = int(key) + (len(self) if int(key) < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {key} is out of bounds for {len(self)} tokens")
+        k = int(np.searchsorted(self.starts, i, "right")) - 1
+        return self.arrays[k][i - int(self.starts[k])]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        out = np.concatenate(self.arrays)
+        return out if dtype is None else out.astype(dtype)
 
 
 def read_hf_texts(path: str, split: str = "train", field: str = "text", **kwargs: Any) -> Iterator[str]:

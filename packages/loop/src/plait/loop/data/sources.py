@@ -16,7 +16,13 @@ from typing import Any, Literal
 import numpy as np
 from plait.loop.data.chat import ChatTemplate, assistant_token_mask, check_messages
 from plait.loop.data.packing import PackedTokens, pack_documents
-from plait.loop.data.readers import read_jsonl_records, read_jsonl_texts, read_text_file, read_token_file
+from plait.loop.data.readers import (
+    ConcatenatedTokens,
+    read_jsonl_records,
+    read_jsonl_texts,
+    read_text_file,
+    read_token_file,
+)
 from plait.loop.data.tokenize import DOCUMENTS_FILE, MASK_FILE, META_FILE, TOKENS_FILE, is_tokenized_dir
 from plait.loop.data.tokenizers import Tokenizer
 
@@ -38,6 +44,7 @@ __all__ = [
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "chat"]
 LossOn = Literal["assistant", "all"]
 FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens", "chat")
+NO_ASSISTANT_TOKEN = "the chat template renders no assistant token for this record"
 _EXTENSIONS = {
     **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
     **dict.fromkeys((".jsonl", ".ndjson"), "jsonl"),
@@ -284,7 +291,7 @@ def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_
         except ValueError as e:
             raise DataSourceError(f"{where}: {e}") from None
         if loss_on == "assistant" and not any(mask):
-            raise DataSourceError(f"{where}: the chat template renders no assistant token for this record")
+            raise DataSourceError(f"{where}: {NO_ASSISTANT_TOKEN}")
         offsets.append(total)
         total += len(tokens)
         ids.append(np.asarray(tokens, dtype=np.int32))
@@ -331,6 +338,8 @@ def _read_tokenized_dir(path: Path, tokenizer: Tokenizer) -> tuple[np.memmap, np
 
 
 def _read_tokens(files: Sequence[Path], tokenizer: Tokenizer) -> Any:
+    """The token files memory-mapped (several: one :class:`ConcatenatedTokens` of their maps), each
+    checked against the tokenizer's vocabulary."""
     dtype = token_dtype(tokenizer.vocab_size)
     arrays = []
     for path in files:
@@ -343,7 +352,7 @@ def _read_tokens(files: Sequence[Path], tokenizer: Tokenizer) -> Any:
                 f"{path}: token id {int(arr.max())} is outside the tokenizer's {tokenizer.vocab_size} ids"
             )
         arrays.append(arr)
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return arrays[0] if len(arrays) == 1 else ConcatenatedTokens(arrays)
 
 
 def _encode_document(tokenizer: Tokenizer, text: str) -> list[int]:

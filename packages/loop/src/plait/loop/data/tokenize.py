@@ -7,7 +7,9 @@
   ids) or ``uint32``;
 - ``documents.npy``: the documents' start offsets in ``corpus.tokens`` (int64);
 - ``assistant_mask.npy``: with ``--format chat``, 1 for each assistant token (uint8), and the
-  conversations are encoded with the chat template as :func:`~plait.loop.data.encode_chat` does;
+  conversations are encoded with the chat template as :func:`~plait.loop.data.encode_chat` does (a
+  conversation that renders no assistant token is refused, as the ``chat`` format refuses it with
+  ``loss_on="assistant"``);
 - ``meta.json``: the dtype, vocabulary size, eos id, token and document counts, the inputs.
 
 The ``tokens`` format reads ``OUT`` (as a source) memory-mapped, with the document boundaries of the
@@ -60,7 +62,7 @@ def _chat_template(path: str) -> Any:
 def _encode_batch(path: str, items: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A batch of documents' ids (each with its special tokens, ending in eos), their lengths and, for
     conversations (``(where, messages)`` items), their assistant-token masks."""
-    from plait.loop.data.sources import DataSourceError, _encode_document, encode_chat
+    from plait.loop.data.sources import NO_ASSISTANT_TOKEN, DataSourceError, _encode_document, encode_chat
 
     tok = _tokenizer(path)
     masks: list[list[int]] | None = None
@@ -71,6 +73,8 @@ def _encode_batch(path: str, items: Sequence[Any]) -> tuple[np.ndarray, np.ndarr
                 ids, mask = encode_chat(tok, _chat_template(path), messages)
             except ValueError as e:
                 raise DataSourceError(f"{where}: {e}") from None
+            if not any(mask):
+                raise DataSourceError(f"{where}: {NO_ASSISTANT_TOKEN}")
             docs.append(ids)
             masks.append(mask)
     else:
