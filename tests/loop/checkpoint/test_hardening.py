@@ -316,3 +316,37 @@ def test_tensorboard_tracker_purges_the_redone_steps(monkeypatch, tmp_path):
     trackers.build_tracker("tensorboard", tmp_path, start_step=3)
     trackers.build_tracker("tensorboard", tmp_path, start_step=0)
     assert opened == [(str(tmp_path / "tensorboard"), 4), (str(tmp_path / "tensorboard"), None)]
+
+
+def test_a_crash_while_deleting_an_old_checkpoint_leaves_no_visible_step_without_its_marker(
+    tmp_path, monkeypatch
+):
+    # Rotation deletes old checkpoints. A process killed in the middle of that deletion must not leave a
+    # visible step directory without its marker (a reader would find a checkpoint it cannot load).
+    from plait.loop.checkpoint import _layout
+    from plait.loop.checkpoint.rotation import rotate
+
+    for step in (1, 2):
+        d = tmp_path / f"step_{step:08d}"
+        d.mkdir()
+        (d / "data.distcp").write_bytes(b"x" * 64)
+        (d / _layout.MARKER).write_text(json.dumps({"step": step}))
+
+    def killed_midway(path, ignore_errors=False):  # the marker goes first, then the process dies
+        marker = Path(path) / _layout.MARKER
+        if marker.exists():
+            marker.unlink()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_layout.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        rotate(tmp_path, keep_last=1)
+    visible = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert [p.name for p in visible] == ["step_00000002"]
+    assert all((p / _layout.MARKER).is_file() for p in visible)
+    leftovers = _layout.list_incomplete(tmp_path)
+    assert [p.name for p in leftovers] == [".step_00000001.removing"]
+    monkeypatch.undo()
+    for p in leftovers:
+        _layout.remove(p)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]

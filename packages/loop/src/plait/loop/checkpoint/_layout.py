@@ -15,7 +15,7 @@ from pathlib import Path
 
 MARKER = "plait_checkpoint.json"
 _COMPLETE = re.compile(r"^step_(\d{8,})$")
-_PARTIAL = re.compile(r"^\.step_(\d{8,})\.partial$")
+_PARTIAL = re.compile(r"^\.step_(\d{8,})\.(partial|removing)$")  # being written / being deleted
 
 
 def final_dir(root: Path, step: int) -> Path:
@@ -64,4 +64,16 @@ def list_incomplete(root: Path) -> list[Path]:
 
 
 def remove(path: Path) -> None:
+    """Delete a checkpoint directory: renamed to a hidden ``.step_XXXXXXXX.removing`` first (one atomic
+    step), then deleted, so that a crash during the deletion never leaves a visible step directory
+    without its files; the hidden leftover is an incomplete checkpoint, cleaned like a partial one."""
+    m = _COMPLETE.match(path.name)
+    if m is not None:
+        hidden = path.with_name(f".step_{m.group(1)}.removing")
+        shutil.rmtree(hidden, ignore_errors=True)  # the leftover of an earlier crash
+        try:
+            path.rename(hidden)
+            path = hidden
+        except OSError:
+            pass  # gone already, or not renamable: delete it where it is
     shutil.rmtree(path, ignore_errors=True)

@@ -241,6 +241,12 @@ def stop_writer_process() -> None:
         proc.__del__()  # a second call is a no-op
 
 
+# DCP's own writer-process entry, kept before any routing replaces the class attribute.
+DCP_WRITER_ENTRY: Callable[[Any, Any], None] = ape._AsyncCheckpointProcess.__dict__[
+    "_checkpointing_subprocess"
+].__func__
+
+
 def route_writer_process_entry(entry: Callable[[Any, Any], None]) -> None:
     """Make DCP start its writer process through ``entry(pg_init_info, parent_conn)`` (idempotent);
     ``entry`` runs DCP's own entry with :func:`run_writer_process_entry`."""
@@ -255,7 +261,7 @@ def run_writer_process_entry(
     """Run DCP's writer process entry (in the writer process) with ``init_logger(rank)`` in place of
     DCP's logger setup (which sets the root logger to INFO on the console)."""
     ape._init_logger = init_logger  # type: ignore[assignment]  # looked up by the entry when it starts
-    ape._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"].__func__(pg_init_info, parent_conn)
+    DCP_WRITER_ENTRY(pg_init_info, parent_conn)
 
 
 def use_job_store(address: str | None = None, port: int | None = None) -> None:
