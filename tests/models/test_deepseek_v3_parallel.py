@@ -40,6 +40,20 @@ CFG = dict(
 BLOCK = [8, 16]
 
 
+def _materialize(model, ckpt: str) -> None:
+    """Materialise the sharded meta model, load ``ckpt`` into its shards, and make FSDP sum its
+    gradients (like plait.loop; gloo has no PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    load_hf_checkpoint(model, ckpt)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 128, (4, 8), generator=g)
@@ -87,15 +101,7 @@ def _rank_main(layout: str, ckpt: str) -> dict:
         expert = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=EXPERT)
         parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
         bias_group = dense["dp_cp_shard"].get_group()
-    model.to_empty(device="cpu")
-    model.reset_parameters()
-    load_hf_checkpoint(model, ckpt)  # each rank reads (and dequantizes) only its shards
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+    _materialize(model, ckpt)  # each rank reads (and dequantizes) only its shards
     ids, labels = _batch()
     rank = dist.get_rank()
     rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
@@ -160,15 +166,7 @@ def _tp_rank(ckpt: str, tp: int, cp: int) -> dict:
     parallelize(model, context=ctx, config=ParallelConfig())
     attn = model.model.layers["0"].self_attn
     sharded = [n for n, p in attn.named_parameters() if isinstance(p, DTensor) and _tp_sharded(p)]
-    model.to_empty(device="cpu")
-    model.reset_parameters()
-    load_hf_checkpoint(model, ckpt)
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+    _materialize(model, ckpt)
     ids, labels = _batch()
     batch = {"input_ids": ids, "labels": labels}
     batch["position_ids"] = torch.cat([torch.arange(3), torch.arange(5)]).expand(4, 8)
@@ -288,15 +286,7 @@ def _cp_rank(mode: str, ckpt: str, size: int, docs: bool, ac: str = "none", comp
     for m in model.modules():
         if isinstance(m, MultiHeadLatentAttention) and mode.endswith("expanded"):
             m.context_gather = "expanded"
-    model.to_empty(device="cpu")
-    model.reset_parameters()
-    load_hf_checkpoint(model, ckpt)
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+    _materialize(model, ckpt)
     ids, labels = _batch()
     batch = {"input_ids": ids, "labels": labels}
     if docs:
@@ -366,15 +356,7 @@ def _mtp_rank(ckpt: str, layout: str) -> dict:
     dense = init_device_mesh("cpu", (1, 1, 1, 1, 2) if tp else (1, 1, 2, 1, 1), mesh_dim_names=DENSE)
     expert = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=EXPERT)
     parallelize(model, dense_mesh=dense, expert_mesh=expert, config=ParallelConfig())
-    model.to_empty(device="cpu")
-    model.reset_parameters()
-    load_hf_checkpoint(model, ckpt)  # the MTP module's shards too
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+    _materialize(model, ckpt)  # the MTP module's shards too
     ids, labels = _batch()
     out = model(input_ids=ids, labels=labels)  # both ranks the whole batch: summed grads = 2 x
     (out["loss"] + out["aux_loss"]).backward()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.models.common.layer import DecoderLayer
+from plait.models.common.parallel.plan import dense_mlp_plan
 from plait.models.deepseek_v3.attention import MultiHeadLatentAttention
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -31,13 +32,6 @@ def tp_mla_layer(layer: DecoderLayer, tp_mesh: DeviceMesh) -> None:
         "self_attn.kv_b_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
     }
-    if not layer.is_moe:
-        plan.update(
-            {
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(),
-            }
-        )
+    plan.update(dense_mlp_plan(layer))
     parallelize_module(layer, tp_mesh, plan)
     attn.tp_group = tp_mesh.get_group()

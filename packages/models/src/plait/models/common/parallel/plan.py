@@ -49,6 +49,18 @@ def _dim_size(mesh: DeviceMesh | None, name: str) -> int:
     return int(mesh[name].size())
 
 
+def dense_mlp_plan(layer: DecoderLayer) -> dict[str, Any]:
+    """The tensor-parallel plan of a dense SwiGLU MLP (gate/up column-parallel, down row-parallel);
+    empty for a MoE layer (its experts run replicated over ``tp``)."""
+    if layer.is_moe:
+        return {}
+    return {
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
 def tp_gqa_layer(layer: DecoderLayer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallelism of one layer with :class:`GroupedQueryAttention`.
 
@@ -65,14 +77,7 @@ def tp_gqa_layer(layer: DecoderLayer, tp_mesh: DeviceMesh) -> None:
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
     }
-    if not layer.is_moe:
-        plan.update(
-            {
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(),
-            }
-        )
+    plan.update(dense_mlp_plan(layer))
     parallelize_module(layer, tp_mesh, plan)
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:
