@@ -22,6 +22,8 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
                                   ``--fp8-recipe``; dense and llama3_8b workloads; its "vs plait step" column
                                   is the float8 speed-up over bf16)
   plait_trainer_eager / _compiled the MoE main job (examples/qwen3_moe/pretrain.py) with this model
+  plait_trainer_cuda_graphs       the same, compiled, its layers replayed as CUDA graphs
+                                  (``--parallel.cuda_graphs=true``)
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
                                   over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
                                   FSDP unit); skipped when fewer than n GPUs are present (``--smoke``: n CPU
@@ -176,6 +178,10 @@ class _Profile:
         print(events.table(sort_by="cpu_time_total", row_limit=40), flush=True)
         print(f"PROFILE kernel time {busy * 1e3:.1f} ms/step of {s_per_step * 1e3:.1f} ms/step wall "
               f"({busy / s_per_step:.0%} busy)", flush=True)  # fmt: skip
+        for key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"):  # launches the host issues
+            n = sum(e.count for e in events if e.key == key)
+            ms = sum(e.cpu_time_total for e in events if e.key == key) / 3e3
+            print(f"PROFILE host {key}: {n / 3:.0f} calls/step, {ms:.2f} ms/step", flush=True)
         for e in events:  # host waits on the device: what stops the host from running ahead
             if "Synchronize" in e.key or "Memcpy" in e.key or e.key == "aten::_local_scalar_dense":
                 print(
@@ -414,6 +420,8 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
     if impl.startswith("plait_step_"):
         return row_plait_step(args, compiled)
     extra = trainer_layout(impl, args.batch, int(args.model["num_hidden_layers"]))[1]
+    if impl == "plait_trainer_cuda_graphs":
+        extra.append("--parallel.cuda_graphs=true")
     return row_plait_trainer(args, compiled, extra + args.trainer_args.split())
 
 
@@ -446,6 +454,9 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
         args.fp8_recipe,
     ]
     nproc = trainer_layout(row, 4)[0]
+    if row.endswith("cuda_graphs") and args.device != "cuda":
+        print(f"{row}: skipped, CUDA graphs need CUDA", flush=True)
+        return {"row": row, "skipped": "needs CUDA"}
     if nproc > 1:
         if not args.smoke and torch.cuda.device_count() < nproc:
             print(f"{row}: skipped, needs {nproc} GPUs ({torch.cuda.device_count()} present)", flush=True)

@@ -92,6 +92,9 @@ class DecoderTrunk(nn.Module):
             sharded like every other input; the mask is built from the full rows (all-gathered).
             The routers' Switch-loss statistics are already summed over the context group.
         kernels: This model's compiled attention kernels (FlexAttention), shared by its masks.
+        cuda_graphs: Set by :func:`plait.models.parallelize` when the decoder layers are compiled
+            into CUDA graphs (``ParallelConfig.cuda_graphs``): each forward starts a new graph
+            step, and inputs off CUDA are refused.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class DecoderTrunk(nn.Module):
         )
         self.context_parallel: ContextParallel | None = None
         self.kernels = AttentionKernels()
+        self.cuda_graphs = False
         # What each forward's masks depend on, fixed by the layers: one mask per distinct window (in
         # layer order, the same on every rank), built for the sinks' kernels when any layer has them.
         layers = list(self.decoder_layers())
@@ -195,6 +199,12 @@ class DecoderTrunk(nn.Module):
             if hidden_states is None:
                 raise ValueError("stages after the first need hidden_states from the previous stage")
             h = hidden_states
+        if self.cuda_graphs:
+            if h.device.type != "cuda":
+                raise RuntimeError(f"parallel.cuda_graphs needs CUDA activations, got {h.device.type}")
+            # One graph step per forward: the previous step's graph outputs were consumed by its
+            # backward (or were an evaluation forward's) and may be overwritten by this replay.
+            torch.compiler.cudagraph_mark_step_begin()
         masks, position_ids = self.masks(h, position_ids, document_ids, attention_mask)
         rope = self.rotary_emb(position_ids.to(h.device), h.dtype)
         aux: torch.Tensor | None = None

@@ -107,6 +107,12 @@ class ParallelConfig(BaseModel):
         float8: FP8 training of the decoder layers' linears (torchao float8; off by default). Applied
             first, before tensor parallelism, so that the plan's hooks land on the converted modules.
         compile: ``torch.compile`` each decoder layer (in place; parameter names unchanged).
+        cuda_graphs: With ``compile``, each compiled decoder layer's forward and backward are also
+            captured as CUDA graphs (inductor's CUDA-graph trees, ``mode="reduce-overhead"``) and
+            replayed: one launch per layer instead of one per kernel, for host-bound steps (small
+            layers, short sequences). One process per stage only: parameters must keep their
+            addresses and no collective may run inside a layer, so tensor, context and expert
+            parallelism, FSDP over more than one rank and pipeline stages are refused. CUDA only.
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
@@ -135,6 +141,15 @@ class ParallelConfig(BaseModel):
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     float8: Float8Training = Float8Training()
     compile: bool = False
+    cuda_graphs: bool = False
     context_parallel_attention: Literal["ring", "allgather"] = "allgather"
     expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all"
     expert_chunks: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _cuda_graphs_need_compile(self) -> ParallelConfig:
+        if self.cuda_graphs and not self.compile:
+            raise ValueError(
+                "parallel.cuda_graphs needs parallel.compile = true (the graphs are the compiled layers')"
+            )
+        return self

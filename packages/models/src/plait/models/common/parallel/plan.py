@@ -215,6 +215,27 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
 
 
+def _check_cuda_graph_layout(
+    dense_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None, fsdp: bool
+) -> None:
+    """``ParallelConfig.cuda_graphs`` needs one process per stage (see its docstring)."""
+    sizes = {
+        "mesh.pipeline": _dim_size(dense_mesh, "pp"),
+        "mesh.tensor": _dim_size(dense_mesh, "tp"),
+        "mesh.expert": _dim_size(expert_mesh, "ep_shard"),
+        "mesh.context": cp_mesh.size() if cp_mesh is not None else 1,
+    }
+    if fsdp:
+        sizes["FSDP (data parallel)"] = _dim_size(dense_mesh, "dp_replicate") * _dim_size(
+            dense_mesh, "dp_cp_shard"
+        )
+    if used := [f"{name}={n}" for name, n in sizes.items() if n > 1]:
+        raise ValueError(
+            "parallel.cuda_graphs needs one process per stage (no collective inside a layer, parameters "
+            f"at fixed addresses); this layout has {', '.join(used)}"
+        )
+
+
 def parallelize_decoder(
     model: DecoderStage,
     *,
@@ -251,8 +272,9 @@ def parallelize_decoder(
         The same module.
 
     Raises:
-        ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), or context
-            parallelism for a classifier stage.
+        ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), context
+            parallelism for a classifier stage, or ``config.cuda_graphs`` with a layout of several
+            processes per stage.
         ImportError: ``config.float8`` set without torchao (names ``plait-models[float8]``).
         RuntimeError: ``config.float8`` set without a float8-capable GPU (compute capability 8.9+).
     """
@@ -263,6 +285,8 @@ def parallelize_decoder(
         cp_mesh = cp_mesh or context.mesh_for("batch")["cp"]
     dp = _dim_size(dense_mesh, "dp_replicate") * _dim_size(dense_mesh, "dp_cp_shard")
     fsdp = config.data_parallel == "fsdp" and dp > 1
+    if config.cuda_graphs:
+        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, fsdp)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
@@ -282,7 +306,8 @@ def parallelize_decoder(
     apply_activation_checkpointing(dict(layers), config.activation_checkpointing)
     if config.compile:
         for layer in layers.values():
-            layer.compile()
+            layer.compile(mode="reduce-overhead" if config.cuda_graphs else None)
+        model.model.cuda_graphs = config.cuda_graphs
     if fsdp:
         assert dense_mesh is not None
         if _dim_size(dense_mesh, "dp_replicate") > 1:
