@@ -42,7 +42,7 @@ LLAMA = {
 
 
 def test_cuda_graphs_need_compile():
-    with pytest.raises(ValidationError, match="parallel.cuda_graphs needs parallel.compile"):
+    with pytest.raises(ValidationError, match=r"parallel\.cuda_graphs needs parallel\.compile"):
         ParallelConfig(cuda_graphs=True)
 
 
@@ -51,7 +51,7 @@ def test_cuda_graphs_refuse_cpu_activations():
     model = provider.build_stage(0, 1)
     provider.parallelize(model, None)
     provider.materialize(model, "cpu")
-    with pytest.raises(RuntimeError, match="parallel.cuda_graphs needs CUDA activations, got cpu"):
+    with pytest.raises(RuntimeError, match=r"parallel\.cuda_graphs needs CUDA activations, got cpu"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
 
 
