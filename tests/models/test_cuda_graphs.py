@@ -47,7 +47,9 @@ def test_cuda_graphs_need_compile():
 
 
 def test_cuda_graphs_refuse_cpu_activations():
-    provider = CausalLMProvider(config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True))
+    provider = CausalLMProvider(
+        config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True)
+    )
     model = provider.build_stage(0, 1)
     provider.parallelize(model, None)
     provider.materialize(model, "cpu")
@@ -57,7 +59,9 @@ def test_cuda_graphs_refuse_cpu_activations():
 
 def _tensor_parallel_worker() -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    provider = CausalLMProvider(config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True))
+    provider = CausalLMProvider(
+        config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True)
+    )
     from plait.models.common.parallel.plan import parallelize_decoder
 
     try:
