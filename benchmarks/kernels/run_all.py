@@ -14,6 +14,7 @@ not hide (what made memory-bound rows of eager custom ops vary run to run).
 
 ``--check`` runs every row three times and compares the median time of each row with the committed
 ``benchmarks/results/kernels.md`` (by its ``id`` column): it exits 1 naming every row more than 5% slower.
+With ``--md`` it also writes the table of those medians (the refreshed table to commit).
 
 Prints one table: per kernel and shape, each implementation's time, its GB/s (memory-bound ops,
 counting the minimum bytes: each input read once, each output written once) or TFLOP/s (GEMMs),
@@ -489,7 +490,11 @@ def run_once(sel: set[str], quick: bool) -> None:
 
 
 def check(sel: set[str], quick: bool) -> int:
-    """Run the rows ``CHECK_RUNS`` times and compare each row's median ms with the committed table."""
+    """Run the rows ``CHECK_RUNS`` times and compare each row's median ms with the committed table.
+
+    ``ROWS`` is left holding the last run's rows with each ``ms`` replaced by the median (the table
+    ``--md`` writes).
+    """
     committed = parse_table(RESULTS.read_text(), "ms")
     runs = []
     for _ in range(CHECK_RUNS):
@@ -499,6 +504,8 @@ def check(sel: set[str], quick: bool) -> int:
             {row_id(r["kernel"], r["shape"], r["impl"]): r["ms"] for r in ROWS if r["ms"] is not None}
         )
     measured = median_rows(runs)
+    for r in ROWS:
+        r["ms"] = measured.get(row_id(r["kernel"], r["shape"], r["impl"]), r["ms"])
     missing = [rid for rid in measured if rid not in committed]
     if missing:
         print(f"check: {len(missing)} rows are not in {RESULTS.name} (not compared): {missing}")
@@ -528,16 +535,16 @@ def main() -> None:
     TIMING = args.timing
     torch.manual_seed(0)
     sel = set(filter(None, args.only.split(","))) or {"swiglu", "rms_norm", "adamw", "permute", "lce", "gmm"}
-    if args.check:
-        sys.exit(check(sel, args.quick))
     copy_gbs, mm_tfs = ceilings()
-    run_once(sel, args.quick)
+    status = check(sel, args.quick) if args.check else 0
+    if not args.check:
+        run_once(sel, args.quick)
     header = (
         f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n"
         f"measured ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul 8192^3 {mm_tfs:.0f} TFLOP/s\n"
         f"command: python3 benchmarks/kernels/run_all.py {' '.join(sys.argv[1:])}\n"
-        f"timing: {args.timing} (median; L2 flushed before each call"
+        f"timing: {args.timing} (median{f' of {CHECK_RUNS} runs' if args.check else ''}; L2 flushed before each call"
         f"{'; host dispatch excluded' if args.timing == 'device' else ''})\n"
     )
     out = header + "\n" + table(copy_gbs, mm_tfs)
@@ -546,6 +553,7 @@ def main() -> None:
         with open(args.md, "w") as fh:
             fh.write(out + "\n")
     _ = math
+    sys.exit(status)
 
 
 if __name__ == "__main__":
