@@ -307,19 +307,20 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
 def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]) -> dict[str, float]:
     _src_path()
     import pretrain  # examples/qwen3_moe/pretrain.py
+    import train  # examples/train.py: the job pretrain.main runs
     from plait.loop.events import StepEnd
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     prof = _Profile(args, skip=args.warmup - 1)
     if prof.prof is not None:  # profile Trainer steps warmup+1 .. warmup+3 (ticked at each step's end)
-        build = pretrain.build_trainer
+        build = train.build_trainer
 
         def build_and_tick(*a: Any, **k: Any) -> Any:
             trainer = build(*a, **k)
             trainer.subscribe(StepEnd, prof.tick)
             return trainer
 
-        pretrain.build_trainer = build_and_tick
+        train.build_trainer = build_and_tick
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = tmp if world == 1 else "/tmp/plait_throughput_run"  # one run directory for all ranks
         pretrain.main(_pretrain_argv(args, run_dir, compiled, extra))

@@ -89,6 +89,23 @@ def test_single_process_without_process_group() -> None:
     ctx.shutdown()  # idempotent
 
 
+@pytest.mark.gpu
+def test_single_process_cuda_group_is_bound_to_the_device() -> None:
+    """The world-size-1 NCCL group of a one-GPU run knows its device: a barrier on it (as the HF export
+    and the checkpointer make) does not warn that it guesses the device."""
+    import warnings
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(), device="cuda")
+    ctx.mesh_for("regular")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's "barrier(): using the device under current context"
+            dist.barrier()
+    finally:
+        ctx.shutdown()
+    assert not dist.is_initialized()
+
+
 def test_single_process_world_size_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="tensor=2 = 2, but the world size is 1"):

@@ -204,8 +204,14 @@ class DistributedContext:
             raise RuntimeError("DistributedContext was shut down")
         if not self._meshes:
             if not dist.is_initialized():
-                backend = "nccl" if self._device.type == "cuda" else "gloo"
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                cuda = self._device.type == "cuda"
+                dist.init_process_group(
+                    "nccl" if cuda else "gloo",
+                    store=dist.HashStore(),
+                    rank=0,
+                    world_size=1,
+                    device_id=self._device if cuda else None,  # bound: barriers need not guess (and warn)
+                )
                 self._owns_default_group = True
             self._init_groups(None)
         if domain not in self._meshes:  # registered after this context was built
