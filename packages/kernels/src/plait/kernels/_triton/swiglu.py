@@ -105,20 +105,23 @@ def swiglu_backward(
         dgate, dup = dga.view(-1, n), dgb.view(-1, n)
         in_stride = n
     rows = gate.shape[0]
-    block = _block(n)
-    ncb = triton.cdiv(n, block) if n else 1
     wf = w.contiguous().view(-1) if w is not None else None
     need_dw = need_dw and wf is not None
+    # With the row-weight gradient, column blocks of 2048 on 4 warps and a torch sum of the partials
+    # beat whole rows (on an H100 at 16384 x 8192: 0.468 against 0.502 ms, the sum included).
+    block = min(_block(n), 2048) if need_dw else _block(n)
+    warps = 4 if need_dw else _warps(block)
+    ncb = triton.cdiv(n, block) if n else 1
     dwp = torch.empty((rows, ncb), dtype=torch.float32, device=a.device) if need_dw else None
     if rows and n:
         _swiglu_bwd[(rows, ncb)](
             dy, gate, up, wf if wf is not None else gate, dgate, dup, dwp if dwp is not None else dy,
             n, in_stride, n, ncb,
-            HAS_W=wf is not None, NEED_DW=need_dw, BLOCK=block, num_warps=_warps(block),
+            HAS_W=wf is not None, NEED_DW=need_dw, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     dw = None
     if need_dw:
         assert dwp is not None and w is not None
-        # one column block (I <= 8192): the partials are the sums, no reduction kernel
+        # one column block (I <= 2048): the partials are the sums, no reduction kernel
         dw = (dwp[:, 0] if ncb == 1 else dwp.sum(1)).view(w.shape).to(w.dtype)
     return dga, dgb, dw
