@@ -95,7 +95,7 @@ def test_training_checkpoints_poll_after_every_step(tmp_path):
     events, calls = EventBus(), []
     ck = TrainingCheckpoints(cfg, lambda: {"x": torch.ones(2)}, events)
     ck.checkpointer.step_done = lambda state: calls.append(state())  # type: ignore[method-assign]
-    events.publish(StepEnd(None, 1, {}))
+    events.publish(StepEnd(1, {}, lr=0.1, loss_tokens=8, tokens_seen=16, skipped=False, seconds=0.5))
     assert len(calls) == 1 and torch.equal(calls[0]["x"], torch.ones(2))
 
 
