@@ -533,8 +533,14 @@ def main(
         provider.materialize(model, "cpu")
         return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
     try:
-        trainer = build_trainer(config, config.data, provider)  # takes the run dir's lock, resumes
-    except (ConfigError, RunDirLockedError) as e:  # a resume this config may not make; a run dir in use
+        trainer = build_trainer(config, config.data, provider)  # takes the run dir's lock
+    except (ConfigError, RunDirLockedError) as e:  # a config the job cannot build; a run dir in use
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        trainer.resume()  # the newest checkpoint (fit() would, but a refusal is a startup error)
+    except ConfigError as e:  # a resume this config may not make
+        trainer.close()
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:

@@ -140,6 +140,12 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
+        trainer.resume()  # the newest checkpoint (fit() would, but a refusal is a startup error)
+    except ConfigError as e:  # a checkpoint this config may not resume
+        trainer.close()
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
         trainer.fit()
         out = trainer.run_dir / "adapter"
         # a collective with FSDP-sharded adapters: every rank gathers, rank 0 writes

@@ -1,6 +1,7 @@
-"""What a resume may change: allowed settings are applied (not the optimizer's saved ones) and
-logged; shapes, global batch, sequence length and seed are refused naming field and values; a
-checkpoint past run.steps is refused naming both steps."""
+"""When a resume happens (not at construction: in resume(), which fit() calls) and what it may change:
+allowed settings are applied (not the optimizer's saved ones) and logged; shapes, global batch,
+sequence length and seed are refused naming field and values; a checkpoint past run.steps is refused
+naming both steps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import json
 import logging
 
 import pytest
-from plait.loop import CausalLMTask, DatasetProvider, ModuleProvider, Trainer, load_config, pack_documents
+import torch
+from plait.loop import (
+    CausalLMTask,
+    DatasetProvider,
+    ModuleProvider,
+    Trainer,
+    TrainingStart,
+    load_config,
+    pack_documents,
+)
 from plait.loop.checkpoint.resume_policy import ResumeConfigError
 
 from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
@@ -52,6 +62,7 @@ def test_changed_hyper_parameters_are_applied_and_logged(tmp_path, caplog):
             "--optimizer.weight_decay=0.01",
             "--optimizer.betas=[0.8, 0.9]",
         )
+        tr.resume()
     finally:
         plait_log.removeHandler(caplog.handler)
     assert tr.step == 3
@@ -80,15 +91,60 @@ def test_changed_hyper_parameters_are_applied_and_logged(tmp_path, caplog):
 )
 def test_fixed_fields_are_refused_naming_both_values(tmp_path, override, message):
     _train(tmp_path, 2)
+    tr = _trainer(tmp_path, 4, override)  # builds: the checkpoint is not read yet
     with pytest.raises(ResumeConfigError, match="a resume may not change") as e:
-        _trainer(tmp_path, 4, override)
+        tr.fit()
+    tr.close()
     assert message in str(e.value)
 
 
 def test_a_checkpoint_past_the_requested_steps_is_refused(tmp_path):
     _train(tmp_path, 4)
+    refused = _trainer(tmp_path, 2)
     with pytest.raises(ResumeConfigError, match=r"is at step 4, past run\.steps=2"):
-        _trainer(tmp_path, 2)
+        refused.resume()
+    refused.close()
     tr = _trainer(tmp_path, 4)  # the same length: nothing left to train, nothing refused
-    assert tr.step == 4
+    assert tr.resume() == tmp_path / "checkpoints" / "step_00000004" and tr.step == 4
     tr.close()
+
+
+def _weights(tr: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tr.model_parts[0].named_parameters()}
+
+
+def test_construction_loads_no_checkpoint_until_resume(tmp_path):
+    saved = _weights(_train(tmp_path / "run", 3))  # the final weights are checkpoint step 3's
+    init = _weights(_trainer(tmp_path / "fresh", 5))  # the same seed, no checkpoint: initial weights
+    assert any(not torch.equal(init[n], saved[n]) for n in init)
+
+    tr = _trainer(tmp_path / "run", 5)
+    assert tr.step == 0 and tr.data_loader.state_dict()["batches_consumed"] == 0
+    assert all(torch.equal(w, init[n]) for n, w in _weights(tr).items())  # built, nothing loaded
+    schedule_before = tr.lr_scheduler.state_dict()
+
+    assert tr.resume() == tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert tr.step == 3 and tr.data_loader.state_dict()["batches_consumed"] == 3
+    assert all(torch.equal(w, saved[n]) for n, w in _weights(tr).items())
+    assert tr.lr_scheduler.state_dict() != schedule_before  # the schedule's position came back too
+
+    with torch.no_grad():
+        tr.model_parts[0].head.weight.zero_()
+    assert tr.resume() == tmp_path / "run" / "checkpoints" / "step_00000003"  # once: nothing reloaded
+    assert not tr.model_parts[0].head.weight.any()
+    tr.close()
+
+
+def test_fit_resumes_before_its_first_step(tmp_path):
+    _train(tmp_path, 3)
+    tr = _trainer(tmp_path, 5)
+    starts: list[TrainingStart] = []
+    tr.subscribe(TrainingStart, starts.append)
+    tr.fit()
+    tr.close()
+    assert [(e.step, e.total_steps) for e in starts] == [(3, 5)]
+    assert starts[0].tokens_seen == 3 * 8 * 16  # three global batches of 8 x 16 positions
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # the second run logged 4 and 5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["steps"], summary["steps_this_session"]) == (5, 2)

@@ -3,14 +3,22 @@ meter, and the loss curve's val_loss line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
 from plait.loop.events import EventBus, MetricsLogged, TrainingEnd, TrainingStart
-from plait.loop.tracking import Interval, RunSummaryCollector, ThroughputMeter, compiled_graphs, plots
+from plait.loop.tracking import (
+    Interval,
+    RunSummaryCollector,
+    RunTotals,
+    ThroughputMeter,
+    compiled_graphs,
+    plots,
+)
 
 
 @pytest.mark.slow  # the first torch.compile imports dynamo (seconds)
@@ -34,55 +42,56 @@ def test_compiled_graphs_counts_dynamo_compilations_and_marks_the_interval() -> 
     assert not meter.last_interval.compiled
 
 
-def _trainer(flops: float | None, peak: float | None) -> SimpleNamespace:
-    return SimpleNamespace(
-        events=EventBus(),
-        state=SimpleNamespace(tokens_seen=0, skipped_steps=0),
-        throughput=ThroughputMeter(flops, peak, world_size=2),
-        step=0,
-        config=SimpleNamespace(run=SimpleNamespace(steps=40)),
-        checkpointer=None,
-        topology=SimpleNamespace(is_main=True),
-    )
+def _collector(flops: float | None, peak: float | None) -> tuple[EventBus, RunSummaryCollector]:
+    events, meter = EventBus(), ThroughputMeter(flops, peak, world_size=2)
+    return events, RunSummaryCollector(events, mfu=meter.mfu, is_main=True)
 
 
 def test_steady_state_leaves_out_the_first_interval_and_compiling_ones() -> None:
-    tr = _trainer(flops=6e6, peak=1e12)
-    collector = RunSummaryCollector(tr)
-    tr.events.publish(TrainingStart(tr, 0))
+    events, collector = _collector(flops=6e6, peak=1e12)
+    events.publish(TrainingStart(0, total_steps=40, tokens_seen=0))
     # (step, interval tokens, seconds, compiled, val_loss): intervals of 10 steps
     rows = [(10, 1000, 10.0, True, None), (20, 1000, 1.0, False, 3.0), (30, 1000, 5.0, True, None),
             (40, 1000, 2.0, False, 3.5)]  # fmt: skip
     for step, tokens, seconds, compiled, val in rows:
-        tr.throughput.last_interval = Interval(tokens, seconds, compiled)
         metrics = {"loss": 2.0, "tokens_per_s": tokens / seconds}
         if val is not None:
             metrics["val_loss"] = val
-        tr.step, tr.state.tokens_seen = step, tr.state.tokens_seen + tokens
-        tr.events.publish(MetricsLogged(tr, step, metrics))
-    tr.events.publish(TrainingEnd(tr, 40, stopped_early=False))
-    s = collector.summary()
+        events.publish(MetricsLogged(step, metrics, Interval(tokens, seconds, compiled)))
+    events.publish(TrainingEnd(40, stopped_early=False))
+    s = collector.summary(RunTotals(step=40, total_steps=40, skipped_steps=0, tokens_seen=4000))
     # intervals 2 and 4 only: 2000 tokens over 3 s
     assert s.steady_tokens_per_s == pytest.approx(2000 / 3.0)
     assert s.steady_steps == 20
     assert s.steady_mfu == pytest.approx(6e6 * (2000 / 3.0) / (1e12 * 2))
     assert (s.last_val_loss, s.best_val_loss, s.best_val_step) == (3.5, 3.0, 20)
+    assert (s.steps, s.steps_this_session, s.tokens, s.stopped_early) == (40, 40, 4000, False)
     text = s.format()
     assert "steady state 667 tok/s, MFU 0.20% (20 steps)" in text and "whole run" in text
     assert "val_loss 3.5000 (best 3.0000 at step 20)" in text and "n/a" not in text
 
 
 def test_summary_without_peak_or_steady_intervals_leaves_them_out() -> None:
-    tr = _trainer(flops=None, peak=None)
-    collector = RunSummaryCollector(tr)
-    tr.events.publish(TrainingStart(tr, 0))
-    tr.throughput.last_interval = Interval(100, 1.0, False)
-    tr.step, tr.state.tokens_seen = 5, 100
-    tr.events.publish(MetricsLogged(tr, 5, {"loss": 1.0, "tokens_per_s": 100.0}))
-    s = collector.summary()
+    events, collector = _collector(flops=None, peak=None)
+    events.publish(TrainingStart(0, total_steps=40, tokens_seen=0))
+    events.publish(MetricsLogged(5, {"loss": 1.0, "tokens_per_s": 100.0}, Interval(100, 1.0, False)))
+    s = collector.summary(RunTotals(step=5, total_steps=40, skipped_steps=0, tokens_seen=100))
     assert s.steady_tokens_per_s is None and s.steady_steps == 0 and s.mean_mfu is None
+    assert s.stopped_early  # no TrainingEnd
     text = s.format()
     assert "MFU" not in text and "steady" not in text and "n/a" not in text and "val_loss" not in text
+
+
+def test_a_resumed_session_counts_its_own_steps_and_tokens() -> None:
+    events, collector = _collector(flops=None, peak=None)
+    events.publish(TrainingStart(30, total_steps=40, tokens_seen=3000))  # resumed at step 30
+    events.publish(MetricsLogged(40, {"loss": 1.0, "tokens_per_s": 100.0}, Interval(1000, 10.0, False)))
+    events.publish(TrainingEnd(40, stopped_early=False))
+    ckpt = Path("checkpoints/step_00000040")
+    s = collector.summary(RunTotals(40, 40, skipped_steps=2, tokens_seen=4000, checkpoint=ckpt))
+    assert (s.steps, s.steps_this_session, s.skipped_steps, s.tokens) == (40, 10, 2, 4000)
+    assert s.checkpoint == str(ckpt) and s.mean_tokens_per_s == pytest.approx(1000 / s.wall_time_s)
+    assert "step 40/40 (10 this session, 2 skipped), 4,000 tokens" in s.format()
 
 
 def test_loss_curve_draws_val_loss_beside_the_training_loss(tmp_path, monkeypatch) -> None:
@@ -120,3 +129,29 @@ def test_measured_cpu_matmul_rate_is_a_plausible_peak() -> None:
     mean_rate = 4 * 2 * 256**3 / (time.perf_counter() - t0)
     assert 1e8 < rate < 1e14  # between a very slow core and far beyond any CPU
     assert rate > 0.2 * mean_rate  # a best-of measurement is not far below a plain timing
+
+
+def test_a_runs_steady_state_figures_agree_with_its_interval_rows(tmp_path) -> None:
+    from plait.loop import CausalLMTask, DatasetProvider, ModuleProvider, Trainer, load_config, pack_documents
+
+    from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
+
+    cfg = load_config(
+        overrides=[f"--run.run_dir={tmp_path}", "--run.steps=8", "--logging.interval=2", "--logging.progress_bar=false",
+                   "--batching.global_batch_size=8", "--batching.microbatch_size=4", "--batching.seq_len=16"]
+    )  # fmt: skip
+    data = DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1))
+    tr = Trainer(cfg, ModuleProvider(TinyLM, flops_per_token=1e4), data, CausalLMTask())
+    tr.fit()
+    tr.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    # every interval after the first (nothing compiles here): its tokens, and seconds = tokens / its rate
+    tokens = [b["tokens_seen"] - a["tokens_seen"] for a, b in itertools.pairwise(rows)]
+    seconds = [t / r["tokens_per_s"] for t, r in zip(tokens, rows[1:])]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steady_steps"] == 6 and summary["tokens"] == 8 * 8 * 16 == rows[-1]["tokens_seen"]
+    assert summary["steady_tokens_per_s"] == pytest.approx(sum(tokens) / sum(seconds), rel=1e-9)
+    mfu_per_token = rows[-1]["mfu"] / rows[-1]["tokens_per_s"]  # the measured CPU peak, one device
+    assert summary["steady_mfu"] == pytest.approx(summary["steady_tokens_per_s"] * mfu_per_token, rel=1e-9)
+    assert (summary["steps"], summary["total_steps"], summary["stopped_early"]) == (8, 8, False)

@@ -14,12 +14,15 @@ import torch.nn.functional as F
 from plait.dist_core.testing import run_distributed
 from plait.loop import (
     AfterOptimizerStep,
+    BeforeForwardBackward,
     CausalLMTask,
     DatasetProvider,
     Event,
+    MetricsLogged,
     ModuleProvider,
     StepEnd,
     StepSkipped,
+    StepStart,
     Trainer,
     load_config,
     pack_documents,
@@ -178,7 +181,7 @@ def test_events_and_post_optimizer_hook(tmp_path):
     tr.subscribe(Event, lambda e: names.append(type(e).__name__))
     snapshots = []
     tr.subscribe(
-        AfterOptimizerStep, lambda e: snapshots.append(e.trainer.model_parts[0].head.weight.detach().clone())
+        AfterOptimizerStep, lambda e: snapshots.append(tr.model_parts[0].head.weight.detach().clone())
     )
     tr.fit()
     tr.close()
@@ -195,6 +198,50 @@ def test_events_and_post_optimizer_hook(tmp_path):
     assert len(snapshots) == 2 and not torch.equal(snapshots[0], snapshots[1])
     # The provider's own update ran after each optimizer step, on the local stages.
     assert [(parts, ctx) for parts, ctx in provider_calls] == [(tr.model_parts, tr.ctx)] * 2
+
+
+def test_events_carry_the_step_loss_lr_and_tokens(tmp_path):
+    # lr_t = 0.02 / (t + 1) by torch's own LambdaLR; the loss by a float64 copy of the weights each step had
+    cfg = _config(tmp_path, "--logging.interval=2", steps=3)
+    tr = _trainer(
+        cfg, lr_scheduler=lambda opts, c: torch.optim.lr_scheduler.LambdaLR(opts[0], lambda t: 1 / (t + 1))
+    )
+    batches = DatasetProvider(_dataset()).build_loader(cfg, tr.batch_plan, 0)  # the same batches, read again
+    seen: dict[str, list] = {"fb": [], "opt": [], "end": [], "logged": [], "ref": []}
+
+    def reference_loss(e) -> None:
+        batch, model = next(batches), copy.deepcopy(tr.model_parts[0]).double()
+        labels = batch["labels"]
+        with torch.no_grad():
+            logits = model(batch["input_ids"])["logits"]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        seen["ref"].append((e.step, loss.item(), int((labels != -100).sum()), batch["input_ids"].numel()))
+
+    tr.subscribe(StepStart, reference_loss)
+    tr.subscribe(
+        BeforeForwardBackward, lambda e: seen["fb"].append((e.step, e.num_microbatches, e.global_tokens))
+    )
+    tr.subscribe(AfterOptimizerStep, lambda e: seen["opt"].append((e.step, e.lr)))
+    tr.subscribe(StepEnd, seen["end"].append)
+    tr.subscribe(MetricsLogged, seen["logged"].append)
+    tr.fit()
+    tr.close()
+    ref = seen["ref"]
+    assert [r[0] for r in ref] == [0, 1, 2]
+    assert seen["fb"] == [(t, 4, loss_tokens) for t, _, loss_tokens, _ in ref]
+    assert seen["opt"] == [(t, pytest.approx(0.02 / (t + 1))) for t in range(3)]
+    ends: list[StepEnd] = seen["end"]
+    assert [e.step for e in ends] == [1, 2, 3] and not any(e.skipped for e in ends)
+    for e, (t, loss, loss_tokens, _) in zip(ends, ref):
+        assert e.metrics["loss"] == pytest.approx(loss, rel=1e-5)
+        assert e.lr == pytest.approx(0.02 / (t + 1)) and e.loss_tokens == loss_tokens and e.seconds > 0
+    assert [e.tokens_seen for e in ends] == [sum(r[3] for r in ref[: i + 1]) for i in range(3)]
+    # logged at steps 2 and 3, each with its interval's tokens
+    logged: list[MetricsLogged] = seen["logged"]
+    assert [(m.step, m.interval.tokens if m.interval else None) for m in logged] == [
+        (2, ref[0][3] + ref[1][3]), (3, ref[2][3])
+    ]  # fmt: skip
+    assert logged[-1].metrics["lr"] == pytest.approx(0.02 / 3)
 
 
 def test_a_provider_without_the_post_step_method_fails_at_construction(tmp_path):

@@ -95,7 +95,7 @@ def test_training_checkpoints_poll_after_every_step(tmp_path):
     events, calls = EventBus(), []
     ck = TrainingCheckpoints(cfg, lambda: {"x": torch.ones(2)}, events)
     ck.checkpointer.step_done = lambda state: calls.append(state())  # type: ignore[method-assign]
-    events.publish(StepEnd(None, 1, {}))
+    events.publish(StepEnd(1, {}, lr=0.1, loss_tokens=8, tokens_seen=16, skipped=False, seconds=0.5))
     assert len(calls) == 1 and torch.equal(calls[0]["x"], torch.ones(2))
 
 
@@ -140,3 +140,18 @@ def test_forwards_in_flight_and_the_loss_mode():
         stage = torch.nn.Sequential(Head(None), Head(True))
         _bound_loss_gradients({1: stage}, program, 1)
         assert (stage[0].grad_in_forward, stage[1].grad_in_forward) == (default_after, True)
+
+
+def test_resumed_tracker_run_ids_reach_the_reporter(tmp_path):
+    from plait.loop import TrainerState
+    from plait.loop.tracking import RunReporter
+
+    state = TrainerState()
+    reporter = RunReporter(
+        _config(tmp_path), tmp_path, is_main=True, trackers=None, run_ids=state.tracker_run_ids
+    )
+    saved = {"step": 3, "tracker_run_ids": {"wandb": "run-abc"}}
+    state.load_state_dict(saved)  # what a resume does
+    assert reporter.run_ids == {"wandb": "run-abc"} and state.step == 3
+    state.load_state_dict(state.state_dict())  # its own values: unchanged
+    assert reporter.run_ids == {"wandb": "run-abc"}

@@ -9,6 +9,7 @@ from plait.pipelining import (
     BaseScheduleConfig,
     Chunk,
     GPipeConfig,
+    LoopedScheduleConfig,
     PipelineState,
     Program,
     Shared,
@@ -70,6 +71,22 @@ def test_configs_parse_and_validate() -> None:
         GPipeConfig(num_microbatches=2).model_copy(update={}).__class__.model_validate(
             {"num_microbatches": 0}
         )
+
+
+def test_stages_per_rank_is_declared_by_the_looped_base() -> None:
+    class WideGPipeConfig(LoopedScheduleConfig):
+        kind: str = "test_wide"
+
+    # stage s on rank s % pp, stages_per_rank times around the ranks
+    assert WideGPipeConfig(num_microbatches=2, stages_per_rank=3).topology(2).stage_to_rank == (0, 1) * 3
+    assert ReverseGPipeConfig(num_microbatches=2).topology(3).stage_to_rank == (0, 1, 2)
+    with pytest.raises(
+        TypeError, match=r"OddConfig declares stages_per_rank .* subclass LoopedScheduleConfig"
+    ):
+
+        class OddConfig(BaseScheduleConfig):
+            kind: str = "test_odd"
+            stages_per_rank: int = 2
 
 
 class ReverseGPipeConfig(BaseScheduleConfig):

@@ -187,9 +187,13 @@ def test_trainer_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged
     tr.close()
     data = sorted((tmp_path / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[:-10])
-    assert _trainer(tmp_path, 4, "--checkpoint.interval=2").step == 2
+    tr = _trainer(tmp_path, 4, "--checkpoint.interval=2")
+    assert tr.resume() == tmp_path / "checkpoints" / "step_00000002" and tr.step == 2
+    tr.close()
+    stop = _trainer(tmp_path, 4, "--checkpoint.interval=2", "--checkpoint.on_damaged=stop")
     with pytest.raises(CheckpointDamagedError, match="step_00000004 is damaged"):
-        _trainer(tmp_path, 4, "--checkpoint.interval=2", "--checkpoint.on_damaged=stop")
+        stop.fit()
+    stop.close()
 
 
 # -- loading cannot execute code ------------------------------------------------------------------

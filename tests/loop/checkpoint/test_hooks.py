@@ -166,6 +166,8 @@ def test_the_trainer_passes_the_hooks_and_the_coordinator_rank(tmp_path):
         tmp_path / "checkpoints" / ".step_00000003.partial"
     ] and _FINISHED_BY == [0]
     resumed = _trainer(tmp_path, 3, **hooks)
+    assert load_planner.planned == 0  # construction loads nothing
+    resumed.resume()
     assert resumed.step == 3 and load_planner.planned == 1
     resumed.close()
     with pytest.raises(ValueError, match=r"checkpoint\.coordinator_rank must be in \[0, 1\)"):

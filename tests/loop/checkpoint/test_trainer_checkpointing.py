@@ -55,6 +55,7 @@ def _interrupted_and_resumed(run_dir: str, dp: int) -> tuple[list[float], list[f
     reference = _fit(_trainer(f"{run_dir}/full", 8, dp))
     first = _fit(_trainer(f"{run_dir}/cut", 8, dp), steps=4)  # "crash" after step 4: last save was 3
     resumed_trainer = _trainer(f"{run_dir}/cut", 8, dp)
+    resumed_trainer.resume()  # fit() would; here the resumed step is looked at first
     start = resumed_trainer.step
     return reference, first + _fit(resumed_trainer), start
 

@@ -31,7 +31,10 @@ class TrainerState:
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.tracker_run_ids = dict(state.get("tracker_run_ids", {}))
+        # in place: the run reporter holds this mapping (it reuses a resumed tracker's run id)
+        ids = dict(state.get("tracker_run_ids", {}))
+        self.tracker_run_ids.clear()
+        self.tracker_run_ids.update(ids)
 
 
 class StepResult:

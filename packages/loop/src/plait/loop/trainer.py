@@ -12,7 +12,6 @@ router biases) subscribe to them. :meth:`Trainer.app_state` exposes every piece 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,7 +38,7 @@ from plait.loop.events import (
     AfterOptimizerStep,
     BeforeForwardBackward,
     BeforeOptimizerStep,
-    Event,
+    E,
     EventBus,
     MetricsLogged,
     StepEnd,
@@ -51,7 +50,14 @@ from plait.loop.events import (
 from plait.loop.grads import all_reduce_plain_grads, clip_grad_norm
 from plait.loop.loss import LOSS_KEY, LossStats, PendingStep, StepLoss, StepMetrics
 from plait.loop.metrics import Max, Mean, MetricCollection
-from plait.loop.ops import GCController, StepProfiler, mesh_prefix, set_collective_timeout, setup_logging
+from plait.loop.ops import (
+    GCController,
+    StepProfiler,
+    apply_determinism,
+    mesh_prefix,
+    set_collective_timeout,
+    setup_logging,
+)
 from plait.loop.optim import PiecewiseLR, build_optimizer
 from plait.loop.providers import (
     DataProvider,
@@ -67,6 +73,7 @@ from plait.loop.topology import connect, pick_device
 from plait.loop.tracking import (
     RunReporter,
     RunSummaryCollector,
+    RunTotals,
     ThroughputMeter,
     Tracker,
     device_memory_stats,
@@ -85,9 +92,17 @@ Batch = dict[str, torch.Tensor]
 class Trainer:
     """Trains a model given by providers under a :class:`~plait.loop.TrainerConfig`.
 
-    Construction builds everything (mesh context, model stages on meta -> parallelize -> materialise
-    -> initial weights, optimizers, LR scheduler, data loader), so a checkpoint can be loaded into
-    :meth:`app_state` before :meth:`fit`.
+    Building a training job is separate from running it. Construction builds everything (mesh
+    context, model stages on meta -> parallelize -> materialise -> initial weights, optimizers, LR
+    scheduler, data loader, checkpointer) and loads no checkpoint; :meth:`fit` first calls
+    :meth:`resume`, which loads the run directory's newest checkpoint (with ``checkpoint.enabled`` and
+    ``checkpoint.resume``). Call :meth:`resume` yourself to see the resumed state (``step``, weights)
+    before :meth:`fit`; to load a state of your own into :meth:`app_state`, call :meth:`resume` first
+    (or leave checkpointing off), so that :meth:`fit` does not load a checkpoint over it.
+
+    Construction also sets process-global torch state, before the initial weights are drawn
+    (:func:`~plait.loop.ops.apply_determinism`): deterministic algorithms with
+    ``determinism.deterministic_algorithms``, and the default generators' seed ``run.seed``.
 
     Args:
         config: the configuration.
@@ -129,6 +144,8 @@ class Trainer:
         self.state = TrainerState()
         self.run_dir = Path(config.run.run_dir)
         self._stop_requested = False
+        self._resumed = False  # resume() ran (it loads at most once)
+        self._resumed_from: Path | None = None  # the checkpoint resume() loaded
         self._consecutive_skips = 0  # skipped steps since the last applied one (not checkpointed)
 
         self.device = pick_device(device if device is not None else config.device_type())
@@ -148,12 +165,10 @@ class Trainer:
                 run_ids=self.state.tracker_run_ids,
             )
             self.batch_plan = BatchPlan.from_config(config)
-            if config.determinism.deterministic_algorithms:
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-                torch.use_deterministic_algorithms(True)
+            # Process-global: deterministic algorithms (if asked) and the seed of the initial weights.
+            apply_determinism(config.determinism, config.run.seed)
 
             # Model: this rank's stages, built on meta, parallelized, materialised, with initial weights.
-            torch.manual_seed(config.run.seed)
             self.schedule = self.batch_plan.schedule(config.pipeline) if topo.pp_size > 1 else None
             self.num_stages, self.stage_indices = place_stages(self.schedule, topo)
             self.model_parts = build_stages(
@@ -210,13 +225,13 @@ class Trainer:
                     storage_writer_factory=storage_writer_factory,
                     load_planner=load_planner,
                 )
-                self._resume(self.checkpoints)
             self._last_lr = math.nan
             self.stop_signal: int | None = None  # the signal that stopped fit() early, if one did
-            self.run_summary = RunSummaryCollector(self)  # printed and written by close()
+            # printed and written by close()
+            self.run_summary = RunSummaryCollector(self.events, mfu=self.throughput.mfu, is_main=topo.is_main)
         except BaseException:
             try:
-                if self.checkpoints is not None:  # e.g. a resume refused: stop its writer process
+                if self.checkpoints is not None:  # stop its writer process
                     self.checkpoints.close()
             finally:
                 if self._run_lock is not None:
@@ -226,25 +241,49 @@ class Trainer:
             raise
 
     # ------------------------------------------------------------------ setup helpers
-    def _resume(self, checkpoints: TrainingCheckpoints) -> None:
-        """Resume from the newest checkpoint, then apply the config's optimizer hyper-parameters (lr,
-        weight decay, betas, eps, ...) over the ones the optimizer's saved state brought back, and the
-        schedule to them: the run's config wins for every field a resume may change."""
+    def resume(self) -> Path | None:
+        """Load the newest intact checkpoint of the run directory into the training state, once.
+
+        :meth:`fit` calls it before its first step; call it yourself to see the resumed ``step``,
+        weights, data position or LR schedule before :meth:`fit`. Only the first call loads (later
+        calls return what it returned), and nothing is loaded without ``checkpoint.enabled`` and
+        ``checkpoint.resume``. After the load, the config's optimizer hyper-parameters (lr, weight
+        decay, betas, eps, ...) are applied over the ones the optimizer's saved state brought back, and
+        the schedule to them: the run's config wins for every field a resume may change. A collective:
+        every rank calls it. After an error, :meth:`close` the trainer (it releases the run directory).
+
+        Returns:
+            The checkpoint loaded, or None when none was.
+
+        Raises:
+            ResumeConfigError: the checkpoint's config differs in a field of ``fixed_on_resume``, or it
+                is past ``run.steps``.
+            CheckpointDamagedError: the newest checkpoint is damaged and ``checkpoint.on_damaged`` is
+                ``"stop"``.
+        """
+        if not self._resumed:
+            self._resumed_from = self._load_newest(self.checkpoints) if self.checkpoints is not None else None
+            self._resumed = True
+        return self._resumed_from
+
+    def _load_newest(self, checkpoints: TrainingCheckpoints) -> Path | None:
         fresh = [
             [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
              for g in opt.param_groups]
             for opt in self.optimizers
         ]  # fmt: skip
-        if checkpoints.resume() is None:
-            return
+        resumed = checkpoints.resume()
+        if resumed is None:
+            return None
         for opt, groups in zip(self.optimizers, fresh):
             for group, values in zip(opt.param_groups, groups):
                 group.update(values)
         self.lr_scheduler.load_state_dict(self.lr_scheduler.state_dict())  # re-applied to the new lr
+        return resumed[0]
 
     def _after_backward(self, stage: int, microbatch: int) -> None:
         if stage == self.stage_indices[0]:
-            self.events.publish(AfterBackward(self, self.step, microbatch))
+            self.events.publish(AfterBackward(self.step, microbatch))
 
     def _build_executor(self, loss: StepLoss, *, forward_only: bool = False) -> Executor:
         """The training executor, or a forward-only one on the same stages (for evaluation)."""
@@ -270,9 +309,20 @@ class Trainer:
         """Trainable parameters of all local model parts."""
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
 
-    def subscribe(self, event_type: type[Event], fn: Callable[[Any], None]) -> Callable[[], None]:
+    def subscribe(self, event_type: type[E], fn: Callable[[E], None]) -> Callable[[], None]:
         """Shortcut for ``trainer.events.subscribe``; returns the unsubscribe function."""
         return self.events.subscribe(event_type, fn)
+
+    def totals(self) -> RunTotals:
+        """The run's counters now (step, skipped steps, tokens seen) and its newest complete checkpoint."""
+        checkpointer = self.checkpointer
+        return RunTotals(
+            step=self.state.step,
+            total_steps=self.config.run.steps,
+            skipped_steps=self.state.skipped_steps,
+            tokens_seen=self.state.tokens_seen,
+            checkpoint=checkpointer.last_complete if checkpointer is not None else None,
+        )
 
     def request_stop(self) -> None:
         """Finish the current step, then leave :meth:`fit` (e.g. from a SIGTERM handler)."""
@@ -330,11 +380,11 @@ class Trainer:
         for k, v in self.topology.shard_batch(batch).items():
             state.global_view[k] = v.to(self.device, non_blocking=True)
         self.loss.start(global_tokens)
-        self.events.publish(BeforeForwardBackward(self, self.step, state.num_microbatches, global_tokens))
+        self.events.publish(BeforeForwardBackward(self.step, state.num_microbatches, global_tokens))
         self.executor.step({}, state)
         if self.topology.dp_size > 1:
             all_reduce_plain_grads(self.parameters(), self.topology.dp_group, self.config.gradients)
-        self.events.publish(AfterForwardBackward(self, self.step))
+        self.events.publish(AfterForwardBackward(self.step))
         return self.loss.stats, global_tokens, positions
 
     def train_step(self, batch: Batch) -> StepResult:
@@ -361,7 +411,7 @@ class Trainer:
                 self._skip(step, f"loss={reading.loss}, grad_norm={reading.grad_norm}", reading.loss)
         if not pending.skipped:
             self._consecutive_skips = 0
-            self.events.publish(BeforeOptimizerStep(self, step, norm))
+            self.events.publish(BeforeOptimizerStep(step, norm))
             if self.checkpointer is not None:  # a pending save may still be copying these tensors
                 self.checkpointer.wait_for_staging()
             for opt in self.optimizers:
@@ -370,7 +420,7 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         if not pending.skipped:
-            self.events.publish(AfterOptimizerStep(self, step))
+            self.events.publish(AfterOptimizerStep(step, lr))
         self._last_lr = lr
         self.state.step += 1
         self.state.tokens_seen += positions
@@ -401,7 +451,7 @@ class Trainer:
             raise FloatingPointError(f"non-finite {what} at step {step} on rank {self.topology.rank}")
         self.state.skipped_steps += 1
         self._consecutive_skips += 1
-        self.events.publish(StepSkipped(self, step, loss, self.state.skipped_steps))
+        self.events.publish(StepSkipped(step, loss, self.state.skipped_steps))
         det = self.config.determinism
         limit = det.max_skipped_steps
         if limit is not None and self.state.skipped_steps > limit:
@@ -491,7 +541,8 @@ class Trainer:
             values.update(self.evaluate())
             self.throughput.exclude(time.perf_counter() - t0)
         self.reporter.log(values, self.step)
-        self.events.publish(MetricsLogged(self, self.step, values))
+        interval = self.throughput.last_interval if train else None
+        self.events.publish(MetricsLogged(self.step, values, interval))
 
     def fit(self, steps: int | None = None) -> dict[str, float]:
         """Train until ``steps`` (default ``config.run.steps``) optimizer steps are done, or a stop request.
@@ -505,22 +556,24 @@ class Trainer:
         Raises:
             FloatingPointError: a non-finite loss, gradient norm (policy ``raise``, or too many
                 skipped steps under ``skip``) or parameter.
+            ResumeConfigError: from :meth:`resume`, which the first call runs before its first step.
         """
         total = steps if steps is not None else self.config.run.steps
+        set_collective_timeout(self.config.timeouts.init_s, self.topology.groups, self.ctx)
+        self.resume()  # the first fit() loads the newest checkpoint: the run goes on from its step
         last_logged: dict[str, float] = {}
         unsub = self.events.subscribe(MetricsLogged, lambda e: last_logged.update(e.metrics))
         self.reporter.open(total, self.step)
         self.gc.start()
         self.profiler.start()
-        set_collective_timeout(self.config.timeouts.init_s, self.topology.groups, self.ctx)
-        self.events.publish(TrainingStart(self, self.step))
+        self.events.publish(TrainingStart(self.step, total, self.state.tokens_seen))
         preemption = self.checkpoints.preemption_handler() if self.checkpoints is not None else None
         first = True
         queued: list[PendingStep] = []  # launched steps whose statistics are still on the device
         last_loss = math.nan
         try:
             while self.step < total and not self._stop_requested:
-                self.events.publish(StepStart(self, self.step))
+                self.events.publish(StepStart(self.step))
                 t0 = time.perf_counter()
                 batch = next(self.data_loader)
                 self.throughput.add_data_wait(time.perf_counter() - t0)
@@ -544,8 +597,14 @@ class Trainer:
                     queued.clear()
                     if log or evaluate:
                         self._log(train=log, evaluate=evaluate)
-                self.reporter.step_done(last_loss, time.perf_counter() - t0)
-                self.events.publish(StepEnd(self, self.step, StepMetrics(pending)))
+                seconds = time.perf_counter() - t0
+                self.reporter.step_done(last_loss, seconds)
+                self.events.publish(
+                    StepEnd(
+                        self.step, StepMetrics(pending), lr=pending.lr, loss_tokens=pending.global_tokens,
+                        tokens_seen=self.state.tokens_seen, skipped=pending.skipped, seconds=seconds,
+                    )
+                )  # fmt: skip
                 if last and self._consecutive_skips:
                     raise FloatingPointError(
                         f"the run ended on {self._consecutive_skips} skipped step(s) in a row (non-finite loss or "
@@ -554,7 +613,7 @@ class Trainer:
                 if save:
                     self.save_checkpoint(blocking=last)
             self.check_finite("the end of fit() (so no export)")
-            self.events.publish(TrainingEnd(self, self.step, stopped_early=self.step < total))
+            self.events.publish(TrainingEnd(self.step, stopped_early=self.step < total))
         except Exception as e:  # a KeyboardInterrupt is a stop, not a failure
             self.run_summary.failed(e)
             raise
@@ -589,7 +648,7 @@ class Trainer:
             if self.checkpoints is not None:
                 self.checkpoints.close()
             self.reporter.close()
-            self.run_summary.write(self.run_dir)
+            self.run_summary.write(self.run_dir, self.totals())
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()

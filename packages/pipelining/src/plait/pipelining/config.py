@@ -22,6 +22,7 @@ __all__ = [
     "InferenceConfig",
     "Interleaved1F1BConfig",
     "LoopedBFSConfig",
+    "LoopedScheduleConfig",
     "OneFOneBConfig",
     "PipelineScheduleConfig",
     "ZB1PConfig",
@@ -44,8 +45,29 @@ class BaseScheduleConfig(BaseModel):
     loss_reduction: Literal["mean", "sum"] = "mean"
 
     def topology(self, pp_size: int) -> StageTopology:
-        """Stage placement this schedule uses on `pp_size` ranks."""
-        return loop_topology(pp_size, getattr(self, "stages_per_rank", 1))
+        """Stage placement this schedule uses on `pp_size` ranks: one stage per rank (override it, or
+        subclass :class:`LoopedScheduleConfig` for several stages per rank)."""
+        return loop_topology(pp_size)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if "stages_per_rank" in cls.model_fields and cls.topology is BaseScheduleConfig.topology:
+            raise TypeError(
+                f"{cls.__name__} declares stages_per_rank but places one stage per rank: subclass "
+                "LoopedScheduleConfig (or override topology)"
+            )
+
+
+class LoopedScheduleConfig(BaseScheduleConfig):
+    """Base of schedules with ``stages_per_rank`` stages on each rank, placed round-robin (stage ``s`` on
+    rank ``s % pp``)."""
+
+    stages_per_rank: int = Field(1, ge=1)
+
+    def topology(self, pp_size: int) -> StageTopology:
+        """The round-robin placement of ``stages_per_rank`` stages per rank on ``pp_size`` ranks."""
+        return loop_topology(pp_size, self.stages_per_rank)
 
 
 class GPipeConfig(BaseScheduleConfig):
@@ -54,11 +76,10 @@ class GPipeConfig(BaseScheduleConfig):
     kind: Literal["gpipe"] = "gpipe"
 
 
-class LoopedBFSConfig(BaseScheduleConfig):
+class LoopedBFSConfig(LoopedScheduleConfig):
     """Looped breadth-first: GPipe over ``stages_per_rank`` stages per rank, placed round-robin."""
 
     kind: Literal["looped_bfs"] = "looped_bfs"
-    stages_per_rank: int = Field(1, ge=1)
 
 
 class OneFOneBConfig(BaseScheduleConfig):
@@ -67,18 +88,17 @@ class OneFOneBConfig(BaseScheduleConfig):
     kind: Literal["1f1b"] = "1f1b"
 
 
-class Interleaved1F1BConfig(BaseScheduleConfig):
+class Interleaved1F1BConfig(LoopedScheduleConfig):
     """Interleaved 1F1B over ``stages_per_rank`` (>= 2) stages per rank, placed round-robin."""
 
     kind: Literal["interleaved_1f1b"] = "interleaved_1f1b"
     stages_per_rank: int = Field(2, ge=2)
 
 
-class ZB1PConfig(BaseScheduleConfig):
+class ZB1PConfig(LoopedScheduleConfig):
     """Zero bubble ZB1P: backward split into input and weight passes, weight passes fill the bubbles."""
 
     kind: Literal["zb1p"] = "zb1p"
-    stages_per_rank: int = Field(1, ge=1)
 
 
 class ZBVConfig(BaseScheduleConfig):
@@ -102,11 +122,10 @@ class DualPipeVConfig(BaseScheduleConfig):
         return vshape_topology(pp_size)
 
 
-class InferenceConfig(BaseScheduleConfig):
+class InferenceConfig(LoopedScheduleConfig):
     """Forward-only program over ``stages_per_rank`` stages per rank (evaluation, generation)."""
 
     kind: Literal["inference"] = "inference"
-    stages_per_rank: int = Field(1, ge=1)
 
 
 PipelineScheduleConfig = Annotated[

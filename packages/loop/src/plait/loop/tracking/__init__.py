@@ -2,7 +2,7 @@
 
 from plait.loop.tracking.plots import plot_loss_curve, plot_series
 from plait.loop.tracking.reporter import RunReporter
-from plait.loop.tracking.summary import RunSummary, RunSummaryCollector
+from plait.loop.tracking.summary import RunSummary, RunSummaryCollector, RunTotals
 from plait.loop.tracking.throughput import (
     Interval,
     ThroughputMeter,
@@ -30,6 +30,7 @@ __all__ = [
     "RunReporter",
     "RunSummary",
     "RunSummaryCollector",
+    "RunTotals",
     "TensorBoardTracker",
     "ThroughputMeter",
     "Tracker",

@@ -7,14 +7,15 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.loop.events import MetricsLogged, TrainingEnd, TrainingStart
+from plait.loop.events import EventBus, MetricsLogged, TrainingEnd, TrainingStart
 from plait.loop.tracking.plots import plot_loss_curve
 
-__all__ = ["RunSummary", "RunSummaryCollector"]
+__all__ = ["RunSummary", "RunSummaryCollector", "RunTotals"]
 
 logger = logging.getLogger("plait.loop")
 
@@ -96,17 +97,40 @@ class RunSummary:
         return "\n".join(lines)
 
 
-class RunSummaryCollector:
-    """Follows a trainer's events (start, logged metrics, end) and builds its :class:`RunSummary`.
+@dataclass(frozen=True)
+class RunTotals:
+    """The run's counters when its summary is taken (what :meth:`~plait.loop.Trainer.totals` returns).
 
-    Args:
-        trainer: the :class:`~plait.loop.Trainer` (its ``events``, ``state``, ``throughput``,
-            ``topology``, ``checkpointer`` and ``config`` are read).
+    Attributes:
+        step: completed optimizer steps, skipped ones included (a resumed run's included).
+        total_steps: the run's length (``run.steps``).
+        skipped_steps: steps skipped for non-finite values.
+        tokens_seen: positions trained on over all data-parallel ranks.
+        checkpoint: the newest complete checkpoint, if there is one.
     """
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    step: int
+    total_steps: int
+    skipped_steps: int
+    tokens_seen: int
+    checkpoint: Path | None = None
+
+
+class RunSummaryCollector:
+    """Follows a run's events (start, logged metrics, end) and builds its :class:`RunSummary` from them
+    and the :class:`RunTotals` it is given.
+
+    Args:
+        events: the bus the trainer publishes on (:class:`TrainingStart`, :class:`MetricsLogged` with its
+            throughput ``interval``, :class:`TrainingEnd` are read).
+        mfu: the model FLOPs utilisation of a global tokens-per-second rate, or None when unknown
+            (:meth:`~plait.loop.tracking.ThroughputMeter.mfu`).
+        is_main: whether this rank prints and writes the summary.
+    """
+
+    def __init__(self, events: EventBus, *, mfu: Callable[[float], float | None], is_main: bool) -> None:
         self.export: str | Path | None = None  # set by the script that writes an export
+        self._mfu, self._is_main = mfu, is_main
         self._t0: float | None = None
         self._t1: float | None = None
         self._start_step = 0
@@ -121,15 +145,15 @@ class RunSummaryCollector:
         self._intervals = 0
         self._last_logged_step: int | None = None
         self._val: list[tuple[int, float]] = []  # (step, val_loss) of each evaluation
-        trainer.events.subscribe(TrainingStart, self._on_start)
-        trainer.events.subscribe(MetricsLogged, self._on_metrics)
-        trainer.events.subscribe(TrainingEnd, self._on_end)
+        events.subscribe(TrainingStart, self._on_start)
+        events.subscribe(MetricsLogged, self._on_metrics)
+        events.subscribe(TrainingEnd, self._on_end)
 
     def _on_start(self, e: TrainingStart) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
             self._start_step = e.step
-            self._start_tokens = self.trainer.state.tokens_seen
+            self._start_tokens = e.tokens_seen
         self._last_logged_step = e.step
         self._intervals = 0  # each fit() warms up again (its first interval is left out)
 
@@ -143,7 +167,7 @@ class RunSummaryCollector:
         val = e.metrics.get("val_loss")
         if val is not None and math.isfinite(val):
             self._val.append((e.step, float(val)))
-        interval = self.trainer.throughput.last_interval
+        interval = e.interval
         if "tokens_per_s" in e.metrics and interval is not None:  # a training interval was measured
             if self._intervals > 0 and not interval.compiled:
                 self._steady_tokens += interval.tokens
@@ -160,53 +184,45 @@ class RunSummaryCollector:
         self._t1 = time.perf_counter()
         self._stopped_early = e.stopped_early
 
-    def summary(self) -> RunSummary:
-        """The summary so far (a run without a :class:`TrainingEnd` counts as stopped early)."""
-        tr = self.trainer
+    def summary(self, totals: RunTotals) -> RunSummary:
+        """The summary so far, with the run's ``totals`` now (a run without a :class:`TrainingEnd` counts
+        as stopped early)."""
         now = time.perf_counter()
         wall = (self._t1 or now) - (self._t0 or now)
-        tokens = tr.state.tokens_seen - self._start_tokens
+        tokens = totals.tokens_seen - self._start_tokens
         tps = tokens / wall if wall > 0 else 0.0
-        meter = tr.throughput
-
-        def mfu_of(rate: float) -> float | None:
-            if meter.flops_per_token and meter.peak_flops:
-                return meter.flops_per_token * rate / (meter.peak_flops * meter.world_size)
-            return None
-
         steady = self._steady_tokens / self._steady_seconds if self._steady_seconds > 0 else None
         best = min(self._val, key=lambda sv: sv[1]) if self._val else None
-        last = getattr(tr.checkpointer, "last_complete", None)
         return RunSummary(
-            steps=tr.step,
-            total_steps=tr.config.run.steps,
+            steps=totals.step,
+            total_steps=totals.total_steps,
             stopped_early=self._stopped_early or self._t1 is None,
-            steps_this_session=tr.step - self._start_step,
-            skipped_steps=tr.state.skipped_steps,
-            tokens=tr.state.tokens_seen,
+            steps_this_session=totals.step - self._start_step,
+            skipped_steps=totals.skipped_steps,
+            tokens=totals.tokens_seen,
             wall_time_s=wall,
             final_loss=self._final_loss,
             mean_tokens_per_s=tps,
-            mean_mfu=mfu_of(tps),
+            mean_mfu=self._mfu(tps),
             steady_steps=self._steady_steps if steady is not None else 0,
             steady_tokens_per_s=steady,
-            steady_mfu=mfu_of(steady) if steady is not None else None,
+            steady_mfu=self._mfu(steady) if steady is not None else None,
             last_val_loss=self._val[-1][1] if self._val else None,
             best_val_loss=best[1] if best else None,
             best_val_step=best[0] if best else None,
             peak_memory_gib=self._peak_memory,
-            checkpoint=str(last) if last is not None else None,
+            checkpoint=str(totals.checkpoint) if totals.checkpoint is not None else None,
             export=str(self.export) if self.export is not None else None,
             error=self._error,
         )
 
-    def write(self, run_dir: str | Path) -> RunSummary | None:
+    def write(self, run_dir: str | Path, totals: RunTotals) -> RunSummary | None:
         """On the main rank: print the summary, write ``summary.json`` and ``loss_curve.png`` (from
         ``metrics.jsonl``, when there is one) into ``run_dir``. Returns the summary (None elsewhere,
         or before training started)."""
-        if not self.trainer.topology.is_main or self._t0 is None:
+        if not self._is_main or self._t0 is None:
             return None
-        summary = self.summary()
+        summary = self.summary(totals)
         run_dir = Path(run_dir)
         tmp = run_dir / ".summary.json.tmp"
         try:

@@ -108,6 +108,13 @@ class ThroughputMeter:
         self._t += seconds
         self._graphs = compiled_graphs()
 
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """The model FLOPs utilisation of a global rate (over ``world_size`` devices); None when the
+        model's FLOPs per token or the device peak are unknown."""
+        if self.flops_per_token and self.peak_flops:
+            return self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        return None
+
     def measure(self) -> dict[str, float]:
         """``tokens_per_s`` (global), ``tokens_per_s_per_device``, ``data_wait_frac`` (the fraction of the
         interval spent waiting for batches) and ``mfu`` (when FLOPs are known); resets."""
@@ -116,8 +123,9 @@ class ThroughputMeter:
         tps = self._tokens / dt
         out = {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world_size}
         out["data_wait_frac"] = self._data_wait / dt
-        if self.flops_per_token and self.peak_flops:
-            out["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world_size)
+        mfu = self.mfu(tps)
+        if mfu is not None:
+            out["mfu"] = mfu
         graphs = compiled_graphs()
         self.last_interval = Interval(self._tokens, dt, graphs != self._graphs)
         self._t, self._tokens, self._graphs, self._data_wait = now, 0, graphs, 0.0
