@@ -36,6 +36,9 @@ def main() -> None:
         )
         if dist.get_rank() == 0:
             torch.save(result, out)
+    # Both ranks done before either tears gloo down: a rank that destroyed its group while the other was
+    # still writing OUT aborted once on a loaded machine ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
