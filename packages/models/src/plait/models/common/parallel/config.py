@@ -109,10 +109,11 @@ class ParallelConfig(BaseModel):
         compile: ``torch.compile`` each decoder layer (in place; parameter names unchanged).
         cuda_graphs: With ``compile``, each compiled decoder layer's forward and backward are also
             captured as CUDA graphs (inductor's CUDA-graph trees, ``mode="reduce-overhead"``) and
-            replayed: one launch per layer instead of one per kernel, for host-bound steps (small
-            layers, short sequences). One process per stage only: parameters must keep their
-            addresses and no collective may run inside a layer, so tensor, context and expert
-            parallelism, FSDP over more than one rank and pipeline stages are refused. CUDA only.
+            replayed: a launch per graph instead of one per kernel, meant for host-bound steps. One
+            process per stage only: parameters must keep their addresses and no collective may run
+            inside a layer, so tensor, context and expert parallelism, FSDP over more than one rank
+            and pipeline stages are refused. CUDA only. Off by default: on the main job's one-GPU
+            model it made the Trainer's step slower (``benchmarks/results/cuda_graphs.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
