@@ -306,6 +306,18 @@ def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvid
     )
 
 
+def build_and_resume(config: TrainerConfig, data: DataConfig, provider: ModelProvider) -> Trainer:
+    """:func:`build_trainer`, then its newest checkpoint loaded (``fit()`` would, but here a refused
+    resume is a start-up error): the trainer is closed and the ``ConfigError`` raised."""
+    trainer = build_trainer(config, data, provider)
+    try:
+        trainer.resume()
+    except ConfigError:  # a resume this config may not make
+        trainer.close()
+        raise
+    return trainer
+
+
 def _describe(err: Any) -> str:
     loc = ".".join(str(p) for p in err["loc"])
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -533,14 +545,8 @@ def main(
         provider.materialize(model, "cpu")
         return {"seed_checkpoint": str(provider.export_hf([model], args.write_seed_checkpoint))}
     try:
-        trainer = build_trainer(config, config.data, provider)  # takes the run dir's lock
-    except (ConfigError, RunDirLockedError) as e:  # a config the job cannot build; a run dir in use
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        trainer.resume()  # the newest checkpoint (fit() would, but a refusal is a startup error)
-    except ConfigError as e:  # a resume this config may not make
-        trainer.close()
+        trainer = build_and_resume(config, config.data, provider)  # takes the run dir's lock
+    except (ConfigError, RunDirLockedError) as e:  # a config or resume refused; a run dir in use
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:

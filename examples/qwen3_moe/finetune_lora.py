@@ -35,7 +35,7 @@ from plait.loop import (
 from plait.loop.data import copy_tokenizer_files, has_tokenizer
 from plait.models import CausalLMProvider, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
-from pretrain import DataConfig, StartupError, build_trainer, check_corpus
+from pretrain import DataConfig, StartupError, build_and_resume, check_corpus
 from torch import nn
 
 DEFAULTS = {
@@ -135,14 +135,8 @@ def main(argv: list[str] | None = None) -> Path:
         check_corpus(
             config.data, config.batching.seq_len, provider.config.vocab_size, config.evaluation.enabled
         )
-        trainer: Trainer = build_trainer(config, config.data, provider)
+        trainer: Trainer = build_and_resume(config, config.data, provider)
     except (ConfigError, StartupError, RunDirLockedError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        trainer.resume()  # the newest checkpoint (fit() would, but a refusal is a startup error)
-    except ConfigError as e:  # a checkpoint this config may not resume
-        trainer.close()
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:

@@ -33,6 +33,7 @@ from train import (  # noqa: F401  (re-exported: scripts and tests build on this
     ConfigError,
     DataConfig,
     StartupError,
+    build_and_resume,
     build_dataset,
     build_provider,
     build_trainer,
