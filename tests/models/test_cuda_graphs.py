@@ -11,6 +11,7 @@ import pytest
 import torch
 from plait.dist_core.testing import run_distributed
 from plait.models import CausalLMProvider, ParallelConfig, config_from_hf
+from plait.models.common.parallel.plan import parallelize_decoder
 from pydantic import ValidationError
 from torch.distributed.device_mesh import init_device_mesh
 

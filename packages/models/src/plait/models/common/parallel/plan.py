@@ -216,7 +216,7 @@ def apply_fsdp(
 
 
 def _check_cuda_graph_layout(
-    dense_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None, fsdp: bool
+    dense_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None, fsdp_ranks: int
 ) -> None:
     """``ParallelConfig.cuda_graphs`` needs one process per stage (see its docstring)."""
     sizes = {
@@ -224,11 +224,8 @@ def _check_cuda_graph_layout(
         "mesh.tensor": _dim_size(dense_mesh, "tp"),
         "mesh.expert": _dim_size(expert_mesh, "ep_shard"),
         "mesh.context": cp_mesh.size() if cp_mesh is not None else 1,
+        "FSDP (data parallel)": fsdp_ranks,
     }
-    if fsdp:
-        sizes["FSDP (data parallel)"] = _dim_size(dense_mesh, "dp_replicate") * _dim_size(
-            dense_mesh, "dp_cp_shard"
-        )
     if used := [f"{name}={n}" for name, n in sizes.items() if n > 1]:
         raise ValueError(
             "parallel.cuda_graphs needs one process per stage (no collective inside a layer, parameters "
@@ -286,7 +283,7 @@ def parallelize_decoder(
     dp = _dim_size(dense_mesh, "dp_replicate") * _dim_size(dense_mesh, "dp_cp_shard")
     fsdp = config.data_parallel == "fsdp" and dp > 1
     if config.cuda_graphs:
-        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, fsdp)
+        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, dp if fsdp else 1)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
