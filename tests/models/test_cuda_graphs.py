@@ -63,8 +63,6 @@ def _tensor_parallel_worker() -> str:
     provider = CausalLMProvider(
         config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True)
     )
-    from plait.models.common.parallel.plan import parallelize_decoder
-
     try:
         parallelize_decoder(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
     except ValueError as e:
