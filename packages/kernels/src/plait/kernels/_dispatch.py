@@ -9,6 +9,8 @@ import torch
 
 __all__ = ["triton_available", "use_triton"]
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -34,9 +36,14 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels should run for these tensors.
 
     CUDA tensors use Triton; CPU tensors use it only under ``TRITON_INTERPRET=1`` (tests).
-    ``PLAIT_KERNELS_DISABLE_TRITON=1`` forces the PyTorch reference path everywhere.
+    ``PLAIT_KERNELS_DISABLE_TRITON=1`` forces the PyTorch reference path everywhere. Tensor
+    subclasses (a DTensor, an ``AsyncCollectiveTensor`` whose collective may still be running)
+    take the PyTorch path too: their ops dispatch through the subclass, a Triton kernel would
+    read the wrapper's (absent) storage.
     """
     if _forced_off() or not triton_available():
+        return False
+    if any(type(t) not in _PLAIN for t in tensors):
         return False
     if all(t.is_cuda for t in tensors):
         return True

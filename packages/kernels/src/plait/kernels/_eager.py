@@ -5,6 +5,12 @@ schema checks, the registered autograd wrapper), and its backward op as much aga
 memory-bound kernel of a training step takes on the GPU. Eager calls therefore run the op's own
 implementation and autograd formula through a plain ``torch.autograd.Function``; the custom ops
 stay registered for ``torch.ops.plait`` users and for graphs that trace them.
+
+Skipping the dispatcher also skips tensor subclasses' ``__torch_dispatch__``. The one a training
+step hands these ops is the ``AsyncCollectiveTensor`` of a functional collective (the output of a
+tensor-parallel all-reduce): it is waited for and unwrapped here, below autograd, which has already
+recorded the wrapper as the input. Other subclasses reach the PyTorch formula
+(:func:`plait.kernels._dispatch.use_triton`).
 """
 
 from __future__ import annotations
@@ -13,8 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = ["eager_autograd"]
+
+
+def _waited(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.trigger_wait() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
 def eager_autograd(
@@ -33,11 +44,11 @@ def eager_autograd(
     class _Eager(torch.autograd.Function):
         @staticmethod
         def forward(*args: Any) -> Any:
-            return forward(*args)
+            return forward(*_waited(args))
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            setup_context(ctx, inputs, output)
+            setup_context(ctx, _waited(inputs), output)
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
