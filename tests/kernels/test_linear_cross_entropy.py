@@ -364,3 +364,37 @@ def test_linear_ce_one_pass_gpu_real_shapes(dtype):
     rel = 1e-5 if dtype == torch.float32 else 1e-2  # relative L2 error of the whole tensor
     for got, ref in ((loss, loss64), (x.grad, x64.grad), (w.grad, w64.grad)):
         assert ((got.double() - ref).norm() / ref.norm()).item() < rel
+
+
+def test_linear_ce_one_pass_gradients_are_handed_over_once():
+    """The eager one-pass backward scales its stored gradients in place: a second backward asking for
+    one again raises (naming the way out) instead of returning a gradient scaled twice."""
+    x, w, t = _inputs(torch.float32, seed=3)
+    loss = linear_cross_entropy(x, w, t, grad_in_forward=True, chunk_tokens=4) * 2.0
+    loss.backward(retain_graph=True)
+    x64, w64 = to64(x, w)
+    (linear_cross_entropy_reference(x64, w64, t) * 2.0).backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="already returned.*grad_in_forward=False"):
+        loss.backward()
+
+
+@pytest.mark.gpu
+def test_linear_ce_one_pass_peak_memory_gpu():
+    """Forward + backward at Qwen-vocabulary shapes hold at most dW, dhidden and one logits tile beyond
+    the inputs (the scaled gradients are the stored ones, not copies)."""
+    torch.manual_seed(0)
+    n, h, v = 8192, 4096, 151936
+    x = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    linear_cross_entropy(x, w, t).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    tile = (256 * 1024 * 1024) // v // 128 * 128 * v * 2  # the default chunk's bf16 logits
+    bound = w.numel() * 2 + x.numel() * 2 + tile + (64 << 20)
+    assert extra <= bound, (extra / 2**30, bound / 2**30)

@@ -14,13 +14,15 @@ of the summed loss too, in one pass over token chunks with the whole vocabulary:
 ``[chunk, V]`` logits matmul, one row kernel for the per-token loss and ``dlogits`` in place (it
 sweeps each row twice), ``dhidden_c = dlogits @ W`` and ``dW (+)= dlogits^T @ hidden_c``. Three
 passes over the classifier instead of four, and four launches per chunk; the backward only scales
-the stored gradients by the incoming scalar (one kernel each, fp32 math, cast to the input dtype)
-and returns those the grad-direction switch asks for (the work is done either way). ``dW``
+the stored gradients by the incoming scalar (fp32 math, cast to the input dtype) and returns those
+the grad-direction switch asks for (the work is done either way). Eager calls scale in place and
+hand each stored gradient over once (a second backward asking for it again raises); inside a
+compiled graph the custom op's backward returns scaled copies. ``dW``
 accumulates over the chunks in the input dtype, like the two-pass backward (the op's docstring says
 why). Peak extra memory in the forward: one ``[chunk, V]`` tile (<= 256M entries by default) plus
 ``dW`` and ``dhidden`` in the input dtype; the two gradients live until the backward (a schedule
 that runs several forwards before their backwards holds a pair per forward: pass
-``grad_in_forward=False`` there), whose scaling adds the scaled copy of each. Gradient work is done
+``grad_in_forward=False`` there); compiled, the backward adds a scaled copy of each. Gradient work is done
 even if no backward follows; under ``torch.no_grad()`` the two-pass forward runs.
 
 With ``process_group`` the classifier is sharded over the vocabulary (rank r holds a contiguous

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from plait.kernels.linear_cross_entropy.cce import cce_linear_cross_entropy
-from plait.kernels.linear_cross_entropy.one_pass import lce_fused_op, one_pass_blocker, one_pass_chunks
+from plait.kernels.linear_cross_entropy.one_pass import lce_fused, one_pass_blocker, one_pass_chunks
 from plait.kernels.linear_cross_entropy.reference import Reduction, reduce_loss
 from plait.kernels.linear_cross_entropy.two_pass import lce_op, two_pass_chunks
 
@@ -97,7 +97,7 @@ def linear_cross_entropy(
     targets = targets.long()
     if grad_in_forward is not False and blocker is None:
         nc, vb = one_pass_chunks(hidden.shape[0], weight.shape[0], chunk_tokens, chunk_vocab)
-        loss_sum, _dx, _dw = lce_fused_op(
+        loss_sum, _dx, _dw = lce_fused(
             hidden,
             weight,
             targets,

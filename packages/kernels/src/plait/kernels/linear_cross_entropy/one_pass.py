@@ -12,7 +12,7 @@ from plait.kernels._dispatch import use_triton
 from plait.kernels.grad_direction import _returned, _weights_wanted
 from plait.kernels.linear_cross_entropy.tiles import tile_grad_torch, tile_stats_torch
 
-__all__ = ["lce_fused_op", "one_pass_blocker", "one_pass_chunks"]
+__all__ = ["lce_fused", "lce_fused_op", "one_pass_blocker", "one_pass_chunks"]
 
 
 def one_pass_chunks(
@@ -59,13 +59,7 @@ def _one_pass_ops(triton: bool) -> tuple[Any, Any]:
     return _row_loss_grad_torch, _scale_torch
 
 
-@torch.library.custom_op(
-    "plait::linear_cross_entropy_fused",
-    mutates_args=(),
-    schema="(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, float z_loss, float? softcap, "
-    "int chunk_tokens, int chunk_vocab, bool need_dx, bool need_dw) -> (Tensor, Tensor, Tensor)",
-)
-def lce_fused_op(
+def _fused_impl(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -106,6 +100,14 @@ def lce_fused_op(
             else:
                 dw.addmm_(logits.T, xc)
     return loss.sum(), dx, dw
+
+
+lce_fused_op = torch.library.custom_op(
+    "plait::linear_cross_entropy_fused",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, float z_loss, float? softcap, "
+    "int chunk_tokens, int chunk_vocab, bool need_dx, bool need_dw) -> (Tensor, Tensor, Tensor)",
+)(_fused_impl)
 
 
 @lce_fused_op.register_fake
@@ -160,6 +162,59 @@ def _fused_backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) 
 
 
 lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+class _FusedEager(torch.autograd.Function):
+    """Eager calls: the op's implementation, with a backward that scales the stored gradients in
+    place and hands them over (the custom op's backward returns scaled copies: one more ``dW``-sized
+    buffer at the peak, and autograd copies a gradient it cannot take over).
+
+    Each stored gradient is returned once: the inputs and weights passes of a split backward each
+    take their own; asking for one again (a second backward with ``retain_graph``) raises.
+    """
+
+    @staticmethod
+    def forward(*args: Any) -> Any:
+        return _fused_impl(*args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        _loss, dx, dw = output
+        ctx.stored = [dx, dw]  # not saved_tensors: scaled in place, then dropped when returned
+        ctx.computed = inputs[-2:]  # need_dx, need_dw
+        ctx.mark_non_differentiable(dx, dw)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) -> tuple[Any, ...]:
+        has = ctx.computed
+        need = _returned(ctx.needs_input_grad[0] and has[0], ctx.needs_input_grad[1] and has[1])
+        if dloss is None or not any(need):
+            return (None,) * 10
+        wanted = (need[0], _weights_wanted(need[1]))
+        grads: list[Any] = [None, None]
+        for i, name in enumerate(("hidden", "weight")):
+            if not need[i]:
+                continue
+            t = ctx.stored[i]
+            if t is None:
+                raise RuntimeError(
+                    f"linear_cross_entropy: the {name} gradient computed in the forward (grad_in_forward) was "
+                    "already returned by an earlier backward; pass grad_in_forward=False to backward twice"
+                )
+            if wanted[i]:
+                ctx.stored[i] = None
+                grads[i] = t.mul_(dloss.float())
+            else:
+                grads[i] = torch.zeros_like(t)
+        return grads[0], grads[1], *(None,) * 8
+
+
+def lce_fused(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`lce_fused_op` (same arguments): the custom op while compiling, :class:`_FusedEager` otherwise."""
+    if torch.compiler.is_compiling():
+        return lce_fused_op(*args)
+    return _FusedEager.apply(*args)
 
 
 def one_pass_blocker(
