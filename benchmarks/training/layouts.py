@@ -83,7 +83,7 @@ PARTS = ("resume", "lora")  # selectable with --only next to the layout names
 # pipeline stage and no context parallelism)
 FAMILY_LAYOUTS: dict[str, list[str]] = {
     "llama": ["FSDP2", "TP2", "PP2 ZBV", "PP2 DualPipeV", "CP2"],
-    "gpt_oss": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
+    "gpt_oss": ["EP2 x FSDP2", "TP2", "PP2 ZBV", "CP2"],
     "deepseek_v3": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
 }
 FAMILY_MODEL: dict[str, list[str]] = {

@@ -10,6 +10,8 @@ import pytest
 import torch
 from plait.models import CausalLMProvider, Float8Training, ParallelConfig, build_causal_lm, parallelize
 from plait.models.common.parallel import apply_float8, check_float8, float8_linears
+from plait.models.common.parallel.float8 import aligned_rows, float8_grouped_mm
+from plait.moe import GroupedExperts
 from plait.models.deepseek_v3 import DeepseekV3Config
 from plait.models.gpt_oss import GptOssConfig
 from plait.models.llama import LlamaConfig
@@ -331,3 +333,82 @@ def test_parallel_layouts_match_the_single_process_float8_model(layout, recipe, 
     load_hf_checkpoint(again, export)
     for (name, p), (_, q) in zip(ref.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_expert_conversion_lists_the_routed_experts():
+    """``experts=True`` adds every MoE layer's routed experts (widths multiples of 16); the shared
+    expert stays a set of linears, the router stays in high precision."""
+    model = _meta("qwen3_moe")
+    plan = float8_linears(model, experts=True)
+    assert [n for n in plan.converted if n.endswith("experts")] == [
+        "model.layers.0.mlp.experts",
+        "model.layers.2.mlp.experts",
+    ]
+    plan = float8_linears(_meta("qwen3_moe"), skip=("layers.2.",), experts=True)
+    assert dict(plan.skipped)["model.layers.2.mlp.experts"] == "matches parallel.float8.skip 'layers.2.'"
+    odd = GptOssConfig(**{**ATTN_DIMS, "hidden_size": 24, "head_dim": 6}, intermediate_size=16,
+                       num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, sliding_window=4)  # fmt: skip
+    with torch.device("meta"):
+        plan = float8_linears(build_causal_lm(odd), experts=True)
+    assert dict(plan.skipped)["model.layers.0.mlp.experts"] == "hidden_size=24: not multiples of 16"
+    with pytest.raises(ValidationError, match="float8.experts needs float8 grouped GEMMs on a GPU"):
+        Float8Training(recipe="rowwise", experts=True, emulate=True)
+
+
+def test_aligned_rows_start_every_group_at_a_multiple_of_16():
+    counts = torch.tensor([0, 5, 16, 17, 0, 1])
+    dest, ends, size = aligned_rows(counts, 45)  # 39 rows in groups, 6 past them
+    assert ends.dtype == torch.int32 and ends.tolist() == [0, 16, 32, 64, 64, 80]
+    assert size == 45 + 15 * 6
+    want = list(range(0, 5)) + list(range(16, 32)) + list(range(32, 49)) + [64] + list(range(80, 86))
+    assert dest.tolist() == want
+
+
+def test_float8_grouped_mm_pads_groups_and_matches_gmm(monkeypatch):
+    """The padding and gathering around torchao's float8 grouped GEMM, with the GEMM replaced by a
+    float64 one that checks torchao's contract (int32 ends at multiples of 16, row-major A,
+    column-major B, zero rows between groups): output and gradients equal a per-expert matmul."""
+    import torchao.prototype.moe_training as moe_training
+
+    def grouped_mm_64(a, b_t, ends, out_dtype, pad_token_groups_for_grouped_mm):
+        assert not pad_token_groups_for_grouped_mm and ends.dtype == torch.int32
+        assert all(int(e) % 16 == 0 for e in ends)
+        assert a.stride(-1) == 1 and b_t.stride(-2) == 1  # row-major A, column-major B
+        out, start = [], 0
+        for e, end in enumerate(ends.tolist()):
+            out.append(a[start:end].double() @ b_t[e].double())
+            start = end
+        out.append(a.new_zeros(a.shape[0] - start, b_t.shape[-1]).double())
+        return torch.cat(out).to(out_dtype)
+
+    monkeypatch.setattr(moe_training, "_to_fp8_rowwise_then_scaled_grouped_mm", grouped_mm_64)
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 16, 21])
+    x = torch.randn(45, 32, requires_grad=True)  # 40 rows in groups, 5 past them
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    y = float8_grouped_mm(x, w, counts)
+    dy = torch.randn_like(y)
+    (y[:40] * dy[:40]).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        ref.append(x64[start : start + n] @ w64[e].T)
+        start += n
+    ref64 = torch.cat(ref)
+    (ref64 * dy[:40].double()).sum().backward()
+    assert y.dtype == x.dtype and y.shape == (45, 48)
+    torch.testing.assert_close(y[:40].double(), ref64, atol=0.1, rtol=1e-2)  # the product is rounded to bf16
+    torch.testing.assert_close(x.grad[:40].double(), x64.grad[:40], atol=0.1, rtol=1e-2)
+    assert x.grad[40:].abs().sum() == 0
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=0.3, rtol=1e-2)
+
+
+def test_float8_experts_are_wired_into_the_grouped_experts(monkeypatch):
+    monkeypatch.setattr("plait.models.common.parallel.float8.check_float8", lambda config: None)
+    model = _meta("qwen3_moe")
+    apply_float8(model, Float8Training(recipe="rowwise", experts=True))
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    assert len(experts) == 2 and all(m.grouped_mm is float8_grouped_mm for m in experts)
+    plain = _meta("qwen3_moe")
+    apply_float8(plain, Float8Training(recipe="rowwise", emulate=True))
+    assert all(m.grouped_mm is not float8_grouped_mm for m in plain.modules() if isinstance(m, GroupedExperts))

@@ -73,6 +73,9 @@ class GroupedExperts(nn.Module):
 
     # Calls adapters in ``self.lora`` after each grouped GEMM (see plait.peft's expert LoRA).
     calls_expert_adapters = True
+    # The grouped GEMM of both projections, ``grouped_mm(x, w, tokens_per_expert, trans_w=True)``:
+    # plait's ``gmm``; float8 training may set another on an instance (plait.models' float8 experts).
+    grouped_mm = staticmethod(gmm)
 
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
@@ -134,7 +137,7 @@ class GroupedExperts(nn.Module):
         # Adapters (e.g. plait.peft's expert LoRA) registered in ``self.lora`` by parameter name add
         # their low-rank term to each grouped GEMM's output, on the same expert-contiguous rows.
         adapters = getattr(self, "lora", None)
-        h = gmm(x, w1, tokens_per_expert, trans_w=True)
+        h = self.grouped_mm(x, w1, tokens_per_expert, trans_w=True)
         if adapters is not None and "gate_up_proj" in adapters:
             h = adapters["gate_up_proj"](h, x, tokens_per_expert, gmm=gmm)
         experts_of_rows = None
@@ -146,7 +149,7 @@ class GroupedExperts(nn.Module):
             a = clamped_swiglu(h, act.alpha, act.limit, row_weight)
         else:
             a = swiglu_fused(h, row_weight)
-        out = gmm(a, w2, tokens_per_expert, trans_w=True)
+        out = self.grouped_mm(a, w2, tokens_per_expert, trans_w=True)
         if adapters is not None and "down_proj" in adapters:
             out = adapters["down_proj"](out, a, tokens_per_expert, gmm=gmm)
         if self.down_proj_bias is not None:

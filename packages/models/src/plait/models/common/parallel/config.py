@@ -50,8 +50,8 @@ class Float8Training(BaseModel):
 
     Converted: every ``nn.Linear`` inside a decoder layer (attention projections, dense and shared-expert
     MLP projections) whose two dimensions are multiples of 16 (the float8 GEMMs' requirement; others
-    are skipped and listed). Kept in high precision: the embedding, the LM head, routers, and the
-    routed experts' grouped GEMMs.
+    are skipped and listed). With ``experts``, also the routed experts' two grouped GEMMs. Kept in
+    high precision: the embedding, the LM head and routers.
 
     Attributes:
         recipe: ``None`` (off); ``tensorwise`` (one dynamic scale per tensor, the fastest); ``rowwise``
@@ -61,8 +61,13 @@ class Float8Training(BaseModel):
         fsdp_float8_all_gather: ``tensorwise`` with FSDP2 only: all-gather the weights in float8 (half
             the bytes of bf16), their scales precomputed after each optimizer step with one
             all-reduce. None = on for ``tensorwise`` (where FSDP shards the model), off otherwise.
-        skip: Module-name substrings (``"k_proj"``, ``"layers.0."``) of linears to keep in high
-            precision.
+        experts: Also run the routed experts' grouped GEMMs (forward and both backward GEMMs) in
+            float8 with rowwise scales (torchao's float8 grouped GEMM, whatever ``recipe`` says; its
+            token groups are padded to multiples of 16 rows). Off by default: at expert widths
+            below ~2048 the casts and the padding cost about what the float8 tensor cores save
+            (``benchmarks/results/families.md``). Not with ``emulate`` (no emulated grouped GEMM).
+        skip: Module-name substrings (``"k_proj"``, ``"layers.0."``) of linears (and experts) to keep
+            in high precision.
         emulate: Emulated float8 GEMMs (values rounded to float8, the product in fp32): runs on any
             device, including CPU, with no speed-up. For tests only.
     """
@@ -71,15 +76,20 @@ class Float8Training(BaseModel):
 
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
     fsdp_float8_all_gather: bool | None = None
+    experts: bool = False
     skip: tuple[str, ...] = ()
     emulate: bool = False
 
     @model_validator(mode="after")
-    def _all_gather_needs_tensorwise(self) -> Float8Training:
+    def _consistent(self) -> Float8Training:
         if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(
                 "parallel.float8.fsdp_float8_all_gather needs recipe = 'tensorwise' (torchao all-gathers "
                 f"float8 weights only with tensorwise scales), got recipe = {self.recipe!r}"
+            )
+        if self.experts and self.emulate:
+            raise ValueError(
+                "parallel.float8.experts needs float8 grouped GEMMs on a GPU; emulate = true has none"
             )
         return self
 

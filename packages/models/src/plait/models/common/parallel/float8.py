@@ -6,11 +6,14 @@ dynamic scales (per tensor or per row) and run on the float8 tensor cores. It is
 meta-device stage before tensor parallelism, as torchtitan does, so that the tensor-parallel plan's
 hooks and DTensor weights belong to the converted modules.
 
-Not converted: the embedding, the LM head and routers (kept in high precision), and the routed
-experts' grouped GEMMs (``plait::gmm``; torchao 0.18's float8 grouped GEMM,
-``torchao.prototype.moe_training``, swaps the weights for a tensor subclass that intercepts
-``torch._grouped_mm`` and needs token groups padded to multiples of 16, which plait's dispatchers do
-not do).
+With ``Float8Training.experts`` the routed experts' grouped GEMMs run in float8 too: each
+:class:`~plait.moe.GroupedExperts` gets :func:`float8_grouped_mm` as its ``grouped_mm``, which pads
+every expert's rows to a multiple of 16 (what the float8 grouped GEMM needs, for the weight
+gradient's token-dimension groups) and calls torchao's differentiable rowwise float8 grouped GEMM
+(``torchao.prototype.moe_training``): both operands cast with power-of-two rowwise scales, the same
+for the two backward GEMMs.
+
+Not converted: the embedding, the LM head and routers (kept in high precision).
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ from types import ModuleType
 import torch
 from plait.models.common.model import DecoderStage
 from plait.models.common.parallel.config import Float8Training
-from torch import nn
+from plait.moe import GroupedExperts
+from plait.moe.experts import row_experts
+from torch import Tensor, nn
 
 __all__ = [
     "Float8Conversion",
+    "aligned_rows",
     "apply_float8",
     "check_float8",
+    "float8_grouped_mm",
     "float8_linears",
     "precompute_float8_scales",
 ]
@@ -45,8 +52,9 @@ class Float8Conversion:
     """The linears of a stage that float8 training converts and those it keeps in high precision.
 
     Attributes:
-        converted: Module names (as in ``stage.named_modules()``) converted to ``Float8Linear``.
-        skipped: ``(name, reason)`` of the decoder-layer linears kept in high precision.
+        converted: Module names (as in ``stage.named_modules()``) converted to ``Float8Linear``, and
+            the routed experts given :func:`float8_grouped_mm` (``Float8Training.experts``).
+        skipped: ``(name, reason)`` of the decoder-layer linears (and experts) kept in high precision.
     """
 
     converted: tuple[str, ...]
@@ -59,6 +67,16 @@ def _torchao_float8() -> ModuleType:
     except ImportError as e:
         raise ImportError(f"parallel.float8 needs torchao, which is not installed: {_INSTALL}") from e
     return float8
+
+
+def _torchao_grouped_mm() -> None:
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "parallel.float8.experts needs torchao's float8 grouped GEMM (torchao.prototype.moe_training, "
+            f"torchao >= 0.17): {_INSTALL}"
+        ) from e
 
 
 def check_float8(config: Float8Training) -> None:
@@ -88,16 +106,70 @@ def check_float8(config: Float8Training) -> None:
         )
 
 
-def float8_linears(model: DecoderStage, skip: Sequence[str] = ()) -> Float8Conversion:
+_GROUP_ALIGN = 16  # rows per token group of the float8 grouped GEMM (torch._scaled_grouped_mm)
+
+
+def aligned_rows(tokens_per_expert: Tensor, num_rows: int, align: int = _GROUP_ALIGN) -> tuple[Tensor, Tensor, int]:
+    """Where each expert-contiguous row goes when every expert's group starts at a multiple of ``align``.
+
+    Returns ``(dest, ends, size)``: ``dest`` ``[num_rows]`` int64, the padded row of each row (rows past
+    the groups land after the last padded group); ``ends`` ``[E]`` int32, the padded groups' end
+    offsets; ``size = num_rows + (align - 1) * E``, a static bound on the padded row count. No host
+    synchronisation.
+    """
+    counts = tokens_per_expert.long()
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    # Shift of each expert's rows, then of the rows past the groups (expert id E).
+    shift = torch.cat([ends - padded - (torch.cumsum(counts, 0) - counts), (ends[-1:] - counts.sum())])
+    rows = torch.arange(num_rows, device=counts.device)
+    dest = rows + shift[row_experts(tokens_per_expert, num_rows)]
+    return dest, ends.to(torch.int32), num_rows + (align - 1) * counts.numel()
+
+
+def float8_grouped_mm(x: Tensor, w: Tensor, tokens_per_expert: Tensor, trans_w: bool = True) -> Tensor:
+    """``plait.kernels.gmm(x, w, tokens_per_expert, trans_w=True)`` with float8 GEMMs (rowwise scales,
+    forward and backward; torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm``).
+
+    The rows are copied into a buffer whose expert groups start at multiples of 16 (zero rows between),
+    multiplied, and gathered back; rows past the groups get an unspecified output, as with ``gmm``.
+    The product is bf16, cast to ``x.dtype``.
+
+    Raises:
+        ValueError: ``trans_w=False`` (the experts' weights are ``[E, N, K]``).
+    """
+    if not trans_w:
+        raise ValueError("float8_grouped_mm: only trans_w=True ([E, N, K] weights) is supported")
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    dest, ends, size = aligned_rows(tokens_per_expert, x.shape[0])
+    padded = torch.index_copy(x.new_zeros(size, x.shape[1]), 0, dest, x)
+    y = _to_fp8_rowwise_then_scaled_grouped_mm(
+        padded, w.transpose(-2, -1), ends, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+    )
+    return y.index_select(0, dest).to(x.dtype)
+
+
+def _experts_blocker(experts: nn.Module) -> str | None:
+    if not isinstance(experts, GroupedExperts):
+        return f"{type(experts).__name__} is not GroupedExperts"
+    dims = {"hidden_size": experts.hidden_size, "intermediate_size": experts.intermediate_size}
+    if bad := [f"{k}={v}" for k, v in dims.items() if v % 16]:
+        return f"{', '.join(bad)}: not multiples of 16"
+    return None
+
+
+def float8_linears(model: DecoderStage, skip: Sequence[str] = (), experts: bool = False) -> Float8Conversion:
     """Which linears float8 training converts, without converting anything.
 
-    Candidates are the plain ``nn.Linear`` modules inside the decoder layers, routers excluded. A
-    candidate is skipped when a dimension is not a multiple of 16 (float8 GEMMs need it) or its name
-    contains one of ``skip``.
+    Candidates are the plain ``nn.Linear`` modules inside the decoder layers, routers excluded, and
+    with ``experts`` each MoE layer's routed experts. A candidate is skipped when a dimension is not a
+    multiple of 16 (float8 GEMMs need it) or its name contains one of ``skip``.
 
     Args:
         model: A decoder stage (on any device, meta included).
         skip: Module-name substrings to keep in high precision.
+        experts: Include the routed experts (``Float8Training.experts``).
     """
     routers = {id(m) for moe in model.moe_layers() for m in moe.router.modules()}
     inside = {id(m) for layer in model.decoder_layers() for m in layer.modules()}
@@ -118,6 +190,16 @@ def float8_linears(model: DecoderStage, skip: Sequence[str] = ()) -> Float8Conve
             )
         else:
             converted.append(name)
+    if experts:
+        names = {id(m): n for n, m in model.named_modules()}
+        for moe in model.moe_layers():
+            name = names[id(moe.experts)]
+            hits = [s for s in skip if s in name]
+            why = f"matches parallel.float8.skip {hits[0]!r}" if hits else _experts_blocker(moe.experts)
+            if why is None:
+                converted.append(name)
+            else:
+                skipped.append((name, why))
     return Float8Conversion(tuple(converted), tuple(skipped))
 
 
@@ -148,7 +230,7 @@ def apply_float8(
         return Float8Conversion((), ())
     check_float8(config)
     float8 = _torchao_float8()
-    plan = float8_linears(model, config.skip)
+    plan = float8_linears(model, config.skip, config.experts)
     all_gather = config.fsdp_float8_all_gather
     if all_gather is None:
         all_gather = fsdp and config.recipe == "tensorwise"
@@ -161,6 +243,11 @@ def apply_float8(
     float8.convert_to_float8_training(
         model, config=ao_config, module_filter_fn=lambda _module, fqn: fqn in chosen
     )
+    if config.experts:
+        _torchao_grouped_mm()
+        for name, module in model.named_modules():
+            if name in chosen and isinstance(module, GroupedExperts):
+                module.grouped_mm = float8_grouped_mm
     if compile and config.recipe.startswith("rowwise"):
         # Without it, inductor keeps bf16 -> fp32 -> bf16 round trips out of the compiled casts and the
         # rowwise scales differ from eager's (torchtitan sets it for the same reason).
