@@ -31,7 +31,8 @@ def check_collective_inputs() -> dict[str, bool]:
         g = torch.randn(5, 16, requires_grad=True)
         u = torch.randn(5, 16, requires_grad=True)
         reduced = {
-            n: funcol.all_reduce(t * 1.0, "sum", dist.group.WORLD) for n, t in {"x": x, "r": r, "g": g}.items()
+            n: funcol.all_reduce(t * 1.0, "sum", dist.group.WORLD)
+            for n, t in {"x": x, "r": r, "g": g}.items()
         }
         assert all(isinstance(t, funcol.AsyncCollectiveTensor) for t in reduced.values())
         y = rms_norm(reduced["x"], w, 1e-5)

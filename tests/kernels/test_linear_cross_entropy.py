@@ -376,7 +376,7 @@ def test_linear_ce_one_pass_gradients_are_handed_over_once():
     (linear_cross_entropy_reference(x64, w64, t) * 2.0).backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(w.grad.double(), w64.grad, atol=1e-6, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="already returned.*grad_in_forward=False"):
+    with pytest.raises(RuntimeError, match=r"already returned.*grad_in_forward=False"):
         loss.backward()
 
 

@@ -11,11 +11,11 @@ import torch
 from plait.models import CausalLMProvider, Float8Training, ParallelConfig, build_causal_lm, parallelize
 from plait.models.common.parallel import apply_float8, check_float8, float8_linears
 from plait.models.common.parallel.float8 import aligned_rows, float8_grouped_mm
-from plait.moe import GroupedExperts
 from plait.models.deepseek_v3 import DeepseekV3Config
 from plait.models.gpt_oss import GptOssConfig
 from plait.models.llama import LlamaConfig
 from plait.models.qwen3 import Qwen3MoeConfig
+from plait.moe import GroupedExperts
 from pydantic import ValidationError
 from torch import nn
 
@@ -351,7 +351,7 @@ def test_expert_conversion_lists_the_routed_experts():
     with torch.device("meta"):
         plan = float8_linears(build_causal_lm(odd), experts=True)
     assert dict(plan.skipped)["model.layers.0.mlp.experts"] == "hidden_size=24: not multiples of 16"
-    with pytest.raises(ValidationError, match="float8.experts needs float8 grouped GEMMs on a GPU"):
+    with pytest.raises(ValidationError, match=r"float8\.experts needs float8 grouped GEMMs on a GPU"):
         Float8Training(recipe="rowwise", experts=True, emulate=True)
 
 
@@ -411,4 +411,6 @@ def test_float8_experts_are_wired_into_the_grouped_experts(monkeypatch):
     assert len(experts) == 2 and all(m.grouped_mm is float8_grouped_mm for m in experts)
     plain = _meta("qwen3_moe")
     apply_float8(plain, Float8Training(recipe="rowwise", emulate=True))
-    assert all(m.grouped_mm is not float8_grouped_mm for m in plain.modules() if isinstance(m, GroupedExperts))
+    assert all(
+        m.grouped_mm is not float8_grouped_mm for m in plain.modules() if isinstance(m, GroupedExperts)
+    )

@@ -157,7 +157,7 @@ def test_fp8_experts_within_float8_error_of_fp32(compiled):
         if name == "fp8":
             experts.grouped_mm = float8_grouped_mm
         fwd = torch.compile(experts, fullgraph=True) if compiled and name == "fp8" else experts
-        xi = x.to(next(experts.parameters()).dtype).requires_grad_()
+        xi = x.detach().to(next(experts.parameters()).dtype, copy=True).requires_grad_()
         y = fwd(xi, counts, rw.to(xi.dtype))
         y.backward(dy.to(y.dtype))
         results[name] = [y.float(), xi.grad.float(), *(p.grad.float() for p in experts.parameters())]

@@ -66,18 +66,22 @@ def test_variant_compiles_fullgraph_and_matches_eager(variant: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["clamped_bias", "grouped_sigmoid"])
 def test_variant_bf16_compiled_on_cuda_matches_eager(variant: str) -> None:
-    """bf16 on CUDA, compiled with Inductor (``fullgraph=True``), against the same layer eager:
-    everything finite (the grouped GEMM's unused tail rows, which also pass the biases and the clamp,
-    must not leak into any gradient), outputs and input gradients token by token within bf16
-    tolerance, and parameter gradients within 3% (relative Frobenius norm).
+    """bf16 on CUDA, compiled with Inductor (``fullgraph=True``), against the same layer eager, and
+    both against the layer in fp32: everything finite (the grouped GEMM's unused tail rows, which also
+    pass the biases and the clamp, must not leak into any gradient), outputs and input gradients
+    token by token within bf16 tolerance of eager's, and every parameter gradient as close to fp32's
+    as eager bf16's is (at most 3 points worse, relative Frobenius norm).
 
     Inductor keeps some bf16 intermediates in fp32 that eager rounds, so a router logit within a bf16
-    step of the next can pick another expert: a few tokens may route differently (measured on an
-    H100, ``clamped_bias``: 49 of the 4,096 output elements, so at least 4 of the 256 tokens), moving
-    their own rows by O(1) and each expert's gradient by about a token's share. Up to 5% of the
-    tokens may therefore differ; more, or any non-finite value, fails.
+    step of the next can pick another expert: a few tokens route differently (measured on an H100,
+    ``clamped_bias``: 49 of the 4,096 output elements, so at least 4 of the 256 tokens), moving their
+    own rows by O(1) and an expert's gradient by that token's share, up to 10% for an expert with few
+    tokens (an H200). Eager bf16 flips tokens against fp32 the same way, so the parameter gradients
+    are compared through the fp32 reference; up to 5% of the tokens may differ; more, or any
+    non-finite value, fails.
     """
-    eager = _layer(variant).cuda().to(torch.bfloat16)
+    ref = _layer(variant).cuda()
+    eager = copy.deepcopy(ref).to(torch.bfloat16)
     if eager.router.expert_bias is not None:  # the selection bias stays fp32
         eager.router.expert_bias.data = eager.router.expert_bias.data.float()
     layer = copy.deepcopy(eager)
@@ -85,16 +89,21 @@ def test_variant_bf16_compiled_on_cuda_matches_eager(variant: str) -> None:
     x = torch.randn(4, 64, H, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(4, 64, H, device="cuda")
     outs = []
-    for fn, module in ((eager, eager), (compiled, layer)):
-        xi = x.clone().requires_grad_()
+    for fn, module, dtype in (
+        (ref, ref, torch.float32),
+        (eager, eager, torch.bfloat16),
+        (compiled, layer, torch.bfloat16),
+    ):
+        xi = x.to(dtype, copy=True).requires_grad_()
         out = fn(xi)
         (out.hidden_states.float() * g).sum().backward()
         outs.append([out.hidden_states, xi.grad, *(p.grad for p in module.parameters())])
-    for i, (a, b) in enumerate(zip(*outs, strict=True)):
+    for i, (r, a, b) in enumerate(zip(*outs, strict=True)):
         assert torch.isfinite(a).all() and torch.isfinite(b).all()
-        a, b = a.float(), b.float()
+        r, a, b = r.float(), a.float(), b.float()
         if i < 2:  # per token [B, S, H]
             bad = ~torch.isclose(b, a, atol=2e-2, rtol=2e-2).all(dim=-1)
             assert bad.float().mean().item() <= 0.05, (i, int(bad.sum()), (b - a).abs().max().item())
         else:
-            assert ((b - a).norm() / a.norm().clamp_min(1e-12)).item() < 3e-2, (i, (b - a).abs().max().item())
+            err_eager, err_compiled = (((t - r).norm() / r.norm().clamp_min(1e-12)).item() for t in (a, b))
+            assert err_compiled < err_eager + 3e-2, (i, err_eager, err_compiled)

@@ -99,6 +99,7 @@ def _fused_impl(
                 torch.mm(logits.T, xc, out=dw)
             else:
                 dw.addmm_(logits.T, xc)
+        del logits  # before the next chunk's tile is allocated: one tile alive at a time
     return loss.sum(), dx, dw
 
 

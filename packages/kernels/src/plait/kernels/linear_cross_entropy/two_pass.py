@@ -63,6 +63,7 @@ def lce_op(
         for b in range(0, v, vb):
             logits = xc @ weight[b : b + vb].T
             stats(logits, local_all[a : a + nc] - b, m[a : a + nc], s[a : a + nc], tgt[a : a + nc], softcap)
+            del logits  # one tile alive at a time
     if group is None:
         lse = m + torch.log(s)
     else:
@@ -140,6 +141,7 @@ def _lce_backward_op(
                         torch.mm(d.T, xc, out=dw[b : b + vb])
                     else:
                         dw[b : b + vb].addmm_(d.T, xc)
+                del logits, d  # one tile alive at a time
             if dx is not None and acc is not None:
                 dx[a : a + nc] = acc
         group = process_group_by_name(group_name)

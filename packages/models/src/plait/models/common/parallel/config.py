@@ -63,9 +63,11 @@ class Float8Training(BaseModel):
             all-reduce. None = on for ``tensorwise`` (where FSDP shards the model), off otherwise.
         experts: Also run the routed experts' grouped GEMMs (forward and both backward GEMMs) in
             float8 with rowwise scales (torchao's float8 grouped GEMM, whatever ``recipe`` says; its
-            token groups are padded to multiples of 16 rows). Off by default: at expert widths
-            below ~2048 the casts and the padding cost about what the float8 tensor cores save
-            (``benchmarks/results/families.md``). Not with ``emulate`` (no emulated grouped GEMM).
+            token groups are padded to multiples of 16 rows). Off by default: on the 1.14B MoE
+            benchmark (hidden 1024, expert width 512, 64 experts) the compiled Trainer ran at 0.55x
+            of bf16's tok/s with it (``benchmarks/results/families.md``): at these widths the casts
+            and the padding copies cost more than the float8 tensor cores save. Not with
+            ``emulate`` (no emulated grouped GEMM).
         skip: Module-name substrings (``"k_proj"``, ``"layers.0."``) of linears (and experts) to keep
             in high precision.
         emulate: Emulated float8 GEMMs (values rounded to float8, the product in fp32): runs on any

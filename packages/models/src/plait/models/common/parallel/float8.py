@@ -109,7 +109,9 @@ def check_float8(config: Float8Training) -> None:
 _GROUP_ALIGN = 16  # rows per token group of the float8 grouped GEMM (torch._scaled_grouped_mm)
 
 
-def aligned_rows(tokens_per_expert: Tensor, num_rows: int, align: int = _GROUP_ALIGN) -> tuple[Tensor, Tensor, int]:
+def aligned_rows(
+    tokens_per_expert: Tensor, num_rows: int, align: int = _GROUP_ALIGN
+) -> tuple[Tensor, Tensor, int]:
     """Where each expert-contiguous row goes when every expert's group starts at a multiple of ``align``.
 
     Returns ``(dest, ends, size)``: ``dest`` ``[num_rows]`` int64, the padded row of each row (rows past
