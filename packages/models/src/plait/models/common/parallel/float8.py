@@ -116,8 +116,8 @@ def aligned_rows(
 
     Returns ``(dest, ends, size)``: ``dest`` ``[num_rows]`` int64, the padded row of each row (rows past
     the groups land after the last padded group); ``ends`` ``[E]`` int32, the padded groups' end
-    offsets; ``size = num_rows + (align - 1) * E``, a static bound on the padded row count. No host
-    synchronisation.
+    offsets; ``size``, ``num_rows + (align - 1) * E`` rounded up to a multiple of ``align``, a static
+    bound on the padded row count. No host synchronisation.
     """
     counts = tokens_per_expert.long()
     padded = (counts + align - 1) // align * align
@@ -126,7 +126,9 @@ def aligned_rows(
     shift = torch.cat([ends - padded - (torch.cumsum(counts, 0) - counts), (ends[-1:] - counts.sum())])
     rows = torch.arange(num_rows, device=counts.device)
     dest = rows + shift[row_experts(tokens_per_expert, num_rows)]
-    return dest, ends.to(torch.int32), num_rows + (align - 1) * counts.numel()
+    # A multiple of ``align`` too: the weight gradient's GEMM reads the padded rows as its K dimension.
+    size = -(-(num_rows + (align - 1) * counts.numel()) // align) * align
+    return dest, ends.to(torch.int32), size
 
 
 def float8_grouped_mm(x: Tensor, w: Tensor, tokens_per_expert: Tensor, trans_w: bool = True) -> Tensor:
