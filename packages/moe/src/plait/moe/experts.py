@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from plait.kernels import gmm, swiglu, swiglu_fused
@@ -75,7 +76,7 @@ class GroupedExperts(nn.Module):
     calls_expert_adapters = True
     # The grouped GEMM of both projections, ``grouped_mm(x, w, tokens_per_expert, trans_w=True)``:
     # plait's ``gmm``; float8 training may set another on an instance (plait.models' float8 experts).
-    grouped_mm = staticmethod(gmm)
+    grouped_mm: Callable[..., Tensor] = staticmethod(gmm)
 
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
