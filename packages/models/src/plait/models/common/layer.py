@@ -84,14 +84,24 @@ class DecoderLayer(nn.Module):
         """``hidden [B, S, H]`` -> ``(hidden [B, S, H], aux_loss, switch_stats)``: the MoE block's
         coefficient-weighted balancing loss and its Switch-loss statistics (to pool over layers);
         None for dense layers. Padding tokens (``mask.padding_mask``) are left out of both."""
+        hidden, aux_loss, switch_stats, loads = self.block(hidden, rope, mask)
+        if aux_loss is not None:
+            self.last_aux_loss = aux_loss.detach()
+            self.last_tokens_per_expert = loads
+        return hidden, aux_loss, switch_stats
+
+    def block(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The layer's computation, without side effects on the module (activation checkpointing
+        wraps this: torch.compile cannot trace an attribute set inside a checkpointed region, and
+        breaks the graph there): :meth:`forward`'s outputs and the MoE block's expert loads."""
         attn = self.self_attn(self.input_layernorm(hidden), rope, mask)
         x, hidden = self.post_attention_layernorm.forward_residual(attn, hidden)
         if not self.is_moe:
-            return hidden + self.mlp(x), None, None
+            return hidden + self.mlp(x), None, None, None
         out = self.mlp(x, mask.padding_mask)
-        self.last_aux_loss = out.aux_loss.detach()
-        self.last_tokens_per_expert = out.tokens_per_expert
-        return hidden + out.hidden_states, out.aux_loss, out.switch_stats
+        return hidden + out.hidden_states, out.aux_loss, out.switch_stats, out.tokens_per_expert
 
     def reset_parameters(self, std: float) -> None:
         """Hugging Face's init: normal(0, std) weights, zero biases and expert biases, unit norms; the

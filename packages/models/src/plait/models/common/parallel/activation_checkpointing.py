@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from plait.models.common.layer import DecoderLayer
 from plait.models.common.parallel.config import ActivationCheckpointing
-from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["apply_activation_checkpointing"]
@@ -21,8 +21,11 @@ def _policy(save_ops: frozenset[str]) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-def _wrap(module: nn.Module, context_fn: Callable[[], Any] | None) -> None:
-    inner = module.forward
+def _wrap(layer: DecoderLayer, context_fn: Callable[[], Any] | None) -> None:
+    # The layer's block, not its forward: the forward records the MoE statistics on the module, a
+    # side effect torch.compile does not trace inside a checkpointed region (it would break the graph
+    # and run the layer eagerly).
+    inner = layer.block
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -32,11 +35,11 @@ def _wrap(module: nn.Module, context_fn: Callable[[], Any] | None) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     # Instance attribute: parameter names (and so checkpoints and mappers) stay unchanged.
-    module.forward = forward  # type: ignore[method-assign]
+    layer.block = forward  # type: ignore[method-assign]
 
 
 def apply_activation_checkpointing(
-    layers: dict[int, nn.Module], config: ActivationCheckpointing
+    layers: dict[int, DecoderLayer], config: ActivationCheckpointing
 ) -> list[int]:
     """Checkpoint the selected layers in place; returns the global indices that were wrapped.
 
