@@ -36,7 +36,9 @@ def rms_norm_reference(
     hf = h.float()
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * (weight.float() + offset)
+        # No "+ 0.0": in fp32 inside a checkpointed region compiled by inductor, that weight-only add
+        # made AOTAutograd's partitioner fail ("Node ... was invalid, but is output", torch 2.15).
+        y = y * (weight.float() + offset if offset else weight.float())
     y = y.to(x.dtype)
     return y if residual is None else (y, h)
 

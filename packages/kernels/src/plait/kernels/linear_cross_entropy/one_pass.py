@@ -165,7 +165,7 @@ def _fused_backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) 
 lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
-class _FusedEager(torch.autograd.Function):
+class _OnePassEager(torch.autograd.Function):
     """Eager calls: the op's implementation, with a backward that scales the stored gradients in
     place and hands them over (the custom op's backward returns scaled copies: one more ``dW``-sized
     buffer at the peak, and autograd copies a gradient it cannot take over).
@@ -212,10 +212,10 @@ class _FusedEager(torch.autograd.Function):
 
 
 def lce_fused(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`lce_fused_op` (same arguments): the custom op while compiling, :class:`_FusedEager` otherwise."""
+    """:func:`lce_fused_op` (same arguments): the custom op while compiling, :class:`_OnePassEager` otherwise."""
     if torch.compiler.is_compiling():
         return lce_fused_op(*args)
-    return _FusedEager.apply(*args)
+    return _OnePassEager.apply(*args)
 
 
 def one_pass_blocker(
