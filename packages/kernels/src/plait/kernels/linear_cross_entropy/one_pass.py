@@ -144,18 +144,28 @@ def _(dloss: Any, dx: torch.Tensor, dw: torch.Tensor, need_dx: bool, need_dw: bo
     return dx.new_empty(dx.shape if need_dx else (0,)), dw.new_empty(dw.shape if need_dw else (0,))
 
 
-def _fused_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    _loss, dx, dw = output
-    ctx.save_for_backward(dx, dw)
+def _setup_outputs(ctx: Any, inputs: tuple[Any, ...], dx: torch.Tensor, dw: torch.Tensor) -> None:
+    """What both backwards read: the gradients the forward computed; dx and dw are not differentiable."""
     ctx.computed = inputs[-2:]  # need_dx, need_dw
     ctx.mark_non_differentiable(dx, dw)
     ctx.set_materialize_grads(False)
 
 
+def _to_return(ctx: Any) -> tuple[bool, bool]:
+    """Which of (dhidden, dweight) this backward returns (computed, needed, and asked for by the grad direction)."""
+    has_dx, has_dw = ctx.computed
+    return _returned(ctx.needs_input_grad[0] and has_dx, ctx.needs_input_grad[1] and has_dw)
+
+
+def _fused_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    _loss, dx, dw = output
+    ctx.save_for_backward(dx, dw)
+    _setup_outputs(ctx, inputs, dx, dw)
+
+
 def _fused_backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) -> tuple[Any, ...]:
     dx, dw = ctx.saved_tensors
-    has_dx, has_dw = ctx.computed
-    need_dx, need_dw = _returned(ctx.needs_input_grad[0] and has_dx, ctx.needs_input_grad[1] and has_dw)
+    need_dx, need_dw = _to_return(ctx)
     if dloss is None or not (need_dx or need_dw):
         return (None,) * 10
     gx, gw = _lce_fused_backward_op(dloss, dx, dw, need_dx, need_dw)
@@ -182,14 +192,11 @@ class _OnePassEager(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         _loss, dx, dw = output
         ctx.stored = [dx, dw]  # not saved_tensors: scaled in place, then dropped when returned
-        ctx.computed = inputs[-2:]  # need_dx, need_dw
-        ctx.mark_non_differentiable(dx, dw)
-        ctx.set_materialize_grads(False)
+        _setup_outputs(ctx, inputs, dx, dw)
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) -> tuple[Any, ...]:
-        has = ctx.computed
-        need = _returned(ctx.needs_input_grad[0] and has[0], ctx.needs_input_grad[1] and has[1])
+        need = _to_return(ctx)
         if dloss is None or not any(need):
             return (None,) * 10
         wanted = (need[0], _weights_wanted(need[1]))
