@@ -32,6 +32,9 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
                                   layers in one FSDP unit: with EP it holds only the dense weights)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
 
+``--activation-checkpointing full|selective`` checkpoints every decoder layer of the plait rows (the memory /
+time trade-off of ``ParallelConfig.activation_checkpointing``).
+
 ``--model gpu1`` measures the main job's GPU model instead of the MoE entry (the ``[model]`` table of
 ``examples/qwen3_moe/configs/gpu1.toml``; ``benchmarks/training/scaling.py`` uses it) and writes no results file.
 
@@ -173,7 +176,7 @@ class _Profile:
             if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(annotations)
         ]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3  # seconds of kernels per step
-        print(events.table(sort_by="self_device_time_total", row_limit=30), flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=50), flush=True)
         print("PROFILE host time (CPU total, all threads):", flush=True)
         print(events.table(sort_by="cpu_time_total", row_limit=40), flush=True)
         print(f"PROFILE kernel time {busy * 1e3:.1f} ms/step of {s_per_step * 1e3:.1f} ms/step wall "
@@ -337,10 +340,16 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
 
 
 def _plait_provider(args: argparse.Namespace, compiled: bool) -> Any:
-    """plait's provider of the workload's model (bf16 parameters on CUDA)."""
-    from plait.models import CausalLMProvider, ParallelConfig, config_from_hf
+    """plait's provider of the workload's model (bf16 parameters on CUDA): compiled per decoder layer,
+    float8 linears for the ``_fp8`` rows, ``--activation-checkpointing``."""
+    from plait.models import CausalLMProvider, Float8Training, ParallelConfig, config_from_hf
 
-    parallel = ParallelConfig(compile=compiled)
+    # emulated float8 GEMMs on the CPU (--smoke): the script's path, not its speed
+    fp8 = "_fp8" in args.row
+    f8 = Float8Training(recipe=args.fp8_recipe if fp8 else None, emulate=fp8 and args.device != "cuda")
+    parallel = ParallelConfig(
+        compile=compiled, float8=f8, activation_checkpointing={"mode": args.activation_checkpointing}
+    )
     dtype = torch.bfloat16 if args.device == "cuda" else None
     return CausalLMProvider(config_from_hf(args.model), parallel=parallel, dtype=dtype, seed=0)
 
@@ -364,17 +373,7 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
     from plait.kernels import StochasticAdamW
 
     provider = _plait_provider(args, compiled)
-    model = provider.build_stage(0, 1)
-    if "_fp8" in args.row:
-        from plait.models import Float8Training
-        from plait.models.common.parallel import apply_float8
-
-        # emulated float8 GEMMs on the CPU (--smoke): the script's path, not its speed
-        f8 = Float8Training(recipe=args.fp8_recipe, emulate=args.device != "cuda")
-        print(f"float8: {len(apply_float8(model, f8, compile=compiled).converted)} linears", flush=True)
-    if compiled:
-        for layer in model.decoder_layers():
-            layer.compile()
+    model = provider.parallelize(provider.build_stage(0, 1), None)
     provider.materialize(model, args.device)
     model.train()
     opt = (
@@ -423,6 +422,8 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
     extra = trainer_layout(impl, args.batch, int(args.model["num_hidden_layers"]))[1]
     if impl == "plait_trainer_cuda_graphs":
         extra.append("--parallel.cuda_graphs=true")
+    if args.activation_checkpointing != "none":
+        extra.append(f"--parallel.activation_checkpointing.mode={args.activation_checkpointing}")
     return row_plait_trainer(args, compiled, extra + args.trainer_args.split())
 
 
@@ -453,6 +454,8 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
         args.plait_moments,
         "--fp8-recipe",
         args.fp8_recipe,
+        "--activation-checkpointing",
+        args.activation_checkpointing,
     ]
     nproc = trainer_layout(row, 4)[0]
     if row.endswith("cuda_graphs") and args.device != "cuda":
@@ -564,6 +567,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
         default="tensorwise",
         help="torchao float8 recipe of the plait_step_fp8 rows (ParallelConfig.float8.recipe)",
+    )
+    ap.add_argument(
+        "--activation-checkpointing",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="plait rows: ParallelConfig.activation_checkpointing.mode (every decoder layer)",
     )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
