@@ -50,6 +50,27 @@ def test_fp32_params_match_torch_adamw():
     torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
 
 
+def check_grad_scale_clips_inside_the_step(device="cpu"):
+    """``step(grad_scale=c)`` against torch's AdamW given the clipped gradients (fp32, exact update)."""
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(3000, device=device))  # > one kernel block
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    o1 = StochasticAdamW([p1], lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, seed=0)
+    o2 = torch.optim.AdamW([p2], lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for scale in (0.25, 1.0, 0.03):
+        g = torch.randn(3000, device=device)
+        p1.grad, p2.grad = g.clone(), g * scale
+        o1.step(grad_scale=torch.tensor(scale, device=device))
+        o2.step()
+        assert torch.equal(p1.grad, g)  # the gradient itself is left unscaled
+    torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
+    return use_triton(p1)
+
+
+def test_grad_scale_clips_inside_the_step(run):
+    assert run(check_grad_scale_clips_inside_the_step) == (run.path == "triton")
+
+
 def _mlp(dtype):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -174,5 +195,6 @@ def test_bad_arguments():
 @pytest.mark.gpu
 def test_stochastic_rounding_gpu():
     assert check_unbiased("cuda")
+    assert check_grad_scale_clips_inside_the_step("cuda")
     err_plain, err_sr, used = check_tracks_fp32_master(torch.float32, 150, "cuda")
     assert used and err_sr < 0.35 * err_plain

@@ -15,6 +15,7 @@ from plait.dist_core.testing import run_distributed
 from plait.loop import (
     AfterOptimizerStep,
     BeforeForwardBackward,
+    BeforeOptimizerStep,
     CausalLMTask,
     DatasetProvider,
     Event,
@@ -169,6 +170,46 @@ def test_data_parallel_2_matches_one_process(tmp_path, fsdp, gather_once):
     assert dp_losses[0] == pytest.approx(ref, rel=1e-4)
     assert dp_losses[0][-1] < dp_losses[0][0]
     assert (tmp_path / "dp" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("optimizer", ["stochastic_adamw", "adamw"])
+def test_clipping_matches_torch_clip_then_adamw(tmp_path, optimizer):
+    """StochasticAdamW clips inside its step (the gradients stay unscaled), AdamW's gradients are
+    clipped in place; both against torch's AdamW given gradients clipped by an independent norm."""
+    torch.set_num_threads(1)
+    cfg = _config(tmp_path, f"--optimizer.name={optimizer}", "--optimizer.weight_decay=0.0",
+                  "--grad_clip.max_norm=0.05", steps=4)  # fmt: skip
+    tr = _trainer(cfg)
+    params = list(tr.model_parts[0].parameters())
+    ref = [p.detach().clone() for p in params]
+    group = tr.optimizers[0].param_groups[0]
+    ref_opt = torch.optim.AdamW(ref, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=0.0)
+    scales, norms = [], []
+
+    def before(e: BeforeOptimizerStep) -> None:
+        grads = [p.grad.detach().clone() for p in params]
+        norm = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads]))
+        if e.grad_scale is None:  # clipped in place: the gradients' norm is now min(pre-clip norm, 0.05)
+            assert float(norm) == pytest.approx(min(float(e.grad_norm), 0.05), rel=1e-5)
+        else:  # unscaled gradients, the factor for the step
+            torch.testing.assert_close(e.grad_norm.double(), norm)
+            scale = min(1.0, 0.05 / (float(norm) + 1e-6))
+            assert float(e.grad_scale) == pytest.approx(scale, rel=1e-6)
+            grads = [g * scale for g in grads]
+        scales.append(e.grad_scale)
+        norms.append(float(e.grad_norm))
+        for r, g in zip(ref, grads):
+            r.grad = g
+        ref_opt.param_groups[0]["lr"] = tr.optimizers[0].param_groups[0]["lr"]
+        ref_opt.step()
+
+    tr.subscribe(BeforeOptimizerStep, before)
+    tr.fit()
+    tr.close()
+    assert (scales[0] is not None) == (optimizer == "stochastic_adamw")
+    assert len(norms) == 4 and min(norms) > 0.05  # every step clipped
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r, atol=1e-6, rtol=1e-5)
 
 
 def test_events_and_post_optimizer_hook(tmp_path):

@@ -30,7 +30,7 @@ from plait.dist_core.pytree import ShardSpec, TensorSplit, Whole, shard_tree, sp
 from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
 
 if TYPE_CHECKING:
-    from plait.dist_core.grad_norm import clip_grad_norm_, global_grad_norm
+    from plait.dist_core.grad_norm import clip_factor, clip_grad_norm_, global_grad_norm
     from plait.dist_core.parallelize import (
         all_reduce_grads,
         data_parallel_mesh,
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 # DTensor/FSDP (torch.distributed.tensor pulls in sympy: seconds) load on first use, so code that
 # only needs meshes and the context imports fast.
 _LAZY = {
+    "clip_factor": "plait.dist_core.grad_norm",
     "clip_grad_norm_": "plait.dist_core.grad_norm",
     "global_grad_norm": "plait.dist_core.grad_norm",
     "all_reduce_grads": "plait.dist_core.parallelize",
@@ -76,6 +77,7 @@ __all__ = [
     "all_gather_object",
     "all_gather_uneven",
     "all_reduce_grads",
+    "clip_factor",
     "clip_grad_norm_",
     "data_parallel_mesh",
     "domain_coordinates",

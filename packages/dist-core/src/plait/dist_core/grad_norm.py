@@ -114,6 +114,12 @@ def global_grad_norm(
     return total if inf else total ** (1.0 / norm_type)
 
 
+def clip_factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that clipping multiplies the gradients by: ``max_norm / (total + 1e-6)`` clamped to 1
+    (``torch.nn.utils.clip_grad_norm_``'s rule), a device tensor (no host sync)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 def clip_grad_norm_(
     params: _TensorOrTensors,
     max_norm: float,
@@ -141,7 +147,7 @@ def clip_grad_norm_(
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite: {total.item()}"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_factor(total, max_norm)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in _grads(params):
         local = g.to_local() if isinstance(g, DTensor) else g

@@ -63,9 +63,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _adamw_torch(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, b1: float, b2: float,
-    eps: float, wd: float, bc1: float, bc2: float, seed: int,
+    eps: float, wd: float, bc1: float, bc2: float, seed: int, grad_scale: torch.Tensor | None,
 ) -> None:  # fmt: skip
-    gf = g.float()
+    gf = g.float() if grad_scale is None else g.float() * grad_scale.to(g.device, torch.float32)
     mf = m.float().mul_(b1).add_(gf, alpha=1 - b1)
     vf = v.float().mul_(b2).addcmul_(gf, gf, value=1 - b2)
     pf = p.float().mul_(1 - lr * wd)
@@ -91,6 +91,11 @@ class StochasticAdamW(Optimizer):
     Decoupled weight decay (``p -= lr * wd * p``) and bias correction as in ``torch.optim.AdamW``.
     fp32 parameters are updated exactly (no rounding needed). On CUDA one fused Triton kernel per
     parameter reads ``p, g, m, v`` once and writes ``p, m, v`` once.
+
+    Gradient clipping inside the step: ``step(grad_scale=factor)`` multiplies every gradient by
+    ``factor`` (a 0-d device tensor, e.g. :func:`plait.dist_core.clip_factor` of the global norm) as
+    the kernel reads it, instead of a separate pass that rewrites the gradients
+    (``torch.nn.utils.clip_grad_norm_``'s ``_foreach_mul_``). The gradients are left unscaled.
 
     Randomness: the optimizer owns a CPU ``torch.Generator`` seeded with ``seed``; each step draws
     one seed per parameter from it. Give every data-parallel replica the same ``seed`` and their
@@ -164,7 +169,8 @@ class StochasticAdamW(Optimizer):
             self.generator.set_state(rng)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None, *, grad_scale: torch.Tensor | None = None) -> Any:  # type: ignore[override]
+        """One AdamW step; ``grad_scale`` (a 0-d tensor) multiplies every gradient as it is read."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -196,7 +202,7 @@ class StochasticAdamW(Optimizer):
                 if use_triton(pl, gl, ml, vl) and pl.is_contiguous() and gl.is_contiguous():
                     from plait.kernels._triton.stochastic_rounding import adamw_triton
 
-                    adamw_triton(pl, gl, ml, vl, **kw)
+                    adamw_triton(pl, gl, ml, vl, grad_scale=grad_scale, **kw)
                 else:
-                    _adamw_torch(pl, gl, ml, vl, **kw)
+                    _adamw_torch(pl, gl, ml, vl, grad_scale=grad_scale, **kw)
         return loss

@@ -91,9 +91,14 @@ class AfterForwardBackward(Event):
 @dataclass(frozen=True)
 class BeforeOptimizerStep(Event):
     """After clipping; ``grad_norm`` is the global pre-clip norm, a 0-d device tensor (``float()`` of it
-    waits for the device)."""
+    waits for the device).
+
+    ``grad_scale``: None when the gradients are clipped in place; else the clipping factor (a 0-d
+    device tensor) that the optimizers' step applies as it reads the gradients (every optimizer a
+    :class:`~plait.kernels.StochasticAdamW`), the gradients themselves still unclipped."""
 
     grad_norm: torch.Tensor
+    grad_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.dist_core import DistributedContext
+from plait.dist_core import DistributedContext, clip_factor
+from plait.kernels import StochasticAdamW
 from plait.loop.batch_plan import BatchPlan
 from plait.loop.checkpoint import (
     Checkpointer,
@@ -399,9 +400,14 @@ class Trainer:
         """
         cfg, step = self.config, self.step
         stats, global_tokens, positions = self.forward_backward(batch)
-        norm = clip_grad_norm(
-            self.parameters(), cfg.grad_clip.max_norm, cfg.grad_clip.norm_type, self.topology.pp_group
+        # Optimizers that scale the gradients as they read them (StochasticAdamW) clip inside their
+        # step: one pass over the gradients fewer.
+        in_step = cfg.grad_clip.max_norm is not None and all(
+            isinstance(opt, StochasticAdamW) for opt in self.optimizers
         )
+        max_norm = None if in_step else cfg.grad_clip.max_norm
+        norm = clip_grad_norm(self.parameters(), max_norm, cfg.grad_clip.norm_type, self.topology.pp_group)
+        grad_scale = clip_factor(norm, cfg.grad_clip.max_norm) if in_step else None
         lr = self.lr_scheduler.get_last_lr()[0]
         pending = PendingStep(step, stats.pack(norm), lr, global_tokens)
         if cfg.determinism.nonfinite_loss == "skip":
@@ -411,11 +417,11 @@ class Trainer:
                 self._skip(step, f"loss={reading.loss}, grad_norm={reading.grad_norm}", reading.loss)
         if not pending.skipped:
             self._consecutive_skips = 0
-            self.events.publish(BeforeOptimizerStep(step, norm))
+            self.events.publish(BeforeOptimizerStep(step, norm, grad_scale))
             if self.checkpointer is not None:  # a pending save may still be copying these tensors
                 self.checkpointer.wait_for_staging()
             for opt in self.optimizers:
-                opt.step()
+                opt.step(grad_scale=grad_scale) if grad_scale is not None else opt.step()
         self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)

@@ -35,13 +35,15 @@ def _sr_kernel(x_ptr, y_ptr, n, seed, BLOCK: tl.constexpr):
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, n, lr, b1, b2, eps, wd, bc1, bc2, seed,
-    P_BF16: tl.constexpr, M_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, lr, b1, b2, eps, wd, bc1, bc2, seed,
+    P_BF16: tl.constexpr, M_BF16: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:  # gradient clipping's factor, read on the device
+        g = g * tl.load(scale_ptr).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = b1 * m + (1.0 - b1) * g
@@ -78,13 +80,15 @@ def stochastic_round_triton(x: torch.Tensor, seed: int) -> torch.Tensor:
 
 def adamw_triton(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, b1: float, b2: float,
-    eps: float, wd: float, bc1: float, bc2: float, seed: int,
+    eps: float, wd: float, bc1: float, bc2: float, seed: int, grad_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """In-place fused AdamW step on contiguous tensors (``p`` any float, moments fp32/bf16)."""
+    """In-place fused AdamW step on contiguous tensors (``p`` any float, moments fp32/bf16); the
+    gradient is multiplied by the 0-d ``grad_scale`` (on ``p``'s device) when given."""
     n = p.numel()
     if m.dtype not in (torch.float32, torch.bfloat16) or m.dtype != v.dtype:
         raise ValueError(f"StochasticAdamW: moment dtypes {m.dtype}/{v.dtype} unsupported")
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-        p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, seed,
-        P_BF16=p.dtype == torch.bfloat16, M_BF16=m.dtype == torch.bfloat16, BLOCK=_BLOCK, num_warps=8,
+        p, g, m, v, g if grad_scale is None else grad_scale.to(p.device), n, lr, b1, b2, eps, wd, bc1, bc2, seed,
+        P_BF16=p.dtype == torch.bfloat16, M_BF16=m.dtype == torch.bfloat16, SCALED=grad_scale is not None,
+        BLOCK=_BLOCK, num_warps=8,
     )  # fmt: skip
