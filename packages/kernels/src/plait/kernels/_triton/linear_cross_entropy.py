@@ -178,9 +178,10 @@ def _scale_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (x * tl.load(g_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def scale_triton(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``x * g`` (``g`` a 0-d fp32 tensor) in fp32 arithmetic, in ``x``'s dtype, one pass."""
-    out = torch.empty_like(x)
+def scale_triton(x: torch.Tensor, g: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``x * g`` (``g`` a 0-d fp32 tensor) in fp32 arithmetic, in ``x``'s dtype, one pass (into ``x``
+    itself with ``inplace``)."""
+    out = x if inplace else torch.empty_like(x)
     n = x.numel()
     if n:
         _scale_kernel[(triton.cdiv(n, 4096),)](x, g.reshape(1), out, n, BLOCK=4096, num_warps=8)

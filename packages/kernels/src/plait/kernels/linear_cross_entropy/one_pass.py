@@ -47,8 +47,8 @@ def _row_loss_grad_torch(
     tile_grad_torch(logits, local_t, lse, g_t * (1.0 + 2.0 * z_loss * lse), g_t, softcap)
 
 
-def _scale_torch(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return (x.float() * g).to(x.dtype)
+def _scale_torch(x: torch.Tensor, g: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    return x.mul_(g) if inplace else (x.float() * g).to(x.dtype)
 
 
 def _one_pass_ops(triton: bool) -> tuple[Any, Any]:
@@ -212,7 +212,8 @@ class _OnePassEager(torch.autograd.Function):
                 )
             if wanted[i]:
                 ctx.stored[i] = None
-                grads[i] = t.mul_(dloss.float())
+                # the Triton kernel: mul_ with a 0-d fp32 CUDA tensor runs a casting kernel at ~half bandwidth
+                grads[i] = _one_pass_ops(use_triton(t))[1](t, dloss.float(), inplace=True)
             else:
                 grads[i] = torch.zeros_like(t)
         return grads[0], grads[1], *(None,) * 8
