@@ -400,14 +400,16 @@ class Trainer:
         """
         cfg, step = self.config, self.step
         stats, global_tokens, positions = self.forward_backward(batch)
-        # Optimizers that scale the gradients as they read them (StochasticAdamW) clip inside their
-        # step: one pass over the gradients fewer.
-        in_step = cfg.grad_clip.max_norm is not None and all(
-            isinstance(opt, StochasticAdamW) for opt in self.optimizers
-        )
-        max_norm = None if in_step else cfg.grad_clip.max_norm
-        norm = clip_grad_norm(self.parameters(), max_norm, cfg.grad_clip.norm_type, self.topology.pp_group)
-        grad_scale = clip_factor(norm, cfg.grad_clip.max_norm) if in_step else None
+        # StochasticAdamW scales each gradient as its step reads it: when every optimizer is one, the
+        # clipping factor goes to their steps instead of a pass that rewrites the gradients.
+        clip, pp_group = cfg.grad_clip, self.topology.pp_group
+        scaling = [opt for opt in self.optimizers if isinstance(opt, StochasticAdamW)]
+        grad_scale = None
+        if clip.max_norm is not None and len(scaling) == len(self.optimizers):
+            norm = clip_grad_norm(self.parameters(), None, clip.norm_type, pp_group)
+            grad_scale = clip_factor(norm, clip.max_norm)
+        else:
+            norm = clip_grad_norm(self.parameters(), clip.max_norm, clip.norm_type, pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         pending = PendingStep(step, stats.pack(norm), lr, global_tokens)
         if cfg.determinism.nonfinite_loss == "skip":
@@ -420,8 +422,12 @@ class Trainer:
             self.events.publish(BeforeOptimizerStep(step, norm, grad_scale))
             if self.checkpointer is not None:  # a pending save may still be copying these tensors
                 self.checkpointer.wait_for_staging()
-            for opt in self.optimizers:
-                opt.step(grad_scale=grad_scale) if grad_scale is not None else opt.step()
+            if grad_scale is not None:
+                for sr_opt in scaling:
+                    sr_opt.step(grad_scale=grad_scale)
+            else:
+                for opt in self.optimizers:
+                    opt.step()
         self.lr_scheduler.step()  # the schedule follows the step count, skipped steps included
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
