@@ -129,6 +129,17 @@ def regressions(
     return out
 
 
+def device_mismatch(text: str, device: str) -> str | None:
+    """A warning when the committed table's ``**device:**`` line does not name ``device`` (this run's
+    GPU, e.g. ``torch.cuda.get_device_name()``): the figures then come from another GPU model, and a 5%
+    comparison says little. None when it does, or when the table names no device."""
+    line = next((ln for ln in text.splitlines() if ln.startswith("**device:**")), None)
+    if line is None or device in line:
+        return None
+    committed = line.removeprefix("**device:**").split("|")[0].strip()
+    return f"check: WARNING: the committed table was measured on {committed}, this run is on {device}"
+
+
 def report(slower: list[Regression], compared: int, table: str) -> int:
     """Print the verdict of a check and return the exit status (1 when a row is slower)."""
     if not slower:

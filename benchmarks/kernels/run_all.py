@@ -49,7 +49,14 @@ from plait.kernels import (
     rms_norm,
     swiglu,
 )
-from regression import median_rows, parse_table, regressions, report, row_id  # benchmarks/regression.py
+from regression import (  # benchmarks/regression.py
+    device_mismatch,
+    median_rows,
+    parse_table,
+    regressions,
+    report,
+    row_id,
+)
 
 ROWS: list[dict[str, Any]] = []
 DEV = "cuda"
@@ -494,7 +501,10 @@ def check(sel: set[str], quick: bool) -> int:
     ``ROWS`` is left holding the last run's rows with each ``ms`` replaced by the median (the table
     ``--md`` writes).
     """
-    committed = parse_table(RESULTS.read_text(), "ms")
+    text = RESULTS.read_text()
+    committed = parse_table(text, "ms")
+    if warning := device_mismatch(text, torch.cuda.get_device_name()):
+        print(warning, flush=True)
     runs = []
     for _ in range(CHECK_RUNS):
         ROWS.clear()

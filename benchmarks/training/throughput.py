@@ -65,7 +65,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from regression import median_rows, parse_table, regressions, report, row_id  # benchmarks/regression.py
+from regression import (  # benchmarks/regression.py
+    device_mismatch,
+    median_rows,
+    parse_table,
+    regressions,
+    report,
+    row_id,
+)
 from workloads import DEFAULT_WORKLOADS, TARGETS, WORKLOADS, Workload, stub_missing_modules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -634,7 +641,10 @@ def measure(args: argparse.Namespace, rows: list[str]) -> tuple[list[dict[str, A
 
 def check(args: argparse.Namespace, rows: list[str]) -> int:
     """Run ``rows`` ``CHECK_RUNS`` times; compare each row's median tok/s with the committed table."""
-    committed = parse_table(RESULTS.read_text(), "tok/s per GPU")
+    text = RESULTS.read_text()
+    committed = parse_table(text, "tok/s per GPU")
+    if args.device == "cuda" and (warning := device_mismatch(text, torch.cuda.get_device_name())):
+        print(warning, flush=True)
     runs = []
     for _ in range(CHECK_RUNS):
         results = measure(args, rows)[0]

@@ -9,7 +9,15 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from regression import median_rows, parse_number, parse_table, regressions, report, row_id  # noqa: E402
+from regression import (  # noqa: E402
+    device_mismatch,
+    median_rows,
+    parse_number,
+    parse_table,
+    regressions,
+    report,
+    row_id,
+)
 
 TABLE = """# kernels
 
@@ -68,3 +76,19 @@ def test_a_rate_more_than_five_percent_lower_is_flagged() -> None:
     slower = regressions(committed, measured, higher_is_better=True)
     # 139.2k / 131.0k = 6.3% slower; 135.7k / 130.0k = 4.4%: within the tolerance; new rows are not compared
     assert [r.row for r in slower] == ["moe/plait-trainer-compiled"]
+
+
+def test_device_mismatch_warns_only_for_another_gpu() -> None:
+    text = "# t\n\n**device:** NVIDIA H100 80GB HBM3 (one-GPU machine) | torch 2.11 | 2026-11-26\n\n" + TABLE
+    assert device_mismatch(text, "NVIDIA H100 80GB HBM3") is None
+    warning = device_mismatch(text, "NVIDIA H200")
+    assert warning is not None
+    assert "NVIDIA H100 80GB HBM3 (one-GPU machine)" in warning and "NVIDIA H200" in warning
+    assert "torch" not in warning  # only the device field of the line
+    assert device_mismatch(TABLE, "NVIDIA H200") is None  # a table without a device line
+
+
+def test_committed_tables_name_their_device() -> None:
+    for name in ("kernels.md", "training.md"):
+        text = (BENCHMARKS / "results" / name).read_text()
+        assert device_mismatch(text, "a GPU no table names") is not None, name
