@@ -32,6 +32,7 @@ def eager_autograd(
     forward: Callable[..., Any],
     setup_context: Callable[[Any, tuple[Any, ...], Any], None],
     backward: Callable[..., tuple[Any, ...]],
+    name: str = "_Eager",
 ) -> Callable[..., Any]:
     """``apply`` of an autograd function made of a custom op's parts.
 
@@ -39,19 +40,21 @@ def eager_autograd(
         forward: The op's implementation (what the custom op runs).
         setup_context: The op's ``setup_context(ctx, inputs, output)``.
         backward: Its autograd formula, calling the backward implementation directly.
+        name: The function's class name (its autograd node is ``<name>Backward``).
     """
 
-    class _Eager(torch.autograd.Function):
-        @staticmethod
-        def forward(*args: Any) -> Any:
-            return forward(*_waited(args))
+    def fwd(*args: Any) -> Any:
+        return forward(*_waited(args))
 
-        @staticmethod
-        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            setup_context(ctx, _waited(inputs), output)
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        setup_context(ctx, _waited(inputs), output)
 
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
-            return backward(ctx, *grads)
+    def bwd(ctx: Any, *grads: Any) -> Any:
+        return backward(ctx, *grads)
 
-    return _Eager.apply
+    parts = {
+        "forward": staticmethod(fwd),
+        "setup_context": staticmethod(setup),
+        "backward": staticmethod(bwd),
+    }
+    return type(name, (torch.autograd.Function,), parts).apply  # type: ignore[attr-defined,no-any-return]

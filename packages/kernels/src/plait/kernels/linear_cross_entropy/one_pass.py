@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from plait.kernels._dispatch import use_triton
+from plait.kernels._eager import eager_autograd
 from plait.kernels.grad_direction import _returned, _weights_wanted
 from plait.kernels.linear_cross_entropy.tiles import tile_grad_torch, tile_stats_torch
 
@@ -175,55 +176,52 @@ def _fused_backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) 
 lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
-class _OnePassEager(torch.autograd.Function):
-    """Eager calls: the op's implementation, with a backward that scales the stored gradients in
-    place and hands them over (the custom op's backward returns scaled copies: one more ``dW``-sized
-    buffer at the peak, and autograd copies a gradient it cannot take over).
+def _eager_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    _loss, dx, dw = output
+    ctx.stored = [dx, dw]  # not saved_tensors: scaled in place, then dropped when returned
+    _setup_outputs(ctx, inputs, dx, dw)
+
+
+def _eager_backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) -> tuple[Any, ...]:
+    """Eager calls' backward: scales the stored gradients in place and hands them over (the custom op's
+    backward returns scaled copies: one more ``dW``-sized buffer at the peak, and autograd copies a
+    gradient it cannot take over).
 
     Each stored gradient is returned once: the inputs and weights passes of a split backward each
     take their own; asking for one again (a second backward with ``retain_graph``) raises.
     """
+    need = _to_return(ctx)
+    if dloss is None or not any(need):
+        return (None,) * 10
+    wanted = (need[0], _weights_wanted(need[1]))
+    grads: list[Any] = [None, None]
+    for i, name in enumerate(("hidden", "weight")):
+        if not need[i]:
+            continue
+        t = ctx.stored[i]
+        if t is None:
+            raise RuntimeError(
+                f"linear_cross_entropy: the {name} gradient computed in the forward (grad_in_forward) was "
+                "already returned by an earlier backward; pass grad_in_forward=False to backward twice"
+            )
+        if wanted[i]:
+            ctx.stored[i] = None
+            # the Triton kernel: mul_ with a 0-d fp32 CUDA tensor runs a casting kernel at ~half bandwidth
+            grads[i] = _one_pass_ops(use_triton(t))[1](t, dloss.float(), inplace=True)
+        else:
+            grads[i] = torch.zeros_like(t)
+    return grads[0], grads[1], *(None,) * 8
 
-    @staticmethod
-    def forward(*args: Any) -> Any:
-        return _fused_impl(*args)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        _loss, dx, dw = output
-        ctx.stored = [dx, dw]  # not saved_tensors: scaled in place, then dropped when returned
-        _setup_outputs(ctx, inputs, dx, dw)
-
-    @staticmethod
-    def backward(ctx: Any, dloss: torch.Tensor | None, _ddx: Any, _ddw: Any) -> tuple[Any, ...]:
-        need = _to_return(ctx)
-        if dloss is None or not any(need):
-            return (None,) * 10
-        wanted = (need[0], _weights_wanted(need[1]))
-        grads: list[Any] = [None, None]
-        for i, name in enumerate(("hidden", "weight")):
-            if not need[i]:
-                continue
-            t = ctx.stored[i]
-            if t is None:
-                raise RuntimeError(
-                    f"linear_cross_entropy: the {name} gradient computed in the forward (grad_in_forward) was "
-                    "already returned by an earlier backward; pass grad_in_forward=False to backward twice"
-                )
-            if wanted[i]:
-                ctx.stored[i] = None
-                # the Triton kernel: mul_ with a 0-d fp32 CUDA tensor runs a casting kernel at ~half bandwidth
-                grads[i] = _one_pass_ops(use_triton(t))[1](t, dloss.float(), inplace=True)
-            else:
-                grads[i] = torch.zeros_like(t)
-        return grads[0], grads[1], *(None,) * 8
+_one_pass_eager = eager_autograd(_fused_impl, _eager_setup, _eager_backward, name="OnePassEager")
 
 
 def lce_fused(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`lce_fused_op` (same arguments): the custom op while compiling, :class:`_OnePassEager` otherwise."""
+    """:func:`lce_fused_op` (same arguments): the custom op while compiling, its eager autograd function
+    (whose backward hands the stored gradients over in place) otherwise."""
     if torch.compiler.is_compiling():
         return lce_fused_op(*args)
-    return _OnePassEager.apply(*args)
+    return _one_pass_eager(*args)  # type: ignore[no-any-return]
 
 
 def one_pass_blocker(
