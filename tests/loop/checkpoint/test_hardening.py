@@ -1,5 +1,5 @@
 """Checkpoint hardening: prompt completion, reserved staging buffers, damaged checkpoints named and
-skipped, nothing unpickled on load, the writer process opening no socket on every interface."""
+skipped, no code of a checkpoint's run on load, the writer process opening no socket on every interface."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -33,8 +34,10 @@ from plait.loop.checkpoint import (
     OptimizerState,
     PerRankState,
     RngState,
+    UnsafeCheckpointError,
     ValueState,
     _codec,
+    export_checkpoint,
 )
 from plait.loop.metrics import MetricCollection
 from torch import nn
@@ -159,6 +162,26 @@ def test_truncated_data_file_falls_back_to_the_previous_checkpoint(tmp_path, cap
         stop.latest()
 
 
+@pytest.mark.parametrize("files", ["absent", "empty"])
+def test_a_marker_without_a_file_list_is_damaged(tmp_path, caplog, files):
+    ck, _ = _two_checkpoints(tmp_path)
+    marker = tmp_path / "step_00000002" / "plait_checkpoint.json"
+    meta = json.loads(marker.read_text())
+    if files == "absent":
+        del meta["files"]
+    else:
+        meta["files"] = {}
+    marker.write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING):
+        assert ck.latest() == tmp_path / "step_00000001"
+    assert "step_00000002 is damaged: its marker plait_checkpoint.json lists no files" in caplog.text
+    stop = Checkpointer(tmp_path, async_mode="off", on_damaged="stop")
+    with pytest.raises(
+        CheckpointDamagedError, match=r"step_00000002 is damaged: its marker .* lists no files"
+    ):
+        stop.latest()
+
+
 def test_corrupt_data_file_is_caught_by_checksum_or_at_load(tmp_path, caplog):
     ck, data = _two_checkpoints(tmp_path, checksums=True)
     raw = bytearray(data.read_bytes())
@@ -235,6 +258,61 @@ def test_planted_pickle_in_a_value_is_not_executed(tmp_path):
     Checkpointer(tmp_path / "ck", async_mode="off").save(1, {"v": ValueState(_Plant(flag))})
     with pytest.raises(CheckpointDamagedError, match=r"step_00000001 cannot be read"):
         Checkpointer(tmp_path / "ck").load(tmp_path / "ck" / "step_00000001", {"v": ValueState(0)})
+    assert not flag.exists()
+
+
+class _System:
+    """Unpickling this runs ``os.system(command)``."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (self.command,))
+
+
+def _plant_metadata(checkpoint: Path, flag: Path) -> Path:
+    """Replace the DCP ``.metadata`` of ``checkpoint`` by a pickle running ``touch flag``, and the marker's
+    record of it by the planted file's (whoever can write the one can write the other)."""
+    metadata = checkpoint / ".metadata"
+    metadata.write_bytes(pickle.dumps(_System(f"touch {flag}")))
+    marker = checkpoint / "plait_checkpoint.json"
+    meta = json.loads(marker.read_text())
+    meta["files"][".metadata"] = {"size": metadata.stat().st_size}
+    marker.write_text(json.dumps(meta))
+    return metadata
+
+
+def _refused(metadata: Path) -> str:
+    return rf"{re.escape(str(metadata))} is refused: its pickle names {os.system.__module__}\.system"
+
+
+def test_planted_dcp_metadata_is_refused_on_resume_and_export(tmp_path, caplog):
+    _two_checkpoints(tmp_path)
+    flag = tmp_path / "pwned"
+    metadata = _plant_metadata(tmp_path / "step_00000002", flag)
+    fresh, fresh_opt = _setup(seed=3)
+    with pytest.raises(UnsafeCheckpointError, match=_refused(metadata)):
+        Checkpointer(tmp_path, async_mode="off", on_damaged="stop").resume(_state(fresh, fresh_opt))
+    with caplog.at_level(logging.WARNING):  # like any damaged checkpoint: named, the previous one used
+        resumed = Checkpointer(tmp_path, async_mode="off").resume(_state(fresh, fresh_opt))
+    assert resumed is not None and resumed[0] == tmp_path / "step_00000001"
+    assert re.search(_refused(metadata), caplog.text)
+    with pytest.raises(UnsafeCheckpointError, match=_refused(metadata)):
+        export_checkpoint(tmp_path / "step_00000002", fresh, tmp_path / "export")
+    assert not flag.exists()
+
+
+def test_trainer_refuses_a_planted_dcp_metadata(tmp_path):
+    tr = _trainer(tmp_path, 2, "--checkpoint.interval=2")
+    tr.fit()
+    tr.close()
+    flag = tmp_path / "pwned"
+    metadata = _plant_metadata(tmp_path / "checkpoints" / "step_00000002", flag)
+    tr = _trainer(tmp_path, 4, "--checkpoint.interval=2", "--checkpoint.on_damaged=stop")
+    with pytest.raises(UnsafeCheckpointError, match=_refused(metadata)):
+        tr.fit()
+    tr.close()
     assert not flag.exists()
 
 

@@ -7,6 +7,7 @@ from plait.loop.checkpoint.checkpointer import (
     CheckpointMismatchError,
     CheckpointWriteError,
     OnDamaged,
+    UnsafeCheckpointError,
 )
 from plait.loop.checkpoint.export import export_checkpoint
 from plait.loop.checkpoint.planning import CachingSavePlanner
@@ -31,6 +32,7 @@ __all__ = [
     "ResumeConfigError",
     "RngState",
     "TrainingCheckpoints",
+    "UnsafeCheckpointError",
     "ValueState",
     "WriterProcess",
     "export_checkpoint",

@@ -21,11 +21,13 @@ background process ahead of the first save, off the critical path.
 :class:`Checkpointer` orchestrates; the phases live in modules of their own: ``staging``,
 ``writing`` with ``writer_process`` (the background process as an object, passed in or the
 process-wide one), ``integrity`` (marker, atomic visibility, file checks), ``rotation`` and
-``loading`` (resume). Every use of DCP's private names is in ``dcp_compat``.
+``loading`` (resume). Every use of DCP's private names is in ``dcp_compat``, except the names of
+the classes DCP's ``.metadata`` is made of, allowed by ``safe_metadata``.
 
-Loading never unpickles plait's own values: non-tensor items are read with
-``torch.load(weights_only=True)``. DCP's ``.metadata`` file itself is a pickle, so only load
-checkpoints you trust.
+Loading runs no code of the checkpoint's: non-tensor items are read with
+``torch.load(weights_only=True)``, and DCP's ``.metadata`` pickle with ``safe_metadata``'s
+restricted unpickler, which builds only the classes DCP metadata is made of (anything else raises
+:class:`UnsafeCheckpointError`, handled like a damaged checkpoint).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from plait.loop.checkpoint.errors import (
     CheckpointDamagedError,
     CheckpointMismatchError,
     CheckpointWriteError,
+    UnsafeCheckpointError,
     failure_reason,
 )
 from plait.loop.checkpoint.group import CheckpointGroup, initialised
@@ -53,11 +56,12 @@ from plait.loop.checkpoint.integrity import publish
 from plait.loop.checkpoint.loading import SafeLoadPlanner, check_structure, newest_intact
 from plait.loop.checkpoint.planning import PLAN_CACHE_KEYS, CachingSavePlanner, plan_file
 from plait.loop.checkpoint.rotation import rotate
+from plait.loop.checkpoint.safe_metadata import SafeFileSystemReader
 from plait.loop.checkpoint.staging import Staging
 from plait.loop.checkpoint.state import PerRankState
 from plait.loop.checkpoint.writer_process import WRITER_PROCESS, WriterProcess
 from plait.loop.checkpoint.writing import write_async, write_now
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
@@ -69,6 +73,7 @@ __all__ = [
     "CheckpointWriteError",
     "Checkpointer",
     "OnDamaged",
+    "UnsafeCheckpointError",
 ]
 
 log = logging.getLogger(__name__)
@@ -364,9 +369,9 @@ class Checkpointer:
         """The newest complete, intact checkpoint (same answer on every rank).
 
         Incomplete ones are reported and, with ``clean``, deleted by the main rank. A damaged one
-        (a file missing, of the wrong size or, with ``checksums``, the wrong CRC32) is named in a
-        warning and the previous one is tried, or with ``on_damaged="stop"`` raises
-        :class:`CheckpointDamagedError`.
+        (a file missing, of the wrong size or, with ``checksums``, the wrong CRC32, or a marker that
+        lists no files) is named in a warning and the previous one is tried, or with
+        ``on_damaged="stop"`` raises :class:`CheckpointDamagedError`.
         """
         path = None
         if self.rank == 0:
@@ -388,8 +393,9 @@ class Checkpointer:
         """Load the newest intact checkpoint into ``state``; returns its path and marker metadata.
 
         A checkpoint that fails to load on any rank (corrupt data, a per-rank state that is not
-        plait's format) is handled like a damaged one (see :meth:`latest`): named in a warning and
-        the previous one tried, or with ``on_damaged="stop"`` raised. None when there is none.
+        plait's format, a ``.metadata`` refused as :class:`UnsafeCheckpointError`) is handled like a
+        damaged one (see :meth:`latest`): named in a warning and the previous one tried, or with
+        ``on_damaged="stop"`` raised. None when there is none.
         ``check(path, marker metadata)``, when given, runs before the checkpoint is loaded; what it
         raises stops the resume.
         """
@@ -425,7 +431,9 @@ class Checkpointer:
             raise CheckpointMismatchError(f"{path} is not a complete plait checkpoint (no {_layout.MARKER})")
         meta = json.loads(marker.read_text())
         try:
-            saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except CheckpointDamagedError:  # an UnsafeCheckpointError: resume falls back or stops
+            raise
         except Exception as e:
             raise CheckpointMismatchError(f"cannot read checkpoint metadata in {path}: {e}") from e
         state = dict(state)
@@ -456,7 +464,7 @@ class Checkpointer:
         try:
             dcp_compat.load_state_dict(
                 expanded,
-                FileSystemReader(str(path)),
+                SafeFileSystemReader(str(path)),
                 process_group=self.pg,
                 coordinator_rank=self.coordinator_rank,
                 no_dist=not initialised(),

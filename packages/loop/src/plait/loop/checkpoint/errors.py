@@ -8,7 +8,13 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointDamagedError", "CheckpointMismatchError", "CheckpointWriteError", "failure_reason"]
+__all__ = [
+    "CheckpointDamagedError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
+    "UnsafeCheckpointError",
+    "failure_reason",
+]
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -23,6 +29,12 @@ class CheckpointWriteError(OSError):
 class CheckpointDamagedError(RuntimeError):
     """A checkpoint's files are missing, truncated or corrupt, or hold data plait will not load;
     the message names the checkpoint and the file."""
+
+
+class UnsafeCheckpointError(CheckpointDamagedError, ValueError):
+    """A checkpoint's DCP ``.metadata`` pickle names a class or function that DCP metadata is not made
+    of (a planted or foreign file); refused before anything of it runs. The message names the file and
+    the refused ``module.name``. Resume treats it like any damaged checkpoint (falls back or stops)."""
 
 
 def failure_reason(error: BaseException, root: Path) -> str:

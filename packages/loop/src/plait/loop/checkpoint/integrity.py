@@ -30,10 +30,13 @@ def damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
     """What is wrong with the files of checkpoint ``path`` against its marker ``meta``, or None.
 
     Checks that every file the marker lists exists with its recorded size, and (with
-    ``checksums``, where the marker has them) its CRC32. A marker without a file list (written
-    before plait recorded one) is not checked.
+    ``checksums``, where the marker has them) its CRC32. A marker without a file list is damage
+    too: nothing could be checked against it.
     """
-    for name, want in (meta.get("files") or {}).items():
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"its marker {_layout.MARKER} lists no files (nothing to check them against)"
+    for name, want in files.items():
         f = path / name
         if not f.is_file():
             return f"file {name} is missing"
