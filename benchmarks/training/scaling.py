@@ -1,23 +1,32 @@
-"""Per-GPU throughput of the main job's GPU model on 1, 2, 4 and 8 GPUs: FSDP, EP and PP, with MFU.
+"""Per-GPU throughput at 1, 2 and 4 GPUs (8 where present): a dense and a MoE workload, torchtitan beside.
 
-    python3 benchmarks/training/scaling.py                          # 1 GPU + 2, 4, 8 (rows above the GPU count skipped)
-    python3 benchmarks/training/scaling.py --gpus 4 --out $OUT/scaling.md
-    python3 benchmarks/training/scaling.py --smoke --gpus 2         # CPU processes over gloo, tiny model
+    python3 benchmarks/training/scaling.py                          # 1 GPU + 2 and 4; writes results/scaling.md
+    python3 benchmarks/training/scaling.py --gpus 2 4 8 --profile   # + a timeline summary per row
+    python3 benchmarks/training/scaling.py --smoke --gpus 2         # CPU processes over gloo, tiny models
 
-The model is ``examples/qwen3_moe/configs/gpu1.toml``'s (compiled, bf16 parameters, StochasticAdamW), batch
-4 x 2048 tokens per GPU (equal tokens per GPU in every row). Rows are ``benchmarks/training/throughput.py``'s
-Trainer rows, each in its own torchrun: the 1-GPU row, then for every ``--gpus`` count n
-FSDP n (``--parallel.reshard_after_forward=false``), EP=n x FSDP=n, and PP n (1F1B, 2n microbatches).
-A row needing more GPUs than ``torch.cuda.device_count()`` is skipped and the table says so.
-Writes a markdown table (tok/s per GPU, MFU against the bf16 matmul rate measured in the same run, rank 0's peak
-GiB, per-GPU ratio to the 1-GPU row) to ``--out`` (default ``benchmarks/results/scaling.md``). ``--profile``
-prints each row's kernel-time table (rank 0), to see why a layout falls short.
+Workloads (``workloads.py``), equal tokens per GPU in every row:
+  dense  Qwen3-1.7B shapes, 2 x 4096 per GPU, every block compiled. plait: the model from
+         ``CausalLMProvider`` sharded by ``provider.parallelize`` (FSDP2 over ``data_shard`` = n, the
+         shipped ``ParallelConfig`` defaults), StochasticAdamW with bf16 moments. torchtitan: its Qwen3 model,
+         blocks compiled, then torchtitan 0.2.2's own ``apply_fsdp`` (embeddings, each block, norm + output,
+         the root; bf16 gradient reduction like plait's), fused torch AdamW.
+  moe    the 1.14B Qwen3-MoE, 4 x 2048 per GPU: the main job's Trainer (``examples/qwen3_moe/pretrain.py``
+         with ``gpu1.toml``'s settings), FSDP over n and EP = n x FSDP = n (``all_gather`` dispatch).
+
+Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--steps`` steps after
+``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows
+((max - min) / median), peak GiB (rank 0) and the per-GPU ratio to the 1-GPU row of its workload;
+dense rows also show the ratio to torchtitan at the same GPU count. A row needing more GPUs than present is
+skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0, ``throughput.timeline``):
+communication and its exposed part per step, the host's time to issue a step, the fraction of the step the
+GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of other settings (A/B in the same run).
+Writes ``--out`` (default ``benchmarks/results/scaling.md``; none with ``--smoke``).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,77 +35,143 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # benchmarks/training/throughput.py
 
 RESULTS = throughput.ROOT / "benchmarks" / "results" / "scaling.md"
-BASELINE = "moe.plait_trainer_compiled"
-LABELS = {"fsdp": "FSDP{n}", "ep": "EP{n} x FSDP{n}", "pp": "PP{n} 1F1B ({m} microbatches)"}
-TARGET = ("moe.plait_trainer_fsdp4", 0.9)  # FSDP4 per-GPU tok/s >= 0.9x the 1-GPU figure
+# (what, the row at n GPUs, the row at 1 GPU)
+ROWS = (
+    ("dense, plait FSDP", "dense.plait_step_fsdp{n}", "dense.plait_step_compiled"),
+    ("dense, torchtitan FSDP", "dense.torchtitan_fsdp{n}", "dense.torchtitan_compiled"),
+    ("MoE, plait Trainer, FSDP", "moe.plait_trainer_fsdp{n}", "moe.plait_trainer_compiled"),
+    ("MoE, plait Trainer, EP x FSDP", "moe.plait_trainer_ep{n}", "moe.plait_trainer_compiled"),
+)
+# (what, row pattern, variant, baseline: "1" = the 1-GPU row / "titan" = torchtitan at n, GPU counts, at least)
+TARGETS = (
+    ("dense FSDP per GPU vs 1 GPU", "dense.plait_step_fsdp{n}", "1", (2, 4), 0.95),
+    ("dense FSDP vs torchtitan FSDP", "dense.plait_step_fsdp{n}", "titan", (2, 4), 1.05),
+    ("MoE FSDP per GPU vs 1 GPU", "moe.plait_trainer_fsdp{n}", "1", (2, 4), 0.9),
+    ("MoE EP x FSDP per GPU vs 1 GPU", "moe.plait_trainer_ep{n}", "1", (2,), 0.9),
+    ("MoE EP x FSDP per GPU vs 1 GPU", "moe.plait_trainer_ep{n}", "1", (4,), 0.85),
+)
 
 
-def label(row: str) -> str:
-    """The table's name of a row."""
-    if row == BASELINE:
-        return "1 GPU"
-    m = re.fullmatch(r"moe\.plait_trainer_(fsdp|ep|pp)(\d+)", row)
-    assert m is not None, row
-    return LABELS[m[1]].format(n=int(m[2]), m=2 * int(m[2]))
+def rows_for(counts: list[int]) -> list[tuple[str, int]]:
+    """(row, GPUs) of every row: the 1-GPU rows, then each count's."""
+    single = list(dict.fromkeys(s for _, _, s in ROWS))
+    return [(r, 1) for r in single] + [(m.format(n=n), n) for n in counts for _, m, _ in ROWS]
 
 
-def table(results: list[dict[str, Any]], peak_tflops: float, fpt: float) -> str:
-    """Markdown rows: tok/s per GPU, MFU, peak memory and the per-GPU ratio to the 1-GPU row."""
-    base = next((r["tok_s_per_gpu"] for r in results if r["row"] == BASELINE and "skipped" not in r), None)
-    lines = [
-        "| layout | GPUs | tok/s per GPU | MFU | peak GiB (rank 0) | per GPU vs 1 GPU |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+def _key(r: dict[str, Any]) -> tuple[str, str]:
+    return r["row"], r.get("variant", "")
+
+
+def table(results: list[dict[str, Any]], profile: bool) -> str:
+    """Markdown: one line per row and variant."""
+    by = {_key(r): r for r in results}
+    head = "| workload, layout | GPUs | variant | tok/s per GPU | spread | peak GiB | per GPU vs 1 GPU | vs torchtitan |"
+    sep = "|---|---:|---|---:|---:|---:|---:|---:|"
+    if profile:
+        head += " comm ms/step (exposed) | host ms/step | GPU idle |"
+        sep += "---:|---:|---:|"
+    lines = [head, sep]
     for r in results:
-        n = throughput.trainer_layout(r["row"], batch=4)[0]  # the count does not depend on the batch
+        n = throughput.trainer_layout(r["row"], 4)[0]
+        name = f"{r['row']}"
         if "skipped" in r:
-            lines.append(f"| {label(r['row'])} | {n} | {r['skipped']} | | | |")
+            lines.append(
+                f"| {name} | {n} | {r.get('variant', '')} | {r['skipped']} |" + " |" * (7 if profile else 4)
+            )
             continue
         tps = r["tok_s_per_gpu"]
-        mfu = fpt * tps / (peak_tflops * 1e12)
-        ratio = f"{tps / base:.2f}x" if base else ""
-        lines.append(
-            f"| {label(r['row'])} | {n} | {tps / 1e3:.1f}k | {mfu:.1%} | {r['peak_gib']:.1f} | {ratio} |"
+        single = next(s for _, m, s in ROWS if m.format(n=n) == r["row"] or s == r["row"])
+        base = by.get((single, ""), {}).get("tok_s_per_gpu")
+        titan_row = "dense.torchtitan_compiled" if n == 1 else f"dense.torchtitan_fsdp{n}"
+        titan = (
+            by.get((titan_row, ""), {}).get("tok_s_per_gpu") if r["row"].startswith("dense.plait") else None
         )
+        line = (
+            f"| {name} | {n} | {r.get('variant', '') or 'default'} | {tps / 1e3:.1f}k | {r['spread']:.1%} | "
+            f"{r['peak_gib']:.1f} | {f'{tps / base:.2f}x' if base else ''} | {f'{tps / titan:.2f}x' if titan else ''} |"
+        )
+        if profile:
+            line += (
+                f" {r.get('comm_ms', float('nan')):.1f} ({r.get('exposed_comm_ms', float('nan')):.1f}) |"
+                f" {r.get('host_ms', float('nan')):.1f} | {r.get('gpu_idle', float('nan')):.0%} |"
+            )
+        lines.append(line)
     return "\n".join(lines)
+
+
+def verdicts(results: list[dict[str, Any]]) -> list[str]:
+    """One line per target measured in this run (default settings only)."""
+    by = {_key(r): r for r in results if "skipped" not in r}
+    out = []
+    for what, pattern, base, counts, want in TARGETS:
+        for n in counts:
+            row = by.get((pattern.format(n=n), ""))
+            ref_row = (
+                next(s for _, m, s in ROWS if m == pattern) if base == "1" else f"dense.torchtitan_fsdp{n}"
+            )
+            ref = by.get((ref_row, ""))
+            if row is None or ref is None:
+                continue
+            ratio = row["tok_s_per_gpu"] / ref["tok_s_per_gpu"]
+            out.append(
+                f"{what}, {n} GPUs: {ratio:.2f}x (target >= {want}x): {'MET' if ratio >= want else 'MISSED'}"
+            )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4, 8], help="GPU counts next to the 1-GPU row")
-    ap.add_argument("--layouts", nargs="+", choices=list(LABELS), default=list(LABELS))
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--row-timeout", type=float, default=240)
-    ap.add_argument("--smoke", action="store_true", help="CPU processes over gloo, tiny model, 2 steps")
-    ap.add_argument("--profile", action="store_true", help="print a kernel-time table of 3 steps per row")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4], help="GPU counts next to the 1-GPU rows")
+    ap.add_argument("--workloads", nargs="+", choices=("dense", "moe"), default=["dense", "moe"])
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--row-timeout", type=float, default=300)
+    ap.add_argument("--smoke", action="store_true", help="CPU processes over gloo, tiny models, 2 steps")
+    ap.add_argument("--profile", action="store_true", help="a timeline summary of 3 more steps per row")
+    ap.add_argument("--titan", action=argparse.BooleanOptionalAction, default=True, help="torchtitan's rows")
+    ap.add_argument(
+        "--dense-variants", default="{}", help="JSON {name: ParallelConfig overrides}: more plait dense rows"
+    )
+    ap.add_argument(
+        "--moe-variants", default="{}", help="JSON {name: main-job flags}: more MoE rows at n > 1 GPUs"
+    )
+    ap.add_argument("--log-dir", type=Path, help="write each row's full output (profile tables) here")
     ap.add_argument("--out", type=Path, help=f"markdown file (default {RESULTS}; none with --smoke)")
     args = ap.parse_args()
     if any(n < 2 for n in args.gpus):
-        ap.error(f"--gpus: counts of 2 or more (the 1-GPU row always runs), got {args.gpus}")
-    rows = [BASELINE] + [f"moe.plait_trainer_{kind}{n}" for n in args.gpus for kind in args.layouts]
-    targv = ["--model", "gpu1", "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    targv += ["--row-timeout", str(args.row_timeout), "--no-write"]
-    targv += ["--smoke"] * args.smoke + ["--profile"] * args.profile
-    targs = throughput.parse_args(targv)
-    results, peak, fpt, env = throughput.measure(targs, rows)
-    body = table(results, peak, fpt)
-    by = {r["row"]: r for r in results}
-    row, want = TARGET
-    note = ""
-    if row in by and "skipped" not in by[row] and "skipped" not in by[BASELINE]:
-        got = by[row]["tok_s_per_gpu"] / by[BASELINE]["tok_s_per_gpu"]
-        note = f"\n\nFSDP4 per GPU vs 1 GPU: {got:.2f}x (target >= {want}x: {'met' if got >= want else 'missed'})."
-    m = targs.model
+        ap.error(f"--gpus: counts of 2 or more (the 1-GPU rows always run), got {args.gpus}")
+    rows = [r for r in rows_for(args.gpus) if r[0].split(".")[0] in args.workloads]
+    if not args.titan:
+        rows = [r for r in rows if "torchtitan" not in r[0]]
+    argv = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--windows", str(args.windows)]
+    argv += ["--row-timeout", str(args.row_timeout), "--no-write"]
+    argv += ["--smoke"] * args.smoke + ["--profile"] * args.profile
+    argv += ["--log-dir", str(args.log_dir)] if args.log_dir else []
+    targs = throughput.parse_args(argv)
+    peak, _, env = throughput.measure(targs, [])[1:]
+    dense_variants = {"": {}, **json.loads(args.dense_variants)}
+    results: list[dict[str, Any]] = []
+    for row, n in rows:
+        if row.startswith("dense.plait"):
+            targs.variants = json.dumps(dense_variants if n > 1 else {"": {}})
+        else:
+            targs.variants = json.dumps({"": {}})
+        results += throughput.spawn_rows(row, targs)
+        if row.startswith("moe.") and n > 1:
+            for name, flags in json.loads(args.moe_variants).items():
+                targs.trainer_args = flags
+                results += [{**r, "variant": name} for r in throughput.spawn_rows(row, targs)]
+                targs.trainer_args = ""
+    body = table(results, args.profile)
+    lines = verdicts(results)
     text = (
-        "# Scaling: per-GPU throughput of the main job's GPU model\n\n"
-        f"**device:** {env}\n\n**command:** `python3 benchmarks/training/scaling.py {' '.join(sys.argv[1:])}`\n\n"
-        f"bf16 matmul rate measured in the same run: {peak:.0f} TFLOP/s (MFU denominator); {fpt / 1e9:.2f} GFLOP/token. Model: "
-        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, {m['num_experts']} experts top-"
-        f"{m['num_experts_per_tok']}, vocab {m['vocab_size']}; batch {targs.batch} x {targs.seq} per GPU, "
-        f"compiled; {targs.warmup} warm-up steps, {targs.steps} timed.\n\n{body}{note}\n"
+        "# Scaling: per-GPU throughput at 1, 2 and 4 GPUs\n\n"
+        f"**device:** {env}; bf16 matmul {peak:.0f} TFLOP/s\n\n"
+        f"**command:** `python3 benchmarks/training/scaling.py {' '.join(sys.argv[1:])}`\n\n"
+        f"{body}\n\n" + "\n".join(f"- {v}" for v in lines) + "\n"
     )
-    print(text)
+    print(text, flush=True)
     out = args.out or (None if args.smoke else RESULTS)
     if out is not None:
         out.write_text(text)

@@ -52,6 +52,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,8 +84,11 @@ GPU1_TOML = ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml"
 
 
 def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str]]:
-    """Processes and main-job arguments of a Trainer row (``plait_trainer_{fsdp,ep,pp}<n>``; else 1, []);
+    """Processes and main-job arguments of a row: ``plait_trainer_{fsdp,ep,pp}<n>`` (the main job's flags),
+    ``plait_step_fsdp<n>`` / ``torchtitan_fsdp<n>`` (n processes, no flags); else 1, [].
     ``layers``: the model's decoder layers."""
+    if (m := re.search(r"_fsdp(\d+)$", row)) and "plait_trainer" not in row:
+        return int(m[1]), []
     m = re.search(r"plait_trainer_(fsdp|ep|pp)(\d+)$", row)
     if m is None:
         return 1, []
@@ -170,10 +174,13 @@ class _Profile:
         if self.prof is not None:
             self.prof.step()
 
-    def report(self, s_per_step: float) -> None:
+    def report(self, s_per_step: float) -> dict[str, float]:
+        """Print the kernel and host tables; return the window's timeline summary (:func:`timeline`)."""
         if self.prof is None:
-            return
+            return {}
         self.prof.__exit__(None, None, None)
+        summary = timeline(self.prof.events(), s_per_step, steps=3)
+        print("TIMELINE " + json.dumps(summary), flush=True)
         events = self.prof.key_averages()
         # Device time of kernels only: not the step / NCCL annotations that span them.
         annotations = ("ProfilerStep", "nccl:", "record_param_comms")
@@ -205,36 +212,107 @@ class _Profile:
         )
         if trace_dir := os.environ.get("PROFILE_TRACE_DIR"):
             self.prof.export_chrome_trace(f"{trace_dir}/trace_{self.row}.json.gz")
+        return summary
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Length of the union ``xs`` outside the union ``ys`` (both sorted and disjoint)."""
+    total, j = 0.0, 0
+    for a, b in xs:
+        covered = 0.0
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            covered += min(b, ys[k][1]) - max(a, ys[k][0])
+            k += 1
+        total += (b - a) - covered
+    return total
+
+
+def timeline(events: Any, s_per_step: float, steps: int) -> dict[str, float]:
+    """Where a profiled window of ``steps`` steps spends its time, per step (milliseconds):
+
+    - ``comm_ms``: time some NCCL kernel runs; ``exposed_comm_ms``: of that, time no other kernel runs
+      (communication the step waits for);
+    - ``gpu_idle``: fraction of the step (``s_per_step``, measured without the profiler) with no kernel
+      running on the device at all;
+    - ``host_ms``: the host's time in the profiled steps less its waits on the device (stream, event
+      and device synchronisations): how long the host takes to issue a step (profiler overhead included).
+    """
+    kernels, comm, waits, steps_cpu = [], [], [], []
+    for e in events:
+        r = e.time_range
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if e.name.startswith(("ProfilerStep", "nccl:", "record_param_comms")):
+                continue  # annotations that span kernels
+            (comm if "nccl" in e.name.lower() else kernels).append((r.start, r.end))
+        elif e.name.startswith("ProfilerStep#"):
+            steps_cpu.append((r.start, r.end))
+        elif "Synchronize" in e.name:
+            waits.append((r.start, r.end))
+    compute, nccl = _union(kernels), _union(comm)
+    busy = _length(_union(kernels + comm))
+    host = _length(_union(steps_cpu)) - (_length(_union(waits)) if steps_cpu else 0.0)
+    ms = 1e-3 / steps  # profiler times are microseconds
+    return {
+        "comm_ms": _length(nccl) * ms,
+        "exposed_comm_ms": _minus(nccl, compute) * ms,
+        "gpu_idle": max(0.0, 1.0 - busy * 1e-6 / steps / s_per_step),
+        "host_ms": host * ms,
+    }
 
 
 def _timed(
-    step: Callable[[int], None], warmup: int, steps: int, device: str, prof: _Profile | None = None
-) -> tuple[float, float]:
-    """Seconds per step over ``steps`` after ``warmup``, and peak allocated GiB.
-
-    With ``prof`` (which skips warmup + steps), 4 more steps run after the timing for its window.
-    """
+    step: Callable[[int], None],
+    args: argparse.Namespace,
+    prof: _Profile | None = None,
+    on_window: Callable[[int], None] | None = None,
+) -> tuple[list[float], float, dict[str, float]]:
+    """Seconds per step of each of ``args.windows`` windows of ``args.steps`` steps after ``args.warmup``,
+    peak allocated GiB and, with ``prof`` (which skips the timed steps), the timeline of 4 more steps.
+    ``on_window(w)`` runs before window ``w`` (untimed)."""
     tick = prof.tick if prof is not None else (lambda: None)
+    warmup, steps, device = args.warmup, args.steps, args.device
     for i in range(warmup):
         step(i)
         tick()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(warmup + i)
-        tick()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
+    dts = []
+    for w in range(args.windows):
+        if on_window is not None:
+            on_window(w)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(warmup + w * steps + i)
+            tick()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dts.append((time.perf_counter() - t0) / steps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    summary: dict[str, float] = {}
     if prof is not None:
         for i in range(4):
-            step(warmup + steps + i)
+            step(warmup + args.windows * steps + i)
             tick()
-        prof.report(dt)
-    return dt, peak
+        summary = prof.report(statistics.median(dts))
+    return dts, peak, summary
 
 
 # ------------------------------------------------------------------ rows
@@ -261,8 +339,12 @@ def row_hf(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    prof = _Profile(args, skip=args.warmup + args.steps)
-    return _result(args, *_timed(step, args.warmup, args.steps, args.device, prof))
+    prof = _Profile(args, skip=args.warmup + args.steps * args.windows)
+    return _result(args, *_timed(step, args, prof))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
@@ -279,6 +361,21 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         for name, block in model.layers.named_children():
             # not fullgraph: torchtitan's gpt-oss experts branch on a tensor's value (a graph break)
             model.layers.register_module(name, torch.compile(block))
+    if _world() > 1:  # torchtitan's own FSDP2 plan: embeddings, each block, norm + output, the root
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        mesh = init_device_mesh(args.device, (_world(),))
+        # bf16 gradient reduction like plait's rows (torchtitan's default reduces in fp32: twice the bytes)
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, pp_enabled=False)
+        if args.device != "cuda":  # gloo has no PREMUL_SUM (torchtitan's divide factor of 1)
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     data = _batches(args.model, args.batch, args.seq, 4, args.device)
 
@@ -296,16 +393,24 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _result(args, *_timed(step, args.warmup, args.steps, args.device))
+    prof = _Profile(args, skip=args.warmup + args.steps * args.windows)
+    return _result(args, *_timed(step, args, prof))
+
+
+def _trainer_steps(args: argparse.Namespace) -> tuple[int, int]:
+    """A Trainer row's warm-up (``--warmup`` rounded up to whole logging intervals of ``--steps``) and its
+    total step count (4 more steps for the profile's window)."""
+    warm = -(-args.warmup // args.steps) * args.steps
+    return warm, warm + args.steps * args.windows + (4 if args.profile else 0)
 
 
 def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra: list[str]) -> list[str]:
     """The main job's command line for the benchmark model and batch (no checkpoints, no export)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    argv = ["--steps", str(args.warmup + args.steps), "--run-dir", run_dir, "--no-export",
+    argv = ["--steps", str(_trainer_steps(args)[1]), "--run-dir", run_dir, "--no-export",
             f"--run.device={args.device}", f"--batching.global_batch_size={args.batch * world}",
             f"--batching.microbatch_size={args.batch}", f"--batching.seq_len={args.seq}",
-            "--checkpoint.enabled=false", "--logging.progress_bar=false", f"--logging.interval={args.warmup}",
+            "--checkpoint.enabled=false", "--evaluation.enabled=false", "--logging.progress_bar=false", f"--logging.interval={args.steps}",
             f"--parallel.compile={str(compiled).lower()}", "--data.max_files=4000"]  # fmt: skip
     if args.device == "cuda":  # the shipped GPU config: bf16 parameters, StochasticAdamW
         argv += ["--config", str(ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml")]
@@ -321,8 +426,10 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
     from plait.loop.events import StepEnd
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    prof = _Profile(args, skip=args.warmup - 1)
-    if prof.prof is not None:  # profile Trainer steps warmup+1 .. warmup+3 (ticked at each step's end)
+    warm = _trainer_steps(args)[0]
+    timed_end = warm + args.steps * args.windows
+    prof = _Profile(args, skip=timed_end)
+    if prof.prof is not None:  # profile the 3 steps after the timed ones (ticked at each step's end)
         build = train.build_trainer
 
         def build_and_tick(*a: Any, **k: Any) -> Any:
@@ -337,25 +444,30 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
         if int(os.environ.get("RANK", "0")) != 0:  # the main rank writes metrics.jsonl and reports
             return {}
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r.get("step", 0) > args.warmup and "tokens_per_s" in r]
-    if not timed:
-        raise RuntimeError(f"no metrics past step {args.warmup} in metrics.jsonl: {records[-1:]}")
-    tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    timed = [r for r in records if warm < r.get("step", 0) <= timed_end and "tokens_per_s" in r]
+    if len(timed) != args.windows:
+        raise RuntimeError(
+            f"{len(timed)} intervals of metrics in steps {warm + 1}..{timed_end}: {records[-1:]}"
+        )
+    s_per_step = [args.batch * args.seq * world / r["tokens_per_s"] for r in timed]  # one window per interval
     peak = max((r.get("mem_allocated_gib") or float("nan")) for r in timed)
-    prof.report(args.batch * args.seq * world / tps)
-    return _result(args, args.batch * args.seq * world / tps, peak)
+    return _result(args, s_per_step, peak, prof.report(statistics.median(s_per_step)))
 
 
-def _plait_provider(args: argparse.Namespace, compiled: bool) -> Any:
+def _plait_provider(args: argparse.Namespace, compiled: bool, overrides: dict[str, Any] | None = None) -> Any:
     """plait's provider of the workload's model (bf16 parameters on CUDA): compiled per decoder layer,
-    float8 linears for the ``_fp8`` rows, ``--activation-checkpointing``."""
+    float8 linears for the ``_fp8`` rows, ``--activation-checkpointing``, and ``overrides`` of its
+    ``ParallelConfig``."""
     from plait.models import CausalLMProvider, Float8Training, ParallelConfig, config_from_hf
 
     # emulated float8 GEMMs on the CPU (--smoke): the script's path, not its speed
     fp8 = "_fp8" in args.row
     f8 = Float8Training(recipe=args.fp8_recipe if fp8 else None, emulate=fp8 and args.device != "cuda")
     parallel = ParallelConfig(
-        compile=compiled, float8=f8, activation_checkpointing={"mode": args.activation_checkpointing}
+        compile=compiled,
+        float8=f8,
+        activation_checkpointing={"mode": args.activation_checkpointing},
+        **(overrides or {}),
     )
     dtype = torch.bfloat16 if args.device == "cuda" else None
     return CausalLMProvider(config_from_hf(args.model), parallel=parallel, dtype=dtype, seed=0)
@@ -373,27 +485,54 @@ def _trainer_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]:
-    """plait's model with no Trainer: the floor the Trainer is measured against."""
+def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
+    """plait's model with no Trainer: the floor the Trainer is measured against. Over ``WORLD_SIZE`` > 1
+    processes it is sharded by ``provider.parallelize`` (FSDP2 over ``data_shard``), once per
+    ``--variants`` entry (ParallelConfig overrides), each variant timed after the previous one is freed."""
     _src_path()
-    from plait.dist_core import parse_dtype
-    from plait.kernels import StochasticAdamW
+    from plait.dist_core import DeviceMeshParameters, DistributedContext
 
-    provider = _plait_provider(args, compiled)
-    model = provider.parallelize(provider.build_stage(0, 1), None)
-    provider.materialize(model, args.device)
-    model.train()
-    opt = (
-        StochasticAdamW(
-            model.parameters(), lr=1e-4, weight_decay=0.1, moment_dtype=parse_dtype(args.plait_moments)
-        )
-        if args.device == "cuda"
-        else torch.optim.AdamW(model.parameters(), lr=1e-4)
-    )
+    ctx = None
+    if _world() > 1:
+        ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=_world()), device=args.device)
     if args.workload.name == "moe":
         batches = _trainer_batches(args)
     else:  # the peers' random tokens
         batches = _batches(args.model, args.batch, args.seq, 4, args.device)
+    results = {}
+    for name, overrides in json.loads(args.variants).items():
+        results[name] = _plait_step(args, compiled, overrides, ctx, batches)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results[""] if list(results) == [""] else {"variants": results}
+
+
+def _plait_step(
+    args: argparse.Namespace,
+    compiled: bool,
+    overrides: dict[str, Any],
+    ctx: Any,
+    batches: list[dict[str, torch.Tensor]],
+) -> dict[str, Any]:
+    """Build plait's model with ``overrides`` of its ParallelConfig, time its steps."""
+    from plait.dist_core import parse_dtype
+    from plait.kernels import StochasticAdamW
+
+    provider = _plait_provider(args, compiled, overrides)
+    model = provider.parallelize(provider.build_stage(0, 1), ctx)
+    provider.materialize(model, args.device)
+    model.train()
+    opt = (
+        StochasticAdamW(
+            model.parameters(),
+            lr=1e-4,
+            weight_decay=0.1,
+            moment_dtype=parse_dtype(args.plait_moments),
+            seed=0,
+        )
+        if args.device == "cuda"
+        else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    )
 
     def step(i: int) -> None:
         b = batches[i % len(batches)]
@@ -407,14 +546,22 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    prof = _Profile(args, skip=args.warmup + args.steps)
-    return _result(args, *_timed(step, args.warmup, args.steps, args.device, prof))
+    prof = _Profile(args, skip=args.warmup + args.steps * args.windows)
+    return _result(args, *_timed(step, args, prof))
 
 
-def _result(args: argparse.Namespace, s_per_step: float, peak_gib: float) -> dict[str, float]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    tokens = args.batch * args.seq * world
-    return {"tok_s_per_gpu": tokens / s_per_step / world, "s_per_step": s_per_step, "peak_gib": peak_gib}
+def _result(
+    args: argparse.Namespace,
+    s_per_step: list[float],
+    peak_gib: float,
+    summary: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """tok/s per GPU (the median window), its spread over the windows ((max - min) / median), peak GiB
+    and the profile's timeline."""
+    tps = sorted(args.batch * args.seq / dt for dt in s_per_step)  # this rank's tokens: equal per GPU
+    mid = statistics.median(tps)
+    return {"tok_s_per_gpu": mid, "spread": (tps[-1] - tps[0]) / mid, "windows": len(tps),
+            "s_per_step": statistics.median(s_per_step), "peak_gib": peak_gib, **(summary or {})}  # fmt: skip
 
 
 def run_row(args: argparse.Namespace) -> dict[str, float]:
@@ -445,12 +592,24 @@ def known(row: str) -> bool:
     w = WORKLOADS.get(name)
     if w is None:
         return False
+    if re.fullmatch(r"(plait_step|torchtitan)_fsdp\d+", impl):
+        return w.titan is not None or impl.startswith("plait")
     return impl in w.impls or (name == "moe" and trainer_layout(impl, 2)[0] > 1)
 
 
 # ------------------------------------------------------------------ driver
 def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
-    common = ["--row", row, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common = [
+        "--row",
+        row,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--windows",
+        str(args.windows),
+    ]
+    common += ["--variants", args.variants]
     common += ["--smoke"] if args.smoke else []
     common += ["--profile"] if args.profile else []
     common += [f"--trainer-args={args.trainer_args}"] if args.trainer_args else []
@@ -483,7 +642,13 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"--- {row} timed out after {args.row_timeout:.0f} s", flush=True)
         return {"row": row, "skipped": f"timed out after {args.row_timeout:.0f} s"}
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if args.profile:
+    log_dir = args.log_dir
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / f"{row}{args.trainer_args.replace(' ', '_')[:60]}.log").write_text(
+            proc.stdout + proc.stderr
+        )
+    elif args.profile:
         body = [ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")]
         print(f"--- {row} profile\n" + "\n".join(body), flush=True)
     if proc.returncode != 0 or not results:
@@ -493,6 +658,15 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     res = {"row": row, **results[0], "wall_s": time.time() - t0}
     print(f"{row}: {res}", flush=True)
     return res
+
+
+def spawn_rows(row: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """:func:`_spawn` with a plait_step row's variants as rows of their own (``row[variant]``)."""
+    res = _spawn(row, args)
+    variants = res.pop("variants", None)
+    if variants is None:
+        return [res]
+    return [{**res, **v, "row": row, "variant": name} for name, v in variants.items()]
 
 
 def row_key(row: str) -> str:
@@ -581,10 +755,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="plait rows: ParallelConfig.activation_checkpointing.mode (every decoder layer)",
     )
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    ap.add_argument("--windows", type=int, default=1, help="timed windows per row (median and spread)")
+    ap.add_argument(
+        "--variants",
+        default='{"": {}}',
+        help="plait_step rows: JSON {name: ParallelConfig overrides}, each built and timed in turn in one "
+        'process (e.g. \'{"": {}, "prefetch1": {"fsdp_prefetch": 1}}\')',
+    )
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--row-timeout", type=float, default=900)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps (checks the script)")
+    ap.add_argument("--log-dir", type=Path, help="write each row's whole output (its profile tables) here")
     ap.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/training.md")
     ap.add_argument(
         "--check",
@@ -618,8 +800,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.workload = WORKLOADS[args.row.split(".", 1)[0]]
     if args.smoke:
         args.steps, args.warmup = 2, 1
-    if args.steps % args.warmup:
-        ap.error("--steps must be a multiple of --warmup (the Trainer rows log every --warmup steps)")
     # The row's workload's shapes (the parent process: the MoE workload's, which scaling.py reads).
     args.model, args.batch, args.seq = shape(args, args.workload.name if args.row else "moe")
     return args
@@ -636,7 +816,7 @@ def measure(args: argparse.Namespace, rows: list[str]) -> tuple[list[dict[str, A
     env = (f"{dev}, torch {torch.__version__}, triton {triton.__version__}, "
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
     print(f"{env}; bf16 matmul {peak:.0f} TFLOP/s", flush=True)
-    return [_spawn(r, args) for r in rows], peak, fpt, env
+    return [res for r in rows for res in spawn_rows(r, args)], peak, fpt, env
 
 
 def check(args: argparse.Namespace, rows: list[str]) -> int:
@@ -662,6 +842,10 @@ def main() -> None:
         res = run_row(args)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(res), flush=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return
 
     rows = args.rows or default_rows(args.workloads)
