@@ -245,35 +245,38 @@ def _minus(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> floa
 
 
 def timeline(events: Any, s_per_step: float, steps: int) -> dict[str, float]:
-    """Where a profiled window of ``steps`` steps spends its time, per step (milliseconds):
+    """Where a profiled window of ``steps`` steps spends its time, per step:
 
     - ``comm_ms``: time some NCCL kernel runs; ``exposed_comm_ms``: of that, time no other kernel runs
       (communication the step waits for);
-    - ``gpu_idle``: fraction of the step (``s_per_step``, measured without the profiler) with no kernel
-      running on the device at all;
+    - ``gpu_idle``: fraction of the time with no kernel running at all;
     - ``host_ms``: the host's time in the profiled steps less its waits on the device (stream, event
       and device synchronisations): how long the host takes to issue a step (profiler overhead included).
+
+    The device times are fractions of the window from its first kernel to its last (which also holds
+    work the host queued before the window: it runs ahead), scaled to ``s_per_step``, the step time
+    measured without the profiler.
     """
     kernels, comm, waits, steps_cpu = [], [], [], []
     for e in events:
-        r = e.time_range
+        r = (e.time_range.start, e.time_range.end)
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            if e.name.startswith(("ProfilerStep", "nccl:", "record_param_comms")):
-                continue  # annotations that span kernels
-            (comm if "nccl" in e.name.lower() else kernels).append((r.start, r.end))
-        elif e.name.startswith("ProfilerStep#"):
-            steps_cpu.append((r.start, r.end))
+            if not e.name.startswith(("ProfilerStep", "nccl:", "record_param_comms")):  # not annotations
+                (comm if "nccl" in e.name.lower() else kernels).append(r)
+        elif e.name.startswith("ProfilerStep"):
+            steps_cpu.append(r)
         elif "Synchronize" in e.name:
-            waits.append((r.start, r.end))
+            waits.append(r)
     compute, nccl = _union(kernels), _union(comm)
-    busy = _length(_union(kernels + comm))
-    host = _length(_union(steps_cpu)) - (_length(_union(waits)) if steps_cpu else 0.0)
-    ms = 1e-3 / steps  # profiler times are microseconds
+    every = _union(kernels + comm)
+    window = (every[-1][1] - every[0][0]) if every else 0.0
+    scale = s_per_step * 1e3 / window if window else 0.0  # window microseconds -> milliseconds per step
+    host = _length(_union(steps_cpu)) - _length(_union(waits))
     return {
-        "comm_ms": _length(nccl) * ms,
-        "exposed_comm_ms": _minus(nccl, compute) * ms,
-        "gpu_idle": max(0.0, 1.0 - busy * 1e-6 / steps / s_per_step),
-        "host_ms": host * ms,
+        "comm_ms": _length(nccl) * scale,
+        "exposed_comm_ms": _minus(nccl, compute) * scale,
+        "gpu_idle": 1.0 - _length(every) / window if window else 0.0,
+        "host_ms": host * 1e-3 / steps,
     }
 
 
@@ -504,6 +507,8 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
         results[name] = _plait_step(args, compiled, overrides, ctx, batches)
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if ctx is not None:
+        ctx.shutdown()
     return results[""] if list(results) == [""] else {"variants": results}
 
 
@@ -598,7 +603,7 @@ def known(row: str) -> bool:
 
 
 # ------------------------------------------------------------------ driver
-def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
+def _spawn(row: str, args: argparse.Namespace, devices: list[int] | None = None) -> dict[str, Any]:
     common = [
         "--row",
         row,
@@ -637,7 +642,8 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, __file__, *common]
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+        env = None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout, env=env)
     except subprocess.TimeoutExpired:
         print(f"--- {row} timed out after {args.row_timeout:.0f} s", flush=True)
         return {"row": row, "skipped": f"timed out after {args.row_timeout:.0f} s"}
@@ -652,7 +658,9 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
         body = [ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")]
         print(f"--- {row} profile\n" + "\n".join(body), flush=True)
     if proc.returncode != 0 or not results:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        errors = [ln for ln in lines if "Error" in ln or "error:" in ln][-5:]  # torchrun's summary hides them
+        tail = errors + lines[-15:]
         print(f"--- {row} failed (rc {proc.returncode}):\n" + "\n".join(tail), flush=True)
         return {"row": row, "skipped": f"failed (rc {proc.returncode}): {tail[-1] if tail else ''}"[:200]}
     res = {"row": row, **results[0], "wall_s": time.time() - t0}
@@ -660,9 +668,9 @@ def _spawn(row: str, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def spawn_rows(row: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """:func:`_spawn` with a plait_step row's variants as rows of their own (``row[variant]``)."""
-    res = _spawn(row, args)
+def spawn_rows(row: str, args: argparse.Namespace, devices: list[int] | None = None) -> list[dict[str, Any]]:
+    """:func:`_spawn` (on ``devices``, default all) with a plait_step row's variants as rows of their own."""
+    res = _spawn(row, args, devices)
     variants = res.pop("variants", None)
     if variants is None:
         return [res]

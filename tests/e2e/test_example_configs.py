@@ -63,6 +63,7 @@ def test_configs_are_found() -> None:
         "qwen3_moe/configs/cpu.toml",
         "qwen3_moe/configs/gpu1.toml",
         "qwen3_moe/configs/gpu2.toml",
+        "qwen3_moe/configs/gpu4.toml",
         "sft/configs/full.toml",
         "sft/configs/lora.toml",
         *(
@@ -81,14 +82,14 @@ def test_example_config_loads_with_its_config_class(config: Path) -> None:
 
 
 def test_gpu_configs_train_bf16_compiled() -> None:
-    for name in ("gpu1.toml", "gpu2.toml"):
+    for name in ("gpu1.toml", "gpu2.toml", "gpu4.toml"):
         path = EXAMPLES / "qwen3_moe" / "configs" / name
         cfg = load_config(path, cls=_config_class(_script_of(path)))
         assert cfg.model_dtype == "bfloat16" and cfg.parallel.compile and cfg.run.device == "cuda"
 
 
 def test_shipped_main_job_configs_evaluate_on_held_out_files() -> None:
-    for name in ("cpu.toml", "gpu1.toml", "gpu2.toml"):
+    for name in ("cpu.toml", "gpu1.toml", "gpu2.toml", "gpu4.toml"):
         path = EXAMPLES / "qwen3_moe" / "configs" / name
         cfg = load_config(path, cls=_config_class(_script_of(path)))
         assert cfg.evaluation.enabled and cfg.evaluation.interval is not None, name

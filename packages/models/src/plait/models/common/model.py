@@ -158,12 +158,13 @@ class DecoderTrunk(nn.Module):
             if position_ids is None:
                 position_ids = cp.local_positions(s, h.device).unsqueeze(0)
             return masks, position_ids
-        if position_ids is None:
-            position_ids = torch.arange(s, device=h.device).unsqueeze(0)
         for w in self._windows:
+            # Default positions never restart: no need to look for packed documents in them (a host sync).
             masks[w] = build_attention_mask(
                 b, s, h.device, h.dtype, position_ids=position_ids, sliding_window=w, **common
             )
+        if position_ids is None:
+            position_ids = torch.arange(s, device=h.device).unsqueeze(0)
         return masks, position_ids
 
     def forward(

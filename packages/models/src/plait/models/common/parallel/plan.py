@@ -26,7 +26,7 @@ from plait.models.common.parallel.float8 import apply_float8
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -172,23 +172,6 @@ def apply_expert_parallel(
         expert_parallel(moe, ep_mesh, backend=dispatch, num_chunks=num_chunks)
 
 
-def _fsdp_units(model: DecoderStage, layers_per_unit: int) -> list[list[nn.Module]]:
-    """The modules of each FSDP2 unit in forward order: the embedding, groups of ``layers_per_unit``
-    decoder layers, then the final norm with the LM head (each part only where this stage has it).
-
-    A tied embedding and head share their weight, so they stay together in the root (no unit here)."""
-    trunk = model.model
-    head = model.lm_head if isinstance(model, CausalLMStage) else None
-    tied = model.config.tie_word_embeddings and head is not None and trunk.embed_tokens is not None
-    layers: list[nn.Module] = list(model.decoder_layers())
-    units = [layers[i : i + layers_per_unit] for i in range(0, len(layers), layers_per_unit)]
-    if tied:
-        return units
-    first: list[list[nn.Module]] = [[trunk.embed_tokens]] if trunk.embed_tokens is not None else []
-    last: list[nn.Module] = [m for m in (trunk.norm, head) if m is not None]
-    return first + units + ([last] if last else [])
-
-
 def apply_fsdp(
     model: DecoderStage,
     dp_mesh: DeviceMesh,
@@ -200,52 +183,41 @@ def apply_fsdp(
     layers_per_unit: int = 1,
     prefetch: int = 0,
 ) -> None:
-    """FSDP2 over ``dp_mesh`` (1-D = FSDP, 2-D = HSDP): one unit for the embedding, one per group of
-    ``layers_per_unit`` consecutive decoder layers, one for the final norm with the LM head, then the
-    root (which keeps what is left: a tied embedding and head, a classifier's score head).
-
-    The embedding and the head get units of their own so that the head's gradient is reduce-scattered
-    while the layers' backward runs (in the root it would wait for the end of backward) and the head is
-    all-gathered while the last layers' forward runs; the head's unit keeps its parameters after forward
-    (its backward comes first). The head's ``loss`` and ``logits`` methods run FSDP2's forward hooks
-    (``register_fsdp_forward_method``).
+    """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers and on the root, over
+    ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
     get their own ``fully_shard`` (one per layer) so their gradients are reduced over the expert
     replicas.
 
-    ``prefetch`` > 0 sets explicit FSDP2 prefetching: each unit's forward all-gathers the next
-    ``prefetch`` units and each unit's backward the ``prefetch`` units whose backward follows, issued
-    before the unit's own compute is queued, so that the all-gathers overlap compute even when the host
-    runs only just ahead of the device (FSDP2's implicit prefetch issues them when the host reaches them).
+    ``prefetch`` > 0 sets explicit FSDP2 prefetching between the layer units: each unit's forward
+    all-gathers the next ``prefetch`` units and each unit's backward the ``prefetch`` units whose
+    backward follows, issued before the unit's own compute is queued, so that the all-gathers overlap
+    compute even when the host runs only just ahead of the device (FSDP2's implicit prefetching issues
+    a forward all-gather when the host reaches the unit).
     """
     kwargs: dict[str, Any] = {}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = reshard_after_forward
-    head = model.lm_head if isinstance(model, CausalLMStage) else None
+    layers = list(model.decoder_layers())
     ignored_all: set[nn.Parameter] = set()
-    chain: list[list[FSDPModule]] = []  # the FSDP2 states of each unit, in forward order
-    for unit in _fsdp_units(model, layers_per_unit):
+    chain: list[list[FSDPModule]] = []  # the FSDP2 modules of each unit, in forward order
+    for start in range(0, len(layers), layers_per_unit):
+        unit = layers[start : start + layers_per_unit]
         ignored: set[nn.Parameter] = set()
         states: list[FSDPModule] = []
         for layer in unit:
-            if isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MoELayer) and experts_sharded:
+            if isinstance(layer.mlp, MoELayer) and experts_sharded:
                 experts = layer.mlp.experts
                 if expert_dp_mesh is not None:
                     states.append(_shard(experts, expert_dp_mesh, kwargs))
                 else:
                     ignored |= set(experts.parameters())
         ignored_all |= ignored
-        unit_kwargs = dict(kwargs)
-        if head is not None and head in unit:
-            unit_kwargs["reshard_after_forward"] = False
-        states.insert(0, _shard(unit, dp_mesh, unit_kwargs, ignored))
-        if head is not None and head in unit:
-            for method in ("loss", "logits"):
-                register_fsdp_forward_method(head, method)
+        states.insert(0, _shard(unit, dp_mesh, kwargs, ignored))
         chain.append(states)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
     if prefetch > 0:
@@ -257,18 +229,20 @@ def apply_fsdp(
 
 
 def _shard(
-    unit: nn.Module | list[nn.Module],
+    unit: nn.Module | list[DecoderLayer],
     mesh: DeviceMesh,
     kwargs: dict[str, Any],
     ignored: set[nn.Parameter] | None = None,
 ) -> FSDPModule:
-    """``fully_shard`` of one module or a group of modules; the FSDP2 module whose state they share."""
+    """``fully_shard`` of one module or a group of layers; the FSDP2 module whose state they share."""
     if isinstance(unit, list) and len(unit) == 1:
         unit = unit[0]
-    sharded = fully_shard(unit, mesh=mesh, ignored_params=ignored or None, **kwargs)  # type: ignore[call-overload]
-    first = sharded[0] if isinstance(sharded, list) else sharded
-    assert isinstance(first, FSDPModule)
-    return first
+    if isinstance(unit, list):
+        sharded = fully_shard(list[nn.Module](unit), mesh=mesh, ignored_params=ignored or None, **kwargs)[0]
+    else:
+        sharded = fully_shard(unit, mesh=mesh, ignored_params=ignored or None, **kwargs)
+    assert isinstance(sharded, FSDPModule)
+    return sharded
 
 
 def _check_cuda_graph_layout(
