@@ -58,7 +58,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
     ),
     "training": (
         Step("throughput", ("benchmarks/training/throughput.py",), writes="training.md", check=True),
-        Step("scaling", ("benchmarks/training/scaling.py", "--gpus", "2"), gpus=2, writes="scaling.md"),
+        Step("scaling", ("benchmarks/training/scaling.py", "--gpus", "2", "4", "--concurrent", "--profile"), gpus=4,
+             writes="scaling.md"),
         Step("nccl_bandwidth", _torchrun(2, "benchmarks/comms/nccl_bandwidth.py"), gpus=2),
     ),
     "moe": (

@@ -18,9 +18,13 @@ glob; ``format`` ``auto`` (by extension) | ``text`` | ``jsonl`` | ``parquet`` | 
 ``text_field``; ``[[data.mixture]]`` tables (``source``, ``format``, ``weight``, ``text_field``) mix
 several sources by weight instead of ``source``; a ``python -m plait.loop.data tokenize`` output
 directory is a ``tokens`` source read memory-mapped; ``tokenizer`` ``bytes`` or a directory with ``tokenizer.json`` (default: the
-``--init-from`` checkpoint's, when it has one; the export gets a copy). The last
-``data.validation_files`` files of the corpus are held out (never trained on) for the validation loss
-(``[evaluation]``; 0 holds out nothing, with ``evaluation.enabled=false``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
+``--init-from`` checkpoint's, when it has one; the export gets a copy). Validation data for the
+validation loss (``[evaluation]``) is never trained on: the last ``data.validation_files`` files of the
+corpus, or, when it has no more files than that (one JSONL file, say), ``data.validation_documents``
+of its documents (a count or a fraction, drawn with ``data.validation_seed``: the same split on every
+rank and resume); ``data.validation_split`` forces ``files`` or ``documents``,
+``data.validation_source`` gives a separate corpus (see ``DataConfig``; ``data.validation_files=0``
+holds out nothing, with ``evaluation.enabled=false``). The run writes ``<run_dir>/metrics.jsonl``, periodic async checkpoints under
 ``<run_dir>/checkpoints`` (a rerun with the same run dir resumes), and at the end a Hugging Face
 checkpoint in ``<run_dir>/hf`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, a
 summary (printed and in ``<run_dir>/summary.json``) and ``<run_dir>/loss_curve.png``.
@@ -36,10 +40,18 @@ Hugging Face export of the unfinished run unless ``--export-unfinished`` is give
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
+
+if multiprocessing.current_process().name != "MainProcess":
+    # A process that multiprocessing spawns from the job (DCP's checkpoint writer) imports this module
+    # again, first thing: there SIGINT is ignored. A Ctrl-C reaches every process of the terminal's
+    # group; the job decides what it means (finish the step, save, exit 130).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 import argparse
 import functools
 import os
-import signal
 import sys
 import sysconfig
 import tempfile
@@ -63,11 +75,13 @@ from plait.loop.checkpoint import CheckpointWriteError
 from plait.loop.data import (
     ByteTokenizer,
     DataSourceError,
+    DocumentHoldout,
     HFTokenizer,
     MixtureDataset,
     PackedTokens,
     Tokenizer,
     build_packed_corpus,
+    build_packed_splits,
     copy_tokenizer_files,
     has_tokenizer,
     resolve_source,
@@ -108,7 +122,23 @@ class MixtureSource(BaseModel):
 
 
 class DataConfig(BaseModel):
-    """Where the text comes from, how it is read and tokenised, and how it is cut."""
+    """Where the text comes from, how it is read and tokenised, how it is cut, and what is held out.
+
+    Validation data (never trained on) comes from ``validation_source`` when it is set; otherwise it is
+    held out of the training source(s), by ``validation_split``:
+
+    - ``"auto"`` (default): the last ``validation_files`` files when the source has more files than
+      that, else ``validation_documents`` of its documents (one log line says so). So one JSONL file,
+      or a folder of a few files, works with the defaults.
+    - ``"files"``: the last ``validation_files`` files (an error when the source has no more files).
+    - ``"documents"``: ``validation_documents`` documents (JSONL lines, parquet/arrow rows, chat
+      records, text files) drawn by a generator seeded with ``validation_seed``, over the files read.
+
+    The documents drawn depend on the documents and the seed only (not on the world size), so every
+    rank and every resume has the same split. ``validation_files=0`` holds out nothing (with
+    ``evaluation.enabled=false``), except under ``"documents"``. Token files (``format="tokens"``)
+    cannot have documents held out: give them a ``validation_source``.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -138,8 +168,25 @@ class DataConfig(BaseModel):
     max_files: int | None = Field(
         400, ge=1, description="Cap on training files (sorted by path), None for all"
     )
+    validation_split: Literal["auto", "files", "documents"] = Field(
+        "auto",
+        description="How validation is held out of the source: 'auto' (files when the source has more than "
+        "validation_files files, else documents), 'files' or 'documents'",
+    )
     validation_files: int = Field(
-        8, ge=0, description="The corpus's last files (sorted by path), held out for evaluation"
+        8, ge=0, description="The corpus's last files (sorted by path), held out for evaluation (0: none)"
+    )
+    validation_documents: int | float = Field(
+        0.05,
+        gt=0,
+        description="Documents held out when documents are: a number (an int >= 1) or a fraction (a float "
+        "in (0, 1), at least one document)",
+    )
+    validation_seed: int = Field(0, description="Seed of the draw of the held-out documents")
+    validation_source: str | None = Field(
+        None,
+        description="A separate validation corpus (file, directory or glob, read with data.format and "
+        "data.text_field); nothing is then held out of the training source",
     )
     mixture: tuple[MixtureSource, ...] = Field(
         (),
@@ -152,7 +199,21 @@ class DataConfig(BaseModel):
     def _one_kind_of_source(self) -> DataConfig:
         if self.mixture and "source" in self.model_fields_set:
             raise ValueError("data.source and data.mixture: give one (each mixture table names its source)")
+        if isinstance(self.validation_documents, float) and not self.validation_documents < 1:
+            raise ValueError(
+                f"data.validation_documents={self.validation_documents}: a fraction must be below 1 "
+                "(give a whole number for a count of documents)"
+            )
         return self
+
+    @property
+    def holds_out(self) -> bool:
+        """Whether there is validation data (a separate source, or some held out of the source)."""
+        return (
+            self.validation_source is not None
+            or self.validation_split == "documents"
+            or self.validation_files > 0
+        )
 
 
 class TrainConfig(TrainerConfig):
@@ -216,30 +277,61 @@ class TrainConfig(TrainerConfig):
         return self
 
 
+ValidationMode = Literal["files", "documents", "none"]
+
+
+def _source_of(cfg: DataConfig, part: int | None) -> tuple[str, str]:
+    """The source of ``data.source`` or of the ``part``-th ``[[data.mixture]]`` table, and its field name."""
+    if part is None:
+        return cfg.source, "data.source"
+    return cfg.mixture[part].source, f"data.mixture[{part}].source"
+
+
+def _all_files(cfg: DataConfig, source: str, name: str) -> list[Path]:
+    """Every file of ``source`` (sorted by path); errors name the field ``name``."""
+    try:
+        if source == "stdlib":
+            root = Path(sysconfig.get_paths()["stdlib"])
+            return [p for p in resolve_source(root, cfg.pattern or "*.py") if "site-packages" not in p.parts]
+        return resolve_source(source, cfg.pattern or "*")
+    except DataSourceError as e:
+        raise DataSourceError(str(e).replace("data.source", name, 1)) from None
+
+
+def validation_mode(cfg: DataConfig, num_files: int) -> ValidationMode:
+    """How validation is held out of a source of ``num_files`` files (see :class:`DataConfig`)."""
+    if cfg.validation_source is not None:
+        return "none"
+    if cfg.validation_split == "documents":
+        return "documents"
+    if cfg.validation_files == 0:
+        return "none"
+    if cfg.validation_split == "auto" and num_files <= cfg.validation_files:
+        return "documents"
+    return "files"
+
+
 def corpus_files(
     cfg: DataConfig, split: Literal["train", "validation"] = "train", part: int | None = None
 ) -> list[Path]:
-    """The training files (the first ``max_files``) or the held-out validation files (the last ones) of
-    ``data.source``, or of the ``part``-th ``[[data.mixture]]`` table's source.
+    """The files that ``split`` reads of ``data.source``, or of the ``part``-th ``[[data.mixture]]``
+    table's source: held out by files, the training files (the first ``max_files``) or the validation
+    files (the last ``validation_files``); held out by documents (or not at all), the first
+    ``max_files`` files for both (see :class:`DataConfig`).
 
     Raises:
         DataSourceError: a source that does not exist, is empty or has too few files (naming
             ``data.source`` or ``data.mixture[part].source``).
     """
-    source = cfg.source if part is None else cfg.mixture[part].source
-    name = "data.source" if part is None else f"data.mixture[{part}].source"
-    try:
-        if source == "stdlib":
-            root = Path(sysconfig.get_paths()["stdlib"])
-            files = [p for p in resolve_source(root, cfg.pattern or "*.py") if "site-packages" not in p.parts]
-        else:
-            files = resolve_source(source, cfg.pattern or "*")
-    except DataSourceError as e:
-        raise DataSourceError(str(e).replace("data.source", name, 1)) from None
+    source, name = _source_of(cfg, part)
+    files = _all_files(cfg, source, name)
+    mode = validation_mode(cfg, len(files))
+    if mode != "files":
+        return files[: cfg.max_files]
     if len(files) <= cfg.validation_files:
         raise DataSourceError(
-            f"{name}: {len(files)} file(s) in {source}, not more than "
-            f"data.validation_files={cfg.validation_files} (set it lower, or 0 with evaluation.enabled=false)"
+            f"{name}: {len(files)} file(s) in {source}, not more than data.validation_files="
+            f"{cfg.validation_files} (set it lower, or data.validation_split='documents')"
         )
     n = len(files) - cfg.validation_files
     return files[:n][: cfg.max_files] if split == "train" else files[n:]
@@ -261,29 +353,90 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
         raise DataSourceError(f"data.tokenizer: {e}") from None
 
 
+def _packed(
+    cfg: DataConfig, seq_len: int, split: Literal["train", "validation"], part: int | None
+) -> PackedTokens:
+    """One source's rows of ``split`` (``data.source``, or the ``part``-th mixture table's source)."""
+    source, name = _source_of(cfg, part)
+    mode = validation_mode(cfg, len(_all_files(cfg, source, name)))
+    if mode == "documents":
+        packed = _document_splits(cfg, seq_len, part)[0 if split == "train" else 1]
+        if isinstance(packed, DataSourceError):  # held-out documents too few for a row
+            raise packed
+        return packed
+    if split == "validation" and mode == "none":
+        raise DataSourceError(f"{name}: nothing is held out for validation (data.validation_files=0)")
+    files = corpus_files(cfg, split, part)
+    fmt, text_field = _format_of(cfg, part)
+    return build_packed_corpus(
+        files,
+        seq_len,
+        build_tokenizer(cfg),
+        fmt,
+        text_field,
+        strict_utf8=source != "stdlib",
+        loss_on=cfg.loss_on,
+    )
+
+
+def _format_of(cfg: DataConfig, part: int | None) -> tuple[str, str]:
+    """The format and text field of ``data.source`` or of the ``part``-th mixture table."""
+    if part is None:
+        return cfg.format, cfg.text_field
+    table = cfg.mixture[part]
+    return table.format, table.text_field or cfg.text_field
+
+
+@functools.lru_cache(maxsize=4)
+def _document_splits(
+    cfg: DataConfig, seq_len: int, part: int | None
+) -> tuple[PackedTokens, PackedTokens | DataSourceError]:
+    """One source's documents split into training and held-out rows (read once for both; cached)."""
+    source, name = _source_of(cfg, part)
+    files = corpus_files(cfg, "train", part)
+    holdout = DocumentHoldout(cfg.validation_documents, cfg.validation_seed)
+    fmt, text_field = _format_of(cfg, part)
+    train, val = build_packed_splits(
+        files,
+        seq_len,
+        build_tokenizer(cfg),
+        holdout,
+        fmt,
+        text_field,
+        strict_utf8=source != "stdlib",
+        loss_on=cfg.loss_on,
+        name=name,
+    )
+    if cfg.validation_split == "auto" and int(os.environ.get("RANK", "0")) == 0:
+        held = val.num_documents if isinstance(val, PackedTokens) else None
+        what = "some" if held is None else f"{held} of its {train.num_documents + held}"
+        print(
+            f"{name}: {len(files)} file(s), not more than data.validation_files={cfg.validation_files}: "
+            f"holding out {what} documents for validation instead "
+            f"(data.validation_documents={cfg.validation_documents})",
+            file=sys.stderr,
+        )
+    return train, val
+
+
 @functools.lru_cache(maxsize=4)
 def build_dataset(
     cfg: DataConfig, seq_len: int, split: Literal["train", "validation"] = "train"
 ) -> PackedTokens | MixtureDataset:
     """The split's documents tokenised, each ending in the end-of-document token, packed into rows of
     ``seq_len``; with ``[[data.mixture]]`` each table's source packed alone and the rows mixed by weight
-    (cached: the startup check and the trainer share one read)."""
-    tokenizer = build_tokenizer(cfg)
-    parts = [(None, cfg.source, cfg.format, cfg.text_field)] if not cfg.mixture else [
-        (i, m.source, m.format, m.text_field or cfg.text_field) for i, m in enumerate(cfg.mixture)
-    ]  # fmt: skip
-    packed = [
-        build_packed_corpus(
-            corpus_files(cfg, split, part),
-            seq_len,
-            tokenizer,
-            fmt,
-            text_field,
-            strict_utf8=source != "stdlib",
-            loss_on=cfg.loss_on,
-        )
-        for part, source, fmt, text_field in parts
-    ]
+    (cached: the startup check and the trainer share one read). Validation: ``data.validation_source``
+    read alone, or the rows held out of each source (see :class:`DataConfig`)."""
+    if split == "validation" and cfg.validation_source is not None:
+        try:
+            files = resolve_source(cfg.validation_source, cfg.pattern or "*")
+            return build_packed_corpus(
+                files, seq_len, build_tokenizer(cfg), cfg.format, cfg.text_field, loss_on=cfg.loss_on
+            )
+        except DataSourceError as e:
+            raise DataSourceError(str(e).replace("data.source", "data.validation_source", 1)) from None
+    parts: list[int | None] = [None] if not cfg.mixture else list(range(len(cfg.mixture)))
+    packed = [_packed(cfg, seq_len, split, part) for part in parts]
     if not cfg.mixture:
         return packed[0]
     return MixtureDataset(packed, [m.weight for m in cfg.mixture], seed=cfg.mixture_seed)
@@ -298,9 +451,7 @@ def build_trainer(config: TrainerConfig, data: DataConfig, provider: ModelProvid
         provider,
         DatasetProvider(
             lambda: build_dataset(data, seq_len),
-            validation=(lambda: build_dataset(data, seq_len, "validation"))
-            if data.validation_files
-            else None,
+            validation=(lambda: build_dataset(data, seq_len, "validation")) if data.holds_out else None,
         ),
         CausalLMTask(labels_to_model=True),
     )
@@ -470,18 +621,52 @@ def check_data(config: TrainConfig) -> None:
         StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
     """
     assert config.model is not None
-    check_corpus(config.data, config.batching.seq_len, config.model.vocab_size, config.evaluation.enabled)
+    check_corpus(
+        config.data,
+        config.batching.seq_len,
+        config.model.vocab_size,
+        config.evaluation.enabled,
+        global_batch_size=config.batching.global_batch_size,
+    )
 
 
-def check_corpus(data: DataConfig, seq_len: int, vocab_size: int, evaluate: bool) -> None:
-    """Read and tokenise the training (and, with ``evaluate``, the validation) corpus of ``data``, cached
-    for the trainer, and check the tokenizer's ids fit ``vocab_size`` (also used by ``finetune_lora.py``).
+def check_batch_fits(
+    dataset: PackedTokens | MixtureDataset, seq_len: int, global_batch_size: int, what: str
+) -> None:
+    """A dataset must hold one global batch of rows; ``what`` names it (``data.source``, ...).
 
     Raises:
-        StartupError: naming the file (and line or row) of bad input, or both vocabulary sizes.
+        StartupError: in the user's units: records and tokens, and the rows and tokens a batch needs.
     """
-    if data.validation_files == 0 and evaluate:
-        raise StartupError("data.validation_files=0 holds out nothing for evaluation.enabled=true")
+    if len(dataset) >= global_batch_size:
+        return
+    parts = dataset.datasets if isinstance(dataset, MixtureDataset) else [dataset]
+    records = sum(p.num_documents for p in parts)
+    tokens = sum(len(p.tokens) for p in parts)
+    raise StartupError(
+        f"{what}: {records:,} record(s) ({tokens:,} tokens) pack into {len(dataset)} row(s) of "
+        f"batching.seq_len={seq_len}, fewer than one global batch of batching.global_batch_size="
+        f"{global_batch_size} rows ({global_batch_size * seq_len + 1:,} tokens); give more data, or lower "
+        "batching.global_batch_size or batching.seq_len"
+    )
+
+
+def check_corpus(
+    data: DataConfig, seq_len: int, vocab_size: int, evaluate: bool, *, global_batch_size: int | None = None
+) -> None:
+    """Read and tokenise the training (and, with ``evaluate``, the validation) corpus of ``data``, cached
+    for the trainer, and check the tokenizer's ids fit ``vocab_size`` (also used by ``finetune_lora.py``)
+    and, given ``global_batch_size``, that each split holds one global batch.
+
+    Raises:
+        StartupError: naming the file (and line or row) of bad input, both vocabulary sizes, or a split
+            smaller than one global batch.
+    """
+    if not data.holds_out and evaluate:
+        raise StartupError(
+            "data.validation_files=0 holds out nothing for evaluation.enabled=true "
+            "(or give data.validation_source, or data.validation_split='documents')"
+        )
     try:
         tokenizer = build_tokenizer(data)
         if tokenizer.vocab_size > vocab_size:
@@ -489,11 +674,22 @@ def check_corpus(data: DataConfig, seq_len: int, vocab_size: int, evaluate: bool
                 f"data.tokenizer: {data.tokenizer} has {tokenizer.vocab_size} token ids, more than "
                 f"model.vocab_size={vocab_size}"
             )
-        build_dataset(data, seq_len)
-        if evaluate:
-            build_dataset(data, seq_len, "validation")
+        train = build_dataset(data, seq_len)
+        val = build_dataset(data, seq_len, "validation") if evaluate else None
     except DataSourceError as e:
         raise StartupError(str(e)) from None
+    if global_batch_size is not None:
+        source = "data.mixture" if data.mixture else "data.source"
+        check_batch_fits(train, seq_len, global_batch_size, f"{source} (training)")
+        if val is not None:
+            check_batch_fits(val, seq_len, global_batch_size, _validation_name(data))
+
+
+def _validation_name(data: DataConfig) -> str:
+    """What the validation data is, for messages."""
+    if data.validation_source is not None:
+        return "data.validation_source"
+    return f"{'data.mixture' if data.mixture else 'data.source'} (held out for validation)"
 
 
 def build_provider(config: TrainConfig, init_from: Path | None = None) -> CausalLMProvider:
@@ -549,6 +745,12 @@ def main(
     except (ConfigError, RunDirLockedError) as e:  # a config or resume refused; a run dir in use
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if trainer.resume() is not None and trainer.step >= config.run.steps:
+        # a rerun of a finished run: its summary, metrics and export stay as they are
+        if trainer.topology.is_main:
+            print(f"{trainer.run_dir}: already finished at step {trainer.step}; nothing to do")
+        trainer.close()
+        return {}
     try:
         summary = trainer.fit()
         if args.no_export:

@@ -172,6 +172,7 @@ def main() -> None:
     argv += ["--log-dir", str(args.log_dir)] if args.log_dir else []
     targs = throughput.parse_args(argv)
     peak, _, env = throughput.measure(targs, [])[1:]
+    env = f"{torch.cuda.device_count()} x {env}" if torch.cuda.is_available() else env
     dense_variants = json.dumps({"": DENSE, **json.loads(args.dense_variants)})
     results: list[dict[str, Any]] = []
     gpus = max(1, torch.cuda.device_count())

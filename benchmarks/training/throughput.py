@@ -31,12 +31,20 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
   plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml; all
                                   layers in one FSDP unit: with EP it holds only the dense weights)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
+  plait_step_fsdp<n>              plait_step_compiled on n GPUs: FSDP2 over n (``provider.parallelize``), once per
+                                  ``--variants`` entry (ParallelConfig overrides)
+  torchtitan_fsdp<n>              torchtitan_compiled on n GPUs: torchtitan 0.2.2's own ``apply_fsdp``
+                                  (bf16 gradient reduction, like plait's rows)
+
+Every row times ``--windows`` windows of ``--steps`` steps (the median window's tok/s and the spread over the
+windows); ``--profile`` adds the :func:`timeline` of 3 more steps (communication and its exposed part, the
+host's time per step, the GPU's idle fraction).
 
 ``--activation-checkpointing full|selective`` checkpoints every decoder layer of the plait rows (the memory /
 time trade-off of ``ParallelConfig.activation_checkpointing``).
 
 ``--model gpu1`` measures the main job's GPU model instead of the MoE entry (the ``[model]`` table of
-``examples/qwen3_moe/configs/gpu1.toml``; ``benchmarks/training/scaling.py`` uses it) and writes no results file.
+``examples/qwen3_moe/configs/gpu1.toml``) and writes no results file.
 
 Each row runs ``--warmup`` steps, then times ``--steps`` steps with the device synchronised at both ends.
 It prints tok/s (per GPU), MFU against the bf16 matmul rate measured at the start of the same run, the
@@ -769,7 +777,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         default='{"": {}}',
         help="plait_step rows: JSON {name: ParallelConfig overrides}, each built and timed in turn in one "
-        'process (e.g. \'{"": {}, "prefetch1": {"fsdp_prefetch": 1}}\')',
+        'process (e.g. \'{"": {}, "reshard": {"reshard_after_forward": true}}\')',
     )
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--row-timeout", type=float, default=900)

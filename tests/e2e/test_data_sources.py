@@ -79,7 +79,7 @@ def test_bad_data_is_one_line_and_exit_2_before_the_model(pretrain, capsys, tmp_
     err = _fails(pretrain, capsys, [*run, f"--data.source={tmp_path / 'w.bin'}"])
     assert f"{tmp_path / 'w.bin'}: cannot tell the format from the extension '.bin'" in err
     err = _fails(pretrain, capsys, [*run[:2], f"--data.source={tmp_path / 'ok.jsonl'}"])
-    assert "data.source: 1 file(s) in" in err and "data.validation_files=8" in err
+    assert "data.validation_documents=0.05: data.source: holding out 1 of 1 document(s) leaves none" in err
     err = _fails(pretrain, capsys, [*run[:3], f"--data.source={tmp_path / 'ok.jsonl'}"])
     assert "data.validation_files=0 holds out nothing for evaluation.enabled=true" in err
     err = _fails(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -148,3 +149,22 @@ def test_fit_resumes_before_its_first_step(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # the second run logged 4 and 5
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["steps"], summary["steps_this_session"]) == (5, 2)
+
+
+def test_a_field_newer_than_the_checkpoint_is_not_a_change(tmp_path, caplog):
+    """A checkpoint written before a config field existed resumes (the field logged); a field it has and
+    that changed is still refused."""
+    from plait.loop.checkpoint.resume_policy import check_resume_config
+
+    saved = {"data": {"source": "a.jsonl", "seq_len": 8}}
+    now = {"data": {"source": "a.jsonl", "seq_len": 8, "validation_split": "auto"}}
+    with caplog.at_level(logging.WARNING):
+        assert check_resume_config(tmp_path, {"step": 1, "config": saved}, now, ["data"], 10) == {
+            "data.validation_split": (None, "auto")
+        }
+    assert "predates the field data.validation_split" in caplog.text
+    changed = {"data": {"source": "b.jsonl", "seq_len": 8, "validation_split": "auto"}}
+    with pytest.raises(
+        ResumeConfigError, match=re.escape("data.source: 'a.jsonl' in the checkpoint, 'b.jsonl' now")
+    ):
+        check_resume_config(tmp_path, {"step": 1, "config": saved}, changed, ["data"], 10)

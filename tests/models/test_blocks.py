@@ -241,3 +241,37 @@ def test_loss_gradients_equal_materialised_cross_entropy(grad_in_forward):
     (F.cross_entropy(logits.flatten(0, 1), labels.flatten()) * 2.5).backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-4, msg=k)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (a device sync on a GPU)."""
+
+    READS = ("aten.is_nonzero.default", "aten._local_scalar_dense.default", "aten.item.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_without_positions_reads_nothing_on_the_host():
+    """Default positions cannot mark packed documents: the forward must not look for restarts in them
+    (``bool(...any())`` is a host read, a device sync per forward on a GPU that stalls FSDP's overlap)."""
+    cfg = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    with _HostReads() as mode:
+        out = model(input_ids=ids, labels=ids)
+    assert mode.reads == [], mode.reads
+    # positions that restart still mark documents (that read is the price of deriving them)
+    with _HostReads() as mode:
+        model(input_ids=ids, labels=ids, position_ids=torch.arange(16).remainder(8).expand(2, 16))
+    assert mode.reads
+    assert torch.isfinite(out["loss"])

@@ -68,14 +68,6 @@ LAYOUTS = {
     # two decoder layers per FSDP unit (layers 0-1, then 2); with EP the experts stay out of the units
     "fsdp2_units2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {"fsdp_layers_per_unit": 2}),
     "ctx_ep2_fsdp2_units2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"fsdp_layers_per_unit": 2}),
-    # explicit prefetching: every unit all-gathers the next two (forward) / the two before (backward)
-    "fsdp2_units2_prefetch2": (
-        2,
-        (1, 1, 2, 1, 1),
-        (1, 2, 1),
-        {"fsdp_layers_per_unit": 2, "fsdp_prefetch": 2},
-    ),
-    "ctx_ep2_fsdp2_prefetch1": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"fsdp_prefetch": 1}),
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
     "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),

@@ -35,7 +35,7 @@ from plait.pipelining import (
 )
 from torch import nn
 
-__all__ = ["Executor", "build_executor", "build_stages", "place_stages", "quiet_cpu_mesh_init", "to_device"]
+__all__ = ["Executor", "build_executor", "build_stages", "place_stages", "quiet_cpu_mesh_init"]
 
 logger = logging.getLogger("plait.loop")
 Executor = OfflineExecutor | PipelineExecutor
@@ -139,22 +139,6 @@ def _bound_loss_gradients(stages: Mapping[int, nn.Module], program: Program, las
             program.name,
             in_flight,
         )
-
-
-def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A batch's tensors on ``device``, copied without making the host wait.
-
-    A copy from pageable host memory to a GPU blocks the host until the device has finished all the
-    work queued before it (``non_blocking`` has no effect then), so the host could not queue a step
-    while the previous one runs. Host tensors are pinned first (a small copy into torch's cached pinned
-    memory); the copy to the GPU is then asynchronous.
-    """
-    out = {}
-    for k, v in batch.items():
-        if device.type == "cuda" and v.device.type == "cpu" and not v.is_pinned():
-            v = v.pin_memory()
-        out[k] = v.to(device, non_blocking=True)
-    return out
 
 
 def build_executor(

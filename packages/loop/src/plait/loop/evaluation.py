@@ -9,7 +9,6 @@ import torch
 from plait.loop.batch_plan import BatchPlan
 from plait.loop.config import EvaluationConfig, TrainerConfig
 from plait.loop.data import DistributedDataLoader
-from plait.loop.engine import to_device
 from plait.loop.loss import LOSS_KEY, StepLoss
 from plait.loop.providers import DataProvider, Task
 from plait.loop.topology import Topology
@@ -107,8 +106,8 @@ class Evaluator:
                 batch = next(self.loader)
                 if self.shard_batch is not None:
                     batch = self.shard_batch(batch)
-                for k, v in to_device(batch, self.device).items():
-                    state.global_view[k] = v
+                for k, v in batch.items():
+                    state.global_view[k] = v.to(self.device, non_blocking=True)
                 self.executor.step({}, state)
         finally:
             for m, mode in zip(self.modules, modes):

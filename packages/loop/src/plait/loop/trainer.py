@@ -31,7 +31,7 @@ from plait.loop.checkpoint import (
     TrainingCheckpoints,
 )
 from plait.loop.config import TrainerConfig
-from plait.loop.engine import Executor, build_executor, build_stages, place_stages, to_device
+from plait.loop.engine import Executor, build_executor, build_stages, place_stages
 from plait.loop.evaluation import Evaluator
 from plait.loop.events import (
     AfterBackward,
@@ -378,8 +378,8 @@ class Trainer:
                 f"step {self.step}: the global batch has no loss tokens (all labels are ignored)"
             )
         state = PipelineState(self.batch_plan.num_microbatches, specs={LOSS_KEY: Stack()})
-        for k, v in to_device(self.topology.shard_batch(batch), self.device).items():
-            state.global_view[k] = v
+        for k, v in self.topology.shard_batch(batch).items():
+            state.global_view[k] = v.to(self.device, non_blocking=True)
         self.loss.start(global_tokens)
         self.events.publish(BeforeForwardBackward(self.step, state.num_microbatches, global_tokens))
         self.executor.step({}, state)

@@ -69,8 +69,15 @@ def check_resume_config(
         return {}
     fixed = tuple(fixed)
     changes = config_changes(saved, current)
+    # A field the checkpoint's config does not have at all was added to plait after it was written: the
+    # run that wrote it behaved as the field's current value says (its default), unless set otherwise now.
+    added = _flatten(current).keys() - _flatten(saved).keys()
+    for k in sorted(added & changes.keys()):
+        log.warning("checkpoint %s predates the field %s: resuming with %s=%r", path, k, k, changes[k][1])
     refused = [
-        f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in changes.items() if _fixed(k, fixed)
+        f"{k}: {a!r} in the checkpoint, {b!r} now"
+        for k, (a, b) in changes.items()
+        if _fixed(k, fixed) and k not in added
     ]
     if refused:
         raise ResumeConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,9 @@ def _writer_process_main(pg_init_info: Any, parent_conn: Any) -> None:
     DCP's own entry sets the writer's root logger to INFO with a stream handler, so every
     checkpoint printed ``Waiting for checkpoint save request...`` and the like on the console.
     """
+    # A Ctrl-C reaches every process of the terminal's group: the training process decides what it means
+    # (finish the step, save, exit 130), so the writer must not die of it mid-save.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def init_logger(rank: int) -> None:
         handler = logging.StreamHandler()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,12 @@ Batch = dict[str, torch.Tensor]
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """A worker ignores Ctrl-C: the terminal sends it to the whole process group, and the training
+    process decides (finish the step, save, exit); a worker that died of it would fail the next batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _StepDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -113,6 +120,7 @@ class DistributedDataLoader:
             sampler=itertools.count(self.batches_consumed),  # type: ignore[arg-type]
             collate_fn=_identity,
             num_workers=self.num_workers,
+            worker_init_fn=_ignore_sigint,
             prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,
             persistent_workers=False,

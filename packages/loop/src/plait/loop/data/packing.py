@@ -60,6 +60,17 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def num_documents(self) -> int:
+        """The documents of the stream: ``doc_offsets``' count, or the ``eos_id`` tokens (plus a last
+        document that does not end in one); 1 without either. Reads every token of a memory map."""
+        if self.doc_offsets is not None:
+            return len(self.doc_offsets)
+        if self.eos_id is None:
+            return 1
+        tokens = np.asarray(self.tokens)
+        return int(np.count_nonzero(tokens == self.eos_id)) + int(tokens[-1] != self.eos_id)
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < self._n:
             raise IndexError(f"sample {i} out of range [0, {self._n})")

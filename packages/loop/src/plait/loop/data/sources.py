@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,8 +31,10 @@ __all__ = [
     "FORMATS",
     "DataFormat",
     "DataSourceError",
+    "DocumentHoldout",
     "LossOn",
     "build_packed_corpus",
+    "build_packed_splits",
     "chat_template_of",
     "encode_chat",
     "infer_format",
@@ -280,11 +283,11 @@ def encode_chat(
     return ids, assistant_token_mask(len(ids), spans, char_to_token)
 
 
-def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_on: LossOn) -> PackedTokens:
+def _encoded_chats(
+    files: Sequence[Path], tokenizer: Tokenizer, loss_on: LossOn
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(token ids, assistant mask)`` of each chat record of ``files``, rendered with the tokenizer's template."""
     template = chat_template_of(tokenizer)
-    ids: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    offsets, total = [], 0
     for where, messages in read_chats(files):
         try:
             tokens, mask = encode_chat(tokenizer, template, messages)
@@ -292,22 +295,33 @@ def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_
             raise DataSourceError(f"{where}: {e}") from None
         if loss_on == "assistant" and not any(mask):
             raise DataSourceError(f"{where}: {NO_ASSISTANT_TOKEN}")
-        offsets.append(total)
-        total += len(tokens)
-        ids.append(np.asarray(tokens, dtype=np.int32))
-        masks.append(np.asarray(mask, dtype=np.uint8))
-    if not ids:
-        raise DataSourceError(f"data.source: no chat records in {', '.join(map(str, files))}")
+        yield np.asarray(tokens, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def _pack_chat_documents(
+    chats: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, loss_on: LossOn, what: str
+) -> PackedTokens:
+    """Encoded chats packed into rows, their boundaries kept as offsets (``what`` names them in errors)."""
+    if not chats:
+        raise DataSourceError(f"{what}: no chat records")
+    lengths = np.asarray([len(ids) for ids, _ in chats], dtype=np.int64)
     try:
         return PackedTokens(
-            np.concatenate(ids),
+            np.concatenate([ids for ids, _ in chats]),
             seq_len,
             None,
-            doc_offsets=np.asarray(offsets, dtype=np.int64),
-            loss_mask=np.concatenate(masks) if loss_on == "assistant" else None,
+            doc_offsets=np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
+            loss_mask=np.concatenate([mask for _, mask in chats]) if loss_on == "assistant" else None,
         )
     except ValueError as e:
-        raise DataSourceError(f"data.source: {e}") from None
+        raise DataSourceError(f"{what}: {e}") from None
+
+
+def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_on: LossOn) -> PackedTokens:
+    chats = list(_encoded_chats(files, tokenizer, loss_on))
+    if not chats:
+        raise DataSourceError(f"data.source: no chat records in {', '.join(map(str, files))}")
+    return _pack_chat_documents(chats, seq_len, loss_on, "data.source")
 
 
 def token_dtype(vocab_size: int) -> Any:
@@ -414,3 +428,92 @@ def build_packed_corpus(
         return pack_documents(docs, seq_len, tokenizer.eos_id, append_eos=False)
     except ValueError as e:
         raise DataSourceError(f"data.source: {e}") from None
+
+
+@dataclass(frozen=True)
+class DocumentHoldout:
+    """The documents of a corpus held out for validation (never trained on).
+
+    ``amount`` documents (an ``int`` >= 1), or that fraction of them (a ``float`` in (0, 1); at least
+    one), drawn by a generator seeded with ``seed`` alone: the split is a function of the number of
+    documents and the seed, the same in every process, for any world size, and on every resume.
+    A document is a text file, a JSONL line, a parquet or arrow row, or a chat record.
+    """
+
+    amount: int | float
+    seed: int = 0
+
+    def count(self, num_documents: int) -> int:
+        """How many of ``num_documents`` documents are held out."""
+        if isinstance(self.amount, int):
+            return self.amount
+        return max(1, round(self.amount * num_documents))
+
+    def held_out(self, num_documents: int) -> np.ndarray:
+        """The sorted indices of the held-out documents among ``num_documents``.
+
+        Raises:
+            ValueError: the hold-out would leave no document to train on.
+        """
+        k = self.count(num_documents)
+        if k >= num_documents:
+            raise ValueError(f"holding out {k} of {num_documents} document(s) leaves none to train on")
+        rng = np.random.Generator(np.random.PCG64(self.seed))
+        return np.sort(rng.permutation(num_documents)[:k])
+
+
+def build_packed_splits(
+    files: Sequence[Path],
+    seq_len: int,
+    tokenizer: Tokenizer,
+    holdout: DocumentHoldout,
+    fmt: str = "auto",
+    text_field: str = "text",
+    *,
+    strict_utf8: bool = True,
+    loss_on: LossOn = "assistant",
+    name: str = "data.source",
+) -> tuple[PackedTokens, PackedTokens | DataSourceError]:
+    """The documents of ``files`` split by ``holdout`` into ``(training, validation)``, each tokenised and
+    packed as :func:`build_packed_corpus` packs them (documents keep their order within each split).
+
+    ``name`` is the config field of the source, for the messages. A validation split too small for one
+    row is returned as its error (raise it where validation is needed; training alone may go on).
+
+    Raises:
+        DataSourceError: bad input, token files (their documents are not read one by one), a hold-out
+            that leaves no document to train on, or a split with too few tokens for one row.
+    """
+    kinds = {infer_format(p) if fmt == "auto" else fmt for p in files}
+    if "tokens" in kinds:
+        raise DataSourceError(
+            f"{name}: documents cannot be held out of token files; give data.validation_source "
+            "(or data.validation_files=0 with evaluation.enabled=false)"
+        )
+    if kinds == {"chat"}:
+        docs: list[Any] = list(_encoded_chats(files, tokenizer, loss_on))
+    else:
+        texts = read_documents(files, fmt, text_field, strict_utf8=strict_utf8)
+        docs = [np.asarray(_encode_document(tokenizer, text), dtype=np.int32) for text in texts]
+    try:
+        held = holdout.held_out(len(docs))
+    except ValueError as e:
+        raise DataSourceError(f"data.validation_documents={holdout.amount}: {name}: {e}") from None
+    is_held = np.zeros(len(docs), dtype=bool)
+    is_held[held] = True
+    splits = ([d for d, h in zip(docs, is_held) if not h], [d for d, h in zip(docs, is_held) if h])
+    names = (f"{name} (training)", f"{name} (the {len(held)} held-out document(s) for validation)")
+    packed: list[PackedTokens | DataSourceError] = []
+    for split, what in zip(splits, names):
+        try:
+            if kinds == {"chat"}:
+                packed.append(_pack_chat_documents(split, seq_len, loss_on, what))
+            else:
+                packed.append(pack_documents(split, seq_len, tokenizer.eos_id, append_eos=False))
+        except DataSourceError as e:
+            packed.append(e)
+        except ValueError as e:
+            packed.append(DataSourceError(f"{what}: {e}"))
+    if isinstance(packed[0], DataSourceError):
+        raise packed[0]
+    return packed[0], packed[1]

@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ class RunSummary:
     the first one, less any interval in which torch.compile compiled a graph (evaluation time is left
     out of both); ``steady_steps`` counts their steps (0 when no interval qualifies: the steady figures
     are None then). ``last_val_loss`` and ``best_val_loss`` (at ``best_val_step``) come from the
-    evaluations of this session.
+    evaluations of this session. ``stragglers`` maps each rank that was flagged as a straggler in a
+    logging interval (``logging.straggler_threshold``) to that interval count and its largest lag.
     """
 
     steps: int
@@ -59,6 +60,7 @@ class RunSummary:
     checkpoint: str | None
     export: str | None
     error: str | None = None
+    stragglers: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (what ``summary.json`` holds)."""
@@ -93,6 +95,12 @@ class RunSummary:
         ]
         if losses:
             lines.append("  " + " | ".join(losses))
+        if self.stragglers:
+            ranks = ", ".join(
+                f"rank {r} ({s['intervals']:.0f} intervals, lag up to {s['max_lag_s']:.3f} s/step)"
+                for r, s in self.stragglers.items()
+            )
+            lines.append(f"  stragglers: {ranks}")
         lines += [f"  checkpoint: {self.checkpoint or 'none'}", f"  export: {self.export or 'none'}"]
         return "\n".join(lines)
 
@@ -145,6 +153,7 @@ class RunSummaryCollector:
         self._intervals = 0
         self._last_logged_step: int | None = None
         self._val: list[tuple[int, float]] = []  # (step, val_loss) of each evaluation
+        self._stragglers: dict[str, dict[str, float]] = {}  # rank -> flagged intervals, largest lag
         events.subscribe(TrainingStart, self._on_start)
         events.subscribe(MetricsLogged, self._on_metrics)
         events.subscribe(TrainingEnd, self._on_end)
@@ -167,6 +176,12 @@ class RunSummaryCollector:
         val = e.metrics.get("val_loss")
         if val is not None and math.isfinite(val):
             self._val.append((e.step, float(val)))
+        if e.metrics.get("straggler_flagged"):
+            seen = self._stragglers.setdefault(
+                str(int(e.metrics["straggler_rank"])), {"intervals": 0, "max_lag_s": 0.0}
+            )
+            seen["intervals"] += 1
+            seen["max_lag_s"] = max(seen["max_lag_s"], float(e.metrics["straggler_lag_s"]))
         interval = e.interval
         if "tokens_per_s" in e.metrics and interval is not None:  # a training interval was measured
             if self._intervals > 0 and not interval.compiled:
@@ -214,13 +229,21 @@ class RunSummaryCollector:
             checkpoint=str(totals.checkpoint) if totals.checkpoint is not None else None,
             export=str(self.export) if self.export is not None else None,
             error=self._error,
+            stragglers={r: dict(s) for r, s in sorted(self._stragglers.items(), key=lambda rs: int(rs[0]))},
         )
 
     def write(self, run_dir: str | Path, totals: RunTotals) -> RunSummary | None:
         """On the main rank: print the summary, write ``summary.json`` and ``loss_curve.png`` (from
         ``metrics.jsonl``, when there is one) into ``run_dir``. Returns the summary (None elsewhere,
-        or before training started)."""
+        before training started, or after a session that trained no step of a run that already has a
+        ``summary.json``: a rerun of a finished run leaves its summary as it was)."""
         if not self._is_main or self._t0 is None:
+            return None
+        if (
+            totals.step == self._start_step
+            and self._error is None
+            and (Path(run_dir) / "summary.json").is_file()
+        ):
             return None
         summary = self.summary(totals)
         run_dir = Path(run_dir)

@@ -113,11 +113,6 @@ class ParallelConfig(BaseModel):
             all-gather, one reduce-scatter and one set of hooks per unit). 1 = a unit per layer;
             more trades peak memory (that many layers' unsharded parameters) for fewer, larger
             collectives and less host time per step (what small, host-bound layers need).
-        fsdp_prefetch: Explicit FSDP2 prefetching: each unit's forward all-gathers the next
-            ``fsdp_prefetch`` units and each unit's backward the ones whose backward follows, issued
-            before the unit's compute is queued (0: FSDP2's implicit prefetching, which issues an
-            all-gather only when the host reaches the unit, so a host that runs just ahead of the
-            device leaves it exposed). Costs that many units' unsharded parameters of memory.
         param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
@@ -154,7 +149,6 @@ class ParallelConfig(BaseModel):
     data_parallel: Literal["fsdp", "none"] = "fsdp"
     reshard_after_forward: bool | None = None
     fsdp_layers_per_unit: int = Field(default=1, ge=1)
-    fsdp_prefetch: int = Field(default=0, ge=0)
     param_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()

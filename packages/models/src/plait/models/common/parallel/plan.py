@@ -26,7 +26,7 @@ from plait.models.common.parallel.float8 import apply_float8
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -181,7 +181,6 @@ def apply_fsdp(
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     layers_per_unit: int = 1,
-    prefetch: int = 0,
 ) -> None:
     """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers and on the root, over
     ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
@@ -190,12 +189,6 @@ def apply_fsdp(
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
     get their own ``fully_shard`` (one per layer) so their gradients are reduced over the expert
     replicas.
-
-    ``prefetch`` > 0 sets explicit FSDP2 prefetching between the layer units: each unit's forward
-    all-gathers the next ``prefetch`` units and each unit's backward the ``prefetch`` units whose
-    backward follows, issued before the unit's own compute is queued, so that the all-gathers overlap
-    compute even when the host runs only just ahead of the device (FSDP2's implicit prefetching issues
-    a forward all-gather when the host reaches the unit).
     """
     kwargs: dict[str, Any] = {}
     if mp_policy is not None:
@@ -204,45 +197,22 @@ def apply_fsdp(
         kwargs["reshard_after_forward"] = reshard_after_forward
     layers = list(model.decoder_layers())
     ignored_all: set[nn.Parameter] = set()
-    chain: list[list[FSDPModule]] = []  # the FSDP2 modules of each unit, in forward order
     for start in range(0, len(layers), layers_per_unit):
         unit = layers[start : start + layers_per_unit]
         ignored: set[nn.Parameter] = set()
-        states: list[FSDPModule] = []
         for layer in unit:
             if isinstance(layer.mlp, MoELayer) and experts_sharded:
                 experts = layer.mlp.experts
                 if expert_dp_mesh is not None:
-                    states.append(_shard(experts, expert_dp_mesh, kwargs))
+                    fully_shard(experts, mesh=expert_dp_mesh, **kwargs)
                 else:
                     ignored |= set(experts.parameters())
         ignored_all |= ignored
-        states.insert(0, _shard(unit, dp_mesh, kwargs, ignored))
-        chain.append(states)
+        if len(unit) == 1:
+            fully_shard(unit[0], mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
+        else:
+            fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
-    if prefetch > 0:
-        for i, states in enumerate(chain):
-            states[0].set_modules_to_forward_prefetch([m for u in chain[i + 1 : i + 1 + prefetch] for m in u])
-            states[0].set_modules_to_backward_prefetch(
-                [m for u in reversed(chain[max(0, i - prefetch) : i]) for m in u]
-            )
-
-
-def _shard(
-    unit: nn.Module | list[DecoderLayer],
-    mesh: DeviceMesh,
-    kwargs: dict[str, Any],
-    ignored: set[nn.Parameter] | None = None,
-) -> FSDPModule:
-    """``fully_shard`` of one module or a group of layers; the FSDP2 module whose state they share."""
-    if isinstance(unit, list) and len(unit) == 1:
-        unit = unit[0]
-    if isinstance(unit, list):
-        sharded = fully_shard(list[nn.Module](unit), mesh=mesh, ignored_params=ignored or None, **kwargs)[0]
-    else:
-        sharded = fully_shard(unit, mesh=mesh, ignored_params=ignored or None, **kwargs)
-    assert isinstance(sharded, FSDPModule)
-    return sharded
 
 
 def _check_cuda_graph_layout(
@@ -360,6 +330,5 @@ def parallelize_decoder(
             reshard_after_forward=config.reshard_after_forward,
             mp_policy=mp,
             layers_per_unit=config.fsdp_layers_per_unit,
-            prefetch=config.fsdp_prefetch,
         )
     return model

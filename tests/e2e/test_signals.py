@@ -1,0 +1,76 @@
+"""Ctrl-C under ``uv run``: the terminal's SIGINT to the process group, then uv's forwarded copy about
+200 ms later. The main job takes both as one stop: it saves the step, writes its summary and exits 130
+without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tests.e2e._pretrain_runner import REPO
+
+TRAIN = REPO / "examples" / "train.py"
+ARGS = [
+    "--batching.seq_len=32",
+    "--batching.global_batch_size=4",
+    "--batching.microbatch_size=4",
+    "--data.max_files=8",
+    "--data.validation_files=1",
+    "--evaluation.enabled=false",
+    "--logging.progress_bar=false",
+    "--logging.interval=1",
+    "--checkpoint.interval=1000",
+    "--no-export",
+]
+
+
+def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
+    """The job in a process group of its own (as a terminal's), its stderr collected; the event is set
+    once it has logged a training step."""
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), "--steps", "100000", "--run-dir", str(run_dir), *ARGS],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if " step 2/" in line:
+                training.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, lines, training
+
+
+def test_two_sigints_200ms_apart_save_summarise_and_exit_130(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, err, training = _start(run_dir)
+    try:
+        assert training.wait(120), "".join(err)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal: every process of the group
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # uv's forwarded copy
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = "".join(err)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["steps"] >= 2
+    assert summary["checkpoint"] and summary["checkpoint"].endswith(f"step_{summary['steps']:08d}")
+    assert "run stopped early" in out
