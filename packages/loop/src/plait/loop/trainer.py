@@ -69,6 +69,7 @@ from plait.loop.providers import (
     Task,
 )
 from plait.loop.records import StepResult, TrainerState
+from plait.loop.resilience import Heartbeat, StepWatchdog, StragglerMeter
 from plait.loop.run_lock import lock_run_dir
 from plait.loop.topology import connect, pick_device
 from plait.loop.tracking import (
@@ -216,6 +217,18 @@ class Trainer:
             self.rng = RngState()
             # The CPU group over all ranks (gloo): checkpoint coordination, the stop signal, token counts.
             self.host_group = self.ctx.host_group if dist.is_initialized() else None
+            # Self-healing runs: a heartbeat file, stragglers in the metrics, a step watchdog (plait.loop.resilience).
+            self.heartbeat = Heartbeat.for_run(
+                self.run_dir, config.logging.heartbeat_interval_s, self.events, is_main=topo.is_main
+            )
+            self.stragglers = StragglerMeter(
+                self.host_group, config.logging.straggler_threshold, rank=topo.rank, is_main=topo.is_main,
+                events=self.events,
+            )  # fmt: skip
+            self.watchdog = StepWatchdog(
+                config.timeouts, self.events, sync_every=config.logging.interval, rank=topo.rank,
+                run_dir=self.run_dir,
+            )  # fmt: skip
             if config.checkpoint.enabled:
                 self.checkpoints = TrainingCheckpoints(
                     config,
@@ -530,7 +543,9 @@ class Trainer:
         t = torch.tensor(values, dtype=torch.float64)
         host = self.host_group
         if host is not None and dist.get_backend(host) == "gloo":
+            t0 = time.perf_counter()
             dist.all_reduce(t, group=host)
+            self.stragglers.add_sync_wait(time.perf_counter() - t0)  # waiting here for a late rank
             return tuple(int(v) // (topo.world_size // topo.dp_size) for v in t.tolist())
         if dist.get_backend(topo.dp_group) == "nccl":
             t = t.to(self.device)
@@ -547,10 +562,12 @@ class Trainer:
             values.update(device_memory_stats(self.device))
             values["skipped_steps"] = float(self.state.skipped_steps)
             values["tokens_seen"] = float(self.state.tokens_seen)
+            values.update(self.stragglers.gather())  # a small all-gather on the host group
             self.metrics.reset()
         if evaluate:
             t0 = time.perf_counter()
-            values.update(self.evaluate())
+            with self.watchdog.phase("evaluation", self.step), self.heartbeat.phase("evaluation", self.step):
+                values.update(self.evaluate())
             self.throughput.exclude(time.perf_counter() - t0)
         self.reporter.log(values, self.step)
         interval = self.throughput.last_interval if train else None
@@ -583,12 +600,17 @@ class Trainer:
         first = True
         queued: list[PendingStep] = []  # launched steps whose statistics are still on the device
         last_loss = math.nan
+        self.watchdog.start()
         try:
             while self.step < total and not self._stop_requested:
                 self.events.publish(StepStart(self.step))
                 t0 = time.perf_counter()
+                self.stragglers.delay()  # PLAIT_DEBUG_RANK_DELAY's test hook; nothing without it
+                t_data = time.perf_counter()
                 batch = next(self.data_loader)
-                self.throughput.add_data_wait(time.perf_counter() - t0)
+                data_wait = time.perf_counter() - t_data
+                self.throughput.add_data_wait(data_wait)
+                self.stragglers.add_data_wait(data_wait)
                 pending = self._launch(batch)
                 queued.append(pending)
                 self.gc.step(self.step)
@@ -623,13 +645,19 @@ class Trainer:
                         f"gradients up to step {self.step}): the model has diverged; no checkpoint or export of it"
                     )
                 if save:
-                    self.save_checkpoint(blocking=last)
+                    with (
+                        self.watchdog.phase("checkpoint", self.step),
+                        self.heartbeat.phase("checkpoint", self.step),
+                    ):
+                        self.save_checkpoint(blocking=last)
             self.check_finite("the end of fit() (so no export)")
             self.events.publish(TrainingEnd(self.step, stopped_early=self.step < total))
         except Exception as e:  # a KeyboardInterrupt is a stop, not a failure
             self.run_summary.failed(e)
+            self.heartbeat.beat(self.step, "failed", force=True)
             raise
         finally:
+            self.watchdog.stop()
             if preemption is not None:
                 self.stop_signal = preemption.received
                 preemption.restore()

@@ -26,6 +26,7 @@ __all__ = [
     "StochasticAdamWConfig",
     "TimeoutConfig",
     "TrackerConfig",
+    "WatchdogConfig",
 ]
 
 
@@ -241,6 +242,23 @@ class LoggingConfig(_Section):
         gt=0,
         description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only).",
     )
+    heartbeat_interval_s: float | None = Field(
+        default=10.0,
+        ge=0,
+        description=(
+            "The main rank rewrites <run_dir>/heartbeat.json (step, unix time, tokens seen, phase) after a step "
+            "at most this often, and at the start and end of fit() (0: after every step; None: no heartbeat)"
+        ),
+    )
+    straggler_threshold: float | None = Field(
+        default=0.2,
+        gt=0,
+        description=(
+            "Each logging interval the ranks' per-step host times are gathered (gloo); the slowest rank is "
+            "logged (straggler_rank, straggler_lag_s) and warned about when its lag over the median exceeds this "
+            "fraction of the median (0.2: 20%); None: not gathered"
+        ),
+    )
 
 
 class ProfilingConfig(_Section):
@@ -256,11 +274,48 @@ class ProfilingConfig(_Section):
     with_stack: bool = False
 
 
+class WatchdogConfig(_Section):
+    """The step watchdog (:class:`~plait.loop.resilience.StepWatchdog`): a thread that ends a rank whose
+    training loop makes no progress, with exit status 75 (:data:`~plait.loop.resilience.WATCHDOG_EXIT_CODE`)
+    so that torchrun or Slurm restart the job from its last complete checkpoint.
+
+    After the warm-up a step may take ``step_factor`` times the longest recent step (at least
+    ``min_step_s``); the warm-up steps, checkpoint saves and evaluations have limits of their own. The step
+    limits stay below the collective timeout in force (90% of ``timeouts.init_s`` for a fit's first step,
+    of ``timeouts.step_s`` after it), so a rank stuck in a collective is reported by the watchdog (phase,
+    stacks, NCCL flight recorder) before the collective's own timeout fires.
+    """
+
+    enabled: bool | Literal["auto"] = Field(
+        default="auto",
+        description="true, false, or auto: on when launched by torchrun (TORCHELASTIC_RUN_ID set), which restarts it",
+    )
+    step_factor: float = Field(
+        default=10.0, gt=1, description="A step may take this many times the longest of the recent steps."
+    )
+    min_step_s: float = Field(default=60.0, gt=0, description="The step limit is never below this (seconds).")
+    warmup_steps: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "The first steps of each fit() (compilation, allocator warm-up) run under warmup_step_s; the "
+            "warm-up also lasts until logging.interval steps after them were timed"
+        ),
+    )
+    warmup_step_s: float = Field(default=900.0, gt=0, description="The limit of each warm-up step (seconds).")
+    checkpoint_s: float = Field(
+        default=1800.0, gt=0, description="The limit of one checkpoint save (seconds)."
+    )
+    evaluation_s: float = Field(default=1800.0, gt=0, description="The limit of one evaluation (seconds).")
+
+
 class TimeoutConfig(_Section):
-    """Collective timeouts: a long one for start-up (compilation, weight loading), a short one per step."""
+    """Collective timeouts: a long one for start-up (compilation, weight loading), a short one per step;
+    and the step watchdog's limits (``watchdog``), kept below them."""
 
     init_s: float = Field(default=600.0, gt=0)
     step_s: float = Field(default=120.0, gt=0)
+    watchdog: WatchdogConfig = WatchdogConfig()
 
 
 class GCConfig(_Section):
