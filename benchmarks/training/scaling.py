@@ -39,18 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # benchmarks/training/throughput.py
 
 RESULTS = throughput.ROOT / "benchmarks" / "results" / "scaling.md"
-# The ParallelConfig of plait's dense rows over several GPUs (the table's "default" variant): the setting
-# the multi-GPU configs ship. Parameters stay gathered from forward to backward: one all-gather per unit
-# and step instead of two, for the unsharded layers' memory (still below torchtitan's peak).
+# The ParallelConfig of plait's dense rows over several GPUs (the table's "default" variant), as gpu4.toml
+# ships it: parameters stay gathered from forward to backward (one all-gather per unit and step instead of
+# two), for the unsharded layers' memory (still below torchtitan's peak).
 DENSE = {"reshard_after_forward": False}
-# (what, the row at n GPUs, the row at 1 GPU)
-ROWS = (
-    ("dense, plait FSDP", "dense.plait_step_fsdp{n}", "dense.plait_step_compiled"),
-    ("dense, torchtitan FSDP", "dense.torchtitan_fsdp{n}", "dense.torchtitan_compiled"),
-    ("MoE, plait Trainer, FSDP", "moe.plait_trainer_fsdp{n}", "moe.plait_trainer_compiled"),
-    ("MoE, plait Trainer, EP x FSDP", "moe.plait_trainer_ep{n}", "moe.plait_trainer_compiled"),
-)
-# (what, row pattern, variant, baseline: "1" = the 1-GPU row / "titan" = torchtitan at n, GPU counts, at least)
+# the row at n GPUs -> the row at 1 GPU
+ROWS = {
+    "dense.plait_step_fsdp{n}": "dense.plait_step_compiled",
+    "dense.torchtitan_fsdp{n}": "dense.torchtitan_compiled",
+    "moe.plait_trainer_fsdp{n}": "moe.plait_trainer_compiled",
+    "moe.plait_trainer_ep{n}": "moe.plait_trainer_compiled",
+}
+# (what, row at n GPUs, baseline: "1" = its 1-GPU row / "titan" = torchtitan at n, GPU counts, at least)
 TARGETS = (
     ("dense FSDP per GPU vs 1 GPU", "dense.plait_step_fsdp{n}", "1", (2, 4), 0.95),
     ("dense FSDP vs torchtitan FSDP", "dense.plait_step_fsdp{n}", "titan", (2, 4), 1.05),
@@ -62,12 +62,21 @@ TARGETS = (
 
 def rows_for(counts: list[int]) -> list[tuple[str, int]]:
     """(row, GPUs) of every row: the 1-GPU rows, then each count's."""
-    single = list(dict.fromkeys(s for _, _, s in ROWS))
-    return [(r, 1) for r in single] + [(m.format(n=n), n) for n in counts for _, m, _ in ROWS]
+    return [(r, 1) for r in dict.fromkeys(ROWS.values())] + [(m.format(n=n), n) for n in counts for m in ROWS]
 
 
 def _key(r: dict[str, Any]) -> tuple[str, str]:
     return r["row"], r.get("variant", "")
+
+
+def baseline(row: str, n: int, against: str) -> str | None:
+    """The row ``row`` (at ``n`` GPUs) is compared with: its 1-GPU row (``against="1"``) or, for plait's
+    dense rows, torchtitan's at the same GPU count (``"titan"``)."""
+    if against == "titan":
+        if not row.startswith("dense.plait"):
+            return None
+        return "dense.torchtitan_compiled" if n == 1 else f"dense.torchtitan_fsdp{n}"
+    return next(s for m, s in ROWS.items() if row in (s, m.format(n=n)))
 
 
 def table(results: list[dict[str, Any]], profile: bool) -> str:
@@ -81,19 +90,14 @@ def table(results: list[dict[str, Any]], profile: bool) -> str:
     lines = [head, sep]
     for r in results:
         n = throughput.trainer_layout(r["row"], 4)[0]
-        name = f"{r['row']}"
+        name = r["row"]
         if "skipped" in r:
             lines.append(
                 f"| {name} | {n} | {r.get('variant', '')} | {r['skipped']} |" + " |" * (7 if profile else 4)
             )
             continue
         tps = r["tok_s_per_gpu"]
-        single = next(s for _, m, s in ROWS if m.format(n=n) == r["row"] or s == r["row"])
-        base = by.get((single, ""), {}).get("tok_s_per_gpu")
-        titan_row = "dense.torchtitan_compiled" if n == 1 else f"dense.torchtitan_fsdp{n}"
-        titan = (
-            by.get((titan_row, ""), {}).get("tok_s_per_gpu") if r["row"].startswith("dense.plait") else None
-        )
+        base, titan = (by.get((baseline(name, n, b), ""), {}).get("tok_s_per_gpu") for b in ("1", "titan"))
         line = (
             f"| {name} | {n} | {r.get('variant', '') or 'default'} | {tps / 1e3:.1f}k | {r['spread']:.1%} | "
             f"{r['peak_gib']:.1f} | {f'{tps / base:.2f}x' if base else ''} | {f'{tps / titan:.2f}x' if titan else ''} |"
@@ -114,10 +118,7 @@ def verdicts(results: list[dict[str, Any]]) -> list[str]:
     for what, pattern, base, counts, want in TARGETS:
         for n in counts:
             row = by.get((pattern.format(n=n), ""))
-            ref_row = (
-                next(s for _, m, s in ROWS if m == pattern) if base == "1" else f"dense.torchtitan_fsdp{n}"
-            )
-            ref = by.get((ref_row, ""))
+            ref = by.get((baseline(pattern.format(n=n), n, base), ""))
             if row is None or ref is None:
                 continue
             ratio = row["tok_s_per_gpu"] / ref["tok_s_per_gpu"]

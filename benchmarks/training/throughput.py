@@ -292,11 +292,9 @@ def _timed(
     step: Callable[[int], None],
     args: argparse.Namespace,
     prof: _Profile | None = None,
-    on_window: Callable[[int], None] | None = None,
 ) -> tuple[list[float], float, dict[str, float]]:
     """Seconds per step of each of ``args.windows`` windows of ``args.steps`` steps after ``args.warmup``,
-    peak allocated GiB and, with ``prof`` (which skips the timed steps), the timeline of 4 more steps.
-    ``on_window(w)`` runs before window ``w`` (untimed)."""
+    peak allocated GiB and, with ``prof`` (which skips the timed steps), the timeline of 4 more steps."""
     tick = prof.tick if prof is not None else (lambda: None)
     warmup, steps, device = args.warmup, args.steps, args.device
     for i in range(warmup):
@@ -307,8 +305,6 @@ def _timed(
         torch.cuda.reset_peak_memory_stats()
     dts = []
     for w in range(args.windows):
-        if on_window is not None:
-            on_window(w)
         t0 = time.perf_counter()
         for i in range(steps):
             step(warmup + w * steps + i)
@@ -405,7 +401,12 @@ def row_torchtitan(args: argparse.Namespace, compiled: bool) -> dict[str, float]
         opt.zero_grad(set_to_none=True)
 
     prof = _Profile(args, skip=args.warmup + args.steps * args.windows)
-    return _result(args, *_timed(step, args, prof))
+    result = _result(args, *_timed(step, args, prof))
+    if _world() > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return result
 
 
 def _trainer_steps(args: argparse.Namespace) -> tuple[int, int]:
@@ -858,10 +859,6 @@ def main() -> None:
         res = run_row(args)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(res), flush=True)
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
         return
 
     rows = args.rows or default_rows(args.workloads)
