@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tests.e2e._pretrain_runner import REPO
 
@@ -55,11 +56,29 @@ def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
     return proc, lines, training
 
 
+def _wait_for_spawned_children(pid: int, timeout: float = 120.0) -> None:
+    """Until every process the job spawned (DCP's checkpoint writer) has imported torch: a SIGINT while a
+    spawned child is still reading the job's script, before its first line runs, is not what this test
+    is about (that start-up window is a known gap, see the loop README)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            spawned = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            if all("libtorch" in Path(f"/proc/{c}/maps").read_text() for c in spawned):
+                return
+        except FileNotFoundError:  # a child that exited between the listing and the read
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the job's spawned processes did not start within {timeout} s")
+
+
 def test_two_sigints_200ms_apart_save_summarise_and_exit_130(tmp_path):
     run_dir = tmp_path / "run"
     proc, err, training = _start(run_dir)
     try:
         assert training.wait(120), "".join(err)
+        _wait_for_spawned_children(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # the terminal: every process of the group
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)  # uv's forwarded copy

@@ -11,7 +11,6 @@ fails there, by name, instead of somewhere inside a save.
 from __future__ import annotations
 
 import os
-import signal
 import weakref
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -228,14 +227,7 @@ def prepare_writer_process_start(process_group: dist.ProcessGroup | None) -> Cal
     info = ape._ProcessGroupInitInfo(process_group)
 
     def start() -> None:
-        # The writer starts with SIGINT blocked (a blocked signal mask survives fork and exec): a Ctrl-C
-        # sent to the terminal's whole process group while the writer imports cannot kill it. This thread
-        # blocks it only until the writer answers; the main thread still takes the signal.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
 
     return start
 
