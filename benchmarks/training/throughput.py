@@ -21,7 +21,7 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
   plait_step_fp8_compiled         the same, compiled, with float8 linears (``ParallelConfig.float8``, recipe
                                   ``--fp8-recipe``; dense and llama3_8b workloads; its "vs plait step" column
                                   is the float8 speed-up over bf16)
-  plait_trainer_eager / _compiled the MoE main job (examples/qwen3_moe/pretrain.py) with this model
+  plait_trainer_eager / _compiled the MoE main job (plait train) with this model
   plait_trainer_cuda_graphs       the same, compiled, its layers replayed as CUDA graphs
                                   (``--parallel.cuda_graphs=true``)
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
@@ -120,7 +120,6 @@ def _src_path() -> None:
     for src in sorted((ROOT / "packages").glob("*/src")):
         if str(src) not in sys.path:
             sys.path.insert(0, str(src))
-    sys.path.insert(0, str(ROOT / "examples" / "qwen3_moe"))
 
 
 def bf16_matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -433,26 +432,26 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
 
 def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]) -> dict[str, float]:
     _src_path()
-    import pretrain  # examples/qwen3_moe/pretrain.py
-    import train  # examples/train.py: the job pretrain.main runs
     from plait.loop.events import StepEnd
+    from plait.train.job import TrainingJob
+    from plait.train.train import main as train_main
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     warm = _trainer_steps(args)[0]
     timed_end = warm + args.steps * args.windows
     prof = _Profile(args, skip=timed_end)
     if prof.prof is not None:  # profile the 3 steps after the timed ones (ticked at each step's end)
-        build = train.build_trainer
+        build = TrainingJob.trainer
 
-        def build_and_tick(*a: Any, **k: Any) -> Any:
-            trainer = build(*a, **k)
+        def build_and_tick(job: TrainingJob, **k: Any) -> Any:
+            trainer = build(job, **k)
             trainer.subscribe(StepEnd, prof.tick)
             return trainer
 
-        train.build_trainer = build_and_tick
+        TrainingJob.trainer = build_and_tick  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = tmp if world == 1 else "/tmp/plait_throughput_run"  # one run directory for all ranks
-        pretrain.main(_pretrain_argv(args, run_dir, compiled, extra))
+        train_main(_pretrain_argv(args, run_dir, compiled, extra))
         if int(os.environ.get("RANK", "0")) != 0:  # the main rank writes metrics.jsonl and reports
             return {}
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -487,9 +486,9 @@ def _plait_provider(args: argparse.Namespace, compiled: bool, overrides: dict[st
 
 def _trainer_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
     """Four batches of the MoE main job's own data (packed documents with their positions and ids)."""
-    import pretrain  # examples/qwen3_moe/pretrain.py
+    from plait.loop.data import Corpus, DataConfig
 
-    ds = pretrain.build_dataset(pretrain.DataConfig(max_files=4000), args.seq)
+    ds = Corpus(DataConfig(max_files=4000), args.seq).split("train")
     batches = []
     for i in range(4):
         rows = [ds[i * args.batch + j] for j in range(args.batch)]

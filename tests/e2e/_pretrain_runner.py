@@ -1,5 +1,5 @@
-"""Run the main job (``examples/qwen3_moe/pretrain.py``) in-process: module-level, so the
-distributed test harness can pickle it by reference and call it on every rank."""
+"""Run the main job (``plait train``) in-process: module-level, so the distributed test harness can
+pickle it by reference and call it on every rank."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.loop.data import Corpus, DataConfig, MixtureDataset, PackedTokens
+from plait.train import build_job, build_provider
+from plait.train.train import main, parse_args
+
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE_DIR = REPO / "examples" / "qwen3_moe"
-PRETRAIN = EXAMPLE_DIR / "pretrain.py"
+# The command as a user runs it (a new process): ``python -m plait train``.
+TRAIN_CMD = [sys.executable, "-m", "plait", "train"]
 
 # Small and fast: short rows, a small corpus slice, a log line per step, no progress bar.
 FAST = [
@@ -21,24 +25,20 @@ FAST = [
 ]
 
 
-def _import_pretrain() -> Any:
-    if str(EXAMPLE_DIR) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE_DIR))
-    import pretrain
-
-    return pretrain
-
-
 def run(argv: list[str]) -> dict[str, float]:
-    """``pretrain.main(argv)`` in this process (one rank under the harness)."""
-    return _import_pretrain().main(list(argv))
+    """``plait train ARGV`` in this process (one rank under the harness)."""
+    return main(list(argv))
+
+
+def dataset(data: DataConfig, seq_len: int, split: str = "train") -> PackedTokens | MixtureDataset:
+    """The rows of ``split`` that the job reads for ``data``."""
+    return Corpus(data, seq_len).split(split)  # type: ignore[arg-type]
 
 
 def evaluate(argv: list[str]) -> dict[str, float]:
     """The main job's trainer built from ``argv`` on this rank, evaluated before any training step."""
-    pretrain = _import_pretrain()
-    config, args = pretrain.parse_args(list(argv))
-    trainer = pretrain.build_trainer(config, config.data, pretrain.build_provider(config, args.init_from))
+    config, args = parse_args(list(argv))
+    trainer = build_job(config, config.data, build_provider(config, args.init_from)).trainer(resume=False)
     try:
         return dict(trainer.evaluate())
     finally:

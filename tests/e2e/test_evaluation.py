@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from plait.dist_core.testing import run_distributed
+from plait.train.train import parse_args
 
-from tests.e2e._pretrain_runner import FAST, _import_pretrain, evaluate, run
+from tests.e2e._pretrain_runner import FAST, dataset, evaluate, run
 
 GLOBAL_BATCH, EVAL_STEPS = 8, 2
 EVAL = ["--evaluation.enabled=true", f"--evaluation.steps={EVAL_STEPS}", "--checkpoint.enabled=false"]
@@ -30,9 +31,8 @@ def _reference(seed: Path) -> float:
     """Token-weighted cross-entropy of the first EVAL_STEPS global batches of the held-out files."""
     from plait.models import from_pretrained
 
-    pretrain = _import_pretrain()
-    config, _ = pretrain.parse_args([*FAST, *BATCH])
-    data = pretrain.build_dataset(config.data, config.batching.seq_len, "validation")
+    config, _ = parse_args([*FAST, *BATCH])
+    data = dataset(config.data, config.batching.seq_len, "validation")
     model = from_pretrained(seed, dtype=torch.float32).eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

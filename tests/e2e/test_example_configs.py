@@ -1,25 +1,26 @@
-"""Every config shipped under ``examples/`` loads with its example's config class, and (GPU) the main
+"""Every config shipped under ``examples/`` loads with its command's config class, and (GPU) the main
 job runs with the one-GPU config.
 
-A config names the script it belongs to in its leading comments (the command that runs it); the
-script's own ``TrainerConfig`` subclass validates it, so a misplaced key (``model_dtype`` under
+A config names the command it belongs to in its leading comments (``plait train``, ``plait finetune``);
+that command's config class validates it, so a misplaced key (``model_dtype`` under
 ``[batching]``) fails here, on CPU, not at a user's first GPU run.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from plait.loop import TrainerConfig, load_config
+from plait.train import JobConfig
+from plait.train.finetune import FinetuneConfig
+from plait.train.train import DEFAULT_CONFIG
 
-from tests.e2e._pretrain_runner import PRETRAIN, REPO, read_metrics
+from tests.e2e._pretrain_runner import REPO, TRAIN_CMD, read_metrics
 
 EXAMPLES = REPO / "examples"
 CONFIGS = sorted(
@@ -30,37 +31,26 @@ CONFIGS = sorted(
 )
 
 
-def _script_of(config: Path) -> Path:
-    """The example script named in the config's leading comment lines."""
+# The command a config's leading comment names -> the config class that validates it.
+COMMANDS: dict[str, type[TrainerConfig]] = {"plait train": JobConfig, "plait finetune": FinetuneConfig}
+
+
+def _config_class(config: Path) -> type[TrainerConfig]:
+    """The config class of the command named in the config's leading comment lines."""
     lines = config.read_text().splitlines()
     header = "\n".join(
         line for line in lines[: next((i for i, x in enumerate(lines) if not x.startswith("#")), 0)]
     )
-    found = re.findall(r"(examples/\S+?\.py)", header)
-    assert found, f"{config}: its leading comments must name the script that runs it (examples/.../x.py)"
-    script = REPO / found[0]
-    assert script.is_file(), f"{config}: names {found[0]}, which does not exist"
-    return script
-
-
-def _config_class(script: Path) -> type[TrainerConfig]:
-    """The ``TrainerConfig`` subclass the script defines (exactly one)."""
-    if str(script.parent) not in sys.path:
-        sys.path.insert(0, str(script.parent))  # examples import their siblings (finetune -> pretrain)
-    module = importlib.import_module(script.stem)
-    classes = [
-        c
-        for c in vars(module).values()
-        if isinstance(c, type) and issubclass(c, TrainerConfig) and c.__module__ == module.__name__
-    ]
-    assert len(classes) == 1, f"{script}: expected one TrainerConfig subclass, found {classes}"
-    return classes[0]
+    found = [cls for command, cls in COMMANDS.items() if re.search(rf"{command}\b", header)]
+    assert len(found) == 1, (
+        f"{config}: its leading comments must name the command that runs it ({', '.join(COMMANDS)})"
+    )
+    return found[0]
 
 
 def test_configs_are_found() -> None:
     names = {p.relative_to(EXAMPLES).as_posix() for p in CONFIGS}
     assert {
-        "qwen3_moe/configs/cpu.toml",
         "qwen3_moe/configs/gpu1.toml",
         "qwen3_moe/configs/gpu2.toml",
         "qwen3_moe/configs/gpu4.toml",
@@ -76,7 +66,7 @@ def test_configs_are_found() -> None:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.relative_to(EXAMPLES).as_posix())
 def test_example_config_loads_with_its_config_class(config: Path) -> None:
-    cls = _config_class(_script_of(config))
+    cls = _config_class(config)
     cfg = load_config(config, cls=cls)
     assert isinstance(cfg, cls)
 
@@ -84,14 +74,14 @@ def test_example_config_loads_with_its_config_class(config: Path) -> None:
 def test_gpu_configs_train_bf16_compiled() -> None:
     for name in ("gpu1.toml", "gpu2.toml", "gpu4.toml"):
         path = EXAMPLES / "qwen3_moe" / "configs" / name
-        cfg = load_config(path, cls=_config_class(_script_of(path)))
+        cfg = load_config(path, cls=_config_class(path))
         assert cfg.model_dtype == "bfloat16" and cfg.parallel.compile and cfg.run.device == "cuda"
 
 
 def test_shipped_main_job_configs_evaluate_on_held_out_files() -> None:
-    for name in ("cpu.toml", "gpu1.toml", "gpu2.toml", "gpu4.toml"):
-        path = EXAMPLES / "qwen3_moe" / "configs" / name
-        cfg = load_config(path, cls=_config_class(_script_of(path)))
+    for path in (DEFAULT_CONFIG, *(EXAMPLES / "qwen3_moe" / "configs" / f"gpu{n}.toml" for n in (1, 2, 4))):
+        name = path.name
+        cfg = load_config(path, cls=_config_class(path))
         assert cfg.evaluation.enabled and cfg.evaluation.interval is not None, name
         assert cfg.data.validation_files >= 1, name
 
@@ -101,13 +91,13 @@ def test_shipped_main_job_configs_evaluate_on_held_out_files() -> None:
 def test_main_job_runs_with_gpu1_config(tmp_path: Path) -> None:
     """The one-GPU command (compiled decoder layers, bf16) for 3 steps: finite losses, every step logged."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(PRETRAIN), "--config", str(EXAMPLES / "qwen3_moe" / "configs" / "gpu1.toml")]
+    cmd = [*TRAIN_CMD, "--config", str(EXAMPLES / "qwen3_moe" / "configs" / "gpu1.toml")]
     cmd += ["--steps", "3", "--run-dir", str(run_dir), "--no-export", "--logging.interval=1"]
     cmd += ["--logging.progress_bar=false", "--checkpoint.enabled=false"]
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
     assert proc.returncode == 0, (
-        f"pretrain.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        f"plait train exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]

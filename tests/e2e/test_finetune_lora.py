@@ -3,36 +3,30 @@ that the real ``peft`` loads onto the transformers model with plait's logits."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import peft
 import pytest
 import torch
 from plait.dist_core.testing import run_distributed
+from plait.train.finetune import main as finetune
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.e2e._pretrain_runner import EXAMPLE_DIR, FAST, run
+from tests.e2e._pretrain_runner import FAST, run
 
 
 def _finetune(argv: list[str]) -> str:
-    """``finetune_lora.main(argv)`` in this process (one rank under the harness): the adapter directory."""
-    if str(EXAMPLE_DIR) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE_DIR))
-    import finetune_lora
+    """``finetune(argv)`` in this process (one rank under the harness): the adapter directory."""
 
-    return str(finetune_lora.main(argv))
+    return str(finetune(argv))
 
 
 def test_finetune_lora_exports_an_adapter_peft_loads(tmp_path: Path) -> None:
     seed = tmp_path / "base"
     run([*FAST, f"--write-seed-checkpoint={seed}"])
-    if str(EXAMPLE_DIR) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE_DIR))
-    import finetune_lora
 
-    adapter = finetune_lora.main(
+    adapter = finetune(
         [
             "--base",
             str(seed),
@@ -86,13 +80,10 @@ def test_finetune_lora_fsdp2_exports_the_one_process_adapter(tmp_path: Path) -> 
 
 
 def _fails(capsys, argv: list[str]) -> str:
-    """The one stderr message of a start-up error of ``finetune_lora.main(argv)`` (exit status 2)."""
-    if str(EXAMPLE_DIR) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE_DIR))
-    import finetune_lora
+    """The one stderr message of a start-up error of ``finetune(argv)`` (exit status 2)."""
 
     with pytest.raises(SystemExit) as e:
-        finetune_lora.main(argv)
+        finetune(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "Traceback" not in err, err

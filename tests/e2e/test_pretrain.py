@@ -1,13 +1,14 @@
-"""End-to-end CPU tests of the main job, ``examples/qwen3_moe/pretrain.py``.
+"""End-to-end CPU tests of the main job, ``plait train``.
 
-1. A newcomer's run (subprocess, checkpointing and HF export on) finishes, logs finite metrics, writes a
-   checkpoint and an HF export that transformers loads with the same logits as plait.
+1. A newcomer's run (the ``plait`` command in a subprocess, checkpointing and HF export on) finishes,
+   logs finite metrics, writes a checkpoint and an HF export that transformers loads with the same
+   logits as plait; ``plait export`` of the run's checkpoint writes the same weights.
 2. From one seed checkpoint, the 10-step loss curve agrees across parallel layouts on gloo
    (1 process, DP=2, FSDP=2, EP=2, PP=2 1F1B, PP=2 ZBV, PP=2 x DP=2, CP=2 all-gather and ring,
    FSDP=2 x CP=2, PP=2 x CP=2).
 3. A run resumed from a mid-run checkpoint continues the same curve, bit for bit.
 
-Multi-rank runs call ``pretrain.main`` on the warm rank pool of ``plait.dist_core.testing``.
+Multi-rank runs call ``plait.train.train.main`` on the warm rank pool of ``plait.dist_core.testing``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import pytest
 import torch
 from plait.dist_core.testing import run_distributed
 
-from tests.e2e._pretrain_runner import FAST, PRETRAIN, REPO, losses, read_metrics, run
+from tests.e2e._pretrain_runner import FAST, REPO, losses, read_metrics, run
+
+PLAIT = str(Path(sys.executable).parent / "plait")  # the console script, as a user runs it
 
 STEPS = 10
 # Per-step loss tolerance between layouts (fp32 on CPU). In practice the curves are bit-identical:
@@ -45,14 +48,15 @@ def _argv(run_dir: Path, *extra: str, steps: int = STEPS) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_main_job_runs_checkpoints_and_exports(tmp_path: Path) -> None:
-    """The newcomer's command (as a script), for 3 steps with checkpointing and the HF export."""
+    """The newcomer's command, for 3 steps with checkpointing and the HF export; then ``plait export``
+    of the same step."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(PRETRAIN), "--steps", "3", "--run-dir", str(run_dir), *BATCH, *FAST]
+    cmd = [PLAIT, "train", "--steps", "3", "--run-dir", str(run_dir), *BATCH, *FAST]
     cmd += ["--checkpoint.enabled=true", "--checkpoint.interval=3"]
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, (
-        f"pretrain.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        f"plait train exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
 
     records = read_metrics(run_dir)
@@ -79,7 +83,19 @@ def test_main_job_runs_checkpoints_and_exports(tmp_path: Path) -> None:
         ref = hf(ids).logits
         out = ours(input_ids=ids)["logits"]
     assert ref.shape == (*ids.shape, hf.config.vocab_size)
+    from plait.loop.data import ByteTokenizer
+
+    assert hf.config.eos_token_id == ByteTokenizer().eos_id  # generation stops at the end of a document
     torch.testing.assert_close(out.float(), ref.float(), atol=LOGITS_ATOL, rtol=0)
+
+    exported = tmp_path / "exported"
+    proc = subprocess.run(
+        [PLAIT, "export", str(run_dir), "--to", str(exported)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, ref, atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,20 @@ import json
 import pytest
 from plait.loop import EventBus, TrainingEnd, TrainingStart
 from plait.loop.tracking import RunSummaryCollector, RunTotals
+from plait.train.train import main
 
-from tests.e2e._pretrain_runner import _import_pretrain
 from tests.e2e.test_pretrain_cli import TINY, _fails, pretrain  # noqa: F401  (the fixture)
 
 
 def test_a_rerun_of_a_finished_run_changes_nothing(tmp_path, capsys):
-    job = _import_pretrain()
     run_dir = tmp_path / "run"
     argv = [a for a in TINY if a != "--checkpoint.enabled=false"]
     argv += ["--steps", "2", "--run-dir", str(run_dir), "--no-export", "--evaluation.enabled=false"]
-    job.main(argv)
+    main(argv)
     summary, metrics = (run_dir / "summary.json").read_text(), (run_dir / "metrics.jsonl").read_text()
     assert json.loads(summary)["final_loss"] is not None
     capsys.readouterr()
-    assert job.main(argv) == {}
+    assert main(argv) == {}
     assert f"{run_dir}: already finished at step 2; nothing to do" in capsys.readouterr().out
     assert (run_dir / "summary.json").read_text() == summary
     assert (run_dir / "metrics.jsonl").read_text() == metrics

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import peft
 import pytest
@@ -14,8 +13,11 @@ import torch
 import transformers
 from plait.loop.data import GlobalBatchPlan, PadCollator
 from plait.models import from_pretrained
+from plait.train.finetune import main as finetune
+from plait.train.train import main as train
+from plait.train.train import parse_args
 
-from tests.e2e._pretrain_runner import EXAMPLE_DIR, REPO, read_metrics
+from tests.e2e._pretrain_runner import REPO, dataset, read_metrics
 from tests.loop.test_chat import _sft_chats, make_chat_tokenizer
 
 EXAMPLES = REPO / "examples"
@@ -25,20 +27,12 @@ SMALL = ["--steps", "3", "--batching.seq_len=64", "--batching.global_batch_size=
          "--optimizer.lr=0.01"]  # fmt: skip
 
 
-def _import(name: str):  # type: ignore[no-untyped-def]
-    for folder in (EXAMPLES, EXAMPLE_DIR):
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
-    return __import__(name)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A seed checkpoint of the llama CPU config with a chat tokenizer, and a chat file."""
     root = tmp_path_factory.mktemp("sft")
-    train = _import("train")
     seed = root / "base"
-    train.main(
+    train(
         ["--config", str(EXAMPLES / "configs" / "llama" / "cpu.toml"), "--write-seed-checkpoint", str(seed)]
     )
     make_chat_tokenizer(seed)
@@ -49,14 +43,13 @@ def base(tmp_path_factory):
 
 def test_full_sft_exports_a_checkpoint_and_tokenizer_transformers_load(base, tmp_path):
     seed, chats = base
-    train = _import("train")
     run_dir = tmp_path / "run"
     argv = ["--config", str(SFT / "full.toml"), "--init-from", str(seed), "--run-dir", str(run_dir),
             f"--data.source={chats}", *SMALL]  # fmt: skip
-    config, _ = train.parse_args(argv)
+    config, _ = parse_args(argv)
     assert config.data.tokenizer == str(seed) and config.data.format == "chat"
-    ds = train.build_dataset(config.data, 64)
-    metrics = train.main(argv)
+    ds = dataset(config.data, 64)
+    metrics = train(argv)
     assert math.isfinite(metrics["loss"])
     # step 1's loss is the seed model's cross-entropy over the assistant targets of the first global batch
     batch = PadCollator()([ds[i] for i in GlobalBatchPlan(len(ds), 4, seed=config.run.seed).global_batch(0)])
@@ -79,8 +72,7 @@ def test_full_sft_exports_a_checkpoint_and_tokenizer_transformers_load(base, tmp
 
 def test_lora_sft_exports_an_adapter_peft_loads(base, tmp_path):
     seed, chats = base
-    finetune_lora = _import("finetune_lora")
-    adapter = finetune_lora.main(["--config", str(SFT / "lora.toml"), "--base", str(seed), "--run-dir",
+    adapter = finetune(["--config", str(SFT / "lora.toml"), "--base", str(seed), "--run-dir",
                                   str(tmp_path / "lora"), f"--data.source={chats}", *SMALL])  # fmt: skip
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "tokenizer.json").is_file()
     tok = transformers.AutoTokenizer.from_pretrained(adapter)
@@ -95,7 +87,6 @@ def test_lora_sft_exports_an_adapter_peft_loads(base, tmp_path):
 
 def test_bad_chat_data_stops_before_the_model(base, tmp_path, monkeypatch, capsys):
     seed, _ = base
-    train = _import("train")
 
     def no_model(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was built before the error was reported")
@@ -111,6 +102,6 @@ def test_bad_chat_data_stops_before_the_model(base, tmp_path, monkeypatch, capsy
         (["--data.tokenizer=bytes"], "data.format='chat' needs data.tokenizer"),
     ):
         with pytest.raises(SystemExit) as exc:
-            train.main([*argv, *extra])
+            train([*argv, *extra])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and want in err and err.count("\n") == 1, err

@@ -8,14 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from tests.e2e._pretrain_runner import REPO
+from tests.e2e._pretrain_runner import REPO, TRAIN_CMD
 
-TRAIN = REPO / "examples" / "train.py"
 ARGS = [
     "--batching.seq_len=32",
     "--batching.global_batch_size=4",
@@ -34,7 +32,7 @@ def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
     """The job in a process group of its own (as a terminal's), its stderr collected; the event is set
     once it has logged a training step."""
     proc = subprocess.Popen(
-        [sys.executable, str(TRAIN), "--steps", "100000", "--run-dir", str(run_dir), *ARGS],
+        [*TRAIN_CMD, "--steps", "100000", "--run-dir", str(run_dir), *ARGS],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

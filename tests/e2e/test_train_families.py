@@ -1,14 +1,13 @@
-"""The family-neutral main job (``examples/train.py``) trains every family's CPU config, and its
+"""The main job (``plait train``) trains every family's CPU config, and its
 Hugging Face export loads in transformers with the logits plait computes."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 import transformers
 from plait.models import from_pretrained
+from plait.train.train import main
 
 from tests.e2e._pretrain_runner import REPO
 
@@ -20,13 +19,9 @@ FAST = ["--batching.seq_len=64", "--batching.global_batch_size=4", "--batching.m
 
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "deepseek_v3"])
 def test_family_trains_and_exports_to_transformers(family, tmp_path):
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train
-
     run_dir = tmp_path / "run"
     config = EXAMPLES / "configs" / family / "cpu.toml"
-    metrics = train.main(["--config", str(config), "--steps", "3", "--run-dir", str(run_dir), *FAST])
+    metrics = main(["--config", str(config), "--steps", "3", "--run-dir", str(run_dir), *FAST])
     assert torch.isfinite(torch.tensor(metrics["loss"]))
     hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
     assert hf.config.model_type == family
@@ -40,18 +35,14 @@ def test_float8_trains_emulated_and_is_refused_without_a_float8_gpu(tmp_path, mo
     """``[parallel.float8]``: emulated float8 linears train and export (parameter names unchanged);
     without ``emulate`` and without a float8-capable GPU the job stops before building anything."""
     pytest.importorskip("torchao.float8")
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import train
-
     config = EXAMPLES / "configs" / "llama" / "cpu.toml"
     run_dir = tmp_path / "run"
     argv = ["--config", str(config), "--steps", "2", "--run-dir", str(run_dir), *FAST]
-    metrics = train.main([*argv, "--parallel.float8.recipe=rowwise", "--parallel.float8.emulate=true"])
+    metrics = main([*argv, "--parallel.float8.recipe=rowwise", "--parallel.float8.emulate=true"])
     assert torch.isfinite(torch.tensor(metrics["loss"]))
     assert from_pretrained(run_dir / "hf").config.hidden_size == 128
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
-        train.main([*argv, "--run-dir", str(tmp_path / "refused"), "--parallel.float8.recipe=tensorwise"])
+        main([*argv, "--run-dir", str(tmp_path / "refused"), "--parallel.float8.recipe=tensorwise"])
     assert exc.value.code == 2
     assert "parallel.float8 needs an NVIDIA GPU of compute capability 8.9+" in capsys.readouterr().err

@@ -9,9 +9,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from plait.loop.data import ByteTokenizer, DataSourceError, DocumentHoldout, build_packed_splits
+from plait.loop.data import (
+    ByteTokenizer,
+    DataSourceError,
+    DocumentHoldout,
+    build_packed_splits,
+    corpus_files,
+    validation_mode,
+)
+from plait.train.train import main, parse_args
 
-from tests.e2e._pretrain_runner import _import_pretrain
+from tests.e2e._pretrain_runner import dataset
 from tests.e2e.test_pretrain_cli import TINY
 
 TEXTS = [f"record {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(60)]
@@ -59,54 +67,46 @@ def test_split_documents_are_never_trained_on(tmp_path):
 
 def test_one_jsonl_file_trains_and_validates_with_the_default_config(tmp_path, capsys, monkeypatch):
     """Today: ``data.source: 1 file(s) in one.jsonl, not more than data.validation_files=8``."""
-    job = _import_pretrain()
     source = _write_jsonl(tmp_path / "one.jsonl", TEXTS)
     argv = [*TINY, "--steps", "1", "--no-export", "--run-dir", str(tmp_path / "run"),
             f"--data.source={source}", "--batching.seq_len=32", "--evaluation.enabled=true"]  # fmt: skip
-    config, _ = job.parse_args(argv)
-    train = job.build_dataset(config.data, 32)
-    val = job.build_dataset(config.data, 32, "validation")
+    config, _ = parse_args(argv)
+    train = dataset(config.data, 32)
+    val = dataset(config.data, 32, "validation")
     assert "holding out 3 of its 60 documents for validation instead" in capsys.readouterr().err
     assert not set(_documents(train)) & set(_documents(val))
     # the split depends on the documents and the seed only: another world size, rank or process
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
-    job.train._document_splits.cache_clear()
-    job.build_dataset.cache_clear()
-    again = job.build_dataset(config.data, 32, "validation")
+    again = dataset(config.data, 32, "validation")
     assert np.asarray(again.tokens).tolist() == np.asarray(val.tokens).tolist()
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
     other = config.data.model_copy(update={"validation_seed": 1})
-    assert (
-        np.asarray(job.build_dataset(other, 32, "validation").tokens).tolist()
-        != np.asarray(val.tokens).tolist()
-    )
-    metrics = job.main(argv)
+    assert np.asarray(dataset(other, 32, "validation").tokens).tolist() != np.asarray(val.tokens).tolist()
+    metrics = main(argv)
     assert torch.isfinite(torch.tensor(metrics["val_loss"]))
 
 
 def test_a_folder_of_few_files_holds_out_documents_and_many_files_hold_out_files(tmp_path):
-    job = _import_pretrain()
     few = tmp_path / "few"
     few.mkdir()
     for k in range(3):
         _write_jsonl(few / f"part{k}.jsonl", TEXTS[k * 20 : (k + 1) * 20])
-    config, _ = job.parse_args([*TINY, f"--data.source={few}", "--data.validation_documents=5"])
-    assert job.train.validation_mode(config.data, 3) == "documents"
-    assert len(_documents(job.build_dataset(config.data, 32, "validation"))) == 5
-    assert job.corpus_files(config.data, "validation") == sorted(few.glob("*.jsonl"))
-    files, _ = job.parse_args([*TINY, f"--data.source={few}", "--data.validation_files=1"])
-    assert job.corpus_files(files.data, "validation") == [few / "part2.jsonl"]
-    forced, _ = job.parse_args([*TINY, f"--data.source={few}", "--data.validation_split=files"])
+    config, _ = parse_args([*TINY, f"--data.source={few}", "--data.validation_documents=5"])
+    assert validation_mode(config.data, 3) == "documents"
+    assert len(_documents(dataset(config.data, 32, "validation"))) == 5
+    assert corpus_files(config.data, "validation") == sorted(few.glob("*.jsonl"))
+    files, _ = parse_args([*TINY, f"--data.source={few}", "--data.validation_files=1"])
+    assert corpus_files(files.data, "validation") == [few / "part2.jsonl"]
+    forced, _ = parse_args([*TINY, f"--data.source={few}", "--data.validation_split=files"])
     with pytest.raises(DataSourceError, match=r"data.source: 3 file\(s\) in .* data.validation_files=8"):
-        job.corpus_files(forced.data)
+        corpus_files(forced.data)
 
 
 def test_a_separate_validation_source_is_read_alone(tmp_path):
-    job = _import_pretrain()
     train_file = _write_jsonl(tmp_path / "train.jsonl", TEXTS[:50])
     val_file = _write_jsonl(tmp_path / "val.jsonl", TEXTS[50:])
-    config, _ = job.parse_args([*TINY, f"--data.source={train_file}", f"--data.validation_source={val_file}"])
-    assert sorted(_documents(job.build_dataset(config.data, 32, "validation"))) == sorted(TEXTS[50:])
-    assert sorted(_documents(job.build_dataset(config.data, 32))) == sorted(TEXTS[:50])
+    config, _ = parse_args([*TINY, f"--data.source={train_file}", f"--data.validation_source={val_file}"])
+    assert sorted(_documents(dataset(config.data, 32, "validation"))) == sorted(TEXTS[50:])
+    assert sorted(_documents(dataset(config.data, 32))) == sorted(TEXTS[:50])

@@ -93,6 +93,14 @@ def test_bad_values_name_field_and_value(override, field, value):
     assert f"{field}:" in msg and f"(got {value})" in msg
 
 
+def test_nesterov_without_momentum_is_refused_naming_both_fields():
+    with pytest.raises(ConfigError, match=r"optimizer\.nesterov=true needs optimizer\.momentum > 0"):
+        load_config(overrides=["--optimizer.name=sgd", "--optimizer.nesterov=true"])
+    assert load_config(
+        overrides=["--optimizer.name=sgd", "--optimizer.nesterov=true", "--optimizer.momentum=0.9"]
+    )
+
+
 @pytest.mark.parametrize("name", ["adamw", "stochastic_adamw", "sgd"])
 def test_each_optimizer_is_listed_and_its_errors_name_the_plain_field(name):
     from plait.loop.config.sections import OPTIMIZER_NAMES
@@ -115,6 +123,33 @@ def test_batch_plan_from_its_sections_alone():
     schedule = plan.schedule(PipelineConfig(kind="gpipe"))
     assert (schedule.kind, schedule.num_microbatches, schedule.loss_reduction) == ("gpipe", 2, "sum")
     assert plan.schedule(None).kind == "1f1b"
+
+
+def test_batch_plan_from_plain_arguments_and_no_import_circle():
+    import ast
+    from dataclasses import dataclass
+    from pathlib import Path
+
+    import plait.loop.batch_plan as batch_plan
+    from plait.dist_core import DeviceMeshParameters
+
+    @dataclass(frozen=True)
+    class Sizes:  # any object with the three sizes, not the config's section
+        global_batch_size: int = 8
+        microbatch_size: int = 2
+        seq_len: int = 16
+
+    plan = BatchPlan.from_sections(Sizes(), DeviceMeshParameters(data_shard=2))
+    assert (plan.rank_batch_size, plan.num_microbatches) == (4, 2)
+    schedule = plan.schedule({"kind": "interleaved_1f1b", "stages_per_rank": 2, "num_microbatches": None})
+    assert (schedule.kind, schedule.num_microbatches) == ("interleaved_1f1b", 2)
+    with pytest.raises(ValueError, match=r"pipeline\.num_microbatches=3"):
+        plan.schedule({"num_microbatches": 3})
+    # the batch plan imports nothing of the config (the config imports the plan), not even for typing
+    tree = ast.parse(Path(batch_plan.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith(("plait.loop.config", "plait.loop.trainer"))}
 
 
 def test_an_infinite_norm_type_is_the_max_norm():

@@ -81,5 +81,5 @@ def test_resume_onto_another_mixture_is_refused():
     next(a)
     for weights, sizes, what in (([1.0, 2.0], [30, 70], "weights"), ([1.0, 1.0], [31, 69], "sizes")):
         b = DistributedDataLoader(MixtureDataset(_sources(sizes), weights), global_batch_size=4)
-        with pytest.raises(ValueError, match=f"the mixture's {what} were"):
+        with pytest.raises(ValueError, match=f"data.mixture: the sources' {what} were"):
             b.load_state_dict(a.state_dict())

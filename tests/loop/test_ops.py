@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import sys
 import time
 
 import pytest
@@ -73,6 +74,20 @@ def test_mesh_prefixed_logs(capsys):
     log.info("hello")
     assert "[rank 3 pp1 dp1] INFO hello" in capsys.readouterr().err
     logging.getLogger("plait.test_ops").handlers.clear()
+
+
+def test_a_log_line_under_an_open_progress_bar_gets_a_line_of_its_own(capsys):
+    from tqdm import tqdm
+
+    log = setup_logging("[rank 0]", "INFO", logger_name="plait.test_bar")
+    bar = tqdm(total=10, desc="run", file=sys.stderr)
+    bar.update(3)
+    log.info("a log line")
+    bar.close()
+    err = capsys.readouterr().err
+    lines = [line.split("\r")[-1] for line in err.split("\n")]  # what each terminal line ends up showing
+    assert any(line.endswith("[rank 0] INFO a log line") and "run:" not in line for line in lines), err
+    logging.getLogger("plait.test_bar").handlers.clear()
 
 
 def test_throughput_reports_the_data_wait_fraction():

@@ -138,7 +138,8 @@ def test_a_runs_steady_state_figures_agree_with_its_interval_rows(tmp_path) -> N
 
     cfg = load_config(
         overrides=[f"--run.run_dir={tmp_path}", "--run.steps=8", "--logging.interval=2", "--logging.progress_bar=false",
-                   "--batching.global_batch_size=8", "--batching.microbatch_size=4", "--batching.seq_len=16"]
+                   "--batching.global_batch_size=8", "--batching.microbatch_size=4", "--batching.seq_len=16",
+                   "--logging.peak_flops=1e11"]
     )  # fmt: skip
     data = DatasetProvider(pack_documents(pattern_tokens(), 16, eos_id=VOCAB - 1))
     tr = Trainer(cfg, ModuleProvider(TinyLM, flops_per_token=1e4), data, CausalLMTask())
@@ -152,6 +153,7 @@ def test_a_runs_steady_state_figures_agree_with_its_interval_rows(tmp_path) -> N
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steady_steps"] == 6 and summary["tokens"] == 8 * 8 * 16 == rows[-1]["tokens_seen"]
     assert summary["steady_tokens_per_s"] == pytest.approx(sum(tokens) / sum(seconds), rel=1e-9)
-    mfu_per_token = rows[-1]["mfu"] / rows[-1]["tokens_per_s"]  # the measured CPU peak, one device
+    mfu_per_token = rows[-1]["mfu"] / rows[-1]["tokens_per_s"]  # the peak set, one device
+    assert mfu_per_token == pytest.approx(1e4 / 1e11, rel=1e-9)  # FLOPs per token over the peak
     assert summary["steady_mfu"] == pytest.approx(summary["steady_tokens_per_s"] * mfu_per_token, rel=1e-9)
     assert (summary["steps"], summary["total_steps"], summary["stopped_early"]) == (8, 8, False)

@@ -61,6 +61,27 @@ _DEEPSEEK: dict[str, Any] = dict(
 )
 del _DEEPSEEK["head_dim"]
 
+# Gated-DeltaNet hybrids: 2 key heads of 6 for 4 value heads of 5 (linear attention), a gated full
+# attention layer in the middle, partial rotary of half of the head.
+_HYBRID: dict[str, Any] = dict(
+    _COMMON,
+    head_dim=8,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_conv_kernel_dim=3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=6,
+    linear_value_head_dim=5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+)
+_HYBRID_MOE: dict[str, Any] = dict(
+    _HYBRID,
+    moe_intermediate_size=12,
+    shared_expert_intermediate_size=14,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
+
 # case -> (HF config class, HF model class, config kwargs)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, rope_parameters=_LLAMA3_ROPE)),
@@ -138,10 +159,36 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# The gated-DeltaNet hybrids: their recurrence in fp32 (in transformers and in plait) differs by a few
+# 1e-6 relative; tests/models/test_qwen3_5.py checks them with per-tensor relative tolerances.
+HYBRID_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _HYBRID),
+    # One key head for three value heads, every layer MoE, tied embeddings, a 4-wide convolution.
+    "qwen3_5_moe_text_tied": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            {k: v for k, v in _HYBRID_MOE.items() if k != "intermediate_size"},
+            linear_num_key_heads=1,
+            linear_num_value_heads=3,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # The fused, per-key-head-grouped projections; a dense layer (mlp_only_layers) inside the MoE
+    # model, no renormalisation of the top-k weights.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(_HYBRID_MOE, mlp_only_layers=[1], norm_topk_prob=False),
+    ),
+}
+
+
 def make_hf(case: str, tmp: Path, seed: int = 0) -> tuple[Path, Any]:
     """A random HF model of ``case`` (weights drawn wide enough that numerics are not near zero),
     saved under ``tmp``; returns its directory and the model (eval mode)."""
-    cfg_cls, model_cls, kwargs = CASES[case]
+    cfg_cls, model_cls, kwargs = {**CASES, **HYBRID_CASES}[case]
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_cls)(**kwargs)
     model = getattr(transformers, model_cls)(config)

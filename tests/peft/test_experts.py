@@ -18,24 +18,34 @@ from torch import nn
 
 
 class GroupedExperts(nn.Module):
-    """Stand-in for plait.moe's experts: [E, out, in] weights, expert-contiguous rows, the adapter hook."""
-
-    calls_expert_adapters = True
+    """Stand-in for plait.moe's experts: [E, out, in] weights, expert-contiguous rows, and the
+    ExpertAdapterHost protocol (a user's own expert module, written without plait.moe)."""
 
     def __init__(self, e: int = 3, h: int = 8, i: int = 6) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) / h**0.5)
         self.down_proj = nn.Parameter(torch.randn(e, h, i) / i**0.5)
+        self.lora = nn.ModuleDict()
+
+    @property
+    def adapters(self) -> nn.ModuleDict:
+        return self.lora
+
+    def attach_adapter(self, param_name: str, adapter: nn.Module) -> None:
+        self.lora[param_name] = adapter
+
+    def detach_adapters(self) -> None:
+        self.lora.clear()
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        adapters = getattr(self, "lora", None)
+        adapters = self.lora
         gu = grouped_mm(x, self.gate_up_proj, tokens_per_expert, trans_w=True)
-        if adapters is not None and "gate_up_proj" in adapters:
+        if "gate_up_proj" in adapters:
             gu = adapters["gate_up_proj"](gu, x, tokens_per_expert, gmm=grouped_mm)
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
         out = grouped_mm(act, self.down_proj, tokens_per_expert, trans_w=True)
-        if adapters is not None and "down_proj" in adapters:
+        if "down_proj" in adapters:
             out = adapters["down_proj"](out, act, tokens_per_expert)
         return out
 
@@ -126,7 +136,7 @@ def test_expert_lora_errors() -> None:
             super().__init__()
             self.w = nn.Parameter(torch.zeros(2, 3, 4))
 
-    with pytest.raises(ValueError, match="calls_expert_adapters"):
+    with pytest.raises(ValueError, match="ExpertAdapterHost"):
         apply_peft(Silent(), LoRAConfig(target_parameters="w"))
     assert apply_peft(Silent(), LoRAConfig(target_parameters="w"), require_expert_hook=False).adapted
     model = Model()

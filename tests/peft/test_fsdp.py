@@ -29,18 +29,28 @@ testing = pytest.importorskip("plait.dist_core.testing")
 
 
 class Experts(nn.Module):
-    calls_expert_adapters = True
+    """An expert module implementing plait.peft.ExpertAdapterHost."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(4, 6, 7) / 3)  # [E, out, in]; E=4 shards evenly
+        self.lora = nn.ModuleDict()
+
+    @property
+    def adapters(self) -> nn.ModuleDict:
+        return self.lora
+
+    def attach_adapter(self, param_name: str, adapter: nn.Module) -> None:
+        self.lora[param_name] = adapter
+
+    def detach_adapters(self) -> None:
+        self.lora.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tpe = torch.tensor([2, 1, 0, x.shape[0] - 3])
         out = grouped_mm(x, self.gate_up_proj, tpe, trans_w=True)
-        adapters = getattr(self, "lora", None)
-        if adapters is not None:
-            out = adapters["gate_up_proj"](out, x, tpe)
+        if "gate_up_proj" in self.lora:
+            out = self.lora["gate_up_proj"](out, x, tpe)
         return out
 
 

@@ -23,8 +23,7 @@ class Net(nn.Module):
         super().__init__()
         self.q_proj = nn.Linear(6, 6)
         self.down = nn.Linear(6, 4, bias=False)
-        self.experts = nn.Module()
-        self.experts.calls_expert_adapters = True  # merge-only here; declares the hook convention
+        self.experts = nn.Module()  # merge-only here: apply_peft(..., require_expert_hook=False)
         self.experts.w = nn.Parameter(torch.randn(2, 4, 6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +48,7 @@ def test_base_checkpoint_loads_into_meta_injected_model(tmp_path: Path) -> None:
             LoRAConfig(r=2, target_modules="q_proj", target_parameters=r"experts\.w"),
             DoRAConfig(r=2, target_modules="down"),
         ],
+        require_expert_hook=False,
     )
     assert base_to_injected(model).renames == {
         "q_proj.weight": "q_proj.base_layer.weight",

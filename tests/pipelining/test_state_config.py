@@ -106,3 +106,43 @@ def test_user_schedule_registry() -> None:
     assert [str(a) for a in prog.actions[0]][-1] == "0B0"
     with pytest.raises(ValueError, match="already registered"):
         register_schedule("gpipe", GPipeConfig, lambda c, pp: build_gpipe(pp, 1))
+
+
+def test_the_registry_is_the_one_list_of_kinds() -> None:
+    from pathlib import Path
+
+    from plait.pipelining import PipelineScheduleConfig, RegisteredSchedule, schedule_config_class
+    from pydantic import BaseModel
+
+    builtin = {
+        k for k in registered_schedules() if schedule_config_class(k).__module__ == "plait.pipelining.config"
+    }
+    assert {"1f1b", "zbv", "dualpipev", "inference"} <= builtin
+    for kind in builtin:
+        assert schedule_config_class(kind).model_fields["kind"].default == kind
+    assert schedule_config_class("zbv") is ZBVConfig
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule kind 'nope'; registered: \["):
+        schedule_config_class("nope")
+    # the field type validates any registered kind (a user's too) with its class, and round-trips
+    if "test_reverse_gpipe" not in registered_schedules():
+        register_schedule("test_reverse_gpipe", ReverseGPipeConfig, _reverse_gpipe)
+
+    class Job(BaseModel):
+        schedule: PipelineScheduleConfig
+
+    for data in (
+        {"kind": "zbv", "num_microbatches": 4},
+        {"kind": "test_reverse_gpipe", "num_microbatches": 2},
+    ):
+        job = Job.model_validate({"schedule": data})
+        assert type(job.schedule) is schedule_config_class(data["kind"])
+        assert Job.model_validate(job.model_dump()) == job
+    with pytest.raises(pydantic.ValidationError, match="unknown pipeline schedule kind 'nope'"):
+        Job.model_validate({"schedule": {"kind": "nope", "num_microbatches": 1}})
+    with pytest.raises(ValueError, match="defaults to 'zbv'"):
+        register_schedule("test_other_zbv", ZBVConfig, lambda c, pp: build_gpipe(pp, 1))
+    assert isinstance(RegisteredSchedule("k", ZBVConfig, _reverse_gpipe), RegisteredSchedule)
+    # the README's table of microbatch counts covers every built-in kind
+    readme = (Path(__file__).parents[2] / "packages/pipelining/README.md").read_text()
+    table = readme[readme.index("| schedule | `m` |") :].split("\n\n")[0]
+    assert {k for k in builtin if f"`{k}`" in table} == builtin

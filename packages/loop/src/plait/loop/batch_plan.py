@@ -1,17 +1,43 @@
-"""The :class:`BatchPlan`: every batch count of a training step, derived once from the config and the mesh."""
+"""The :class:`BatchPlan`: every batch count of a training step, derived once from the config and the mesh.
+
+The plan is built from the sections it reads (``batching``, ``mesh``, ``pipeline``), never from the
+whole config: this module does not import :mod:`plait.loop.config` (the config imports it to check
+its batch arithmetic).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from plait.pipelining import BaseScheduleConfig, parse_schedule_config
+from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from plait.dist_core import DeviceMeshParameters
-    from plait.loop.config import BatchingConfig, PipelineConfig, TrainerConfig
 
-__all__ = ["BatchPlan"]
+__all__ = ["BatchPlan", "BatchSizes"]
+
+
+class BatchSizes(Protocol):
+    """The batch sizes a plan is built from (the ``batching`` section, :class:`plait.loop.BatchingConfig`)."""
+
+    @property
+    def global_batch_size(self) -> int: ...
+    @property
+    def microbatch_size(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+
+
+class _Sections(Protocol):
+    """A config with ``batching`` and ``mesh`` sections (:class:`plait.loop.TrainerConfig`)."""
+
+    @property
+    def batching(self) -> BatchSizes: ...
+    @property
+    def mesh(self) -> DeviceMeshParameters: ...
 
 
 @dataclass(frozen=True)
@@ -59,15 +85,15 @@ class BatchPlan:
             )
 
     @classmethod
-    def from_sections(cls, batching: BatchingConfig, mesh: DeviceMeshParameters) -> BatchPlan:
+    def from_sections(cls, batching: BatchSizes, mesh: DeviceMeshParameters) -> BatchPlan:
         """The plan of ``batching`` on ``mesh``'s data-parallel and context sizes."""
         dp = int(mesh.data_replicate) * int(mesh.data_shard)
         cp = int(mesh.context_shard) * int(mesh.context_replicate)
         return cls(batching.global_batch_size, batching.microbatch_size, dp, batching.seq_len, cp)
 
     @classmethod
-    def from_config(cls, config: TrainerConfig) -> BatchPlan:
-        """The plan of ``config.batching`` on ``config.mesh`` (:meth:`from_sections`)."""
+    def from_config(cls, config: _Sections) -> BatchPlan:
+        """The plan of ``config.batching`` on ``config.mesh`` (:meth:`from_sections`; reads nothing else)."""
         return cls.from_sections(config.batching, config.mesh)
 
     @property
@@ -80,8 +106,10 @@ class BatchPlan:
         """Microbatches per rank and step: the gradient-accumulation steps and the schedule's count."""
         return self.rank_batch_size // self.microbatch_size
 
-    def schedule(self, pipeline: PipelineConfig | None) -> BaseScheduleConfig:
+    def schedule(self, pipeline: BaseModel | Mapping[str, Any] | None) -> BaseScheduleConfig:
         """The pipeline schedule of the ``pipeline`` section (1F1B when None) for this plan's microbatches.
+
+        ``pipeline`` is the section (:class:`plait.loop.PipelineConfig`) or its options as a mapping.
 
         The loop runs it with ``loss_reduction="sum"`` (it divides by the global token count itself).
 
@@ -89,7 +117,12 @@ class BatchPlan:
             ValueError: naming ``pipeline.num_microbatches`` when it is given and differs from
                 :attr:`num_microbatches`, or the schedule's own field errors.
         """
-        options = pipeline.model_dump(exclude_none=True) if pipeline is not None else {}
+        if pipeline is None:
+            options: dict[str, Any] = {}
+        elif isinstance(pipeline, BaseModel):
+            options = pipeline.model_dump(exclude_none=True)
+        else:
+            options = {k: v for k, v in pipeline.items() if v is not None}
         given = options.pop("num_microbatches", None)
         if given is not None and given != self.num_microbatches:
             raise ValueError(

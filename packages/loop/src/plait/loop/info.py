@@ -1,6 +1,7 @@
 """What is installed: plait's packages, the optional extras, the devices torch sees, and where to start.
 
-Run it as ``plait`` (the console script of the ``plait`` meta-package) or ``python -m plait.loop.info``.
+Run it as ``plait info`` (or a bare ``plait``: the console script of the ``plait`` meta-package) or
+``python -m plait.loop.info``.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ EXTRAS: tuple[Extra, ...] = (
 )
 
 WHERE_TO_START = (
-    "uv run examples/qwen3_moe/pretrain.py       # the main job: a small Qwen3-MoE, CPU or CUDA",
-    "uv run examples/qwen3_moe/finetune_lora.py --base runs/qwen3_moe/hf   # LoRA on its export",
+    "plait train                                  # the main job: a small Qwen3-MoE, CPU or CUDA",
+    "plait train --data.source=FILE.jsonl         # your own data (one JSONL / parquet file or a folder)",
+    "plait config                                 # every config key: type, default, meaning",
+    "plait finetune --base runs/qwen3_moe/hf      # LoRA on its export",
     "uv run mkdocs serve                          # the documentation site (guides, API reference)",
     "packages/<name>/README.md                    # one README per package",
 )

@@ -27,6 +27,7 @@ from plait.loop.checkpoint import (
     ModelState,
     OptimizerState,
     PerRankState,
+    PreemptionHandler,
     RngState,
     TrainingCheckpoints,
 )
@@ -79,7 +80,6 @@ from plait.loop.tracking import (
     ThroughputMeter,
     Tracker,
     device_memory_stats,
-    measure_matmul_flops,
     peak_flops_for,
 )
 from plait.pipelining import PipelineState, Stack
@@ -208,9 +208,8 @@ class Trainer:
             self.metrics.add("grad_norm", Mean())
             self.metrics.add("grad_norm_max", Max())
             flops = model.flops_per_token(config.batching.seq_len)
+            # No MFU without a meaningful peak: a CPU has none (set logging.peak_flops to have one).
             peak = config.logging.peak_flops or peak_flops_for(self.device)
-            if peak is None and self.device.type == "cpu" and flops:
-                peak = measure_matmul_flops(self.device)
             self.throughput = ThroughputMeter(flops, peak, topo.world_size)
             self.gc = GCController(config.gc)
             self.profiler = StepProfiler(config.profiling, self.run_dir / "profile", topo.rank)
@@ -596,7 +595,7 @@ class Trainer:
         self.gc.start()
         self.profiler.start()
         self.events.publish(TrainingStart(self.step, total, self.state.tokens_seen))
-        preemption = self.checkpoints.preemption_handler() if self.checkpoints is not None else None
+        preemption = self._preemption_handler()
         first = True
         queued: list[PendingStep] = []  # launched steps whose statistics are still on the device
         last_loss = math.nan
@@ -668,6 +667,14 @@ class Trainer:
         return last_logged
 
     # ------------------------------------------------------------------ checkpoints
+    def _preemption_handler(self) -> PreemptionHandler | None:
+        """SIGTERM/SIGINT end the run after the current step (``checkpoint.save_on_signal``): with
+        checkpointing on, after saving it; with it off, the run still stops cleanly (summary, exit status)."""
+        if self.checkpoints is not None:
+            return self.checkpoints.preemption_handler()
+        ck = self.config.checkpoint
+        return PreemptionHandler(ck.grace_period_s, self.host_group) if ck.save_on_signal else None
+
     def save_checkpoint(self, *, blocking: bool = False) -> None:
         """Save the whole training state as checkpoint ``self.step`` (async unless ``blocking``).
 

@@ -18,6 +18,11 @@ _FAMILIES: dict[str, str] = {
     "llama": "plait.models.llama",
     "gpt_oss": "plait.models.gpt_oss",
     "deepseek_v3": "plait.models.deepseek_v3",
+    "qwen3_5_text": "plait.models.qwen3_5",
+    "qwen3_5_moe_text": "plait.models.qwen3_5",
+    "qwen3_5": "plait.models.qwen3_5",
+    "qwen3_5_moe": "plait.models.qwen3_5",
+    "qwen3_next": "plait.models.qwen3_5",
 }
 
 

@@ -12,7 +12,7 @@ from plait.moe.dispatch import (
     TokenDispatcher,
     all_to_all,
 )
-from plait.moe.experts import GroupedExperts, SharedExpert, clamped_swiglu, row_experts
+from plait.moe.experts import ExpertAdapter, GroupedExperts, SharedExpert, clamped_swiglu, row_experts
 from plait.moe.layer import MoELayer, MoEOutput
 from plait.moe.layout import (
     deinterleave_halves,
@@ -41,6 +41,7 @@ __all__ = [
     "ClampedSwiGLU",
     "DeepEPDispatcher",
     "ExpertActivation",
+    "ExpertAdapter",
     "GroupedExperts",
     "LocalDispatcher",
     "MoELayer",

@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import ClassVar, Protocol
 
 import torch
 from plait.kernels import gmm, swiglu, swiglu_fused
 from plait.moe.config import ClampedSwiGLU, SwiGLU
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+GroupedMM = Callable[..., Tensor]
+"""``gmm(x [M, K], w [E, N, K], tokens_per_expert [E], trans_w=True) -> [M, N]`` (plait.kernels.gmm's signature)."""
+
+
+class ExpertAdapter(Protocol):
+    """What an adapter on one grouped expert weight provides (plait.peft's ``ExpertLoRA`` is one).
+
+    :meth:`GroupedExperts.attach_adapter` registers it as a submodule of the experts (so it must be an
+    ``nn.Module``: its parameters train, shard and save with them), and the experts' forward calls it
+    right after the grouped GEMM of that weight, on the same expert-contiguous rows.
+    """
+
+    def forward(self, out: Tensor, x: Tensor, tokens_per_expert: Tensor, gmm: GroupedMM) -> Tensor:
+        """``out`` (the GEMM's ``[M, N]`` output) plus the adapter's term on the GEMM's input ``x``
+        (``[M, K]``), computed with ``gmm`` over the ``[E_local]`` groups of ``tokens_per_expert``."""
+        ...
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -72,14 +90,17 @@ class GroupedExperts(nn.Module):
         bias: Give both projections a per-expert bias.
     """
 
-    # Calls adapters in ``self.lora`` after each grouped GEMM (see plait.peft's expert LoRA).
-    calls_expert_adapters = True
+    # The weights an adapter may be attached to (attach_adapter), each called after its grouped GEMM.
+    adaptable_weights: ClassVar[tuple[str, ...]] = ("gate_up_proj", "down_proj")
     # The grouped GEMM of both projections, ``grouped_mm(x, w, tokens_per_expert, trans_w=True)``:
     # plait's ``gmm``; float8 training may set another on an instance (plait.models' float8 experts).
-    grouped_mm: Callable[..., Tensor] = staticmethod(gmm)
+    grouped_mm: GroupedMM = staticmethod(gmm)
 
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
+    # The attached adapters by weight name (see attach_adapter). Registered as ``lora``: the state-dict
+    # keys of adapter files and checkpoints (``...experts.lora.gate_up_proj.lora_A``) stay as they were.
+    lora: nn.ModuleDict
 
     def __init__(
         self,
@@ -106,7 +127,38 @@ class GroupedExperts(nn.Module):
         else:
             self.gate_up_proj_bias = None
             self.down_proj_bias = None
+        self.lora = nn.ModuleDict()
         self.reset_parameters()
+
+    @property
+    def adapters(self) -> nn.ModuleDict:
+        """The attached adapters (:class:`ExpertAdapter`), by the name of the weight they adapt."""
+        return self.lora
+
+    def attach_adapter(self, param_name: str, adapter: ExpertAdapter) -> None:
+        """Call ``adapter`` after the grouped GEMM of the weight ``param_name`` from now on.
+
+        Args:
+            param_name: ``"gate_up_proj"`` or ``"down_proj"`` (:attr:`adaptable_weights`).
+            adapter: an ``nn.Module`` implementing :class:`ExpertAdapter`; it becomes a submodule.
+
+        Raises:
+            ValueError: another weight name, or a weight that has an adapter already.
+            TypeError: an adapter that is not an ``nn.Module``.
+        """
+        if param_name not in self.adaptable_weights:
+            raise ValueError(
+                f"GroupedExperts.attach_adapter: {param_name!r} is not one of {list(self.adaptable_weights)}"
+            )
+        if not isinstance(adapter, nn.Module):
+            raise TypeError(f"GroupedExperts.attach_adapter: an nn.Module, got {type(adapter).__name__}")
+        if param_name in self.lora:
+            raise ValueError(f"GroupedExperts.attach_adapter: {param_name!r} has an adapter already")
+        self.lora[param_name] = adapter
+
+    def detach_adapters(self) -> None:
+        """Remove every attached adapter (e.g. after merging them into the weights)."""
+        self.lora.clear()
 
     def reset_parameters(self) -> None:
         """nn.Linear's default (uniform +-1/sqrt(fan_in)) init, per expert, biases included."""
@@ -135,11 +187,11 @@ class GroupedExperts(nn.Module):
         """
         w1 = local_tensor(self.gate_up_proj)
         w2 = local_tensor(self.down_proj)
-        # Adapters (e.g. plait.peft's expert LoRA) registered in ``self.lora`` by parameter name add
-        # their low-rank term to each grouped GEMM's output, on the same expert-contiguous rows.
-        adapters = getattr(self, "lora", None)
+        # Attached adapters (e.g. plait.peft's expert LoRA) add their term to each grouped GEMM's
+        # output, on the same expert-contiguous rows.
+        adapters = self.lora
         h = self.grouped_mm(x, w1, tokens_per_expert, trans_w=True)
-        if adapters is not None and "gate_up_proj" in adapters:
+        if "gate_up_proj" in adapters:
             h = adapters["gate_up_proj"](h, x, tokens_per_expert, gmm=gmm)
         experts_of_rows = None
         if self.gate_up_proj_bias is not None:
@@ -151,7 +203,7 @@ class GroupedExperts(nn.Module):
         else:
             a = swiglu_fused(h, row_weight)
         out = self.grouped_mm(a, w2, tokens_per_expert, trans_w=True)
-        if adapters is not None and "down_proj" in adapters:
+        if "down_proj" in adapters:
             out = adapters["down_proj"](out, a, tokens_per_expert, gmm=gmm)
         if self.down_proj_bias is not None:
             assert experts_of_rows is not None

@@ -30,19 +30,26 @@ from plait.peft.config import (
     Targets,
     matches,
 )
-from plait.peft.experts import EXPERT_ADAPTERS_ATTR, EXPERT_HOOK_ATTR, ExpertLoRA, GroupedMM, grouped_mm
+from plait.peft.experts import (
+    ExpertAdapterHost,
+    ExpertLoRA,
+    GroupedMM,
+    attach_expert_adapter,
+    detach_expert_adapters,
+    expert_adapters_of,
+    grouped_mm,
+)
 from plait.peft.hf import ExpertOutOrder, export_hf_adapter, import_hf_adapter
 from plait.peft.io import load_adapter, read_adapter_config, save_adapter
 from plait.peft.lora import DoRALinear, LoRALinear
 from plait.peft.mappers import BaseKeyRename, adapter_keys, base_to_injected, load_base_checkpoint
 
 __all__ = [
-    "EXPERT_ADAPTERS_ATTR",
-    "EXPERT_HOOK_ATTR",
     "AdaptedModule",
     "BaseKeyRename",
     "DoRAConfig",
     "DoRALinear",
+    "ExpertAdapterHost",
     "ExpertLoRA",
     "ExpertOutOrder",
     "FullTuneConfig",
@@ -57,9 +64,12 @@ __all__ = [
     "Targets",
     "adapter_keys",
     "apply_peft",
+    "attach_expert_adapter",
     "base_to_injected",
     "canonical_name",
+    "detach_expert_adapters",
     "expert_adapters",
+    "expert_adapters_of",
     "export_hf_adapter",
     "grouped_mm",
     "import_hf_adapter",

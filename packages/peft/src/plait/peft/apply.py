@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.peft.config import DoRAConfig, FullTuneConfig, LoRAConfig, PeftStackConfig, matches
-from plait.peft.experts import EXPERT_ADAPTERS_ATTR, EXPERT_HOOK_ATTR, ExpertLoRA
+from plait.peft.experts import (
+    ExpertAdapterHost,
+    ExpertLoRA,
+    attach_expert_adapter,
+    detach_expert_adapters,
+    expert_adapters_of,
+)
 from plait.peft.lora import DoRALinear, LoRALinear
 from torch import nn
 
@@ -92,10 +98,11 @@ def _walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module,
         yield name, mod, parent, attr
         if isinstance(mod, (LoRALinear, ExpertLoRA)):
             continue
+        held = expert_adapters_of(mod)
         children = [
             (f"{name}.{k}" if name else k, child, mod, k)
             for k, child in mod._modules.items()
-            if child is not None and not (k == EXPERT_ADAPTERS_ATTR and isinstance(child, nn.ModuleDict))
+            if child is not None and child is not held
         ]
         stack.extend(reversed(children))
 
@@ -110,8 +117,8 @@ def linear_adapters(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 def expert_adapters(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertLoRA]]:
     """(module name, host module, adapter) for every grouped-expert adapter in ``model``."""
     for name, mod, _, _ in _walk(model):
-        adapters = mod._modules.get(EXPERT_ADAPTERS_ATTR)
-        if isinstance(adapters, nn.ModuleDict):
+        adapters = expert_adapters_of(mod)
+        if adapters is not None:
             for adapter in adapters.values():
                 if isinstance(adapter, ExpertLoRA):
                     yield name, mod, adapter
@@ -156,18 +163,13 @@ def _apply_low_rank(model: nn.Module, cfg: LoRAConfig | DoRAConfig) -> list[Adap
                         f"lora: target_parameters matched {full!r} with shape {tuple(param.shape)}; "
                         "grouped-expert LoRA needs a 3-D [E, out, in] weight"
                     )
-                adapters = host._modules.get(EXPERT_ADAPTERS_ATTR)
-                if adapters is None:
-                    if hasattr(host, EXPERT_ADAPTERS_ATTR):
-                        raise ValueError(
-                            f"lora: {host_name!r} already has an attribute {EXPERT_ADAPTERS_ATTR!r}"
-                        )
-                    adapters = nn.ModuleDict()
-                    host.add_module(EXPERT_ADAPTERS_ATTR, adapters)
-                assert isinstance(adapters, nn.ModuleDict)
-                if pname in adapters:
+                adapters = expert_adapters_of(host)
+                if adapters is not None and pname in adapters:
                     raise ValueError(f"lora: parameter {full!r} is already adapted")
-                adapters[pname] = ExpertLoRA(param, pname, **kwargs)
+                try:
+                    attach_expert_adapter(host, pname, ExpertLoRA(param, pname, **kwargs))
+                except ValueError as e:
+                    raise ValueError(f"{e} (at {host_name!r})") from None
                 done.append(AdaptedModule(full, "lora_experts"))
         if len(done) == n_before:
             raise ValueError(f"lora: target_parameters={cfg.target_parameters!r} matched no parameter")
@@ -196,12 +198,13 @@ def _check_expert_hosts(model: nn.Module, cfg: LoRAConfig) -> None:
             full = f"{host_name}.{pname}" if host_name else pname
             if param is None or param.ndim != 3 or not matches(cfg.target_parameters, canonical_name(full)):
                 continue  # non-3-D matches get their own error from the applier
-            if not getattr(host, EXPERT_HOOK_ATTR, False):
+            if not isinstance(host, ExpertAdapterHost):
                 raise ValueError(
-                    f"lora: target_parameters matched {full!r}, but {type(host).__name__} does not set "
-                    f"`{EXPERT_HOOK_ATTR} = True`, i.e. its forward may not call the expert adapters "
-                    "(training would silently ignore them; see plait.peft's README). Pass "
-                    "require_expert_hook=False to inject anyway (e.g. to merge into the weights)."
+                    f"lora: target_parameters matched {full!r}, but {type(host).__name__} does not implement "
+                    "plait.peft.ExpertAdapterHost (adapters, attach_adapter, detach_adapters), i.e. its "
+                    "forward may not call the expert adapters (training would silently ignore them; see "
+                    "plait.peft's README). Pass require_expert_hook=False to inject anyway (e.g. to merge "
+                    "into the weights)."
                 )
 
 
@@ -216,9 +219,9 @@ def apply_peft(model: nn.Module, config: Any, *, require_expert_hook: bool = Tru
         model: any ``nn.Module``.
         config: a :data:`plait.peft.PeftConfig`, a :class:`plait.peft.PeftStackConfig`, a list of
             configs, or a user config registered with :func:`register_peft_method`.
-        require_expert_hook: grouped-expert targets must live on modules whose class sets
-            ``calls_expert_adapters = True`` (:data:`plait.peft.EXPERT_HOOK_ATTR`), declaring that
-            their forward calls the adapters. Off: inject anyway (merge-only use, foreign modules).
+        require_expert_hook: grouped-expert targets must live on modules that implement
+            :class:`plait.peft.ExpertAdapterHost` (as plait.moe's ``GroupedExperts`` does), whose
+            forward calls the adapters. Off: inject anyway (merge-only use, foreign modules).
 
     Returns:
         A :class:`PeftReport`.
@@ -330,6 +333,5 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, mod.base_layer)
     for _, host, _ in list(expert_adapters(model)):
-        if EXPERT_ADAPTERS_ATTR in host._modules:
-            del host._modules[EXPERT_ADAPTERS_ATTR]
+        detach_expert_adapters(host)
     return model

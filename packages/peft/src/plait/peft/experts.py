@@ -1,19 +1,20 @@
 """LoRA for grouped-expert weights ``[E, out, in]`` (one rank-r adapter per expert).
 
-Convention with the module that owns the expert weights (e.g. ``plait.moe``'s experts with
-``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``): :func:`plait.peft.apply_peft` adds an
-``nn.ModuleDict`` named ``lora`` (:data:`EXPERT_ADAPTERS_ATTR`) to that module, keyed by parameter
-name. The expert module, right after each grouped GEMM, passes the GEMM output through the
-adapter, which adds ``scaling * B_e A_e x`` with two more rank-r grouped GEMMs on the same
-expert-contiguous rows (so it composes with any grouped-GEMM backend). The module declares this
-with the class attribute ``calls_expert_adapters = True`` (:data:`EXPERT_HOOK_ATTR`);
-:func:`plait.peft.apply_peft` refuses expert targets on modules without it::
+The module that owns the expert weights (e.g. ``plait.moe``'s ``GroupedExperts`` with
+``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) implements :class:`ExpertAdapterHost`:
+:func:`plait.peft.apply_peft` hands it one :class:`ExpertLoRA` per targeted weight through
+``attach_adapter(param_name, adapter)``, and the module, right after each grouped GEMM, passes the
+GEMM output through the adapter (``plait.moe.ExpertAdapter`` is what it calls, and
+:class:`ExpertLoRA` provides it), which adds ``scaling * B_e A_e x`` with two more rank-r grouped
+GEMMs on the same expert-contiguous rows (so it composes with any grouped-GEMM backend)::
 
-    calls_expert_adapters = True  # class attribute
     h = gmm(x, self.gate_up_proj, tokens_per_expert, trans_w=True)
-    adapters = getattr(self, "lora", None)
-    if adapters is not None and "gate_up_proj" in adapters:
-        h = adapters["gate_up_proj"](h, x, tokens_per_expert, gmm=gmm)
+    if "gate_up_proj" in self.adapters:
+        h = self.adapters["gate_up_proj"](h, x, tokens_per_expert, gmm=gmm)
+
+:func:`plait.peft.apply_peft` refuses expert targets on modules that do not implement the protocol
+(their forward would ignore the adapters) unless ``require_expert_hook=False``; on such a module the
+adapters hang in an ``nn.ModuleDict`` named ``lora`` (merge-only use, e.g. transformers' experts).
 
 The base weights keep their names (no ``base_layer`` renaming), so base checkpoints load
 unchanged. When merged, the adapter returns ``h`` untouched.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from plait.model_state import full_tensor, local_view
@@ -32,13 +34,80 @@ from plait.peft.config import LoRAInit
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["EXPERT_ADAPTERS_ATTR", "EXPERT_HOOK_ATTR", "ExpertLoRA", "GroupedMM", "grouped_mm"]
+__all__ = [
+    "ExpertAdapterHost",
+    "ExpertLoRA",
+    "GroupedMM",
+    "attach_expert_adapter",
+    "detach_expert_adapters",
+    "expert_adapters_of",
+    "grouped_mm",
+]
 
-EXPERT_ADAPTERS_ATTR = "lora"
-"""Attribute (an ``nn.ModuleDict`` keyed by parameter name) that holds a module's expert adapters."""
+# The ModuleDict that holds the adapters of a module that is not an ExpertAdapterHost (only with
+# require_expert_hook=False); named like plait.moe's own, so that adapter files look the same.
+_FOREIGN_ADAPTERS = "lora"
 
-EXPERT_HOOK_ATTR = "calls_expert_adapters"
-"""Class attribute (``True``) by which an expert module declares that its forward calls the adapters."""
+
+@runtime_checkable
+class ExpertAdapterHost(Protocol):
+    """A module owning grouped expert weights whose forward calls adapters on them.
+
+    plait.moe's ``GroupedExperts`` implements it (structurally: neither package imports the other);
+    so may a user's own expert module.
+    """
+
+    @property
+    def adapters(self) -> nn.ModuleDict:
+        """The attached adapters, by the name of the weight they adapt."""
+        ...
+
+    def attach_adapter(self, param_name: str, adapter: nn.Module) -> None:
+        """Call ``adapter`` (an :class:`ExpertLoRA`) after the grouped GEMM of weight ``param_name``."""
+        ...
+
+    def detach_adapters(self) -> None:
+        """Remove every attached adapter."""
+        ...
+
+
+def expert_adapters_of(module: nn.Module) -> nn.ModuleDict | None:
+    """The expert adapters attached to ``module`` by weight name (None: it holds none and cannot)."""
+    if isinstance(module, ExpertAdapterHost):
+        return module.adapters
+    held = dict(module.named_children()).get(_FOREIGN_ADAPTERS)
+    return held if isinstance(held, nn.ModuleDict) else None
+
+
+def attach_expert_adapter(host: nn.Module, param_name: str, adapter: ExpertLoRA) -> None:
+    """Attach ``adapter`` to ``host``'s weight ``param_name``: through the host's ``attach_adapter``
+    (:class:`ExpertAdapterHost`), else (merge-only) into a ``lora`` ``nn.ModuleDict`` added to ``host``.
+
+    Raises:
+        ValueError: the weight has an adapter already, or a foreign ``host`` has another ``lora``.
+    """
+    held = expert_adapters_of(host)
+    if held is not None and param_name in held:
+        raise ValueError(f"lora: parameter {param_name!r} of {type(host).__name__} is already adapted")
+    if isinstance(host, ExpertAdapterHost):
+        host.attach_adapter(param_name, adapter)
+        return
+    if held is None:
+        if hasattr(host, _FOREIGN_ADAPTERS):
+            raise ValueError(f"lora: {type(host).__name__} already has an attribute {_FOREIGN_ADAPTERS!r}")
+        held = nn.ModuleDict()
+        host.add_module(_FOREIGN_ADAPTERS, held)
+    assert isinstance(held, nn.ModuleDict)
+    held[param_name] = adapter
+
+
+def detach_expert_adapters(host: nn.Module) -> None:
+    """Remove every expert adapter of ``host`` (what :func:`attach_expert_adapter` attached)."""
+    if isinstance(host, ExpertAdapterHost):
+        host.detach_adapters()
+    elif expert_adapters_of(host) is not None:
+        delattr(host, _FOREIGN_ADAPTERS)
+
 
 GroupedMM = Callable[..., torch.Tensor]
 """``gmm(x [M, K], w [E, N, K], tokens_per_expert [E], trans_w=True) -> [M, N]`` (plait.kernels.gmm's signature)."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from plait.peft.apply import PeftReport, apply_peft, expert_adapters, linear_adapters, trainable_parameters
 from plait.peft.config import DoRAConfig, LoRAConfig
-from plait.peft.experts import EXPERT_ADAPTERS_ATTR, ExpertLoRA
+from plait.peft.experts import ExpertLoRA, expert_adapters_of
 from plait.peft.io import _is_writer, copy_into, gather_full
 from plait.peft.lora import DoRALinear
 from safetensors import safe_open
@@ -207,7 +207,9 @@ def _expert_tensors(
         targeted = _targeted_in_order(host)
         hf_host = mapper(host_name)
         for i, pname in enumerate(targeted):
-            ad = host.get_submodule(f"{EXPERT_ADAPTERS_ATTR}.{pname}")
+            held = expert_adapters_of(host)
+            assert held is not None
+            ad = held[pname]
             assert isinstance(ad, ExpertLoRA)
             key = HF_PREFIX + hf_host + ".base_layer" * (len(targeted) - 1 - i)
             a, b = gather_full(ad.lora_A), gather_full(ad.lora_B)  # [E, r, in], [E, out, r]
@@ -276,8 +278,8 @@ def _out_order(fn: ExpertOutOrder | None, name: str, rows: int) -> torch.Tensor 
 
 def _targeted_in_order(host: nn.Module) -> list[str]:
     """The host's adapted parameters in registration order (PEFT nests them in that order)."""
-    adapters = host._modules.get(EXPERT_ADAPTERS_ATTR)
-    assert isinstance(adapters, nn.ModuleDict)
+    adapters = expert_adapters_of(host)
+    assert adapters is not None
     return [p for p in host._parameters if p in adapters]
 
 
@@ -468,8 +470,8 @@ def _load_experts(
     for full, parts in experts.items():
         host_name, _, pname = full.rpartition(".")
         host = model.get_submodule(host_name) if host_name else model
-        adapter = host._modules.get(EXPERT_ADAPTERS_ATTR)
-        if not isinstance(adapter, nn.ModuleDict) or pname not in adapter:
+        adapter = expert_adapters_of(host)
+        if adapter is None or pname not in adapter:
             raise KeyError(f"import_hf_adapter: {full!r} has no expert adapter (apply=False needs one)")
         ad = adapter[pname]
         assert isinstance(ad, ExpertLoRA)

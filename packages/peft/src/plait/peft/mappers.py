@@ -68,9 +68,9 @@ def adapter_keys(model: nn.Module) -> set[str]:
     for name, mod in linear_adapters(model):
         prefix = f"{name}." if name else ""
         keys |= {f"{prefix}{k}" for k in mod.state_dict(keep_vars=True) if not k.startswith("base_layer.")}
-    for host_name, _, adapter in expert_adapters(model):
-        prefix = f"{host_name}.lora.{adapter.param_name}." if host_name else f"lora.{adapter.param_name}."
-        keys |= {prefix + k for k in adapter.state_dict(keep_vars=True)}
+    names = {module: name for name, module in model.named_modules()}
+    for _, _, adapter in expert_adapters(model):
+        keys |= {f"{names[adapter]}.{k}" for k in adapter.state_dict(keep_vars=True)}
     return keys
 
 

@@ -12,6 +12,7 @@ from plait.pipelining.config import (
     LoopedScheduleConfig,
     OneFOneBConfig,
     PipelineScheduleConfig,
+    RegisteredSchedule,
     ZB1PConfig,
     ZBVConfig,
     build_pipeline,
@@ -19,6 +20,7 @@ from plait.pipelining.config import (
     parse_schedule_config,
     register_schedule,
     registered_schedules,
+    schedule_config_class,
 )
 from plait.pipelining.executor import (
     OfflineExecutor,
@@ -77,6 +79,7 @@ __all__ = [
     "PipelineStepResult",
     "Program",
     "ProgramError",
+    "RegisteredSchedule",
     "Shared",
     "SimulationResult",
     "Stack",
@@ -107,6 +110,7 @@ __all__ = [
     "parse_schedule_config",
     "register_schedule",
     "registered_schedules",
+    "schedule_config_class",
     "simulate",
     "validate",
     "vshape_topology",

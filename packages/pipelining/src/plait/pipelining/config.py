@@ -1,9 +1,15 @@
-"""Schedule configs (pydantic discriminated union), the schedule registry and the executor factory."""
+"""Schedule configs, the schedule registry and the executor factory.
+
+The registry is the one list of schedule kinds: every schedule, built-in or a user's, is registered
+with :func:`register_schedule`, and :data:`PipelineScheduleConfig` (the pydantic field type),
+:func:`parse_schedule_config`, the error messages and :func:`registered_schedules` read it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -12,7 +18,7 @@ from plait.pipelining.executor import OfflineExecutor, PipelineExecutor
 from plait.pipelining.program import Program
 from plait.pipelining.runner import BackwardHook, ForwardKwargsFn, LossFn
 from plait.pipelining.topology import StageTopology, loop_topology, vshape_topology
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 from torch import nn
 
 __all__ = [
@@ -25,6 +31,7 @@ __all__ = [
     "LoopedScheduleConfig",
     "OneFOneBConfig",
     "PipelineScheduleConfig",
+    "RegisteredSchedule",
     "ZB1PConfig",
     "ZBVConfig",
     "build_pipeline",
@@ -32,6 +39,7 @@ __all__ = [
     "parse_schedule_config",
     "register_schedule",
     "registered_schedules",
+    "schedule_config_class",
 ]
 
 
@@ -39,6 +47,9 @@ class BaseScheduleConfig(BaseModel):
     """Options every schedule has. Subclass it (with a ``kind`` literal) for your own schedule."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # A schedule without backward passes (evaluation, generation): build_pipeline takes no loss_fn.
+    forward_only: ClassVar[bool] = False
 
     kind: str
     num_microbatches: int = Field(ge=1)
@@ -125,39 +136,66 @@ class DualPipeVConfig(BaseScheduleConfig):
 class InferenceConfig(LoopedScheduleConfig):
     """Forward-only program over ``stages_per_rank`` stages per rank (evaluation, generation)."""
 
+    forward_only: ClassVar[bool] = True
+
     kind: Literal["inference"] = "inference"
 
 
-PipelineScheduleConfig = Annotated[
-    GPipeConfig
-    | LoopedBFSConfig
-    | OneFOneBConfig
-    | Interleaved1F1BConfig
-    | ZB1PConfig
-    | ZBVConfig
-    | DualPipeVConfig
-    | InferenceConfig,
-    Field(discriminator="kind"),
-]
-
 ScheduleBuilder = Callable[[Any, int], Program]
-_REGISTRY: dict[str, tuple[type[BaseScheduleConfig], ScheduleBuilder]] = {}
+
+
+@dataclass(frozen=True)
+class RegisteredSchedule:
+    """One entry of the schedule registry.
+
+    Attributes:
+        kind: the ``kind`` value that selects it.
+        config_cls: its config class (a :class:`BaseScheduleConfig` subclass).
+        builder: ``builder(config, pp_size)`` returns the compute-only :class:`Program`.
+    """
+
+    kind: str
+    config_cls: type[BaseScheduleConfig]
+    builder: ScheduleBuilder
+
+
+_REGISTRY: dict[str, RegisteredSchedule] = {}
 
 
 def register_schedule(kind: str, config_cls: type[BaseScheduleConfig], builder: ScheduleBuilder) -> None:
     """Register a schedule: `builder(config, pp_size)` returns the compute-only :class:`Program`.
 
+    The built-in schedules are registered with this same call when the package is imported.
+
     Raises:
-        ValueError: if `kind` is already registered.
+        ValueError: if `kind` is already registered, or `config_cls`'s ``kind`` default is another kind.
     """
     if kind in _REGISTRY:
         raise ValueError(f"pipeline schedule {kind!r} is already registered")
-    _REGISTRY[kind] = (config_cls, builder)
+    default = config_cls.model_fields["kind"].default
+    if isinstance(default, str) and default != kind:
+        raise ValueError(f"register_schedule({kind!r}): {config_cls.__name__}.kind defaults to {default!r}")
+    _REGISTRY[kind] = RegisteredSchedule(kind, config_cls, builder)
 
 
 def registered_schedules() -> list[str]:
     """The kinds of every registered schedule, sorted."""
     return sorted(_REGISTRY)
+
+
+def _registered(kind: object) -> RegisteredSchedule:
+    if not isinstance(kind, str) or kind not in _REGISTRY:
+        raise ValueError(f"unknown pipeline schedule kind {kind!r}; registered: {registered_schedules()}")
+    return _REGISTRY[kind]
+
+
+def schedule_config_class(kind: str) -> type[BaseScheduleConfig]:
+    """The config class registered for `kind`.
+
+    Raises:
+        ValueError: naming the registered kinds, if `kind` is not one.
+    """
+    return _registered(kind).config_cls
 
 
 register_schedule("gpipe", GPipeConfig, lambda c, pp: S.build_gpipe(pp, c.num_microbatches))
@@ -181,26 +219,32 @@ register_schedule(
 
 
 def parse_schedule_config(data: Mapping[str, Any] | BaseScheduleConfig) -> BaseScheduleConfig:
-    """Build a config from a dict (``{"kind": ..., ...}``), including user-registered kinds."""
+    """Build a config from a dict (``{"kind": ..., ...}``) with the class registered for its kind.
+
+    Raises:
+        ValueError: an unregistered kind (naming the registered ones); pydantic's ``ValidationError``
+            (a ``ValueError``) for the config class's own field errors.
+    """
     if isinstance(data, BaseScheduleConfig):
         return data
-    kind = data.get("kind")
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown pipeline schedule kind {kind!r}; registered: {registered_schedules()}")
-    if kind in _BUILTIN:
-        return TypeAdapter(PipelineScheduleConfig).validate_python(dict(data))
-    return _REGISTRY[kind][0].model_validate(dict(data))
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a pipeline schedule config is a mapping with a 'kind', got {type(data).__name__}")
+    return _registered(data.get("kind")).config_cls.model_validate(dict(data))
 
 
-_BUILTIN = {"gpipe", "looped_bfs", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev", "inference"}
+PipelineScheduleConfig = Annotated[
+    BaseScheduleConfig,
+    PlainValidator(parse_schedule_config, json_schema_input_type=dict[str, Any]),
+    PlainSerializer(lambda config: config.model_dump(), return_type=dict[str, Any]),
+]
+"""A pydantic field type for any registered schedule's config: a dict (or a config) is validated by
+the class registered for its ``kind`` (:func:`parse_schedule_config`), a user's kinds included."""
 
 
 def build_program(config: BaseScheduleConfig | Mapping[str, Any], pp_size: int) -> Program:
     """The compute-only program of `config` on `pp_size` ranks (pass it to ``lower`` for the full one)."""
     cfg = parse_schedule_config(config)
-    if cfg.kind not in _REGISTRY:
-        raise ValueError(f"unknown pipeline schedule kind {cfg.kind!r}; registered: {registered_schedules()}")
-    return _REGISTRY[cfg.kind][1](cfg, pp_size)
+    return _registered(cfg.kind).builder(cfg, pp_size)
 
 
 def build_pipeline(
@@ -230,8 +274,8 @@ def build_pipeline(
     """
     cfg = parse_schedule_config(config)
     pp = 1 if pp_group is None else dist.get_world_size(pp_group)
-    if cfg.kind == "inference" and loss_fn is not None:
-        raise ValueError("the inference schedule runs forward only; pass loss_fn=None")
+    if cfg.forward_only and loss_fn is not None:
+        raise ValueError(f"the {cfg.kind} schedule runs forward only; pass loss_fn=None")
     if pp == 1:
         return OfflineExecutor(
             stage_modules,

@@ -78,8 +78,8 @@ class GradientSync:
         if self.roots and splits_backward and not self.manual:
             raise RuntimeError(
                 f"schedule {schedule!r} splits the backward (I/W), which with FSDP2 stage modules needs "
-                "torch's FSDPModule.finalize_backward (not in this torch version); use a full-backward schedule "
-                "(gpipe, 1f1b, looped_bfs, interleaved_1f1b) or a newer torch"
+                "torch's FSDPModule.finalize_backward (not in this torch version); use a schedule with full "
+                "backward passes (no I/W actions, e.g. '1f1b') or a newer torch"
             )
         fsdp = [sub for m in stage_modules.values() for sub in m.modules() if isinstance(sub, FSDPModule)]
         # Split backward: the W pass differentiates w.r.t. the parameters a stage holds at its I pass. An FSDP2

@@ -9,7 +9,7 @@ from plait.loop.checkpoint.checkpointer import (
     OnDamaged,
     UnsafeCheckpointError,
 )
-from plait.loop.checkpoint.export import export_checkpoint
+from plait.loop.checkpoint.export import export_checkpoint, find_checkpoint
 from plait.loop.checkpoint.planning import CachingSavePlanner
 from plait.loop.checkpoint.preemption import PreemptionHandler
 from plait.loop.checkpoint.resume_policy import ResumeConfigError
@@ -36,4 +36,5 @@ __all__ = [
     "ValueState",
     "WriterProcess",
     "export_checkpoint",
+    "find_checkpoint",
 ]

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from plait.loop.checkpoint import _layout
 from plait.loop.checkpoint.checkpointer import Checkpointer
 from plait.loop.checkpoint.state import ModelState
 from plait.model_state import Mapper, save_module
 from torch import nn
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, dict]:
+    """The checkpoint that ``path`` names and its marker's metadata (``step``, ``config``, ...): ``path``
+    itself when it is a complete checkpoint, else the newest intact one under ``path/checkpoints`` (a run
+    directory) or under ``path`` (a checkpoints directory). One process; nothing is deleted.
+
+    Raises:
+        FileNotFoundError: no complete, intact checkpoint there.
+    """
+    path = Path(path)
+    found: Path | None = path if (path / _layout.MARKER).is_file() else None
+    for root in (path / "checkpoints", path):
+        if found is None and root.is_dir():
+            found = Checkpointer(root, async_mode="off").latest(clean=False)
+    if found is None:
+        raise FileNotFoundError(
+            f"{path}: no complete checkpoint here (give a run directory, its checkpoints or one of them)"
+        )
+    return found, json.loads((found / _layout.MARKER).read_text())
 
 
 def export_checkpoint(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -19,6 +20,7 @@ __all__ = [
     "config_json_schema",
     "dump_config",
     "load_config",
+    "nearest_key",
     "parse_override",
     "read_config_file",
     "split_cli_overrides",
@@ -201,7 +203,25 @@ def _index(part: str, node: list[Any], item: str) -> int:
     return idx
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+REFERENCE_HINT = "every key: `plait config`, or the config reference of the docs"
+
+
+def nearest_key(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean `PREFIX.KEY`?"`` for the known key nearest to ``name`` (a misspelling), else ``""``;
+    either way followed by where every key is listed."""
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return (f"; did you mean `{prefix}{match[0]}`?" if match else "") + f" ({REFERENCE_HINT})"
+
+
+def _known_keys(cls: type[BaseModel] | None, path: Sequence[str]) -> list[str]:
+    """The keys of the section(s) at ``path`` of ``cls`` (several through unions)."""
+    if cls is None:
+        return []
+    sections = [m for t in _field_types(cls, path) for m in _members(t)] if path else [cls]
+    return [k for m in sections if isinstance(m, type) and issubclass(m, BaseModel) for k in m.model_fields]
+
+
+def _format_errors(err: ValidationError, source: str, cls: type[BaseModel] | None = None) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         parts = [str(p) for p in e["loc"]]
@@ -214,7 +234,15 @@ def _format_errors(err: ValidationError, source: str) -> str:
         loc = ".".join(parts)
         value = e.get("input")
         shown = repr(value) if not isinstance(value, dict) else "{...}"
-        if loc:
+        if e["type"] == "extra_forbidden" and parts:
+            prefix = ".".join(parts[:-1]) + "." if len(parts) > 1 else ""
+            hint = nearest_key(parts[-1], _known_keys(cls, parts[:-1]), prefix)
+            lines.append(f"  {loc}: unknown key (got {shown}){hint}")
+        elif loc and str(e["msg"]).removeprefix("Value error, ").startswith(f"{loc}."):
+            lines.append(
+                f"  {str(e['msg']).removeprefix('Value error, ')}"
+            )  # a section's own check names its keys
+        elif loc:
             lines.append(f"  {loc}: {e['msg']} (got {shown})")
         else:  # a cross-field check: its message names the fields itself
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
@@ -254,7 +282,7 @@ def load_config(
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(_format_errors(e, source, cls)) from None
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -41,11 +41,21 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 class RunConfig(_Section):
     """Name, output directory and length of the run."""
 
-    name: str = "run"
-    run_dir: str = "runs/run"
+    name: str = Field(
+        default="run",
+        description="Run name: the progress bar's label, the default tracker project, in checkpoint metadata.",
+    )
+    run_dir: str = Field(
+        default="runs/run",
+        description="Output directory (metrics, checkpoints, profiles, heartbeat), locked by one job.",
+    )
     steps: int = Field(default=100, ge=1, description="Number of optimizer steps of the whole run.")
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(
+        default=0, description="Seed of torch's default generators (initial weights) and data shuffling."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Device to train on; auto: cuda when available, else cpu."
+    )
 
 
 class BatchingConfig(_Section):
@@ -57,13 +67,14 @@ class BatchingConfig(_Section):
 
     global_batch_size: int = Field(default=8, ge=1, description="Samples per optimizer step, all ranks.")
     microbatch_size: int = Field(default=1, ge=1, description="Samples per forward/backward on one rank.")
-    seq_len: int = Field(default=128, ge=1)
+    seq_len: int = Field(default=128, ge=1, description="Tokens per sample (sequence length).")
 
 
 class PipelineConfig(BaseModel):
-    """The pipeline schedule, used when ``mesh.pipeline > 1``: plait.pipelining's ``kind`` (``1f1b``,
-    ``interleaved_1f1b``, ``zb1p``, ``zbv``, ``dualpipev``, ...) and its own options (e.g.
-    ``stages_per_rank``), checked by :meth:`~plait.loop.BatchPlan.schedule`.
+    """The pipeline schedule, used when ``mesh.pipeline > 1``: a ``kind`` registered in plait.pipelining
+    (``1f1b`` by default; ``plait.pipelining.registered_schedules()`` lists them, a user's
+    ``register_schedule`` kinds included) and its own options (e.g. ``stages_per_rank``), checked by
+    :meth:`~plait.loop.BatchPlan.schedule`.
 
     The microbatch count is the :class:`~plait.loop.BatchPlan`'s; ``num_microbatches``, when given,
     must equal it.
@@ -71,8 +82,10 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="allow", allow_inf_nan=False)
 
-    kind: str = "1f1b"
-    num_microbatches: int | None = Field(default=None, ge=1)
+    kind: str = Field(default="1f1b", description="Name of a schedule registered in plait.pipelining.")
+    num_microbatches: int | None = Field(
+        default=None, ge=1, description="Microbatches per step; must equal the batch plan's (None: take it)."
+    )
 
 
 class EvaluationConfig(_Section):
@@ -83,7 +96,9 @@ class EvaluationConfig(_Section):
     go to the trackers, the console and :meth:`~plait.loop.Trainer.fit`'s result.
     """
 
-    enabled: bool = False
+    enabled: bool = Field(
+        default=False, description="Evaluate the validation loss (needs a validation loader from the data)."
+    )
     interval: int | None = Field(
         default=None, ge=1, description="Evaluate every N steps (None: at the end only)."
     )
@@ -93,38 +108,75 @@ class EvaluationConfig(_Section):
 class AdamWConfig(_Section):
     """``torch.optim.AdamW``; ``fused=None`` picks the fused kernel where the device supports it."""
 
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[Beta, Beta] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    fused: bool | None = None
-    no_decay_norms_biases_embeddings: bool = True
+    name: Literal["adamw"] = Field(
+        default="adamw",
+        description="Optimizer: adamw, stochastic_adamw or sgd (a section without it is adamw).",
+    )
+    lr: float = Field(default=3e-4, gt=0, description="Peak learning rate; lr_schedule scales it.")
+    betas: tuple[Beta, Beta] = Field(
+        default=(0.9, 0.95), description="Adam's (beta1, beta2) moment decay rates, each in [0, 1)."
+    )
+    eps: float = Field(
+        default=1e-8, gt=0, description="Term added to the denominator for numerical stability."
+    )
+    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay coefficient.")
+    fused: bool | None = Field(
+        default=None,
+        description="Use torch's fused AdamW kernel (None: when every parameter is on an accelerator).",
+    )
+    no_decay_norms_biases_embeddings: bool = Field(
+        default=True, description="Exempt norm weights, biases and embeddings from weight decay."
+    )
 
 
 class StochasticAdamWConfig(_Section):
     """plait.kernels' ``StochasticAdamW`` (stochastic rounding into bf16 parameters)."""
 
-    name: Literal["stochastic_adamw"] = "stochastic_adamw"
-    lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[Beta, Beta] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    moment_dtype: Literal["float32", "bfloat16"] = "float32"
-    # The same seed on every data-parallel replica keeps replicated bf16 parameters bit-identical.
-    seed: int = 0
-    no_decay_norms_biases_embeddings: bool = True
+    name: Literal["stochastic_adamw"] = Field(
+        default="stochastic_adamw", description="Optimizer: adamw, stochastic_adamw or sgd."
+    )
+    lr: float = Field(default=3e-4, gt=0, description="Peak learning rate; lr_schedule scales it.")
+    betas: tuple[Beta, Beta] = Field(
+        default=(0.9, 0.95), description="Adam's (beta1, beta2) moment decay rates, each in [0, 1)."
+    )
+    eps: float = Field(
+        default=1e-8, gt=0, description="Term added to the denominator for numerical stability."
+    )
+    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay coefficient.")
+    moment_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="dtype of the Adam moments (exp_avg, exp_avg_sq)."
+    )
+    seed: int = Field(
+        default=0,
+        description=(
+            "Seed of the stochastic rounding; the same on every data-parallel replica keeps replicated "
+            "bf16 parameters bit-identical."
+        ),
+    )
+    no_decay_norms_biases_embeddings: bool = Field(
+        default=True, description="Exempt norm weights, biases and embeddings from weight decay."
+    )
 
 
 class SGDConfig(_Section):
     """``torch.optim.SGD``."""
 
-    name: Literal["sgd"] = "sgd"
-    lr: float = Field(default=1e-2, gt=0)
-    momentum: float = Field(default=0.0, ge=0)
-    nesterov: bool = False
-    weight_decay: float = Field(default=0.0, ge=0)
-    no_decay_norms_biases_embeddings: bool = True
+    name: Literal["sgd"] = Field(default="sgd", description="Optimizer: adamw, stochastic_adamw or sgd.")
+    lr: float = Field(default=1e-2, gt=0, description="Peak learning rate; lr_schedule scales it.")
+    momentum: float = Field(default=0.0, ge=0, description="Momentum factor (0: plain SGD).")
+    nesterov: bool = Field(default=False, description="Nesterov momentum (needs momentum > 0).")
+    weight_decay: float = Field(
+        default=0.0, ge=0, description="L2 penalty added to the gradients (torch.optim.SGD's weight_decay)."
+    )
+    no_decay_norms_biases_embeddings: bool = Field(
+        default=True, description="Exempt norm weights, biases and embeddings from weight decay."
+    )
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGDConfig:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("optimizer.nesterov=true needs optimizer.momentum > 0")
+        return self
 
 
 def _name_of(section: type[BaseModel]) -> str:
@@ -154,7 +206,9 @@ OPTIMIZER_NAMES: tuple[str, ...] = tuple(
 class GradClipConfig(_Section):
     """Global gradient-norm clipping (DTensor-aware); ``max_norm=None`` only measures the norm."""
 
-    max_norm: float | None = Field(default=1.0, gt=0)
+    max_norm: float | None = Field(
+        default=1.0, gt=0, description="Clip the global gradient norm to this (None: only measure it)."
+    )
     norm_type: float = Field(
         default=2.0, gt=0, allow_inf_nan=True, description="p of the p-norm; inf: max norm"
     )
@@ -197,16 +251,24 @@ class CheckpointConfig(_Section):
     named and skipped for the previous one (``on_damaged="fall_back"``) or stops the run.
     """
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="Save checkpoints (and resume from them).")
     interval: int | None = Field(default=None, ge=1, description="Save every N steps (and at the last step).")
-    keep_last: int = Field(default=3, ge=1)
+    keep_last: int = Field(
+        default=3, ge=1, description="Complete checkpoints kept; older ones are deleted after a save."
+    )
     async_mode: Literal["process", "thread", "off"] = Field(
         default="process", description="Write from a background process, a thread, or synchronously."
     )
     dir: str | None = Field(default=None, description="Defaults to <run_dir>/checkpoints.")
-    resume: bool = True
-    save_on_signal: bool = True
-    grace_period_s: float = Field(default=120.0, gt=0)
+    resume: bool = Field(
+        default=True, description="Load the newest intact checkpoint in dir before the first step."
+    )
+    save_on_signal: bool = Field(
+        default=True, description="On SIGTERM/SIGINT finish the step, save a final checkpoint and exit."
+    )
+    grace_period_s: float = Field(
+        default=120.0, gt=0, description="After a stop signal, the process is ended after this many seconds."
+    )
     checksums: bool = Field(
         default=False,
         description="Record a CRC32 of every checkpoint file and verify it at resume (sizes are always checked).",
@@ -225,22 +287,39 @@ class CheckpointConfig(_Section):
 class TrackerConfig(_Section):
     """One experiment tracker: ``jsonl`` (default), ``console``, ``tensorboard``, ``aim``, ``wandb``."""
 
-    kind: Literal["jsonl", "console", "tensorboard", "aim", "wandb"]
-    project: str | None = None
-    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    kind: Literal["jsonl", "console", "tensorboard", "aim", "wandb"] = Field(
+        description="Tracker: jsonl (<run_dir>/metrics.jsonl), console, tensorboard, aim or wandb."
+    )
+    project: str | None = Field(
+        default=None, description="aim experiment or wandb project name (None: run.name)."
+    )
+    options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments of the tracker (jsonl: filename; wandb: mode, default offline).",
+    )
 
 
 class LoggingConfig(_Section):
     """How often metrics are logged, and where."""
 
-    interval: int = Field(default=1, ge=1)
-    trackers: tuple[TrackerConfig, ...] = (TrackerConfig(kind="jsonl"), TrackerConfig(kind="console"))
-    progress_bar: bool = True
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    interval: int = Field(
+        default=1,
+        ge=1,
+        description="Log metrics every N steps (and the last); device statistics are read that often.",
+    )
+    trackers: tuple[TrackerConfig, ...] = Field(
+        default=(TrackerConfig(kind="jsonl"), TrackerConfig(kind="console")),
+        description="[[logging.trackers]] tables: the experiment trackers the main rank logs to.",
+    )
+    progress_bar: bool = Field(default=True, description="Show a tqdm progress bar on the main rank.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Level of the plait logger."
+    )
     peak_flops: float | None = Field(
         default=None,
         gt=0,
-        description="Peak FLOP/s per device for MFU; None looks the device up (CUDA only).",
+        description="Peak FLOP/s per device for MFU; None looks a CUDA device up (its bf16 data-sheet peak), "
+        "and a CPU has none: no MFU is shown (plait.loop.tracking.measure_matmul_flops measures one to set here).",
     )
     heartbeat_interval_s: float | None = Field(
         default=10.0,
@@ -264,14 +343,16 @@ class LoggingConfig(_Section):
 class ProfilingConfig(_Section):
     """torch.profiler window(s): skip ``wait`` steps, warm up, record ``active`` steps, ``repeat`` times."""
 
-    enabled: bool = False
-    wait: int = Field(default=1, ge=0)
-    warmup: int = Field(default=1, ge=0)
-    active: int = Field(default=2, ge=1)
-    repeat: int = Field(default=1, ge=0)
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
+    enabled: bool = Field(
+        default=False, description="Profile steps; one chrome trace per rank and window in <run_dir>/profile."
+    )
+    wait: int = Field(default=1, ge=0, description="Steps skipped at the start of each window.")
+    warmup: int = Field(default=1, ge=0, description="Steps traced but discarded before recording.")
+    active: int = Field(default=2, ge=1, description="Steps recorded per window.")
+    repeat: int = Field(default=1, ge=0, description="Number of windows (0: repeat until training ends).")
+    record_shapes: bool = Field(default=False, description="Record the input shapes of ops.")
+    profile_memory: bool = Field(default=False, description="Track tensor memory allocations.")
+    with_stack: bool = Field(default=False, description="Record the Python source location of ops.")
 
 
 class WatchdogConfig(_Section):
@@ -313,24 +394,43 @@ class TimeoutConfig(_Section):
     """Collective timeouts: a long one for start-up (compilation, weight loading), a short one per step;
     and the step watchdog's limits (``watchdog``), kept below them."""
 
-    init_s: float = Field(default=600.0, gt=0)
-    step_s: float = Field(default=120.0, gt=0)
+    init_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Collective timeout (seconds) of start-up and of each fit()'s first step.",
+    )
+    step_s: float = Field(
+        default=120.0, gt=0, description="Collective timeout (seconds) after each fit()'s first step."
+    )
     watchdog: WatchdogConfig = WatchdogConfig()
 
 
 class GCConfig(_Section):
     """Automatic garbage collection off; a full collection every ``interval`` steps on every rank."""
 
-    disable_automatic: bool = True
-    interval: int | None = Field(default=50, ge=1)
-    generation: Literal[0, 1, 2] = 1
+    disable_automatic: bool = Field(
+        default=True, description="Turn Python's automatic garbage collection off for the run."
+    )
+    interval: int | None = Field(
+        default=50, ge=1, description="Collect every N steps on every rank (None: never explicitly)."
+    )
+    generation: Literal[0, 1, 2] = Field(
+        default=1,
+        description="Oldest generation each collection covers (gc.collect's; 2: a full collection).",
+    )
 
 
 class DeterminismConfig(_Section):
     """Determinism and the NaN/Inf loss policy."""
 
-    deterministic_algorithms: bool = False
-    nonfinite_loss: Literal["raise", "skip"] = "raise"
+    deterministic_algorithms: bool = Field(
+        default=False,
+        description="torch.use_deterministic_algorithms (ops without a deterministic kernel raise).",
+    )
+    nonfinite_loss: Literal["raise", "skip"] = Field(
+        default="raise",
+        description="A NaN/Inf loss or gradient norm: raise, or skip that step's optimizer update.",
+    )
     max_skipped_steps: int | None = Field(
         default=None, ge=0, description="Raise once more steps than this were skipped."
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from plait.loop.batch_plan import BatchPlan
 from plait.loop.config._mesh import DeviceMeshParameters
 from plait.loop.config.sections import (
     AdamWConfig,
@@ -74,8 +75,6 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:
-        from plait.loop.batch_plan import BatchPlan
-
         plan = BatchPlan.from_sections(
             self.batching, self.mesh
         )  # checks the batch arithmetic, naming the fields
@@ -97,8 +96,6 @@ class TrainerConfig(BaseModel):
         pp = int(self.mesh.pipeline)
         if pp == 1:
             return 1
-        from plait.loop.batch_plan import BatchPlan
-
         plan = BatchPlan.from_sections(self.batching, self.mesh)
         return int(plan.schedule(self.pipeline).topology(pp).num_stages)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from plait.loop.data.sources import FORMATS, DataSourceError
+from plait.loop.data.formats import AUTO, data_format, data_formats, formats_reading
+from plait.loop.data.sources import DataSourceError
 from plait.loop.data.tokenize import tokenize_corpus
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m plait.loop.data") -> int:
     """Run the command; returns the exit status (2 on bad input, with one message naming it)."""
-    ap = argparse.ArgumentParser(prog="python -m plait.loop.data", description=__doc__)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     tok = sub.add_parser(
         "tokenize",
@@ -20,10 +21,17 @@ def main(argv: list[str] | None = None) -> int:
         "by vocabulary size), OUTPUT/documents.npy (document start offsets) and OUTPUT/meta.json; "
         "train on it with data.format='tokens' and data.source=OUTPUT.",
     )
-    tok.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
+    tok.add_argument(
+        "--tokenizer", required=True, help="a directory with tokenizer.json, or 'bytes' (byte-level tokens)"
+    )
     tok.add_argument("--output", required=True, help="output directory")
-    tok.add_argument("--format", default="auto", choices=["auto", *(f for f in FORMATS if f != "tokens")])
-    tok.add_argument("--text-field", default="text", help="the JSONL field / parquet or arrow column")
+    readable = [f for f in data_formats() if data_format(f).holds != "tokens"]  # tokens are tokenized already
+    tok.add_argument("--format", default=AUTO, choices=[AUTO, *readable])
+    tok.add_argument(
+        "--text-field",
+        default="text",
+        help=f"the record field / table column of the text (formats {', '.join(formats_reading('text_field'))})",
+    )
     tok.add_argument("--workers", type=int, default=None, help="encoding processes (default: the CPU count)")
     tok.add_argument("--batch-size", type=int, default=256, help="documents per task")
     tok.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from plait.loop.config.loading import ConfigError
 from plait.loop.data.collate import PadCollator
 from plait.loop.data.sampler import GlobalBatchPlan
 
@@ -156,20 +157,21 @@ class DistributedDataLoader:
         """Resume after ``state["batches_consumed"]`` global batches (any dp size or microbatch size).
 
         Raises:
-            ValueError: when the dataset size, seed or global batch size (or a mixture's sources, weights
-                or seed) differ from the saved ones (the global order would differ and samples would
-                repeat or be skipped).
+            ConfigError: when the dataset size, seed or global batch size (or a mixture's sources' sizes,
+                weights or seed) differ from the saved ones (the global order would differ and samples
+                would repeat or be skipped); a mixture names its sources' sizes first.
         """
+        if "mixture" in state and hasattr(self.dataset, "check_state"):
+            self.dataset.check_state(state["mixture"])
         for key, mine in (
             ("num_samples", self.plan.num_samples),
             ("seed", self.plan.seed),
             ("global_batch_size", self.global_batch_size),
         ):
             if key in state and int(state[key]) != mine:
-                raise ValueError(
-                    f"data loader state: {key}={state[key]} was saved, but this loader has {key}={mine}"
+                raise ConfigError(
+                    f"data loader state: {key}={state[key]} was saved, but this loader has {key}={mine} "
+                    "(the data changed since the checkpoint: give the run the data it had, or a new run directory)"
                 )
-        if "mixture" in state and hasattr(self.dataset, "check_state"):
-            self.dataset.check_state(state["mixture"])
         self.batches_consumed = int(state["batches_consumed"])
         self._it = None

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from plait.loop.config.loading import ConfigError
 
 __all__ = ["MixtureDataset", "mixture_counts"]
 
@@ -89,10 +90,12 @@ class MixtureDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"sizes": [len(d) for d in self.datasets], "weights": self.weights, "seed": self.seed}
 
     def check_state(self, state: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` naming what differs when ``state`` (a :meth:`state_dict`) is another mixture's."""
+        """Raise ``ConfigError`` naming what differs when ``state`` (a :meth:`state_dict`) is another mixture's:
+        its sources' sizes (rows, in ``data.mixture`` order), weights or seed."""
         mine = self.state_dict()
         for key in ("sizes", "weights", "seed"):
             if key in state and state[key] != mine[key]:
-                raise ValueError(
-                    f"data loader state: the mixture's {key} were {state[key]} when saved, now {mine[key]}"
+                raise ConfigError(
+                    f"data.mixture: the sources' {key} were {state[key]} when the checkpoint was saved, now "
+                    f"{mine[key]} (give the run the data it had, or a new run directory)"
                 )

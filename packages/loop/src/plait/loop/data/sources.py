@@ -16,6 +16,17 @@ from typing import Any, Literal
 
 import numpy as np
 from plait.loop.data.chat import ChatTemplate, assistant_token_mask, check_messages
+from plait.loop.data.formats import (
+    AUTO,
+    DataFormat,
+    DataFormatSpec,
+    DataSourceError,
+    ReadOptions,
+    data_format,
+    data_formats,
+    format_of_extension,
+    register_format,
+)
 from plait.loop.data.packing import PackedTokens, pack_documents
 from plait.loop.data.readers import (
     ConcatenatedTokens,
@@ -28,7 +39,6 @@ from plait.loop.data.tokenize import DOCUMENTS_FILE, MASK_FILE, META_FILE, TOKEN
 from plait.loop.data.tokenizers import Tokenizer
 
 __all__ = [
-    "FORMATS",
     "DataFormat",
     "DataSourceError",
     "DocumentHoldout",
@@ -44,21 +54,8 @@ __all__ = [
     "token_dtype",
 ]
 
-DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "chat"]
 LossOn = Literal["assistant", "all"]
-FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet", "arrow", "tokens", "chat")
 NO_ASSISTANT_TOKEN = "the chat template renders no assistant token for this record"
-_EXTENSIONS = {
-    **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
-    **dict.fromkeys((".jsonl", ".ndjson"), "jsonl"),
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".tokens": "tokens",
-}
-
-
-class DataSourceError(ValueError):
-    """Bad corpus input; the message (one line) names the file and, where it applies, the line or row."""
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -110,13 +107,18 @@ def infer_format(path: Path) -> str:
     Raises:
         DataSourceError: an unknown extension (binary or not), naming the file and the choices.
     """
-    fmt = _EXTENSIONS.get(path.suffix.lower())
-    if fmt is None:
+    spec = format_of_extension(path.suffix)
+    if spec is None:
         raise DataSourceError(
             f"{path}: cannot tell the format from the extension {path.suffix or '(none)'!r}; "
-            f"set data.format to one of {', '.join(FORMATS)}"
+            f"set data.format to one of {', '.join(data_formats())}"
         )
-    return fmt
+    return spec.name
+
+
+def _format_of(path: Path, fmt: str) -> DataFormatSpec:
+    """The format that reads ``path`` under ``data.format = fmt``."""
+    return data_format(infer_format(path) if fmt == AUTO else fmt)
 
 
 def _read_text_strict(path: Path) -> str:
@@ -190,6 +192,60 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
         raise DataSourceError(str(e)) from None
 
 
+def _text_document(path: Path, options: ReadOptions) -> Iterator[str]:
+    yield _read_text_strict(path) if options.strict_utf8 else read_text_file(path)
+
+
+_TEXT_FIELD = ("text_field",)
+register_format(
+    DataFormatSpec(
+        "text",
+        (".txt", ".text", ".md", ".rst", ".py"),
+        read_documents=_text_document,
+        description="a text file is one document",
+    )
+)
+register_format(
+    DataFormatSpec(
+        "jsonl",
+        (".jsonl", ".ndjson"),
+        read_documents=lambda path, o: _read_jsonl(path, o.text_field),
+        fields=_TEXT_FIELD,
+        description="JSON lines, each line's text_field one document",
+    )
+)
+register_format(
+    DataFormatSpec(
+        "parquet",
+        (".parquet",),
+        read_documents=lambda path, o: _read_parquet(path, o.text_field),
+        read_column=lambda path, column: _read_parquet(path, column, text=False),
+        fields=_TEXT_FIELD,
+        description="parquet, each row's text_field column one document",
+    )
+)
+register_format(
+    DataFormatSpec(
+        "arrow",
+        (".arrow",),
+        read_documents=lambda path, o: _read_arrow(path, o.text_field),
+        read_column=lambda path, column: _read_arrow(path, column, text=False),
+        fields=_TEXT_FIELD,
+        description="arrow (a datasets.save_to_disk folder is arrow), each row's text_field column one document",
+    )
+)
+register_format(DataFormatSpec("tokens", (".tokens",), holds="tokens", description="raw token files"))
+register_format(
+    DataFormatSpec(
+        "chat",
+        holds="chats",
+        fields=("loss_on",),
+        description="JSONL records (or parquet / arrow rows) with a 'messages' list, rendered with the "
+        "tokenizer's chat template",
+    )
+)
+
+
 def read_documents(
     files: Sequence[Path], fmt: str = "auto", text_field: str = "text", *, strict_utf8: bool = True
 ) -> Iterator[str]:
@@ -202,28 +258,21 @@ def read_documents(
     Raises:
         DataSourceError: naming the file and line/row of bad input (see the module docstring).
     """
+    options = ReadOptions(text_field, strict_utf8)
     for path in files:
-        kind = infer_format(path) if fmt == "auto" else fmt
-        if kind == "text":
-            yield _read_text_strict(path) if strict_utf8 else read_text_file(path)
-        elif kind == "jsonl":
-            yield from _read_jsonl(path, text_field)
-        elif kind == "parquet":
-            yield from _read_parquet(path, text_field)
-        elif kind == "arrow":
-            yield from _read_arrow(path, text_field)
-        else:
-            what = "conversations" if kind == "chat" else "tokens"
-            raise DataSourceError(f"{path}: format {kind!r} holds {what}, not documents")
+        spec = _format_of(path, fmt)
+        if spec.read_documents is None:
+            what = "conversations" if spec.holds == "chats" else spec.holds
+            raise DataSourceError(f"{path}: format {spec.name!r} holds {what}, not documents")
+        yield from spec.read_documents(path, options)
 
 
 def _chat_records(path: Path) -> Iterator[tuple[str, Any]]:
     """``(file:line or file: row N, record)`` of a chat file: JSON lines, or the ``messages`` column of
     a parquet or arrow file (``.parquet`` / ``.arrow``, e.g. a ``datasets.save_to_disk`` folder's)."""
-    suffix = path.suffix.lower()
-    if suffix in (".parquet", ".arrow"):
-        read = _read_parquet if suffix == ".parquet" else _read_arrow
-        for row, messages in enumerate(read(path, "messages", text=False)):
+    table = format_of_extension(path.suffix)
+    if table is not None and table.read_column is not None:
+        for row, messages in enumerate(table.read_column(path, "messages")):
             yield f"{path}: row {row}", {"messages": messages}
         return
     try:
@@ -324,6 +373,11 @@ def _pack_chats(files: Sequence[Path], seq_len: int, tokenizer: Tokenizer, loss_
     return _pack_chat_documents(chats, seq_len, loss_on, "data.source")
 
 
+def _holds(files: Sequence[Path], fmt: str) -> dict[str, str]:
+    """What each format that reads ``files`` holds (:attr:`DataFormatSpec.holds`), by format name."""
+    return {spec.name: spec.holds for spec in (_format_of(p, fmt) for p in files)}
+
+
 def token_dtype(vocab_size: int) -> Any:
     """The token-file dtype of a vocabulary: ``uint16`` below 65536 ids, else ``uint32``."""
     return np.uint16 if vocab_size <= 2**16 else np.uint32
@@ -399,12 +453,13 @@ def build_packed_corpus(
     Raises:
         DataSourceError: bad input, or too few tokens for one row.
     """
-    kinds = {infer_format(p) if fmt == "auto" else fmt for p in files}
-    if kinds == {"chat"}:
+    kinds = _holds(files, fmt)
+    if set(kinds.values()) == {"chats"}:
         return _pack_chats(files, seq_len, tokenizer, loss_on)
-    if "tokens" in kinds:
-        if kinds != {"tokens"}:
-            raise DataSourceError(f"data.source: token files mixed with {sorted(kinds - {'tokens'})} files")
+    if "tokens" in kinds.values():
+        if set(kinds.values()) != {"tokens"}:
+            others = sorted(k for k, holds in kinds.items() if holds != "tokens")
+            raise DataSourceError(f"data.source: token files mixed with {others} files")
         offsets = mask = None
         if len(files) == 1 and is_tokenized_dir(files[0].parent) and files[0].name == TOKENS_FILE:
             tokens, offsets, mask = _read_tokenized_dir(files[0], tokenizer)  # memory-mapped, with its index
@@ -484,13 +539,14 @@ def build_packed_splits(
         DataSourceError: bad input, token files (their documents are not read one by one), a hold-out
             that leaves no document to train on, or a split with too few tokens for one row.
     """
-    kinds = {infer_format(p) if fmt == "auto" else fmt for p in files}
-    if "tokens" in kinds:
+    kinds = _holds(files, fmt)
+    chats = set(kinds.values()) == {"chats"}
+    if "tokens" in kinds.values():
         raise DataSourceError(
             f"{name}: documents cannot be held out of token files; give data.validation_source "
             "(or data.validation_files=0 with evaluation.enabled=false)"
         )
-    if kinds == {"chat"}:
+    if chats:
         docs: list[Any] = list(_encoded_chats(files, tokenizer, loss_on))
     else:
         texts = read_documents(files, fmt, text_field, strict_utf8=strict_utf8)
@@ -506,7 +562,7 @@ def build_packed_splits(
     packed: list[PackedTokens | DataSourceError] = []
     for split, what in zip(splits, names):
         try:
-            if kinds == {"chat"}:
+            if chats:
                 packed.append(_pack_chat_documents(split, seq_len, loss_on, what))
             else:
                 packed.append(pack_documents(split, seq_len, tokenizer.eos_id, append_eos=False))

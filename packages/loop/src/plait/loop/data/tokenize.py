@@ -46,10 +46,10 @@ def is_tokenized_dir(path: Path) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer(path: str) -> Any:
-    """The worker's tokenizer (loaded once per process)."""
-    from plait.loop.data.tokenizers import HFTokenizer
+    """The worker's tokenizer (loaded once per process): ``"bytes"`` or a directory with ``tokenizer.json``."""
+    from plait.loop.data.tokenizers import ByteTokenizer, HFTokenizer
 
-    return HFTokenizer(path)
+    return ByteTokenizer() if path == "bytes" else HFTokenizer(path)
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,7 +103,7 @@ def tokenize_corpus(
 ) -> dict[str, Any]:
     """Tokenize the documents of ``inputs`` (files, directories or globs, read as
     :func:`~plait.loop.data.read_documents` reads them) with the Hugging Face tokenizer of directory
-    ``tokenizer`` into ``output`` (see the module docstring); returns the ``meta.json`` record.
+    ``tokenizer`` (or ``"bytes"``, the byte tokenizer that training uses by default) into ``output`` (see the module docstring); returns the ``meta.json`` record.
 
     The main process reads the documents and writes the tokens in order; ``workers`` processes (default:
     the CPU count) encode batches of ``batch_size`` documents. A progress bar counts documents and tokens.
@@ -112,6 +112,7 @@ def tokenize_corpus(
         DataSourceError: bad input (naming the file and line or row), or a tokenizer directory without
             ``tokenizer.json``.
     """
+    from plait.loop.data.formats import AUTO, data_format
     from plait.loop.data.sources import (
         DataSourceError,
         read_chats,
@@ -134,7 +135,8 @@ def tokenize_corpus(
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     workers = workers or os.cpu_count() or 1
     encode = functools.partial(_encode_batch, str(tokenizer))
-    if fmt == "chat":
+    chats = fmt != AUTO and data_format(fmt).holds == "chats"
+    if chats:
         _chat_template(str(tokenizer))  # no template: fail before any work
         docs: Iterable[Any] = read_chats(files)
     else:
@@ -163,7 +165,7 @@ def tokenize_corpus(
         raise DataSourceError(f"the inputs hold no documents: {', '.join(map(str, files))}")
     offsets = np.concatenate(starts).astype(np.int64)
     np.save(out / DOCUMENTS_FILE, offsets)
-    if fmt == "chat":
+    if chats:
         np.save(out / MASK_FILE, np.concatenate(masks))
     else:
         (out / MASK_FILE).unlink(missing_ok=True)
@@ -174,7 +176,7 @@ def tokenize_corpus(
         "eos_id": tok.eos_id,
         "num_tokens": total,
         "num_documents": len(offsets),
-        "format": "chat" if fmt == "chat" else "documents",
+        "format": "chat" if chats else "documents",
         "tokenizer": str(tokenizer),
         "inputs": [str(f) for f in files],
     }

@@ -25,7 +25,17 @@ class _PrefixFilter(logging.Filter):
 
 
 class _PlaitHandler(logging.StreamHandler):
-    """The stream handler :func:`setup_logging` installs (and replaces on a second call)."""
+    """The stream handler :func:`setup_logging` installs (and replaces on a second call). Its lines go
+    through ``tqdm.write``: an open progress bar is cleared, the line printed on a line of its own, and the
+    bar drawn again below it (a plain write would glue the line to the bar's)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logging(prefix: str, level: str = "INFO", logger_name: str = "plait") -> logging.Logger:

@@ -34,11 +34,26 @@ class LRSegment(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    kind: _Kind
-    duration: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
-    start: float | None = Field(default=None, ge=0)
-    end: float = Field(default=1.0, ge=0)
-    power: float = Field(default=1.0, gt=0)
+    kind: _Kind = Field(
+        description="Curve: linear, cosine, constant, exponential (geometric) or polynomial (with power)."
+    )
+    duration: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=None,
+        description="Steps (int >= 1), a fraction of run.steps (float in (0, 1]), or None: the rest.",
+    )
+    start: float | None = Field(
+        default=None,
+        ge=0,
+        description="LR multiplier at the first step (None: the previous segment's end, 1.0 first).",
+    )
+    end: float = Field(
+        default=1.0, ge=0, description="LR multiplier reached at the segment's end (constant ignores it)."
+    )
+    power: float = Field(
+        default=1.0,
+        gt=0,
+        description="Exponent of a polynomial segment: end + (start - end) * (1 - t) ** power.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LRSegment:
@@ -54,9 +69,12 @@ class LRScheduleConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    segments: tuple[LRSegment, ...] = (
-        LRSegment(kind="linear", duration=0.05, start=0.0, end=1.0),
-        LRSegment(kind="cosine", duration=None, end=0.1),
+    segments: tuple[LRSegment, ...] = Field(
+        default=(
+            LRSegment(kind="linear", duration=0.05, start=0.0, end=1.0),
+            LRSegment(kind="cosine", duration=None, end=0.1),
+        ),
+        description="[[lr_schedule.segments]] tables, in order; at most one may leave duration out.",
     )
 
     @model_validator(mode="after")

@@ -124,6 +124,8 @@ class DecoderConfig(BaseModel):
             "max_position_embeddings",
         }
     )
+    # The weight offset of the model's RMSNorms (1.0: zero-centred weights; see RMSNorm).
+    rms_norm_offset: ClassVar[float] = 0.0
 
     model_type: str
     vocab_size: int = Field(default=32000, gt=0)
@@ -182,6 +184,11 @@ class DecoderConfig(BaseModel):
         """Whether decoder layer ``layer_idx`` uses a sparse MoE block (dense families: never)."""
         del layer_idx
         return False
+
+    def layer_type_of(self, layer_idx: int) -> str:
+        """The token mixer of layer ``layer_idx`` (hybrid families: e.g. ``"linear_attention"``)."""
+        del layer_idx
+        return "full_attention"
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (None: full attention; dense families: always)."""

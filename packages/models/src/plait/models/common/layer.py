@@ -47,6 +47,7 @@ class DecoderLayer(nn.Module):
         mlp: A dense MLP (:class:`DenseMLP`) or a :class:`plait.moe.MoELayer`.
         hidden_size: Model width (the norms).
         eps: RMSNorm epsilon.
+        norm_offset: The norms' weight offset (``1.0``: zero-centred weights, see :class:`RMSNorm`).
 
     Attributes:
         last_aux_loss: Detached aux loss of the last forward (MoE layers; None otherwise).
@@ -54,15 +55,21 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, layer_idx: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float
+        self,
+        layer_idx: int,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        hidden_size: int,
+        eps: float,
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = self_attn
         self.mlp = mlp
         self.is_moe = isinstance(mlp, MoELayer)
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, norm_offset)
         self.last_aux_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: torch.Tensor | None = None
 

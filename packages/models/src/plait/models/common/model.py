@@ -54,11 +54,11 @@ def stage_layer_ids(num_layers: int, stage_index: int, num_stages: int) -> list[
 
 def estimate_num_parameters(config: DecoderConfig, layer_factory: LayerFactory) -> int:
     """Parameters of the whole model (embedding and an untied head included), counted on meta
-    modules: one layer of each kind (MoE or dense, window), so that nothing is allocated and a
+    modules: one layer of each kind (MoE or dense, window, layer type), so that nothing is allocated and a
     config with a million layers is counted in milliseconds."""
-    kinds: dict[tuple[bool, int | None], tuple[int, int]] = {}  # kind -> (first layer, count)
+    kinds: dict[tuple[bool, int | None, str], tuple[int, int]] = {}  # kind -> (first layer, count)
     for i in range(config.num_hidden_layers):
-        key = (config.is_moe_layer(i), config.sliding_window_of(i))
+        key = (config.is_moe_layer(i), config.sliding_window_of(i), config.layer_type_of(i))
         first, count = kinds.get(key, (i, 0))
         kinds[key] = (first, count + 1)
     total = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
@@ -113,7 +113,9 @@ class DecoderTrunk(nn.Module):
             else None
         )
         self.layers = nn.ModuleDict({str(i): layer_factory(config, i) for i in layer_ids})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if has_norm else None
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_offset) if has_norm else None
+        )
         self.rotary_emb = RotaryEmbedding(
             config.rope_parameters, config.rope_head_dim, config.max_position_embeddings
         )

@@ -1,5 +1,6 @@
 """Grouped-query attention: q/k/v/o projections, optional per-head q/k RMSNorm (Qwen3), RoPE,
-optional learned sinks (gpt-oss) and a sliding window, on the kernels of :mod:`.core`."""
+optional learned sinks (gpt-oss), a sliding window and a sigmoid output gate (the gated-DeltaNet
+hybrids' full-attention layers), on the kernels of :mod:`.core`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ class GroupedQueryAttention(nn.Module):
         qk_norm: Per-head RMSNorm on q and k before RoPE (Qwen3).
         sinks: One learned sink logit per query head (gpt-oss), parameter ``sinks [num_heads]``.
         sliding_window: Keys each query sees (itself included); None = full causal attention.
+        output_gate: ``q_proj`` also produces a per-head gate (its rows per head: ``head_dim``
+            query rows, then ``head_dim`` gate rows); the attention output is multiplied by
+            ``sigmoid(gate)`` before ``o_proj``.
+        norm_offset: Weight offset of q_norm/k_norm (``1.0``: zero-centred, see :class:`RMSNorm`).
     """
 
     def __init__(
@@ -45,25 +50,35 @@ class GroupedQueryAttention(nn.Module):
         qk_norm: bool = True,
         sinks: bool = False,
         sliding_window: int | None = None,
+        output_gate: bool = False,
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
+        self.output_gate = output_gate
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scaling = head_dim**-0.5
         self.sliding_window = sliding_window
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, norm_offset) if qk_norm else None
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.has_sinks = sinks
 
     @classmethod
     def from_config(
-        cls, config: DecoderConfig, *, qk_norm: bool, sinks: bool = False, sliding_window: int | None = None
+        cls,
+        config: DecoderConfig,
+        *,
+        qk_norm: bool,
+        sinks: bool = False,
+        sliding_window: int | None = None,
+        output_gate: bool = False,
     ) -> GroupedQueryAttention:
-        """The attention of a config's layer (widths, heads, ``attention_bias``, ``rms_norm_eps``)."""
+        """The attention of a config's layer (widths, heads, ``attention_bias``, ``rms_norm_eps``,
+        the norms' ``rms_norm_offset``)."""
         return cls(
             config.hidden_size,
             config.num_attention_heads,
@@ -74,6 +89,8 @@ class GroupedQueryAttention(nn.Module):
             qk_norm=qk_norm,
             sinks=sinks,
             sliding_window=sliding_window,
+            output_gate=output_gate,
+            norm_offset=config.rms_norm_offset,
         )
 
     def forward(
@@ -81,15 +98,21 @@ class GroupedQueryAttention(nn.Module):
     ) -> torch.Tensor:
         """``x [B, S, H]`` -> ``[B, S, H]``."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(x).reshape(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).view(b, s, -1, self.head_dim)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         sinks = None if self.sinks is None else _local(self.sinks)
-        out = attention(q, k, v, mask, self.scaling, sinks)
-        return self.o_proj(out.reshape(b, s, -1))
+        out = attention(q, k, v, mask, self.scaling, sinks).reshape(b, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, s, -1))
+        return self.o_proj(out)
 
     def reset_parameters(self, std: float) -> None:
         """Normal(0, std) projections and sinks, zero biases, unit norms."""

@@ -24,23 +24,31 @@ class ActivationCheckpointing(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mode: Literal["none", "full", "selective"] = "none"
-    every: int = Field(default=1, ge=1)
-    save_ops: tuple[str, ...] = (
-        "aten.mm.default",
-        "aten.addmm.default",
-        "aten.bmm.default",
-        "aten._scaled_mm.default",  # float8 linears (ParallelConfig.float8)
-        "aten._scaled_dot_product_efficient_attention.default",
-        "aten._scaled_dot_product_flash_attention.default",
-        "aten._scaled_dot_product_flash_attention_for_cpu.default",
-        "aten._scaled_dot_product_cudnn_attention.default",
-        "aten._flash_attention_forward.default",
-        "aten._efficient_attention_forward.default",
-        "aten._grouped_mm.default",
-        "plait.gmm.default",
-        "_c10d_functional.reduce_scatter_tensor.default",
-        "_c10d_functional.all_to_all_single.default",
+    mode: Literal["none", "full", "selective"] = Field(
+        default="none",
+        description="none; full (recompute the whole layer in backward); selective (keep save_ops outputs).",
+    )
+    every: int = Field(
+        default=1, ge=1, description="Checkpoint every k-th decoder layer (global index % k == 0)."
+    )
+    save_ops: tuple[str, ...] = Field(
+        default=(
+            "aten.mm.default",
+            "aten.addmm.default",
+            "aten.bmm.default",
+            "aten._scaled_mm.default",  # float8 linears (ParallelConfig.float8)
+            "aten._scaled_dot_product_efficient_attention.default",
+            "aten._scaled_dot_product_flash_attention.default",
+            "aten._scaled_dot_product_flash_attention_for_cpu.default",
+            "aten._scaled_dot_product_cudnn_attention.default",
+            "aten._flash_attention_forward.default",
+            "aten._efficient_attention_forward.default",
+            "aten._grouped_mm.default",
+            "plait.gmm.default",
+            "_c10d_functional.reduce_scatter_tensor.default",
+            "_c10d_functional.all_to_all_single.default",
+        ),
+        description="selective only: ops (e.g. aten.mm.default) whose outputs are kept, not recomputed.",
     )
 
 
@@ -76,11 +84,24 @@ class Float8Training(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
-    fsdp_float8_all_gather: bool | None = None
-    experts: bool = False
-    skip: tuple[str, ...] = ()
-    emulate: bool = False
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
+        default=None,
+        description="torchao float8 recipe: tensorwise, rowwise or rowwise_with_gw_hp (None: float8 off).",
+    )
+    fsdp_float8_all_gather: bool | None = Field(
+        default=None,
+        description="tensorwise with FSDP2: all-gather weights in float8 (None: on for tensorwise).",
+    )
+    experts: bool = Field(
+        default=False,
+        description="Also run the routed experts' grouped GEMMs in float8 (rowwise; not with emulate).",
+    )
+    skip: tuple[str, ...] = Field(
+        default=(), description="Module-name substrings of linears (and experts) kept in high precision."
+    )
+    emulate: bool = Field(
+        default=False, description="Emulated float8 GEMMs on any device (CPU too), no speed-up; for tests."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Float8Training:
@@ -146,18 +167,44 @@ class ParallelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    data_parallel: Literal["fsdp", "none"] = "fsdp"
-    reshard_after_forward: bool | None = None
-    fsdp_layers_per_unit: int = Field(default=1, ge=1)
-    param_dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    data_parallel: Literal["fsdp", "none"] = Field(
+        default="fsdp",
+        description="fsdp: FSDP2 (HSDP with data_replicate > 1) when data-parallel; none: the caller's.",
+    )
+    reshard_after_forward: bool | None = Field(
+        default=None, description="FSDP2's reshard_after_forward (None: FSDP2's default)."
+    )
+    fsdp_layers_per_unit: int = Field(
+        default=1,
+        ge=1,
+        description="Consecutive decoder layers sharing one FSDP2 unit (all-gather, reduce-scatter).",
+    )
+    param_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        default=None, description="FSDP mixed-precision compute dtype (None: the parameters' own dtype)."
+    )
+    reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        default=None, description="FSDP gradient reduce-scatter dtype (None: the compute dtype)."
+    )
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     float8: Float8Training = Float8Training()
-    compile: bool = False
-    cuda_graphs: bool = False
-    context_parallel_attention: Literal["ring", "allgather"] = "allgather"
-    expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all"
-    expert_chunks: int | None = Field(default=None, ge=1)
+    compile: bool = Field(default=False, description="torch.compile each decoder layer.")
+    cuda_graphs: bool = Field(
+        default=False,
+        description="With compile: replay each layer as CUDA graphs (CUDA, one process per stage only).",
+    )
+    context_parallel_attention: Literal["ring", "allgather"] = Field(
+        default="allgather",
+        description="Attention over a sharded sequence: allgather (all-gather K/V) or ring (K/V blocks).",
+    )
+    expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] = Field(
+        default="all_to_all",
+        description="How MoE tokens reach experts with expert parallelism: all_to_all, all_gather, deepep.",
+    )
+    expert_chunks: int | None = Field(
+        default=None,
+        ge=1,
+        description="all_to_all/all_gather: token chunks overlapping exchanges with expert GEMMs (None: 1).",
+    )
 
     @model_validator(mode="after")
     def _cuda_graphs_need_compile(self) -> ParallelConfig:

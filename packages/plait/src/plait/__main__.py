@@ -1,0 +1,5 @@
+"""``python -m plait`` (and ``torchrun ... -m plait train``): the ``plait`` command."""
+
+from plait.train.cli import main
+
+main()
