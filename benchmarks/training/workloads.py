@@ -273,6 +273,18 @@ DEEPSEEK_V3_16B = {  # torchtitan's deepseek_v3 "16B" layers, 6 of its 27 (1 den
     "num_experts_per_tok": 6, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 4096, "tie_word_embeddings": False,
 }  # fmt: skip
+# Qwen3.5-9B's text model shapes (hidden 4096, 16 query / 4 KV heads of 256, gated DeltaNet with 16 key / 32
+# value heads of 128, FFN 12288, vocab 248320), 4 of its 32 layers: three gated-DeltaNet layers and one gated
+# full-attention layer, its repeating unit. plait runs fla's kernels (the extra plait-models[fla]), as
+# transformers does when fla is installed.
+QWEN3_5_9B = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "max_position_embeddings": 32768, "tie_word_embeddings": False, "linear_attn_implementation": "auto",
+}  # fmt: skip
 _TINY = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
@@ -313,6 +325,25 @@ WORKLOADS: dict[str, Workload] = {
             seq=4096,
             impls=COMPILED_FP8,
             smoke={**_TINY, "intermediate_size": 128},
+        ),
+        Workload(
+            name="qwen3_5",
+            title="Qwen3.5-9B shapes, 4 of 32 layers (3 gated DeltaNet, 1 gated attention), 1 x 4096, compiled",
+            hf_config=QWEN3_5_9B,
+            hf_class="Qwen3_5ForCausalLM",
+            titan=None,
+            batch=1,
+            seq=4096,
+            impls=("hf_compiled", "plait_step_compiled"),
+            smoke={
+                **_TINY,
+                "intermediate_size": 128,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"],
+            },  # fmt: skip
         ),
         Workload(
             name="gpt_oss_20b",

@@ -48,7 +48,7 @@ def test_conflicting_sections_are_config_errors_naming_both_fields(pretrain):
     ):
         load_config(cfg, ["--batching.seq_len=2048"], cls=cls)
     with pytest.raises(ConfigError, match=r"model\.vocab_size=200 is smaller than the byte tokenizer's 259"):
-        load_config(cfg, ["--model.vocab_size=200"], cls=cls)
+        load_config(cfg, ["--model.vocab_size=200", "--data.tokenizer=bytes"], cls=cls)
     with pytest.raises(
         ConfigError,
         match=r"model\.num_hidden_layers=2 is fewer than the 4 pipeline stages of mesh\.pipeline=2",

@@ -91,7 +91,9 @@ def test_bad_chat_data_stops_before_the_model(base, tmp_path, monkeypatch, capsy
     def no_model(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was built before the error was reported")
 
-    monkeypatch.setattr(train, "CausalLMProvider", no_model)
+    import plait.train.job
+
+    monkeypatch.setattr(plait.train.job, "CausalLMProvider", no_model)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": _sft_chats(1)[0]}) + "\n" + json.dumps({"messages": [
         {"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}) + "\n")  # fmt: skip

@@ -113,7 +113,7 @@ def test_tokenize_with_bytes_and_training_defaults_to_the_recorded_tokenizer(tmp
     assert direct["num_tokens"] == meta["num_tokens"]
 
 
-def test_init_from_a_small_vocabulary_with_its_own_tokenizer_is_accepted(tmp_path: Path) -> None:
+def test_init_from_a_small_vocabulary_with_its_own_tokenizer_is_accepted(tmp_path: Path, capsys) -> None:
     """A checkpoint whose vocabulary is smaller than the byte tokenizer's but that ships its own tokenizer:
     the tokenizer becomes the data's, and only it is checked against the vocabulary."""
     from plait.train.job import check_corpus
@@ -134,3 +134,11 @@ def test_init_from_a_small_vocabulary_with_its_own_tokenizer_is_accepted(tmp_pat
     check_corpus(config.data, 32, config.model.vocab_size, True, global_batch_size=4)
     with pytest.raises(ConfigError, match=r"model\.vocab_size=64 is smaller than the byte tokenizer's 259"):
         parse_args([*common, "--data.tokenizer=bytes"])
+    # without a tokenizer of its own the default (bytes) is checked when the data is read, before the model
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["--model.vocab_size=64", "--run-dir", str(tmp_path / "r2")])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2 and "data.tokenizer: bytes has 259 token ids, more than model.vocab_size=64" in err
+    )
