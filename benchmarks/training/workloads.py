@@ -343,7 +343,7 @@ WORKLOADS: dict[str, Workload] = {
                 "linear_key_head_dim": 16,
                 "linear_value_head_dim": 16,
                 "layer_types": ["linear_attention", "full_attention"],
-            },  # fmt: skip
+            },
         ),
         Workload(
             name="gpt_oss_20b",
