@@ -17,14 +17,18 @@ FAST = ["--batching.seq_len=64", "--batching.global_batch_size=4", "--batching.m
         "--evaluation.enabled=false"]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss", "deepseek_v3"])
+# family -> the model_type of its export where it is not the family's name
+MODEL_TYPES = {"qwen3_5": "qwen3_5_text"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "deepseek_v3", "qwen3_5"])
 def test_family_trains_and_exports_to_transformers(family, tmp_path):
     run_dir = tmp_path / "run"
     config = EXAMPLES / "configs" / family / "cpu.toml"
     metrics = main(["--config", str(config), "--steps", "3", "--run-dir", str(run_dir), *FAST])
     assert torch.isfinite(torch.tensor(metrics["loss"]))
     hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
-    assert hf.config.model_type == family
+    assert hf.config.model_type == MODEL_TYPES.get(family, family)
     ours = from_pretrained(run_dir / "hf").eval()
     ids = torch.randint(0, 259, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

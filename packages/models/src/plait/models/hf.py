@@ -16,6 +16,7 @@ import torch.distributed as dist
 from plait.model_state import Mapper
 from plait.models.common import model as _model
 from plait.models.common.config import DecoderConfig
+from plait.models.common.family import ModuleNameMaps
 from plait.models.common.hf.config import config_dict, read_config_json
 from plait.models.common.hf.io import load_checkpoint, save_checkpoint
 from plait.models.common.model import CausalLMStage, DecoderStage
@@ -29,6 +30,7 @@ __all__ = [
     "config_to_hf",
     "estimate_num_parameters",
     "from_pretrained",
+    "hf_module_names",
     "hf_to_plait_mapper",
     "load_hf_checkpoint",
     "load_hf_config",
@@ -82,6 +84,19 @@ def plait_to_hf_mapper(config: DecoderConfig, *, fused_experts: bool = False) ->
             of the per-expert keys ``save_pretrained`` writes.
     """
     return family_of(config).plait_to_hf(config, fused_experts=fused_experts)
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def hf_module_names(config: DecoderConfig) -> ModuleNameMaps:
+    """``(plait module name -> transformers module name, transformers -> plait)``: the ``name_map``
+    arguments of :func:`plait.peft.hf.export_hf_adapter` and :func:`plait.peft.hf.import_hf_adapter`
+    (identities for families whose module names are transformers' own, e.g. not Qwen3.5's gated
+    DeltaNet layers, which plait keeps in the ``self_attn`` slot and transformers names ``linear_attn``)."""
+    names = family_of(config).hf_module_names
+    return names(config) if names is not None else (_same, _same)
 
 
 def build_causal_lm(config: DecoderConfig, *, stage_index: int = 0, num_stages: int = 1) -> CausalLMStage:

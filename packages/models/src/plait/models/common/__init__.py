@@ -15,7 +15,7 @@ from plait.models.common.attention import (
 from plait.models.common.config import AttentionImplementation, DecoderConfig, RopeParameters
 from plait.models.common.family import Family
 from plait.models.common.heads import LMHead, PoolingMethod, TokenEmbedding, pool_hidden_states
-from plait.models.common.layer import AttentionModule, DecoderLayer, DenseMLP
+from plait.models.common.layer import AttentionModule, DecoderLayer, DenseMLP, SequentialMixer
 from plait.models.common.mlp import SwiGLUMLP
 from plait.models.common.model import (
     CausalLMStage,
@@ -51,6 +51,7 @@ __all__ = [
     "RopeParameters",
     "RotaryEmbedding",
     "SequenceClassifierStage",
+    "SequentialMixer",
     "SwiGLUMLP",
     "TokenEmbedding",
     "apply_rotary",

@@ -12,7 +12,10 @@ from plait.models.common.flops import gqa_decoder_flops_per_token
 from plait.models.common.model import CausalLMStage, LayerFactory
 from plait.models.common.parallel.plan import LayerTensorParallel, tp_gqa_layer
 
-__all__ = ["Family"]
+__all__ = ["Family", "ModuleNameMaps"]
+
+# (plait module name -> transformers module name, transformers -> plait)
+ModuleNameMaps = tuple[Callable[[str], str], Callable[[str], str]]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class Family:
         plait_to_hf: ``(config, *, fused_experts) -> mapper`` from plait keys to Hugging Face's.
         tp_layer_plan: Tensor-parallel plan of one decoder layer.
         flops_per_token: ``(config, seq_len) -> training FLOPs per token``.
+        hf_module_names: ``config -> (plait module name -> transformers module name, the inverse)``
+            where the family's module names differ from transformers' (None: the same names).
     """
 
     name: str
@@ -45,3 +50,4 @@ class Family:
     plait_to_hf: Callable[..., Mapper]
     tp_layer_plan: LayerTensorParallel = tp_gqa_layer
     flops_per_token: Callable[[DecoderConfig, int], float] = gqa_decoder_flops_per_token
+    hf_module_names: Callable[[DecoderConfig], ModuleNameMaps] | None = None

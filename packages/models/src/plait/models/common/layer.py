@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from plait.models.common.attention import AttentionMask
@@ -10,7 +10,7 @@ from plait.models.common.norm import RMSNorm
 from plait.moe import MoELayer
 from torch import nn
 
-__all__ = ["AttentionModule", "DecoderLayer", "DenseMLP"]
+__all__ = ["AttentionModule", "DecoderLayer", "DenseMLP", "SequentialMixer"]
 
 
 class AttentionModule(Protocol):
@@ -24,6 +24,15 @@ class AttentionModule(Protocol):
     ) -> torch.Tensor: ...
 
     def reset_parameters(self, std: float) -> None: ...
+
+
+@runtime_checkable
+class SequentialMixer(Protocol):
+    """A token mixer that carries a state along the sequence (a linear-attention recurrence, e.g.
+    :class:`plait.models.common.linear_attention.GatedDeltaNet`): context parallelism, which
+    splits the sequence over ranks, cannot run it, and the parallel plan refuses it by name."""
+
+    layer_type: str  # the Hugging Face ``layer_types`` name, e.g. ``"linear_attention"``
 
 
 class DenseMLP(Protocol):

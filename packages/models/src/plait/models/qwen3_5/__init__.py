@@ -15,6 +15,7 @@ from plait.models.qwen3_5.hf import (
     SkipPrefixes,
     config_from_hf,
     config_to_hf,
+    hf_module_names,
     hf_to_plait_mapper,
     plait_to_hf_mapper,
 )
@@ -38,6 +39,7 @@ FAMILY = Family(
     plait_to_hf=plait_to_hf_mapper,
     tp_layer_plan=tp_hybrid_layer,
     flops_per_token=qwen3_5_flops_per_token,
+    hf_module_names=hf_module_names,
 )
 
 __all__ = [

@@ -36,6 +36,7 @@ from plait.model_state.mappers import (
     Stack,
 )
 from plait.models.common.config import DecoderConfig
+from plait.models.common.family import ModuleNameMaps
 from plait.models.common.hf.config import dump_hf_config, parse_hf_config
 from plait.models.qwen3_5.config import (
     Qwen3_5MoeTextConfig,
@@ -45,7 +46,14 @@ from plait.models.qwen3_5.config import (
     default_layer_types,
 )
 
-__all__ = ["SkipPrefixes", "config_from_hf", "config_to_hf", "hf_to_plait_mapper", "plait_to_hf_mapper"]
+__all__ = [
+    "SkipPrefixes",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_module_names",
+    "hf_to_plait_mapper",
+    "plait_to_hf_mapper",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +196,28 @@ def _core(config: _HybridConfig) -> Mapper:
         ),
         Concatenate([f"{_L}.experts._gate", f"{_L}.experts._up"], f"{_L}.experts.gate_up_proj", dim=1),
     )
+
+
+def hf_module_names(config: DecoderConfig) -> ModuleNameMaps:
+    """``(plait module name -> transformers', the inverse)``: ``model.layers.N.self_attn[.*]`` <->
+    ``model.layers.N.linear_attn[.*]`` on the gated DeltaNet layers (e.g. for PEFT adapters of
+    their projections); every other name is the same."""
+    assert isinstance(config, _HybridConfig)
+    linear = {str(i) for i, kind in enumerate(config.layer_types) if kind == "linear_attention"}
+
+    def rename(name: str, old: str, new: str) -> str:
+        parts = name.split(".")
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2] in linear and parts[3] == old:
+            parts[3] = new
+        return ".".join(parts)
+
+    def to_hf(name: str) -> str:
+        return rename(name, "self_attn", "linear_attn")
+
+    def to_plait(name: str) -> str:
+        return rename(name, "linear_attn", "self_attn")
+
+    return to_hf, to_plait
 
 
 def hf_to_plait_mapper(config: DecoderConfig) -> Mapper:

@@ -17,6 +17,7 @@ Two projection layouts exist (Hugging Face parameter names kept):
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -25,15 +26,18 @@ from plait.models.common.attention import AttentionMask
 from plait.models.common.linear_attention.conv import causal_conv1d
 from plait.models.common.linear_attention.delta_rule import chunk_gated_delta_rule
 from plait.models.common.linear_attention.fla import (
-    FLA_EXTRA,
-    fla_available,
+    FlaKernels,
     fla_causal_conv1d,
     fla_gated_delta_rule,
+    fla_kernels,
+    fla_unusable,
 )
 from plait.models.common.linear_attention.norm import GatedRMSNorm
 from torch import nn
 
 __all__ = ["GatedDeltaNet", "LinearAttentionImplementation", "ProjectionLayout"]
+
+log = logging.getLogger("plait.models")
 
 LinearAttentionImplementation = Literal["auto", "torch", "fla"]
 ProjectionLayout = Literal["grouped", "split"]
@@ -53,12 +57,14 @@ class GatedDeltaNet(nn.Module):
         layout: Projection layout (see the module docstring).
         chunk_size: Tokens per chunk of the PyTorch delta rule.
         implementation: ``torch`` (plait's PyTorch path), ``fla`` (fla-core's kernels on CUDA,
-            refused without fla-core; PyTorch on CPU) or ``auto`` (fla on CUDA when installed).
+            refused where fla cannot train; PyTorch on CPU) or ``auto`` (fla on CUDA where it can train:
+            installed, and not fla's refused Hopper + Triton < 3.7.1 combination).
         layer_idx: Global index of the layer (in error messages).
     """
 
     sliding_window: int | None = None
     has_sinks: bool = False
+    layer_type: str = "linear_attention"  # a SequentialMixer: context parallelism is refused
 
     def __init__(
         self,
@@ -85,6 +91,7 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = chunk_size
         self.implementation: LinearAttentionImplementation = implementation
         self.layer_idx = layer_idx
+        self.fla = self._resolve_fla()
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False)
         self.in_proj_qkvz: nn.Linear | None = None
@@ -112,9 +119,11 @@ class GatedDeltaNet(nn.Module):
         if self.in_proj_qkvz is not None and self.in_proj_ba is not None:
             r = self.num_v_heads // self.num_k_heads
             dk, rv = self.head_k_dim, r * self.head_v_dim
-            qkvz = self.in_proj_qkvz(x).reshape(bsz, seq, -1, 2 * dk + 2 * rv)
+            # Split as 3-d tensors [B*S, Hk, .]: the backward of a split is a cat, and eager's cat of
+            # 4-d gradients may pick channels-last strides that compiled graphs do not expect.
+            qkvz = self.in_proj_qkvz(x).reshape(bsz * seq, -1, 2 * dk + 2 * rv)
             q, k, v, z = torch.split(qkvz, [dk, dk, rv, rv], dim=-1)
-            b, a = torch.split(self.in_proj_ba(x).reshape(bsz, seq, -1, 2 * r), [r, r], dim=-1)
+            b, a = torch.split(self.in_proj_ba(x).reshape(bsz * seq, -1, 2 * r), [r, r], dim=-1)
             qkv = torch.cat([t.reshape(bsz, seq, -1) for t in (q, k, v)], dim=-1)
             return (
                 qkv,
@@ -127,14 +136,33 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(bsz, seq, -1, self.head_v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
-    def _use_fla(self, x: torch.Tensor) -> bool:
-        if self.implementation == "torch" or x.device.type != "cuda":
-            return False
-        if self.implementation == "auto":
-            return fla_available()
-        if not fla_available():
-            raise ImportError(f"linear_attn_implementation='fla' needs fla-core on CUDA: {FLA_EXTRA}")
-        return True
+    def _decay_and_beta(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``, ``[B, S, Hv]``.
+
+        Computed on heads-first copies (``[B, Hv, S]``, the delta rule's layout) and returned as
+        transposed views: their gradients then arrive contiguous, so every elementwise backward
+        sees one layout (compiled graphs plan the strides of ``softplus_backward`` with mixed
+        layouts differently from eager, and a planned ``view`` then fails).
+        """
+        a_h = a.float().transpose(1, 2).contiguous()
+        b_h = b.transpose(1, 2).contiguous()
+        g = -self.A_log.float().exp().unsqueeze(-1) * F.softplus(a_h + self.dt_bias.unsqueeze(-1))
+        return g.transpose(1, 2), b_h.sigmoid().transpose(1, 2)
+
+    def _resolve_fla(self) -> FlaKernels | None:
+        """fla's kernels when this layer runs them on CUDA (decided and imported once, when it is built,
+        outside any compiled region): ``fla`` needs them usable (else an error naming why), ``auto`` takes
+        them when usable (else one log note and the PyTorch path), ``torch`` and CPU-only machines never."""
+        if self.implementation == "torch" or not torch.cuda.is_available():
+            return None
+        reason = fla_unusable()
+        if reason is None:
+            return fla_kernels()
+        if self.implementation == "fla":
+            raise ImportError(f"linear_attn_implementation='fla': {reason}")
+        if self.layer_idx == 0:
+            log.warning("linear_attn_implementation='auto': the PyTorch gated delta rule, since %s", reason)
+        return None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask
@@ -152,16 +180,18 @@ class GatedDeltaNet(nn.Module):
         docs = mask.document_ids
         qkv, z, b, a = self._project(x)
         weight = self.conv1d.weight.squeeze(1)
-        fla = self._use_fla(x)
-        qkv = fla_causal_conv1d(qkv, weight, docs) if fla else F.silu(causal_conv1d(qkv, weight, docs))
+        kernels = self.fla if x.device.type == "cuda" else None
+        if kernels is not None:
+            qkv = fla_causal_conv1d(qkv, weight, docs, kernels=kernels)
+        else:
+            qkv = F.silu(causal_conv1d(qkv, weight, docs))
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(bsz, seq, -1, self.head_k_dim)
         k = k.reshape(bsz, seq, -1, self.head_k_dim)
         v = v.reshape(bsz, seq, -1, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if fla:
-            o = fla_gated_delta_rule(q, k, v, g, beta, document_ids=docs)
+        g, beta = self._decay_and_beta(a, b)
+        if kernels is not None:
+            o = fla_gated_delta_rule(q, k, v, g, beta, document_ids=docs, kernels=kernels)
         else:
             o = chunk_gated_delta_rule(q, k, v, g, beta, document_ids=docs, chunk_size=self.chunk_size)
         o = self.norm(o, z)

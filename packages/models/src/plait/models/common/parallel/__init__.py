@@ -16,6 +16,7 @@ from plait.models.common.parallel.plan import (
     apply_expert_parallel,
     apply_fsdp,
     apply_tensor_parallel,
+    check_context_parallel,
     parallelize_decoder,
     tp_gqa_layer,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "apply_float8",
     "apply_fsdp",
     "apply_tensor_parallel",
+    "check_context_parallel",
     "check_float8",
     "float8_linears",
     "parallelize_decoder",

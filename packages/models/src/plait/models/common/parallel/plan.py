@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from plait.dist_core import DistributedContext, parse_dtype
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
-from plait.models.common.layer import DecoderLayer
+from plait.models.common.layer import DecoderLayer, SequentialMixer
 from plait.models.common.model import CausalLMStage, DecoderStage
 from plait.models.common.parallel.activation_checkpointing import apply_activation_checkpointing
 from plait.models.common.parallel.config import ParallelConfig
@@ -36,6 +36,7 @@ __all__ = [
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
+    "check_context_parallel",
     "parallelize_decoder",
     "tp_gqa_layer",
 ]
@@ -123,6 +124,23 @@ def apply_tensor_parallel(
         head.tp_group = tp_mesh.get_group()
 
 
+def check_context_parallel(model: DecoderStage, cp: int) -> None:
+    """Refuse context parallelism over ``cp`` ranks for a stage with a layer it cannot run.
+
+    Raises:
+        ValueError: naming the first layer whose token mixer is a :class:`SequentialMixer` and its
+            layer type (e.g. ``linear_attention``).
+    """
+    for layer in model.decoder_layers():
+        mixer = layer.self_attn
+        if isinstance(mixer, SequentialMixer):
+            raise ValueError(
+                f"context parallelism (mesh.context={cp}) is not supported by layer {layer.layer_idx}: "
+                f"its layer type {mixer.layer_type!r} ({type(mixer).__name__}) carries a recurrent "
+                "state along the sequence, which context parallelism splits over ranks; use mesh.context=1"
+            )
+
+
 def apply_context_parallel(
     model: DecoderStage, cp_mesh: DeviceMesh, mode: ContextParallelMode = "allgather"
 ) -> None:
@@ -134,8 +152,10 @@ def apply_context_parallel(
     over the dense mesh's ``dp_cp_shard`` does that).
 
     Raises:
-        ValueError: the stage is not a causal LM (pooling heads need the whole sequence).
+        ValueError: the stage is not a causal LM (pooling heads need the whole sequence), or a
+            layer's token mixer carries a state along the sequence (:class:`SequentialMixer`).
     """
+    check_context_parallel(model, cp_mesh.size())
     if not isinstance(model, CausalLMStage):
         raise ValueError(
             f"context parallelism supports causal-LM stages, not {type(model).__name__} "
@@ -270,7 +290,8 @@ def parallelize_decoder(
 
     Raises:
         ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), context
-            parallelism for a classifier stage, or ``config.cuda_graphs`` with a layout of several
+            parallelism for a classifier stage or a stage with a :class:`SequentialMixer` layer
+            (e.g. ``linear_attention``), or ``config.cuda_graphs`` with a layout of several
             processes per stage.
         ImportError: ``config.float8`` set without torchao (names ``plait-models[float8]``).
         RuntimeError: ``config.float8`` set without a float8-capable GPU (compute capability 8.9+).
@@ -282,6 +303,8 @@ def parallelize_decoder(
         cp_mesh = cp_mesh or context.mesh_for("batch")["cp"]
     dp = _dim_size(dense_mesh, "dp_replicate") * _dim_size(dense_mesh, "dp_cp_shard")
     fsdp = config.data_parallel == "fsdp" and dp > 1
+    if cp_mesh is not None and cp_mesh.size() > 1:
+        check_context_parallel(model, cp_mesh.size())  # before any plan changes the model
     if config.cuda_graphs:
         _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, dp if fsdp else 1)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
