@@ -153,6 +153,9 @@ class DistributedContext:
                 kwargs["timeout"] = pg_timeout
             if dev.type == "cuda":  # binds the group to the device: barriers need not guess it (and warn)
                 kwargs["device_id"] = dev
+            store = _attempt_store(world_size, pg_timeout)
+            if store is not None:
+                kwargs["store"] = store
             dist.init_process_group(**kwargs)
             owns = True
 
@@ -400,3 +403,24 @@ class DistributedContext:
             f"DistributedContext(rank={self._rank}, world_size={self._world_size}, "
             f"device={self._device}, coordinates={self.coordinates('regular')})"
         )
+
+
+def _attempt_store(world_size: int, timeout: timedelta | None) -> dist.Store | None:
+    """Under a torchrun agent that shares its store with the workers (``TORCHELASTIC_USE_AGENT_STORE``), that
+    store with the keys of this restart attempt under a prefix of their own; None elsewhere (env:// as usual).
+
+    torchrun keeps one store for every restart of a group: without the prefix, a restarted rank may read
+    the dead group's keys (a peer's old address) and fail to connect ("connectFullMesh ... Connection
+    refused") or wait forever. One node's workers share one restart count; across nodes the counts may
+    differ, so multi-node restarts also need ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a store per attempt).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT", 29500),
+        world_size,
+        is_master=False,
+        timeout=timeout or timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"plait/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)

@@ -11,6 +11,7 @@ fails there, by name, instead of somewhere inside a save.
 from __future__ import annotations
 
 import os
+import uuid
 import weakref
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "PLAN_CACHES",
     "PLAN_CACHE_KEY_ATTR",
     "PREFIX_STORE_ENV",
+    "STORE_NAMESPACE_ATTR",
     "ReusingStager",
     "drop_plan_caches",
     "flatten",
@@ -52,6 +54,7 @@ __all__ = [
     "set_plan_cache_key",
     "stop_writer_process",
     "use_job_store",
+    "writer_init_info",
     "writer_process",
 ]
 
@@ -212,6 +215,8 @@ def plan_record_types() -> list[Any]:
 # -- DCP's writer process (one per Python process, a module global of DCP's) -----------------------
 
 PREFIX_STORE_ENV = "DCP_USE_PREFIX_STORE"
+STORE_NAMESPACE_ATTR = "plait_store_namespace"
+"""The attribute of DCP's writer-process init info that carries the writers' key namespace in the store."""
 
 
 def writer_process() -> Any:
@@ -219,12 +224,28 @@ def writer_process() -> Any:
     return ape._CHECKPOINT_PROCESS
 
 
+def writer_init_info(process_group: dist.ProcessGroup | None) -> Any:
+    """DCP's init info of a writer process (a collective, on every rank), with a key namespace of its own.
+
+    The writers build their gloo group in the job's store under a fixed prefix, and that store outlives
+    them: torchrun's agent keeps one store for every restart of its group (as a process keeps its store
+    for a later writer), so a dead writer's address is still there and a new writer may read it and
+    connect to it ("connectFullMesh ... Connection refused", or a hang). A namespace that rank 0 draws now
+    and broadcasts over this live group is new to the store (:data:`STORE_NAMESPACE_ATTR`).
+    """
+    info = ape._ProcessGroupInitInfo(process_group)
+    namespace = [uuid.uuid4().hex if dist.get_rank(process_group) == 0 else ""]
+    dist.broadcast_object_list(namespace, group=process_group, group_src=0)
+    setattr(info, STORE_NAMESPACE_ATTR, namespace[0])
+    return info
+
+
 def prepare_writer_process_start(process_group: dist.ProcessGroup | None) -> Callable[[], None] | None:
     """Gather what DCP's writer process needs now (a collective, on every rank) and return a
     function that starts it (may run in another thread); None when it is already running."""
     if ape._CHECKPOINT_PROCESS is not None:
         return None
-    info = ape._ProcessGroupInitInfo(process_group)
+    info = writer_init_info(process_group)
 
     def start() -> None:
         ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
@@ -259,8 +280,16 @@ def run_writer_process_entry(
     pg_init_info: Any, parent_conn: Any, *, init_logger: Callable[[int], None]
 ) -> None:
     """Run DCP's writer process entry (in the writer process) with ``init_logger(rank)`` in place of
-    DCP's logger setup (which sets the root logger to INFO on the console)."""
+    DCP's logger setup (which sets the root logger to INFO on the console), and its keys in the store
+    under the namespace :func:`writer_init_info` drew (:data:`STORE_NAMESPACE_ATTR`)."""
     ape._init_logger = init_logger  # type: ignore[assignment]  # looked up by the entry when it starts
+    namespace = getattr(pg_init_info, STORE_NAMESPACE_ATTR, "")
+    if namespace:  # the entry wraps the store as PrefixStore("AsyncCheckpointProcess/", store)
+
+        def prefix_store(prefix: str, store: dist.Store) -> dist.PrefixStore:
+            return dist.PrefixStore(f"{prefix}{namespace}", store)
+
+        ape.PrefixStore = prefix_store  # type: ignore[misc,assignment]  # this process is the writer's own
     DCP_WRITER_ENTRY(pg_init_info, parent_conn)
 
 

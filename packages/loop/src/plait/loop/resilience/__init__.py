@@ -14,23 +14,35 @@ from plait.loop.resilience.flight_recorder import dump_nccl_flight_recorder
 from plait.loop.resilience.heartbeat import HEARTBEAT_FILE, Heartbeat
 from plait.loop.resilience.stragglers import (
     RANK_DELAY_ENV,
+    RANK_HANG_ENV,
+    RankHang,
     StragglerMeter,
     StragglerReport,
     find_straggler,
     rank_delay_from_env,
+    rank_hang_from_env,
 )
-from plait.loop.resilience.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog, watchdog_enabled
+from plait.loop.resilience.watchdog import (
+    WATCHDOG_EXIT_CODE,
+    StepWatchdog,
+    restart_store_warning,
+    watchdog_enabled,
+)
 
 __all__ = [
     "HEARTBEAT_FILE",
     "RANK_DELAY_ENV",
+    "RANK_HANG_ENV",
     "WATCHDOG_EXIT_CODE",
     "Heartbeat",
+    "RankHang",
     "StepWatchdog",
     "StragglerMeter",
     "StragglerReport",
     "dump_nccl_flight_recorder",
     "find_straggler",
     "rank_delay_from_env",
+    "rank_hang_from_env",
+    "restart_store_warning",
     "watchdog_enabled",
 ]

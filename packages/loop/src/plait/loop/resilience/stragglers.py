@@ -12,15 +12,21 @@ What it sees is host time: a slow data loader, a busy or throttled CPU, a slow f
 collection, a rank whose Python work is late. On GPUs a slow device is not seen (all hosts wait for
 their devices alike); under pipeline parallelism the stages' work differs by design.
 
-Test hook: the environment variable ``PLAIT_DEBUG_RANK_DELAY`` (``"RANK:SECONDS[,RANK:SECONDS...]"``,
-e.g. ``"1:0.2"``) makes the named ranks sleep that long at the start of every step, before the batch
-is fetched; it is read once, here, when the trainer is built.
+Test hooks, read once, here, when the trainer is built:
+
+- ``PLAIT_DEBUG_RANK_DELAY`` (``"RANK:SECONDS[,RANK:SECONDS...]"``, e.g. ``"1:0.2"``) makes the named
+  ranks sleep that long at the start of every step, before the batch is fetched.
+- ``PLAIT_DEBUG_RANK_HANG`` (``"RANK:STEP"`` or ``"RANK:STEP:stop"``, e.g. ``"1:4"``) makes rank ``RANK``
+  stop making progress at the start of the step after ``STEP`` completed steps, in the first attempt of
+  a job only (``TORCHELASTIC_RESTART_COUNT`` unset or 0, so that a restarted group runs through): it
+  sleeps until it is ended, or with ``stop`` sends itself SIGSTOP (a process frozen by the system).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import statistics
 import time
 from collections.abc import Mapping
@@ -29,11 +35,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.loop.events import EventBus, StepEnd, TrainingStart
+from plait.loop.events import EventBus, StepEnd, StepStart, TrainingStart
 
-__all__ = ["RANK_DELAY_ENV", "StragglerMeter", "StragglerReport", "find_straggler", "rank_delay_from_env"]
+__all__ = [
+    "RANK_DELAY_ENV",
+    "RANK_HANG_ENV",
+    "RankHang",
+    "StragglerMeter",
+    "StragglerReport",
+    "find_straggler",
+    "rank_delay_from_env",
+    "rank_hang_from_env",
+]
 
 RANK_DELAY_ENV = "PLAIT_DEBUG_RANK_DELAY"
+RANK_HANG_ENV = "PLAIT_DEBUG_RANK_HANG"
 
 logger = logging.getLogger("plait.loop")
 
@@ -59,6 +75,41 @@ def rank_delay_from_env(rank: int, environ: Mapping[str, str] = os.environ) -> f
         if r_int == rank:
             delay = s
     return delay
+
+
+@dataclass(frozen=True)
+class RankHang:
+    """What ``PLAIT_DEBUG_RANK_HANG`` asks of this rank: hang at the start of the step after ``step``
+    completed steps, by sleeping (``stop=False``) or by SIGSTOP (``stop=True``)."""
+
+    step: int
+    stop: bool = False
+
+
+def rank_hang_from_env(rank: int, environ: Mapping[str, str] = os.environ) -> RankHang | None:
+    """The hang ``PLAIT_DEBUG_RANK_HANG`` asks of ``rank``; None when it names another rank, is unset, or
+    this process belongs to a restarted torchrun group (``TORCHELASTIC_RESTART_COUNT`` > 0).
+
+    Raises:
+        ValueError: a malformed value, naming the variable.
+    """
+    text = environ.get(RANK_HANG_ENV, "").strip()
+    if not text:
+        return None
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "stop"):
+            raise ValueError
+        r_int, step = int(parts[0]), int(parts[1])
+        if step < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"{RANK_HANG_ENV}={text!r}: expected RANK:STEP or RANK:STEP:stop, e.g. '1:4'"
+        ) from None
+    if r_int != rank or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return None
+    return RankHang(step, stop=len(parts) == 3)
 
 
 @dataclass(frozen=True)
@@ -143,8 +194,12 @@ class StragglerMeter:
         self.is_main = is_main
         self.last: StragglerReport | None = None
         self._delay = rank_delay_from_env(rank)
+        self._hang = rank_hang_from_env(rank)
+        self._rank = rank
+        self._step = 0
         self._reset()
         events.subscribe(TrainingStart, lambda e: self._reset())
+        events.subscribe(StepStart, self._on_step_start)
         events.subscribe(StepEnd, self._on_step_end)
 
     def _reset(self) -> None:
@@ -153,13 +208,24 @@ class StragglerMeter:
         self._data_wait = 0.0
         self._steps = 0
 
+    def _on_step_start(self, e: StepStart) -> None:
+        self._step = e.step
+
     def _on_step_end(self, e: StepEnd) -> None:
         self._steps += 1
 
     def delay(self) -> None:
-        """Sleep this rank's ``PLAIT_DEBUG_RANK_DELAY`` delay (a test hook; nothing without it)."""
+        """Sleep this rank's ``PLAIT_DEBUG_RANK_DELAY`` delay, or hang as ``PLAIT_DEBUG_RANK_HANG`` asks
+        (test hooks; nothing without them)."""
         if self._delay:
             time.sleep(self._delay)
+        if self._hang is not None and self._step == self._hang.step:
+            how = "stopping (SIGSTOP)" if self._hang.stop else "hanging"
+            os.write(2, f"[rank {self._rank}] {RANK_HANG_ENV}: {how} in step {self._step}\n".encode())
+            if self._hang.stop:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while True:  # until the watchdog or the launcher ends the process
+                time.sleep(3600)
 
     def add_data_wait(self, seconds: float) -> None:
         """Count time spent waiting for a batch."""

@@ -22,6 +22,14 @@ next ``fit()`` starts), and exits with :data:`WATCHDOG_EXIT_CODE` (75, ``EX_TEMP
 restarts the group, which resumes from the last complete checkpoint. torchrun itself exits 1 once its
 restarts are spent, so a Slurm script that requeues after a hang looks for the record (a process
 launched without torchrun exits 75 itself).
+
+A restarted group must not meet the dead group's keys in the store it rendezvouses in. torchrun's
+agent serves one store for all the restarts of its group and hands it to the workers
+(``TORCHELASTIC_USE_AGENT_STORE=True``, the default of its ``static`` and ``c10d`` rendezvous): the
+restarted ranks may then read the dead ranks' addresses and fail to create their process group (gloo
+``connectFullMesh ... Connection refused``). :func:`restart_store_warning` says so when the job starts;
+``--rdzv-backend c10d`` (or ``--standalone``) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
+environment gives each restart a store of its own.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from plait.loop.events import (
 )
 from plait.loop.resilience.flight_recorder import dump_nccl_flight_recorder
 
-__all__ = ["WATCHDOG_EXIT_CODE", "StepWatchdog", "watchdog_enabled"]
+__all__ = ["WATCHDOG_EXIT_CODE", "StepWatchdog", "restart_store_warning", "watchdog_enabled"]
 
 WATCHDOG_EXIT_CODE = 75
 """The exit status of a rank the watchdog ended (``EX_TEMPFAIL`` of sysexits.h: try again)."""
@@ -68,6 +76,33 @@ def watchdog_enabled(config: WatchdogConfig, environ: Mapping[str, str] = os.env
     if config.enabled == "auto":
         return "TORCHELASTIC_RUN_ID" in environ
     return bool(config.enabled)
+
+
+def restart_store_warning(environ: Mapping[str, str] = os.environ) -> str | None:
+    """A warning when torchrun may restart this job on several nodes in the store of the group it
+    restarts, else None.
+
+    torchrun (``--max-restarts`` > 0) restarts a failed group in the store its agent serves when it
+    shares that store with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``): the dead group's keys
+    (each rank's address) are still there. On one node plait's process group keeps each attempt's keys
+    apart (``DistributedContext.from_env``); across nodes the attempts' counts may differ, so the store
+    itself must be new per attempt.
+    """
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        return None
+    try:
+        restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    if restarts <= 0:
+        return None
+    return (
+        f"torchrun may restart this job on several nodes ({restarts} restarts) in the store of the group it restarts "
+        "(TORCHELASTIC_USE_AGENT_STORE=True): the restarted ranks may read the dead ranks' addresses and fail "
+        "to create their process group (gloo: 'connectFullMesh ... Connection refused'). Launch torchrun with "
+        "--rdzv-backend c10d (or --standalone) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: "
+        "each restart then gets a store of its own"
+    )
 
 
 class StepWatchdog:
@@ -126,6 +161,7 @@ class StepWatchdog:
         self._watching = False  # between start() and stop()
         self._limit: float | None = None  # None: nothing is watched now
         self._why = ""
+        self._warned = False
         self.expired: str | None = None
         events.subscribe(StepStart, lambda e: self.step_started(e.step))
         events.subscribe(BeforeForwardBackward, lambda e: self.set_phase("forward_backward"))
@@ -148,6 +184,11 @@ class StepWatchdog:
             self._limit = None
             self._phase = "idle"
             self._watching = True
+        if self.rank == 0 and not self._warned:
+            self._warned = True
+            warning = restart_store_warning()
+            if warning is not None:
+                logger.warning(warning)
         if not self.enabled or self._thread is not None:
             return
         with contextlib.suppress(OSError):  # a record of an earlier process of this rank
