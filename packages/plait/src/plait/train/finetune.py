@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from plait.loop import ConfigError, RunDirLockedError, TrainerConfig, load_config, split_cli_overrides
 from plait.loop.data import DataConfig, copy_tokenizer_files, has_tokenizer
-from plait.models import CausalLMProvider, CausalLMStage, hf_to_plait_mapper, load_hf_config
+from plait.models import CausalLMProvider, CausalLMStage, hf_module_names, hf_to_plait_mapper, load_hf_config
 from plait.peft import LoRAConfig, apply_peft, export_hf_adapter, load_base_checkpoint
 from plait.train.config import StartupError
 from plait.train.job import build_job, check_corpus
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None, prog: str = "plait finetune") -> Path:
         trainer.fit()
         out = trainer.run_dir / "adapter"
         # a collective with FSDP-sharded adapters: every rank gathers, rank 0 writes
-        export_hf_adapter(trainer.model_parts[0], out, base_model_name_or_path=str(args.base))
+        to_hf = hf_module_names(provider.config)[0]  # module names as transformers' model has them
+        export_hf_adapter(trainer.model_parts[0], out, name_map=to_hf, base_model_name_or_path=str(args.base))
         if trainer.topology.is_main:
             if config.data.tokenizer not in (None, "bytes"):
                 copy_tokenizer_files(config.data.tokenizer, out)
