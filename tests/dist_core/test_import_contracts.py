@@ -28,6 +28,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "peft": {"model_state"},
     "models": {"dist_core", "kernels", "moe", "model_state", "pipelining"},
     "loop": {"dist_core", "kernels", "pipelining", "model_state"},
+    # the meta-package's job layer (plait.train): every member
+    "train": {"dist_core", "kernels", "model_state", "pipelining", "moe", "peft", "models", "loop"},
 }
 
 # Import names that differ from their distribution's name.
@@ -37,6 +39,8 @@ _DISTRIBUTION = {
     "grouped_gemm": "nv-grouped-gemm",
     "deep_ep": "deep-ep",
     "flash_attn": "flash-attn",
+    "fla": "fla-core",
+    "pydantic_core": "pydantic-core",
 }
 # Calls that import a module given by name (the trackers' _need names an optional module).
 _IMPORTING_CALLS = {"import_module", "find_spec", "_need"}

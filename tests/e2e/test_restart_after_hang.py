@@ -125,7 +125,13 @@ def _check_healed(run_dir: Path, rc: int, out: str, hung_rank: int, how: str) ->
     assert not list(run_dir.glob("watchdog_rank*.json")), "the restarted ranks remove the watchdog's records"
 
 
-def test_a_hung_rank_is_restarted_by_torchrun_and_resumes_from_its_checkpoint(tmp_path):
+def test_a_stopped_rank_is_ended_by_the_others_watchdog_and_restarted(tmp_path):
+    """Rank 0 is frozen with SIGSTOP (its own watchdog is frozen too) and never continued: rank 1's watchdog
+    ends rank 1 with 75, torchrun kills the stopped rank (SIGTERM waits for SIGCONT; SIGKILL after 30 s) and
+    restarts both, which resume from the newest complete checkpoint and finish the run. (A rank that hangs
+    while its process runs, ``PLAIT_DEBUG_RANK_HANG=1:7``, heals the same way: its own watchdog fires.)"""
     run_dir = tmp_path / "run"
-    rc, out = _torchrun(run_dir, f"1:{HANG_STEP}")
-    _check_healed(run_dir, rc, out, hung_rank=1, how="hanging")
+    rc, out = _torchrun(run_dir, f"0:{HANG_STEP}:stop")
+    _check_healed(run_dir, rc, out, hung_rank=0, how="stopping (SIGSTOP)")
+    assert "step watchdog: rank 1 made no progress" in out
+    assert "step watchdog: rank 0 made no progress" not in out.split("resumed from")[0]

@@ -63,7 +63,8 @@ def _wait_for_spawned_children(pid: int, timeout: float = 120.0) -> None:
         try:
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             spawned = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-            if all("libtorch" in Path(f"/proc/{c}/maps").read_text() for c in spawned):
+            # the writer is spawned by a background thread after the first step: wait until it exists
+            if spawned and all("libtorch" in Path(f"/proc/{c}/maps").read_text() for c in spawned):
                 return
         except FileNotFoundError:  # a child that exited between the listing and the read
             pass

@@ -283,14 +283,24 @@ def test_fla_is_refused_where_it_cannot_train_and_never_used_on_cpu(monkeypatch)
     import importlib.util
 
     monkeypatch.undo()
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "tilelang" else object()
-    )
+
+    def versions(triton: str, tilelang: str | None = None):  # type: ignore[no-untyped-def]
+        def version(name: str) -> str:
+            found = {"triton": triton, "tilelang": tilelang}.get(name)
+            if found is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return found
+
+        return version
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # fla installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.6.0")
+    monkeypatch.setattr(importlib.metadata, "version", versions("3.6.0"))
     assert "Triton 3.6.0" in (fla_unusable() or "")
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.7.1")
+    monkeypatch.setattr(importlib.metadata, "version", versions("3.6.0", tilelang="0.1"))
+    assert fla_unusable() is None
+    monkeypatch.setattr(importlib.metadata, "version", versions("3.7.1"))
     assert fla_unusable() is None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
 from plait.loop import TrainerConfig
@@ -17,7 +18,7 @@ class StartupError(Exception):
     """A flag, file or path that keeps the job from starting; the message says which and why."""
 
 
-def describe_errors(err: ValidationError, prefix: str = "", fields: Any = None) -> str:
+def describe_errors(err: ValidationError, prefix: str = "", fields: Iterable[str] | None = None) -> str:
     """pydantic's errors as one line each: the dotted key (after ``prefix``), the message and the value;
     an unknown key of ``fields`` (a field name collection) names the nearest known one."""
     out = []

@@ -50,7 +50,7 @@ def _default(field: FieldInfo) -> str:
     if isinstance(value, BaseModel):
         return "(section)"
     try:
-        return json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value)
+        return json.dumps(value)
     except TypeError:
         return repr(value)
 

@@ -35,6 +35,15 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def _installed(distribution: str) -> bool:
+    """Whether ``distribution`` is installed (looked up, not imported: fla imports it itself)."""
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def fla_unusable() -> str | None:
     """Why fla's kernels cannot train on this machine's GPU, or None when they can: fla-core missing, or
     fla's own refusal of its gated-delta-rule backward on Hopper GPUs with Triton >= 3.4, < 3.7.1 (wrong
@@ -44,7 +53,7 @@ def fla_unusable() -> str | None:
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         triton = importlib.metadata.version("triton")
         version = tuple(int(p) for p in triton.split("+")[0].split(".")[:3] if p.isdigit())
-        if (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+        if (3, 4, 0) <= version < (3, 7, 1) and not _installed("tilelang"):
             return (
                 f"fla-core's gated delta rule refuses to train on Hopper GPUs with Triton {triton} "
                 "(wrong gradients below 3.7.1): upgrade Triton to >= 3.7.1 or pip install tilelang"
