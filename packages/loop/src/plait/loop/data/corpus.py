@@ -88,7 +88,11 @@ def corpus_files(cfg: DataConfig, split: Split = "train", part: int | None = Non
             ``data.source`` or ``data.mixture[part].source``).
     """
     source, name = _source_of(cfg, part)
-    files = _all_files(cfg, source, name)
+    return _split_files(cfg, _all_files(cfg, source, name), split, source, name)
+
+
+def _split_files(cfg: DataConfig, files: list[Path], split: Split, source: str, name: str) -> list[Path]:
+    """:func:`corpus_files` of an already listed source."""
     if validation_mode(cfg, len(files)) != "files":
         return files[: cfg.max_files]
     if len(files) <= cfg.validation_files:
@@ -186,9 +190,10 @@ class Corpus:
         """One source's rows of ``split`` (``data.source``, or the ``part``-th mixture table's source)."""
         cfg = self.cfg
         source, name = _source_of(cfg, part)
-        mode = validation_mode(cfg, len(_all_files(cfg, source, name)))
+        listed = _all_files(cfg, source, name)  # listed once for the mode and the split's files
+        mode = validation_mode(cfg, len(listed))
         if mode == "documents":
-            packed = self._document_splits(part)[0 if split == "train" else 1]
+            packed = self._document_splits(part, listed)[0 if split == "train" else 1]
             if isinstance(packed, DataSourceError):  # held-out documents too few for a row
                 raise packed
             return packed
@@ -196,7 +201,7 @@ class Corpus:
             raise DataSourceError(f"{name}: nothing is held out for validation (data.validation_files=0)")
         fmt, text_field = _format_of(cfg, part)
         return build_packed_corpus(
-            corpus_files(cfg, split, part),
+            _split_files(cfg, listed, split, source, name),
             self.seq_len,
             self.tokenizer,
             fmt,
@@ -205,13 +210,15 @@ class Corpus:
             loss_on=cfg.loss_on,
         )
 
-    def _document_splits(self, part: int | None) -> tuple[PackedTokens, PackedTokens | DataSourceError]:
+    def _document_splits(
+        self, part: int | None, listed: list[Path]
+    ) -> tuple[PackedTokens, PackedTokens | DataSourceError]:
         """One source's documents split into training and held-out rows (read once for both)."""
         if part in self._documents:
             return self._documents[part]
         cfg = self.cfg
         source, name = _source_of(cfg, part)
-        files = corpus_files(cfg, "train", part)
+        files = _split_files(cfg, listed, "train", source, name)
         fmt, text_field = _format_of(cfg, part)
         train, val = build_packed_splits(
             files,
