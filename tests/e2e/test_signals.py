@@ -54,22 +54,20 @@ def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
     return proc, lines, training
 
 
-def _wait_for_spawned_children(pid: int, timeout: float = 120.0) -> None:
-    """Until every process the job spawned (DCP's checkpoint writer) has imported torch: a SIGINT while a
-    spawned child is still reading the job's script, before its first line runs, is not what this test
-    is about (that start-up window is a known gap, see the loop README)."""
+def _wait_for_spawned_child(pid: int, timeout: float = 120.0) -> None:
+    """Until the job has spawned a child (DCP's checkpoint writer, started by a background thread after the
+    first step). The signals then come while that child is still starting (reading the job's script,
+    importing torch): a child that died of them there would take the final save with it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            spawned = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-            # the writer is spawned by a background thread after the first step: wait until it exists
-            if spawned and all("libtorch" in Path(f"/proc/{c}/maps").read_text() for c in spawned):
+            if any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children):
                 return
         except FileNotFoundError:  # a child that exited between the listing and the read
             pass
-        time.sleep(0.2)
-    raise AssertionError(f"the job's spawned processes did not start within {timeout} s")
+        time.sleep(0.05)
+    raise AssertionError(f"the job spawned no process within {timeout} s")
 
 
 def test_two_sigints_200ms_apart_save_summarise_and_exit_130(tmp_path):
@@ -77,7 +75,7 @@ def test_two_sigints_200ms_apart_save_summarise_and_exit_130(tmp_path):
     proc, err, training = _start(run_dir)
     try:
         assert training.wait(120), "".join(err)
-        _wait_for_spawned_children(proc.pid)
+        _wait_for_spawned_child(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # the terminal: every process of the group
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)  # uv's forwarded copy
@@ -88,6 +86,9 @@ def test_two_sigints_200ms_apart_save_summarise_and_exit_130(tmp_path):
     stderr = "".join(err)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr, stderr
+    # the signal's log line whole, on a line of its own (not lost in, or glued to, the line being written);
+    # Python may run the handler once for both signals (a repeat before the handler ran is not seen)
+    assert sum(line.rstrip("\n").endswith("again after 2 s: abort)") for line in err) == 1, stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_early"] and summary["steps"] >= 2
     assert summary["checkpoint"] and summary["checkpoint"].endswith(f"step_{summary['steps']:08d}")

@@ -50,3 +50,29 @@ def test_float8_trains_emulated_and_is_refused_without_a_float8_gpu(tmp_path, mo
         main([*argv, "--run-dir", str(tmp_path / "refused"), "--parallel.float8.recipe=tensorwise"])
     assert exc.value.code == 2
     assert "parallel.float8 needs an NVIDIA GPU of compute capability 8.9+" in capsys.readouterr().err
+
+
+def test_qwen3_next_pipeline_parallel_matches_one_process(tmp_path):
+    """Qwen3-Next (gated DeltaNet and gated attention layers, MoE) in 2 pipeline stages (1F1B, gloo):
+    each stage keeps its layers' global indices (their ``layer_types``), and from one seed checkpoint
+    the loss curve equals the one-process curve."""
+    from plait.dist_core.testing import run_distributed
+
+    from tests.e2e._pretrain_runner import losses, run
+
+    config = EXAMPLES / "configs" / "qwen3_5" / "moe_cpu.toml"
+    seed = tmp_path / "seed"
+    run(["--config", str(config), "--write-seed-checkpoint", str(seed)])
+    argv = ["--config", str(config), "--init-from", str(seed), "--steps", "4", *FAST,
+            "--batching.global_batch_size=8", "--batching.microbatch_size=2", "--logging.interval=1",
+            "--no-export"]  # fmt: skip
+    run([*argv, "--run-dir", str(tmp_path / "one")])
+    run_distributed(run, 2, [*argv, "--run-dir", str(tmp_path / "pp2"), "--mesh.pipeline=2",
+                             "--pipeline.kind=1f1b"], timeout=200)  # fmt: skip
+    one, pp2 = losses(tmp_path / "one"), losses(tmp_path / "pp2")
+    assert sorted(one) == sorted(pp2) == [1, 2, 3, 4]
+    torch.testing.assert_close(
+        torch.tensor([pp2[s] for s in one], dtype=torch.float64),
+        torch.tensor([one[s] for s in one], dtype=torch.float64),
+        rtol=1e-4, atol=0,
+    )  # fmt: skip

@@ -212,6 +212,53 @@ def test_clipping_matches_torch_clip_then_adamw(tmp_path, optimizer):
         torch.testing.assert_close(p.detach(), r, atol=1e-6, rtol=1e-5)
 
 
+class _ScalingSGD(torch.optim.SGD):
+    """A user's optimizer that declares the in-step clipping capability: it scales the gradients it reads."""
+
+    step_takes_grad_scale = True
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.1)
+        self.scales: list[float] = []
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None):
+        assert grad_scale is not None, "the trainer must pass the clipping factor to a declared optimizer"
+        self.scales.append(float(grad_scale))
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        saved = [g.clone() for g in grads]
+        torch._foreach_mul_(grads, grad_scale)
+        super().step()
+        for g, s in zip(grads, saved):
+            g.copy_(s)
+
+
+def test_in_step_clipping_is_an_optimizer_capability(tmp_path):
+    """Any optimizer declaring ``step_takes_grad_scale`` gets the clipping factor in its step; the
+    gradients it is handed are the unclipped ones (an SGD step against one computed by hand)."""
+    torch.set_num_threads(1)
+    cfg = _config(tmp_path, "--grad_clip.max_norm=0.05", steps=2)
+    tr = _trainer(cfg, optimizer=lambda module, _: _ScalingSGD(module.parameters()))
+    params = list(tr.model_parts[0].parameters())
+    expected: list[torch.Tensor] = []
+
+    def before(e: BeforeOptimizerStep) -> None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in params]))
+        torch.testing.assert_close(e.grad_norm.double(), norm)  # not clipped in place
+        scale = min(1.0, 0.05 / (float(norm) + 1e-6))
+        lr = tr.optimizers[0].param_groups[0]["lr"]  # the schedule's
+        expected[:] = [p.detach() - lr * scale * p.grad for p in params]
+
+    tr.subscribe(BeforeOptimizerStep, before)
+    tr.subscribe(
+        AfterOptimizerStep,
+        lambda e: [torch.testing.assert_close(p.detach(), x) for p, x in zip(params, expected)],
+    )
+    tr.fit()
+    tr.close()
+    assert len(tr.optimizers[0].scales) == 2 and max(tr.optimizers[0].scales) < 1.0
+
+
 def test_events_and_post_optimizer_hook(tmp_path):
     provider_calls: list[tuple[list[torch.nn.Module], object]] = []
     provider = ModuleProvider(

@@ -38,6 +38,8 @@ def _grads(params: _TensorOrTensors) -> list[torch.Tensor]:
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
+    """What makes two meshes the same group of ranks (``mesh.mesh`` is recomputed at every access: a
+    caller asks once per mesh object, not once per gradient)."""
     return (
         mesh.device_type,
         tuple(mesh.mesh_dim_names or ()),
@@ -90,6 +92,7 @@ def global_grad_norm(
     device = grads[0].device if grads else torch.device("cpu")
     plain: list[torch.Tensor] = []
     by_group: dict[tuple[object, ...], tuple[DeviceMesh, list[int], list[torch.Tensor]]] = {}
+    mesh_keys: dict[int, tuple[object, ...]] = {}  # id(mesh) -> _mesh_key(mesh)
     for g in grads:
         if isinstance(g, DTensor):
             placements = g.placements
@@ -98,7 +101,10 @@ def global_grad_norm(
                     f"gradient with placements {placements}: reduce partial gradients before the norm"
                 )
             shard_dims = [i for i, pl in enumerate(placements) if isinstance(pl, _SHARDS)]
-            key = (_mesh_key(g.device_mesh), tuple(shard_dims))
+            mesh = g.device_mesh
+            if (mesh_key := mesh_keys.get(id(mesh))) is None:
+                mesh_key = mesh_keys[id(mesh)] = _mesh_key(mesh)
+            key = (mesh_key, tuple(shard_dims))
             by_group.setdefault(key, (g.device_mesh, shard_dims, []))[2].append(g.to_local())
         else:
             plain.append(g)

@@ -271,17 +271,19 @@ def replicate(
     return module
 
 
-def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+def set_gradient_sync(module: nn.Module, enabled: bool, *, recurse: bool = True) -> None:
     """Turn the gradient all-reduce of a :func:`replicate`-d or FSDP2 module on or off.
 
     Off for all but the last micro-batch of a gradient-accumulation step: gradients accumulate
-    locally and the last backward reduces the accumulated sum.
+    locally and the last backward reduces the accumulated sum. ``recurse`` (FSDP2): also its FSDP2
+    submodules (a walk over all its modules; a caller that switches every FSDP2 module itself passes
+    False).
     """
     state = _REPLICATED.get(module)
     if state is not None:
         state.sync = enabled
     elif isinstance(module, FSDPModule):
-        module.set_requires_gradient_sync(enabled)
+        module.set_requires_gradient_sync(enabled, recurse=recurse)
     else:
         raise TypeError(
             f"{type(module).__name__} was not parallelized with replicate() or fully_shard_module()"

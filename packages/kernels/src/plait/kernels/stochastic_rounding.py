@@ -13,7 +13,7 @@ seed per tensor per step into Philox streams.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from plait.kernels._dispatch import use_triton
@@ -112,6 +112,9 @@ class StochasticAdamW(Optimizer):
         seed: generator seed; ``None`` draws one from torch's global generator (differs per process
             unless seeded the same way).
     """
+
+    #: The optimizer capability a training loop looks for: ``step(grad_scale=...)`` clips in the step.
+    step_takes_grad_scale: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -100,14 +100,14 @@ class GradientSync:
             root.set_reshard_after_backward(False)
         for subs in self.switched.values():
             for m in subs:
-                set_gradient_sync(m, False)
+                set_gradient_sync(m, False, recurse=False)
 
     def before_backward(self, stage: int, last: bool) -> None:
         """Before a backward of ``stage``; ``last``: the stage's last backward of the step."""
         if self.manual:
             return
         for m in self.switched.get(stage, ()):
-            set_gradient_sync(m, last)
+            set_gradient_sync(m, last, recurse=False)
         root = self.roots.get(stage)
         if root is not None and self.finalize:
             root.set_is_last_backward(last)
@@ -117,7 +117,7 @@ class GradientSync:
         reset the modules."""
         for subs in self.switched.values():
             for m in subs:
-                set_gradient_sync(m, True)
+                set_gradient_sync(m, True, recurse=False)
         for m in self.roots.values():
             if self.manual:
                 m.set_reshard_after_backward(True)

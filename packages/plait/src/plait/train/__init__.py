@@ -5,15 +5,6 @@
 ``plait`` command (``train``, ``finetune``, ``tokenize``, ``export``, ``config``, ``info``).
 """
 
-import multiprocessing
-import signal
-
-if multiprocessing.current_process().name != "MainProcess":
-    # A process that multiprocessing spawns from the job (DCP's checkpoint writer) imports the job's main
-    # module again, and with it this package, first thing: there SIGINT is ignored. A Ctrl-C reaches every
-    # process of the terminal's group; the job decides what it means (finish the step, save, exit 130).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
 from plait.train.config import JobConfig, StartupError
 from plait.train.job import (
     TrainingJob,

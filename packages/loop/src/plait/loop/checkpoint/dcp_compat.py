@@ -11,6 +11,7 @@ fails there, by name, instead of somewhere inside a save.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 import weakref
 from collections.abc import Callable, MutableMapping
@@ -248,7 +249,14 @@ def prepare_writer_process_start(process_group: dist.ProcessGroup | None) -> Cal
     info = writer_init_info(process_group)
 
     def start() -> None:
-        ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
+        # The writer is spawned with SIGINT blocked (a child inherits its spawning thread's signal mask),
+        # so that a Ctrl-C reaching the terminal's whole group while it still imports cannot kill it; its
+        # entry ignores SIGINT and only then unblocks it (see ``writer_process._writer_process_main``).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     return start
 
@@ -259,7 +267,15 @@ def stop_writer_process() -> None:
     proc = ape._CHECKPOINT_PROCESS
     if proc is not None:
         ape._CHECKPOINT_PROCESS = None
-        proc.__del__()  # a second call is a no-op
+        proc.__del__()
+        # Reaped here: the __del__ of garbage collection must find it dead. A writer that outlived the 5 s
+        # and got SIGTERM may not be reaped yet, and that second __del__ would send TERMINATE down its
+        # closed pipe (a BrokenPipeError traceback at exit).
+        process = proc._save_process
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 # DCP's own writer-process entry, kept before any routing replaces the class attribute.

@@ -55,14 +55,18 @@ class PreemptionHandler:
         self.received: int | None = None
         self._received_at = 0.0  # time.monotonic() of the first signal
         self._in_flight: tuple[torch.Tensor, Any] | None = None  # the last posted flag reduction
+        # Log records of the handler, written by the next should_stop(): a handler runs inside whatever the
+        # main thread was doing, possibly a write to the same stream, and a line written from it there can
+        # be lost or glued to another.
+        self._logs: list[tuple[int, str, tuple[object, ...]]] = []
         self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
 
     def _is_repeat(self, signum: int) -> bool:
         """A signal within the window after the first one (logged, then ignored)."""
         if self.received is None or time.monotonic() - self._received_at > self.repeat_window_s:
             return False
-        log.info("%s again within %.0f s: taken as the same stop request", signal.Signals(signum).name,
-                 self.repeat_window_s)  # fmt: skip
+        self._logs.append((logging.INFO, "%s again within %.0f s: taken as the same stop request",
+                           (signal.Signals(signum).name, self.repeat_window_s)))  # fmt: skip
         return True
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -72,12 +76,11 @@ class PreemptionHandler:
             os._exit(128 + signum)
         self.received = signum
         self._received_at = time.monotonic()
-        log.warning(
+        self._logs.append((
+            logging.WARNING,
             "received %s: finishing this step, saving, exiting within %.0f s (again after %.0f s: abort)",
-            signal.Signals(signum).name,
-            self.grace_period_s,
-            self.repeat_window_s,
-        )
+            (signal.Signals(signum).name, self.grace_period_s, self.repeat_window_s),
+        ))  # fmt: skip
         timer = threading.Timer(self.grace_period_s, os._exit, args=(128 + signum,))
         timer.daemon = True
         timer.start()
@@ -89,6 +92,7 @@ class PreemptionHandler:
         at one call and read at the next, so no step waits for it: a signal stops every rank at the
         same step, one step after the rank that got it saw it. In a single process it is immediate.
         """
+        self._write_logs()
         flag = torch.tensor([0 if self.received is None else 1])
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(self.pg) > 1):
             return bool(flag.item())
@@ -100,9 +104,15 @@ class PreemptionHandler:
         work.wait()
         return bool(agreed.item())
 
+    def _write_logs(self) -> None:
+        while self._logs:
+            level, msg, args = self._logs.pop(0)
+            log.log(level, msg, *args)
+
     def restore(self) -> None:
         """Put the previous signal handlers back; after a signal, repeats of it within the window are
         still ignored (the run is saving and exiting), later ones go to the previous handlers."""
+        self._write_logs()
         for s, handler in self._previous.items():
             signal.signal(s, handler if self.received is None else self._after_restore(handler))
 

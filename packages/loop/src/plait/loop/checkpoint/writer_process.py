@@ -30,8 +30,11 @@ def _writer_process_main(pg_init_info: Any, parent_conn: Any) -> None:
     checkpoint printed ``Waiting for checkpoint save request...`` and the like on the console.
     """
     # A Ctrl-C reaches every process of the terminal's group: the training process decides what it means
-    # (finish the step, save, exit 130), so the writer must not die of it mid-save.
+    # (finish the step, save, exit 130), so the writer must not die of it mid-save. It was spawned with
+    # SIGINT blocked (``dcp_compat.prepare_writer_process_start``): one that came while it imported is
+    # pending, and discarded when it is unblocked under SIG_IGN.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def init_logger(rank: int) -> None:
         handler = logging.StreamHandler()

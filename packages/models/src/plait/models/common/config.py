@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["AttentionImplementation", "DecoderConfig", "RopeParameters"]
+__all__ = ["AttentionImplementation", "DecoderConfig", "RopeParameters", "SparseStepMoE"]
 
 AttentionImplementation = Literal["auto", "sdpa", "flex", "flash"]
 
@@ -198,3 +198,61 @@ class DecoderConfig(BaseModel):
     def pooled_router_aux_loss_coef(self) -> float | None:
         """Coefficient of a Switch loss pooled over all MoE layers, or None (dense, or per-layer losses)."""
         return None
+
+
+class SparseStepMoE(BaseModel):
+    """Routed experts on a sparse step: the MoE fields and the layer rule of transformers' Qwen MoE configs
+    (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE), mixed into a family's config ahead of its decoder fields
+    (``class C(SparseStepMoE, Decoder...)``); each family sets its own defaults of the sizes.
+
+    Attributes:
+        moe_intermediate_size: SwiGLU width of each routed expert.
+        num_experts: Routed experts per MoE layer (0: every layer dense).
+        num_experts_per_tok: Top-k.
+        norm_topk_prob: Renormalise the top-k routing weights to sum to 1.
+        decoder_sparse_step: Layer ``i`` is sparse when ``(i + 1) % decoder_sparse_step == 0``.
+        mlp_only_layers: Layers that always use a dense MLP.
+        router_aux_loss_coef: Load-balancing loss coefficient.
+        router_aux_loss_pooling: plait-only: ``"all_layers"`` (default, transformers'
+            ``load_balancing_loss_func``): one Switch loss of the router statistics pooled over all
+            MoE layers of the model; ``"per_layer"`` (Megatron-style): the sum of one Switch loss
+            per MoE layer (about L times larger for L MoE layers at the same coefficient).
+        output_router_logits: Accepted for compatibility (Hugging Face adds the aux loss only when set);
+            plait always adds ``router_aux_loss_coef`` times the aux loss through the gradient.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    moe_intermediate_size: int = Field(default=768, gt=0)
+    num_experts: int = Field(default=128, ge=0)
+    num_experts_per_tok: int = Field(default=8, gt=0)
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = Field(default=1, gt=0)
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    router_aux_loss_pooling: Literal["all_layers", "per_layer"] = "all_layers"
+    output_router_logits: bool = False
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> SparseStepMoE:
+        check_finite(self)
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) > num_experts ({self.num_experts})"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < getattr(self, "num_hidden_layers", 0)]
+        if bad:
+            raise ValueError(f"mlp_only_layers has indices outside [0, num_hidden_layers): {bad}")
+        return self
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """transformers' rule: not in ``mlp_only_layers`` and on the sparse step."""
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    def pooled_router_aux_loss_coef(self) -> float | None:
+        """``router_aux_loss_coef`` with ``router_aux_loss_pooling="all_layers"``, else None."""
+        return self.router_aux_loss_coef if self.router_aux_loss_pooling == "all_layers" else None

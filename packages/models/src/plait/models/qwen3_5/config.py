@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from plait.models.common.config import DecoderConfig, RopeParameters, check_finite
+from plait.models.common.config import DecoderConfig, RopeParameters, SparseStepMoE, check_finite
 from plait.models.common.linear_attention import LinearAttentionImplementation
 from pydantic import Field, model_validator
 
@@ -119,23 +119,14 @@ class Qwen3_5TextConfig(_HybridConfig):
         return data
 
 
-class Qwen3NextConfig(_HybridConfig):
+class Qwen3NextConfig(SparseStepMoE, _HybridConfig):
     """Qwen3-Next (``qwen3_next``): MoE layers with a gated shared expert where
-    ``is_moe_layer`` says, dense SwiGLU layers elsewhere.
+    ``is_moe_layer`` says, dense SwiGLU layers elsewhere (the routing fields:
+    :class:`plait.models.common.config.SparseStepMoE`).
 
     Attributes:
-        moe_intermediate_size: SwiGLU width of each routed expert.
         shared_expert_intermediate_size: SwiGLU width of the shared expert (its output is scaled
             by ``sigmoid(shared_expert_gate(x))``).
-        num_experts: Routed experts per MoE layer (0: every layer dense).
-        num_experts_per_tok: Top-k.
-        norm_topk_prob: Renormalise the top-k routing weights to sum to 1.
-        decoder_sparse_step: Layer ``i`` is sparse when ``(i + 1) % decoder_sparse_step == 0``.
-        mlp_only_layers: Layers that always use a dense MLP.
-        router_aux_loss_coef: Load-balancing loss coefficient.
-        router_aux_loss_pooling: plait-only: ``"all_layers"`` (transformers' pooled Switch loss)
-            or ``"per_layer"`` (see :class:`plait.models.qwen3.Qwen3MoeConfig`).
-        output_router_logits: Accepted for compatibility; plait always adds the aux loss.
     """
 
     model_type: Literal["qwen3_next", "qwen3_5_moe_text"] = "qwen3_next"
@@ -149,34 +140,6 @@ class Qwen3NextConfig(_HybridConfig):
     num_experts: int = Field(default=512, ge=0)
     num_experts_per_tok: int = Field(default=10, gt=0)
     norm_topk_prob: bool = True
-    decoder_sparse_step: int = Field(default=1, gt=0)
-    mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.001
-    router_aux_loss_pooling: Literal["all_layers", "per_layer"] = "all_layers"
-    output_router_logits: bool = False
-
-    @model_validator(mode="after")
-    def _check_moe(self) -> Qwen3NextConfig:
-        if self.num_experts and self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) > num_experts ({self.num_experts})"
-            )
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
-        if bad:
-            raise ValueError(f"mlp_only_layers has indices outside [0, num_hidden_layers): {bad}")
-        return self
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        """transformers' rule: not in ``mlp_only_layers`` and on the sparse step."""
-        return (
-            layer_idx not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_idx + 1) % self.decoder_sparse_step == 0
-        )
-
-    def pooled_router_aux_loss_coef(self) -> float | None:
-        """``router_aux_loss_coef`` with ``router_aux_loss_pooling="all_layers"``, else None."""
-        return self.router_aux_loss_coef if self.router_aux_loss_pooling == "all_layers" else None
 
 
 class Qwen3_5MoeTextConfig(Qwen3NextConfig):
