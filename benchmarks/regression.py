@@ -5,7 +5,7 @@ labels). ``--check`` in ``kernels/run_all.py`` and ``training/throughput.py`` ru
 times, takes the median and calls ``regressions`` with the committed table: a row more than
 ``tolerance`` slower than its committed figure is named, and the script exits non-zero.
 
-    from regression import parse_table, regressions
+    from benchmarks.regression import parse_table, regressions
     committed = parse_table(Path("benchmarks/results/kernels.md").read_text(), "ms")
     slower = regressions(committed, {"rms-norm-fwd/32768x4096/plait": 0.195}, higher_is_better=False)
 """

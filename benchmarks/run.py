@@ -1,9 +1,9 @@
 """Run the GPU benchmarks and GPU tests of one area, or all of them, with one command.
 
-    python3 benchmarks/run.py --suite kernels                 # one suite
-    python3 benchmarks/run.py --suite all --out /tmp/bench    # everything that fits this machine's GPUs
-    python3 benchmarks/run.py --suite kernels training --check  # the regression guard of both tables
-    python3 benchmarks/run.py --suite all --dry-run           # print the commands only
+    python3 -m benchmarks.run --suite kernels                 # one suite
+    python3 -m benchmarks.run --suite all --out /tmp/bench    # everything that fits this machine's GPUs
+    python3 -m benchmarks.run --suite kernels training --check  # the regression guard of both tables
+    python3 -m benchmarks.run --suite all --dry-run           # print the commands only
 
 Each step is a benchmark script (or pytest) in its own process, with ``PYTHONPATH`` pointing at every
 package's ``src`` folder of this checkout (no install needed: the machine's own python with torch and
@@ -34,7 +34,8 @@ class Step:
 
     Attributes:
         name: The step's log name.
-        argv: The command, relative to the repository root; ``torchrun`` means ``python -m torch.distributed.run``.
+        argv: The arguments of python, run in the repository root (``-m benchmarks.<area>.<script>``);
+            ``torchrun`` means ``python -m torch.distributed.run``.
         gpus: GPUs it needs.
         writes: The results file it writes (collected into the summary), if any.
         check: The command has a ``--check`` mode (the regression guard).
@@ -47,50 +48,50 @@ class Step:
     check: bool = False
 
 
-def _torchrun(n: int, script: str, *args: str) -> tuple[str, ...]:
-    return ("torchrun", "--standalone", f"--nproc-per-node={n}", script, *args)
+def _torchrun(n: int, module: str, *args: str) -> tuple[str, ...]:
+    return ("torchrun", "--standalone", f"--nproc-per-node={n}", "-m", module, *args)
 
 
 SUITES: dict[str, tuple[Step, ...]] = {
     "kernels": (
-        Step("kernels", ("benchmarks/kernels/run_all.py", "--md", "benchmarks/results/kernels.md"),
+        Step("kernels", ("-m", "benchmarks.kernels.run_all", "--md", "benchmarks/results/kernels.md"),
              writes="kernels.md", check=True),
     ),
     "training": (
-        Step("throughput", ("benchmarks/training/throughput.py",), writes="training.md", check=True),
-        Step("scaling", ("benchmarks/training/scaling.py", "--gpus", "2", "4", "--concurrent", "--profile"), gpus=4,
+        Step("throughput", ("-m", "benchmarks.training.throughput"), writes="training.md", check=True),
+        Step("scaling", ("-m", "benchmarks.training.scaling", "--gpus", "2", "4", "--concurrent", "--profile"), gpus=4,
              writes="scaling.md"),
-        Step("nccl_bandwidth", _torchrun(2, "benchmarks/comms/nccl_bandwidth.py"), gpus=2),
+        Step("nccl_bandwidth", _torchrun(2, "benchmarks.comms.nccl_bandwidth"), gpus=2),
     ),
     "moe": (
-        Step("moe_layer", ("benchmarks/moe/moe_layer.py", "--markdown", "benchmarks/results/moe_layer.md"),
+        Step("moe_layer", ("-m", "benchmarks.moe.moe_layer", "--markdown", "benchmarks/results/moe_layer.md"),
              writes="moe_layer.md"),
-        Step("ep_all_to_all", _torchrun(2, "benchmarks/moe/ep_all_to_all.py", "--markdown",
+        Step("ep_all_to_all", _torchrun(2, "benchmarks.moe.ep_all_to_all", "--markdown",
              "benchmarks/results/moe_ep_all_to_all.md"), gpus=2, writes="moe_ep_all_to_all.md"),
-        Step("ep_overlap", _torchrun(2, "benchmarks/moe/ep_overlap.py", "--compile", "--chunks", "2", "4"), gpus=2),
+        Step("ep_overlap", _torchrun(2, "benchmarks.moe.ep_overlap", "--compile", "--chunks", "2", "4"), gpus=2),
     ),
     "context": (
-        Step("attention_kernels", ("benchmarks/context/attention_kernels.py",)),
-        Step("long_context", _torchrun(2, "benchmarks/context/long_context.py", "--search", "none"), gpus=2),
+        Step("attention_kernels", ("-m", "benchmarks.context.attention_kernels")),
+        Step("long_context", _torchrun(2, "benchmarks.context.long_context", "--search", "none"), gpus=2),
         Step("long_context_compiled",
-             _torchrun(2, "benchmarks/context/long_context.py", "--search", "none", "--compile", "--flex-row"),
+             _torchrun(2, "benchmarks.context.long_context", "--search", "none", "--compile", "--flex-row"),
              gpus=2),
-        Step("mla_context", _torchrun(2, "benchmarks/context/mla_context.py", "--markdown",
+        Step("mla_context", _torchrun(2, "benchmarks.context.mla_context", "--markdown",
              "benchmarks/results/mla_context.md"), gpus=2, writes="mla_context.md"),
     ),
     "checkpoint": (
-        Step("async_save", ("benchmarks/checkpoint/async_save.py", "--params-b", "1.0", "--saves", "3",
+        Step("async_save", ("-m", "benchmarks.checkpoint.async_save", "--params-b", "1.0", "--saves", "3",
              "--modes", "off,process")),
     ),
     "model_state": (
-        Step("load_throughput", ("benchmarks/model_state/load_throughput.py", "--size-gb", "8", "--device",
+        Step("load_throughput", ("-m", "benchmarks.model_state.load_throughput", "--size-gb", "8", "--device",
              "cuda", "--repeats", "2")),
     ),
     "pipelining": (
-        Step("schedules", _torchrun(2, "benchmarks/pipelining/schedules.py", "--batch", "32", "--seq", "2048",
+        Step("schedules", _torchrun(2, "benchmarks.pipelining.schedules", "--batch", "32", "--seq", "2048",
              "--microbatches", "8"), gpus=2),
-        Step("layouts", ("benchmarks/training/layouts.py", "--gpus", "4", "--steps", "10"), gpus=4),
-        *(Step(f"layouts_{family}", ("benchmarks/training/layouts.py", "--gpus", "2", "--steps", "10", "--family",
+        Step("layouts", ("-m", "benchmarks.training.layouts", "--gpus", "4", "--steps", "10"), gpus=4),
+        *(Step(f"layouts_{family}", ("-m", "benchmarks.training.layouts", "--gpus", "2", "--steps", "10", "--family",
                family, "--dir", f"/tmp/plait_layouts_{family}"), gpus=2)
           for family in ("llama", "gpt_oss", "deepseek_v3")),
     ),

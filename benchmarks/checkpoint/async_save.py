@@ -1,6 +1,6 @@
 """Training stall per checkpoint save, async vs synchronous, and DCP planning time first vs later save.
 
-    python benchmarks/checkpoint/async_save.py --params-b 1.0 --dir /tmp/ckpt_bench
+    python -m benchmarks.checkpoint.async_save --params-b 1.0 --dir /tmp/ckpt_bench
 
 One GPU. A stack of square Linear layers with ``--params-b`` billion fp32 parameters trains with
 AdamW; the state saved is model + optimizer (about 12 bytes per parameter). The stall is the extra

@@ -1,6 +1,6 @@
 """NCCL bandwidth of this machine's GPUs: the ceiling for FSDP, expert and context parallelism.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/comms/nccl_bandwidth.py [--mib 512]
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.comms.nccl_bandwidth [--mib 512]
 
 Times all-gather, reduce-scatter, all-reduce and all-to-all of a ``--mib`` MiB bf16 buffer (per rank,
 the gathered / reduced size) and a point-to-point exchange, and prints nccl-tests' bus bandwidth

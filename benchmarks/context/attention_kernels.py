@@ -1,6 +1,6 @@
 """The attention kernels behind context parallelism's all-gather mode, on one GPU.
 
-    python3 benchmarks/context/attention_kernels.py
+    python3 -m benchmarks.context.attention_kernels
 
 Checks, against an fp32 reference: the cuDNN and FlashAttention SDPA ops with fewer K/V heads than
 query heads, which causal alignment each uses when queries and keys differ in length, their
@@ -11,16 +11,12 @@ block, FlexAttention with the block mask, and ``causal_lower_right`` SDPA, again
 SDPA over 32k.
 """
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe"))
-from _common import cuda_time_ms
+from benchmarks.moe._common import cuda_time_ms
 
 aten = torch.ops.aten
 dev, dt = "cuda", torch.bfloat16

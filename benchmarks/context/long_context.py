@@ -2,7 +2,7 @@
 
 Run on two GPUs (one command):
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/context/long_context.py \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.context.long_context \
         [--mode allgather|ring] [--markdown benchmarks/results/long_context.md]
 
 Model: the main job's one-GPU Qwen3-MoE (``examples/qwen3_moe/configs/gpu1.toml``, bf16 parameters,
@@ -41,7 +41,6 @@ import argparse
 import datetime
 import math
 import os
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -49,16 +48,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch
+from plait.models import ParallelConfig, flops_per_token, parallelize
+from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
+
+from benchmarks.moe._common import bf16_matmul_tflops, environment, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "moe"))
-from _common import bf16_matmul_tflops, ensure_plait_importable, environment, markdown_table  # noqa: E402
-
-ensure_plait_importable()
-from plait.dist_core import DeviceMeshParameters, DistributedContext, shard_batch  # noqa: E402
-from plait.models import ParallelConfig, flops_per_token, parallelize  # noqa: E402
-from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig  # noqa: E402
-
 SMOKE_MODEL = dict(
     vocab_size=64,
     hidden_size=32,

@@ -2,10 +2,10 @@
 
 Run on two GPUs (one command):
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/context/mla_context.py \
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.context.mla_context \
         [--shape 16b|671b] [--seq 32768] [--markdown benchmarks/results/mla_context.md]
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/context/mla_context.py --cpu-smoke   # CPU, gloo
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.context.mla_context --cpu-smoke   # CPU, gloo
 
 One DeepSeek-V3 decoder layer (the first, dense, layer; bf16 on GPU) of the 16B shapes
 (``benchmarks/training/workloads.py``'s ``deepseek_v3_16b``: 16 heads, kv_lora_rank 512, q/k head 128 +
@@ -36,18 +36,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.models.common.attention import AttentionKernels, ContextParallel
+from plait.models.common.rope import RotaryEmbedding
+from plait.models.deepseek_v3 import MultiHeadLatentAttention, deepseek_v3_layer
+from plait.models.deepseek_v3.hf import config_from_hf
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "moe"))
-sys.path.insert(0, str(ROOT / "benchmarks" / "training"))
-from _common import cuda_time_ms, ensure_plait_importable, environment, markdown_table  # noqa: E402
-
-ensure_plait_importable()
-from plait.models.common.attention import AttentionKernels, ContextParallel  # noqa: E402
-from plait.models.common.rope import RotaryEmbedding  # noqa: E402
-from plait.models.deepseek_v3 import MultiHeadLatentAttention, deepseek_v3_layer  # noqa: E402
-from plait.models.deepseek_v3.hf import config_from_hf  # noqa: E402
-from workloads import DEEPSEEK_V3_16B  # noqa: E402
+from benchmarks.moe._common import cuda_time_ms, environment, markdown_table
+from benchmarks.training.workloads import DEEPSEEK_V3_16B
 
 SHAPES: dict[str, dict[str, Any]] = {
     "16b": {**DEEPSEEK_V3_16B, "num_hidden_layers": 1},
@@ -185,7 +180,7 @@ def main() -> None:
         if args.markdown:
             cmd = (
                 "torchrun --standalone --nproc-per-node "
-                + f"{n} benchmarks/context/mla_context.py "
+                + f"{n} -m benchmarks.context.mla_context "
                 + " ".join(sys.argv[1:])
             )
             Path(args.markdown).write_text(

@@ -2,9 +2,9 @@
 
 One command on a GPU machine:
 
-    python3 benchmarks/run.py --suite kernels          # sets PYTHONPATH, writes benchmarks/results/kernels.md
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 benchmarks/kernels/run_all.py [--quick] [--md out.md]
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 benchmarks/kernels/run_all.py --check
+    python3 -m benchmarks.run --suite kernels          # sets PYTHONPATH, writes benchmarks/results/kernels.md
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 -m benchmarks.kernels.run_all [--quick] [--md out.md]
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 -m benchmarks.kernels.run_all --check
 
 Times are medians of one call each, the L2 cache flushed before every call. ``--timing device``
 (default) keeps host dispatch out of the measurement (the GPU waits after the flush until the call is
@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plait.kernels import (
     GradDirection,
     StochasticAdamW,
@@ -49,7 +47,8 @@ from plait.kernels import (
     rms_norm,
     swiglu,
 )
-from regression import (  # benchmarks/regression.py
+
+from benchmarks.regression import (
     device_mismatch,
     median_rows,
     parse_table,
@@ -554,7 +553,7 @@ def main() -> None:
         f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n"
         f"measured ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul 8192^3 {mm_tfs:.0f} TFLOP/s\n"
-        f"command: python3 benchmarks/kernels/run_all.py {' '.join(sys.argv[1:])}\n"
+        f"command: python3 -m benchmarks.kernels.run_all {' '.join(sys.argv[1:])}\n"
         f"timing: {args.timing} (median{f' of {CHECK_RUNS} runs' if args.check else ''}; L2 flushed before each call"
         f"{'; host dispatch excluded' if args.timing == 'device' else ''})\n"
     )

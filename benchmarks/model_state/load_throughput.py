@@ -2,8 +2,8 @@
 
 One command (creates the checkpoint, runs every method in its own subprocess, prints a table):
 
-    uv run python benchmarks/model_state/load_throughput.py --size-gb 2 --device cpu
-    uv run python benchmarks/model_state/load_throughput.py --size-gb 8 --device cuda
+    uv run python -m benchmarks.model_state.load_throughput --size-gb 2 --device cpu
+    uv run python -m benchmarks.model_state.load_throughput --size-gb 8 --device cuda
 
 Methods (each in a fresh process, so peak memory is its own):
   plait     ``load_module(module, dir)``: streamed group by group, positioned reads straight into the
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[2]
 ROWS, COLS = 4096, 4096  # one large bf16 tensor = 32 MiB
 DTYPE = torch.bfloat16
 
@@ -193,17 +194,18 @@ def main() -> None:
             for method in ("baseline", "plait"):
                 cmd = [
                     sys.executable,
-                    __file__,
+                    "-m",
+                    "benchmarks.model_state.load_throughput",
                     "--worker",
                     method,
                     "--path",
-                    str(ck),
+                    str(ck.resolve()),
                     "--size-gb",
                     str(args.size_gb),
                     "--device",
                     args.device,
                 ]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
                 if out.returncode != 0:
                     sys.exit(f"{method} worker failed:\n{out.stderr}")
                 runs[method].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -1,11 +1,10 @@
-"""Shared helpers of the MoE benchmarks (timing, environment, imports from a source checkout)."""
+"""Shared helpers of the MoE benchmarks (timing, environment, tables)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,16 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def ensure_plait_importable() -> None:
-    """Make ``plait.*`` importable from a plain source checkout (no install)."""
-    try:
-        import plait.moe  # noqa: F401
-    except ImportError:
-        root = Path(__file__).resolve().parents[2]
-        for src in sorted((root / "packages").glob("*/src")):
-            sys.path.insert(0, str(src))
 
 
 def cuda_time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:

@@ -2,7 +2,7 @@
 
 Run with torchrun (one process per GPU):
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/moe/ep_all_to_all.py [--markdown benchmarks/results/moe_ep_all_to_all.md]
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.moe.ep_all_to_all [--markdown benchmarks/results/moe_ep_all_to_all.md]
 
 Every rank routes its own ``--tokens`` tokens. Compared in the same run: the same layer without
 expert parallelism (every GPU holds all experts, no communication), and the raw NCCL
@@ -12,27 +12,20 @@ the two layouts are checked against each other.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
+from plait.moe import expert_parallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from benchmarks.moe._common import (
     EPBench,
     bf16_matmul_tflops,
     cuda_time_ms,
-    ensure_plait_importable,
     environment,
     ep_parser,
     layer_flops,
     markdown_table,
     timing_rows,
 )
-
-ensure_plait_importable()
-from plait.moe import expert_parallel  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Run with torchrun (one process per GPU):
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/moe/ep_overlap.py \\
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.moe.ep_overlap \\
         [--markdown benchmarks/results/moe_ep_overlap.md] [--profile DIR] [--compile [--inductor-overlap]]
 
 The MoE layer of the main GPU model (hidden 1024, 64 experts top-8, expert FFN 512, bf16), every
@@ -22,17 +22,13 @@ with the grouped GEMMs of the neighbouring chunk; with N = 1 they alternate.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from plait.moe import AllGatherDispatcher, AllToAllDispatcher, MoELayer, expert_parallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EPBench, ensure_plait_importable, environment, ep_parser, markdown_table
-
-ensure_plait_importable()
-from plait.moe import AllGatherDispatcher, AllToAllDispatcher, MoELayer, expert_parallel  # noqa: E402
+from benchmarks.moe._common import EPBench, environment, ep_parser, markdown_table
 
 
 def main() -> None:

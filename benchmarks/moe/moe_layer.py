@@ -5,30 +5,25 @@ bf16. The HF baseline is ``Qwen3MoeSparseMoeBlock`` with its ``grouped_mm`` expe
 (transformers 5.x); with transformers 4.x (no experts implementations) the baseline is its eager
 per-expert loop, and the table says so. Both layers hold the same weights; outputs are compared.
 
-    python benchmarks/moe/moe_layer.py [--tokens 16384] [--markdown benchmarks/results/moe_layer.md]
+    python -m benchmarks.moe.moe_layer [--tokens 16384] [--markdown benchmarks/results/moe_layer.md]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
+from plait.moe import MoELayer, RouterConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from benchmarks.moe._common import (
     bf16_matmul_tflops,
     cuda_time_ms,
-    ensure_plait_importable,
     environment,
     layer_flops,
     markdown_table,
     timing_rows,
 )
-
-ensure_plait_importable()
-from plait.moe import MoELayer, RouterConfig  # noqa: E402
 
 
 def build_hf(args: argparse.Namespace) -> tuple[torch.nn.Module | None, str]:

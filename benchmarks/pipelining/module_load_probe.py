@@ -1,6 +1,6 @@
 """Does loading a kernel for the first time wait for a NCCL receive that is still in flight?
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/pipelining/module_load_probe.py
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.pipelining.module_load_probe
 
 Rank 1 posts a receive that rank 0 satisfies only after DELAY seconds; meanwhile rank 1 launches a kernel
 it has never launched (a freshly compiled Triton kernel; an ATen kernel not used before). If the launch

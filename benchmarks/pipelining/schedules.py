@@ -2,13 +2,13 @@
 
 Run (one command; one pipeline rank per GPU, pp = the number of processes):
 
-    torchrun --nproc-per-node 2 benchmarks/pipelining/schedules.py
-    torchrun --nproc-per-node 4 benchmarks/pipelining/schedules.py --batch 32 --seq 2048 --microbatches 8
+    torchrun --nproc-per-node 2 -m benchmarks.pipelining.schedules
+    torchrun --nproc-per-node 4 -m benchmarks.pipelining.schedules --batch 32 --seq 2048 --microbatches 8
 
 Simulator only (no GPU, no process group): DualPipeV's greedy order vs DeepSeek's reference order, bubble and
 peak activations, on unit costs and, with ``--stage-costs``, on per-stage costs measured earlier:
 
-    python benchmarks/pipelining/schedules.py --simulate-only
+    python -m benchmarks.pipelining.schedules --simulate-only
 
 A bf16 transformer (pre-norm encoder layers) is split into pipeline stages. For every schedule this script
 times a full training step (forward + backward of all microbatches) with plait's executor and with

@@ -1,16 +1,17 @@
 """Loss curves of the main job across parallel layouts on NCCL, from one seed checkpoint.
 
-    python benchmarks/training/layouts.py --gpus 4 --steps 20 --out results.md
-    python benchmarks/training/layouts.py --gpus 4 --only "FSDP4,CP4,resume,lora"
-    python benchmarks/training/layouts.py --gpus 4 --cpu-smoke --steps 3 --only "CP4,EP4"   # gloo, CPU
-    python benchmarks/training/layouts.py --gpus 2 --family llama    # another model family
+    python -m benchmarks.training.layouts --gpus 4 --steps 20 --out results.md
+    python -m benchmarks.training.layouts --gpus 4 --only "FSDP4,CP4,resume,lora"
+    python -m benchmarks.training.layouts --gpus 4 --cpu-smoke --steps 3 --only "CP4,EP4"   # gloo, CPU
+    python -m benchmarks.training.layouts --gpus 2 --family llama    # another model family
 
 Writes a seed checkpoint, runs the 1-GPU reference and every layout that fits ``--gpus`` with
 torchrun, and compares each layout's per-step loss with the reference (max relative difference).
 ``--family`` picks the model: ``qwen3_moe`` (default: the Qwen3-MoE main job
 ``examples/qwen3_moe/pretrain.py`` at 8 layers, every layout below) or a family of
-``examples/configs/<family>/cpu.toml`` run by ``examples/train.py`` on the GPU, with the layouts that
-family is meant for (``FAMILY_LAYOUTS``; ``--only`` picks among all of them).
+``examples/configs/<family>/cpu.toml`` run by ``examples/train.py`` on the GPU (``qwen3_next``:
+``examples/configs/qwen3_5/moe_cpu.toml``), with the layouts that family is meant for (``FAMILY_LAYOUTS``;
+``--only`` picks among all of them).
 Two more parts, Qwen3-MoE only (``--only`` names them like layouts; both run when ``--only`` is not given):
 
 - ``resume``: an async checkpoint saved halfway on all GPUs with FSDP x EP, resumed on half of them
@@ -85,11 +86,18 @@ FAMILY_LAYOUTS: dict[str, list[str]] = {
     "llama": ["FSDP2", "TP2", "PP2 ZBV", "PP2 DualPipeV", "CP2"],
     "gpt_oss": ["EP2 x FSDP2", "TP2", "PP2 ZBV", "CP2"],
     "deepseek_v3": ["EP2 x FSDP2", "PP2 ZBV", "CP2"],
+    # Qwen3.5 (dense) and Qwen3-Next (MoE): gated DeltaNet layers refuse context parallelism
+    "qwen3_5": ["FSDP2", "TP2", "PP2 1F1B", "PP2 ZBV"],
+    "qwen3_next": ["EP2 x FSDP2", "TP2", "PP2 1F1B"],
 }
 FAMILY_MODEL: dict[str, list[str]] = {
     "llama": ["--model.num_key_value_heads=2"],
     "deepseek_v3": ["--model.mtp_loss_weight=none"],
+    "qwen3_5": ["--model.num_key_value_heads=2"],
+    "qwen3_next": ["--model.num_key_value_heads=2"],
 }
+# a family's config where it is not examples/configs/<family>/cpu.toml
+FAMILY_CONFIG: dict[str, Path] = {"qwen3_next": ROOT / "examples" / "configs" / "qwen3_5" / "moe_cpu.toml"}
 
 SMOKE = "--cpu-smoke" in sys.argv  # gloo on CPU processes: checks the driver itself, not the numbers
 # Arguments of both the main job and the LoRA fine-tuning (sequence divisible by 2 x CP for CP4).
@@ -115,7 +123,7 @@ def main_job(family: str) -> tuple[Path, list[str]]:
     """The script and the arguments of every run of ``family``'s main job."""
     if family == "qwen3_moe":
         return SCRIPT, BASE
-    config = ROOT / "examples" / "configs" / family / "cpu.toml"
+    config = FAMILY_CONFIG.get(family, ROOT / "examples" / "configs" / family / "cpu.toml")
     family_base = [a for a in BASE if not a.startswith("--model.")]  # the family's own layer count
     return FAMILY_SCRIPT, ["--config", str(config), *family_base, *FAMILY_MODEL.get(family, [])]
 

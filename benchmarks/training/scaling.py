@@ -1,8 +1,8 @@
 """Per-GPU throughput at 1, 2 and 4 GPUs (8 where present): a dense and a MoE workload, torchtitan beside.
 
-    python3 benchmarks/training/scaling.py                          # 1 GPU + 2 and 4; writes results/scaling.md
-    python3 benchmarks/training/scaling.py --gpus 2 4 8 --profile   # + a timeline summary per row
-    python3 benchmarks/training/scaling.py --smoke --gpus 2         # CPU processes over gloo, tiny models
+    python3 -m benchmarks.training.scaling                          # 1 GPU + 2 and 4; writes results/scaling.md
+    python3 -m benchmarks.training.scaling --gpus 2 4 8 --profile   # + a timeline summary per row
+    python3 -m benchmarks.training.scaling --smoke --gpus 2         # CPU processes over gloo, tiny models
 
 Workloads (``workloads.py``), equal tokens per GPU in every row:
   dense  Qwen3-1.7B shapes, 2 x 4096 per GPU, every block compiled. plait: the model from
@@ -35,8 +35,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # benchmarks/training/throughput.py
+from benchmarks.training import throughput
 
 RESULTS = throughput.ROOT / "benchmarks" / "results" / "scaling.md"
 # The ParallelConfig of plait's dense rows over several GPUs (the table's "default" variant), as gpu4.toml
@@ -202,7 +201,7 @@ def main() -> None:
     text = (
         "# Scaling: per-GPU throughput at 1, 2 and 4 GPUs\n\n"
         f"**device:** {env}; bf16 matmul {peak:.0f} TFLOP/s\n\n"
-        f"**command:** `python3 benchmarks/training/scaling.py {' '.join(sys.argv[1:])}`\n\n"
+        f"**command:** `python3 -m benchmarks.training.scaling {' '.join(sys.argv[1:])}`\n\n"
         f"{body}\n\n" + "\n".join(f"- {v}" for v in lines) + "\n"
     )
     print(text, flush=True)

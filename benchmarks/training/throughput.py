@@ -1,10 +1,10 @@
 """Training throughput on one GPU: plait's Trainer and model step next to transformers and torchtitan.
 
-    python3 benchmarks/run.py --suite training              # what the results table was measured with
-    python3 benchmarks/training/throughput.py               # the MoE and dense rows; writes results/training.md
-    python3 benchmarks/training/throughput.py --rows moe.hf_compiled moe.plait_trainer_compiled
-    python3 benchmarks/training/throughput.py --check       # 3 runs per row against results/training.md
-    python3 benchmarks/training/throughput.py --smoke       # a tiny model on the CPU: the script runs
+    python3 -m benchmarks.run --suite training              # what the results table was measured with
+    python3 -m benchmarks.training.throughput               # the MoE and dense rows; writes results/training.md
+    python3 -m benchmarks.training.throughput --rows moe.hf_compiled moe.plait_trainer_compiled
+    python3 -m benchmarks.training.throughput --check       # 3 runs per row against results/training.md
+    python3 -m benchmarks.training.throughput --smoke       # a tiny model on the CPU: the script runs
 
 The models are ``workloads.py``'s entries (one per model family: a Hugging Face config dict, a batch,
 the transformers class, the torchtitan builder): ``moe``, a 1.14B Qwen3-MoE (8 layers, hidden 1024, 64
@@ -72,9 +72,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from regression import (  # benchmarks/regression.py
+from benchmarks.regression import (
     device_mismatch,
     median_rows,
     parse_table,
@@ -82,7 +80,13 @@ from regression import (  # benchmarks/regression.py
     report,
     row_id,
 )
-from workloads import DEFAULT_WORKLOADS, TARGETS, WORKLOADS, Workload, stub_missing_modules
+from benchmarks.training.workloads import (
+    DEFAULT_WORKLOADS,
+    TARGETS,
+    WORKLOADS,
+    Workload,
+    stub_missing_modules,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "training.md"
@@ -114,12 +118,6 @@ def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str
         "--parallel.reshard_after_forward=false",
         f"--parallel.fsdp_layers_per_unit={units}",
     ]
-
-
-def _src_path() -> None:
-    for src in sorted((ROOT / "packages").glob("*/src")):
-        if str(src) not in sys.path:
-            sys.path.insert(0, str(src))
 
 
 def bf16_matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -431,7 +429,6 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
 
 
 def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]) -> dict[str, float]:
-    _src_path()
     from plait.loop.events import StepEnd
     from plait.train.job import TrainingJob
     from plait.train.train import main as train_main
@@ -500,7 +497,6 @@ def row_plait_step(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
     """plait's model with no Trainer: the floor the Trainer is measured against. Over ``WORLD_SIZE`` > 1
     processes it is sharded by ``provider.parallelize`` (FSDP2 over ``data_shard``), once per
     ``--variants`` entry (ParallelConfig overrides), each variant timed after the previous one is freed."""
-    _src_path()
     from plait.dist_core import DeviceMeshParameters, DistributedContext
 
     ctx = None
@@ -645,13 +641,15 @@ def _spawn(row: str, args: argparse.Namespace, devices: list[int] | None = None)
             print(f"{row}: skipped, needs {nproc} GPUs ({torch.cuda.device_count()} present)", flush=True)
             return {"row": row, "skipped": f"needs {nproc} GPUs ({torch.cuda.device_count()} present)"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd += [__file__, *common]
+        cmd += ["-m", "benchmarks.training.throughput", *common]
     else:
-        cmd = [sys.executable, __file__, *common]
+        cmd = [sys.executable, "-m", "benchmarks.training.throughput", *common]
     t0 = time.time()
     try:
         env = None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout, env=env)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.row_timeout, env=env
+        )
     except subprocess.TimeoutExpired:
         print(f"--- {row} timed out after {args.row_timeout:.0f} s", flush=True)
         return {"row": row, "skipped": f"timed out after {args.row_timeout:.0f} s"}
@@ -874,7 +872,7 @@ def main() -> None:
         )
         RESULTS.write_text(
             "# Training throughput: plait vs transformers and torchtitan\n\n"
-            f"**device:** {env}\n\n**command:** `python3 benchmarks/training/throughput.py "
+            f"**device:** {env}\n\n**command:** `python3 -m benchmarks.training.throughput "
             f"{' '.join(sys.argv[1:])}`\n\n"
             f"bf16 matmul rate measured in the same run: {peak:.0f} TFLOP/s (MFU denominator). Workloads: {titles}; "
             f"bf16 parameters (float8 rows: torchao {args.fp8_recipe} float8 linears); {args.warmup} warm-up steps, {args.steps} timed; one process per row.\n\n"

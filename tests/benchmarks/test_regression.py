@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-from regression import (  # noqa: E402
+from benchmarks.regression import (
     device_mismatch,
     median_rows,
     parse_number,
@@ -18,6 +15,8 @@ from regression import (  # noqa: E402
     report,
     row_id,
 )
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 TABLE = """# kernels
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import abc
 import importlib
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "training"))
-from workloads import _StubFinder, stub_missing_modules
+from benchmarks.training.workloads import _StubFinder, stub_missing_modules
 
 NAME = "plait_absent_dependency"  # a package that is not installed
 

@@ -28,9 +28,9 @@ ARGS = [
 ]
 
 
-def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
-    """The job in a process group of its own (as a terminal's), its stderr collected; the event is set
-    once it has logged a training step."""
+def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event, threading.Thread]:
+    """The job in a process group of its own (as a terminal's), its stderr collected by a thread (the only
+    reader of that pipe); the event is set once it has logged a training step."""
     proc = subprocess.Popen(
         [*TRAIN_CMD, "--steps", "100000", "--run-dir", str(run_dir), *ARGS],
         cwd=REPO,
@@ -50,8 +50,9 @@ def _start(run_dir) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
             if " step 2/" in line:
                 training.set()
 
-    threading.Thread(target=read, daemon=True).start()
-    return proc, lines, training
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return proc, lines, training, reader
 
 
 def _wait_for_spawned_child(pid: int, timeout: float = 120.0) -> None:
@@ -72,14 +73,16 @@ def _wait_for_spawned_child(pid: int, timeout: float = 120.0) -> None:
 
 def test_two_sigints_200ms_apart_save_summarise_and_exit_130(tmp_path):
     run_dir = tmp_path / "run"
-    proc, err, training = _start(run_dir)
+    proc, err, training, reader = _start(run_dir)
     try:
         assert training.wait(120), "".join(err)
         _wait_for_spawned_child(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # the terminal: every process of the group
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)  # uv's forwarded copy
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out = proc.stdout.read()  # a few lines: the pipe never filled
+        reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

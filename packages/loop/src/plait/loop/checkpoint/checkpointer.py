@@ -224,6 +224,11 @@ class Checkpointer:
         self.finalize()
         t0 = time.perf_counter()
         if self.staging is not None:
+            # A save before any step_done(): reserve now, so that the writer process starts under a store
+            # namespace of its own (started by DCP itself, a second writer of this process would read the
+            # first one's address in the store and fail to connect to it).
+            if not self.staging.reserved:
+                self.reserve(state)
             self.staging.wait_reserved()
         path = _layout.partial_dir(self.root, step)
         if self.rank == 0:
