@@ -40,12 +40,8 @@ def _grads(params: _TensorOrTensors) -> list[torch.Tensor]:
 def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
     """What makes two meshes the same group of ranks (``mesh.mesh`` is recomputed at every access: a
     caller asks once per mesh object, not once per gradient)."""
-    return (
-        mesh.device_type,
-        tuple(mesh.mesh_dim_names or ()),
-        tuple(mesh.mesh.flatten().tolist()),
-        mesh.mesh.shape,
-    )
+    ranks = mesh.mesh
+    return (mesh.device_type, tuple(mesh.mesh_dim_names or ()), tuple(ranks.flatten().tolist()), ranks.shape)
 
 
 def _power_sum(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -105,7 +101,7 @@ def global_grad_norm(
             if (mesh_key := mesh_keys.get(id(mesh))) is None:
                 mesh_key = mesh_keys[id(mesh)] = _mesh_key(mesh)
             key = (mesh_key, tuple(shard_dims))
-            by_group.setdefault(key, (g.device_mesh, shard_dims, []))[2].append(g.to_local())
+            by_group.setdefault(key, (mesh, shard_dims, []))[2].append(g.to_local())
         else:
             plain.append(g)
 
