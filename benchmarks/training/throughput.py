@@ -38,7 +38,9 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
 
 Every row times ``--windows`` windows of ``--steps`` steps (the median window's tok/s and the spread over the
 windows); ``--profile`` adds the :func:`timeline` of 3 more steps (communication and its exposed part, the
-host's time per step, the GPU's idle fraction).
+host's time per step, the GPU's idle fraction); with ``PROFILE_PYTHON_DIR=D`` in the environment it also
+writes a cProfile of those steps (rank 0) to ``D/<row>.pstats`` and prints its costliest functions, and
+``PROFILE_TRACE_DIR=D`` writes their Chrome trace.
 
 ``--activation-checkpointing full|selective`` checkpoints every decoder layer of the plait rows (the memory /
 time trade-off of ``ParallelConfig.activation_checkpointing``).
@@ -56,9 +58,11 @@ median tok/s is more than 5% below the committed table's.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import re
 import statistics
 import subprocess
@@ -166,6 +170,8 @@ class _Profile:
     def __init__(self, args: argparse.Namespace, skip: int) -> None:
         self.prof = None
         self.row = args.row
+        self.python: cProfile.Profile | None = None  # PROFILE_PYTHON_DIR: cProfile of the profiled steps
+        self.ticks, self.skip = 0, skip
         if args.profile and int(os.environ.get("RANK", "0")) == 0:
             from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -178,12 +184,22 @@ class _Profile:
     def tick(self, *_: object) -> None:
         if self.prof is not None:
             self.prof.step()
+            self.ticks += 1
+            if self.ticks == self.skip + 1 and os.environ.get("PROFILE_PYTHON_DIR"):
+                self.python = cProfile.Profile()
+                self.python.enable()
 
     def report(self, s_per_step: float) -> dict[str, float]:
         """Print the kernel and host tables; return the window's timeline summary (:func:`timeline`)."""
         if self.prof is None:
             return {}
         self.prof.__exit__(None, None, None)
+        if self.python is not None:
+            self.python.disable()
+            path = Path(os.environ["PROFILE_PYTHON_DIR"]) / f"{self.row}.pstats"
+            self.python.dump_stats(path)
+            print("PROFILE python (cProfile of the profiled steps, by own time):", flush=True)
+            pstats.Stats(self.python, stream=sys.stdout).sort_stats("tottime").print_stats(40)
         summary = timeline(self.prof.events(), s_per_step, steps=3)
         print("TIMELINE " + json.dumps(summary), flush=True)
         events = self.prof.key_averages()

@@ -2,10 +2,10 @@
 watchdog ends the group with status 75, ``torchrun --max-restarts 1`` restarts it, the new group resumes
 from the newest complete checkpoint and finishes with exit status 0.
 
-The hang is ``PLAIT_DEBUG_RANK_HANG`` (first attempt only). torchrun runs with ``--standalone`` and
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each restart gets a rendezvous store of its own (with the store
-of the dead group, the new group's ``init_process_group`` may connect to a dead rank; see the loop README,
-"Runs that heal themselves").
+The hang is ``PLAIT_DEBUG_RANK_HANG`` (first attempt only). torchrun runs with ``--standalone`` and no
+special environment: its agent serves one store to every restart, and each attempt's process group lives
+under a prefix of its own in it (``DistributedContext.from_env``; see the loop README, "Runs that heal
+themselves").
 """
 
 from __future__ import annotations
@@ -127,11 +127,27 @@ def _check_healed(run_dir: Path, rc: int, out: str, hung_rank: int, how: str) ->
 
 def test_a_stopped_rank_is_ended_by_the_others_watchdog_and_restarted(tmp_path):
     """Rank 0 is frozen with SIGSTOP (its own watchdog is frozen too) and never continued: rank 1's watchdog
-    ends rank 1 with 75, torchrun kills the stopped rank (SIGTERM waits for SIGCONT; SIGKILL after 30 s) and
-    restarts both, which resume from the newest complete checkpoint and finish the run. (A rank that hangs
-    while its process runs, ``PLAIT_DEBUG_RANK_HANG=1:7``, heals the same way: its own watchdog fires.)"""
+    names rank 0 and the collective rank 1 waits in and ends rank 1 with 75, torchrun kills the stopped rank
+    (SIGTERM waits for SIGCONT; SIGKILL after 30 s) and restarts both, which resume from the newest complete
+    checkpoint and finish the run. (A rank that hangs while its process runs, ``PLAIT_DEBUG_RANK_HANG=1:7``,
+    heals the same way: its own watchdog fires.)"""
     run_dir = tmp_path / "run"
     rc, out = _torchrun(run_dir, f"0:{HANG_STEP}:stop")
     _check_healed(run_dir, rc, out, hung_rank=0, how="stopping (SIGSTOP)")
-    assert "step watchdog: rank 1 made no progress" in out
-    assert "step watchdog: rank 0 made no progress" not in out.split("resumed from")[0]
+    first = out.split("resumed from")[0]
+    assert "step watchdog: rank 1 made no progress" in first
+    assert "step watchdog: rank 0 made no progress" not in first
+    # rank 1 names the stopped rank (its beacon went silent, or the store its process serves does not
+    # answer) and the collective it waits in: the step's token count, over both ranks
+    stuck = re.search(r"step watchdog: rank 0 is stuck: ([^\n]*)", first)
+    assert stuck is not None, first[-8000:]
+    assert re.match(
+        r"(last seen at step \d+, phase '\w+'[^;]*\(frozen or dead\)|the store its process serves did not answer)",
+        stuck.group(1),
+    ), stuck.group(0)
+    assert f"this rank (1) waits at step {HANG_STEP}, phase 'data'" in stuck.group(1), stuck.group(0)
+    assert re.search(
+        r"step watchdog: rank 1 waits in all_reduce \(torch/distributed/\S+\) over the default group "
+        r"\(ranks \[0, 1\]\), called from plait/loop/trainer.py:\d+ in _sum_over_dp",
+        first,
+    ), first[-8000:]

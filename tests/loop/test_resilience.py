@@ -1,5 +1,6 @@
 """Runs that heal themselves: the heartbeat file, stragglers named over gloo, and the step watchdog
-(limits on a fake clock; a hung step in a subprocess exits with status 75 naming its phase)."""
+(limits on a fake clock; a hung step in a subprocess exits with status 75 naming its phase; a rank that
+waits for a stuck one names it and the collective it waits in)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 import re
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from plait.dist_core.testing import run_distributed
 from plait.loop import (
     BeforeOptimizerStep,
@@ -38,7 +42,14 @@ from plait.loop.resilience import (
     rank_delay_from_env,
     watchdog_enabled,
 )
-from plait.loop.resilience.flight_recorder import nccl_trace_dumper
+from plait.loop.resilience.diagnosis import (
+    Beacon,
+    CollectiveWait,
+    collective_wait,
+    find_collective,
+    name_stuck_ranks,
+)
+from plait.loop.resilience.flight_recorder import default_store, nccl_trace_dumper
 
 from tests.loop._lm import VOCAB, TinyLM, pattern_tokens
 
@@ -254,6 +265,9 @@ def test_flight_recorder_adapter():
             "torch moved _dump_nccl_trace: update resilience/flight_recorder.py"
         )
     assert dump_nccl_flight_recorder(Path("."), 0) is None  # no NCCL group here: nothing written
+    assert callable(getattr(dist.distributed_c10d, "_get_default_store", None)), (
+        "torch moved _get_default_store: update resilience/flight_recorder.py (the progress beacons' store)"
+    )
 
 
 def _hang_at_step(run_dir: str, hang_step: int) -> None:
@@ -313,3 +327,157 @@ def test_a_hung_step_exits_with_the_watchdog_status(tmp_path):
     assert "plait-step-watchdog" in out or "Current thread" in out  # the stacks of all threads were dumped
     record = json.loads((tmp_path / "run" / "watchdog_rank0.json").read_text())
     assert (record["rank"], record["step"], record["phase"]) == (0, 3, "optimizer")
+
+
+# ---------------------------------------------------------------------------------------- what a rank waits for
+_SITE = "/venv/lib/python3.11/site-packages/torch"
+
+
+def _frame(path: str, name: str, line: int, back: object = None, **local_vars: object) -> SimpleNamespace:
+    """A stand-in for a frame: what find_collective reads of one."""
+    code = SimpleNamespace(co_filename=path, co_name=name)
+    return SimpleNamespace(f_code=code, f_lineno=line, f_locals=local_vars, f_back=back)
+
+
+def test_find_collective_walks_out_to_the_innermost_torch_collective_and_its_caller():
+    host = SimpleNamespace(group_name="3", group_desc="host")  # not a real group: its ranks are unknown
+    fit = _frame("/repo/packages/loop/src/plait/loop/trainer.py", "fit", 600)
+    grads = _frame(
+        "/repo/packages/loop/src/plait/loop/grads.py", "all_reduce_plain_grads", 60, fit
+    )  # not torch
+    caller = _frame("/repo/packages/loop/src/plait/loop/trainer.py", "_sum_over_dp", 547, grads)
+    wrapper = _frame(f"{_SITE}/distributed/c10d_logger.py", "wrapper", 81, caller)  # torch, not a collective
+    reduce = _frame(f"{_SITE}/distributed/distributed_c10d.py", "all_reduce", 4150, wrapper, group=host)
+    inner = _frame(f"{_SITE}/distributed/distributed_c10d.py", "_check_single_tensor", 900, reduce)
+    found = find_collective(inner, "MainThread")  # type: ignore[arg-type]
+    assert found == CollectiveWait(
+        name="all_reduce",
+        where="torch/distributed/distributed_c10d.py:4150",
+        caller="plait/loop/trainer.py:547 in _sum_over_dp",
+        thread="MainThread",
+        group="group 'host'",
+        ranks=None,
+    )
+    assert found.describe(1) == (
+        "rank 1 waits in all_reduce (torch/distributed/distributed_c10d.py:4150) over group 'host', "
+        "called from plait/loop/trainer.py:547 in _sum_over_dp"
+    )
+    # the innermost one wins; no group local: the group is not named; a `group=None` is the default group
+    unshard = _frame(
+        f"{_SITE}/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "wait_for_unshard", 505, reduce
+    )
+    found = find_collective(unshard, "worker")  # type: ignore[arg-type]
+    assert found is not None and (found.name, found.group, found.thread) == (
+        "wait_for_unshard",
+        None,
+        "worker",
+    )
+    assert "rank 0's thread 'worker' waits in wait_for_unshard" in found.describe(0)
+    barrier = _frame(f"{_SITE}/distributed/distributed_c10d.py", "barrier", 4800, caller, group=None)
+    found = find_collective(barrier)  # type: ignore[arg-type]
+    assert found is not None and (found.name, found.group) == ("barrier", "the default group")
+    # no collective: plait's own all_reduce helper, torch outside torch.distributed, torchrun's agent
+    agent = _frame(f"{_SITE}/distributed/elastic/multiprocessing/api.py", "wait", 595, grads)
+    matmul = _frame(f"{_SITE}/nn/functional.py", "linear", 100, agent)
+    assert find_collective(matmul) is None  # type: ignore[arg-type]
+    assert find_collective(None) is None
+
+
+def _beacon(
+    step: int, phase: str, *, since: float = 90.0, at: float = 99.5, collective: str | None = None
+) -> Beacon:
+    return Beacon(step, phase, since, collective, at)
+
+
+def test_the_stuck_ranks_are_named_from_their_beacons():
+    here = dict(rank=1, world_size=6, step=7, phase="grad_clip", collective="all_reduce", now=100.0)
+    beacons = {
+        0: _beacon(7, "forward_backward"),  # behind
+        1: _beacon(7, "grad_clip", collective="all_reduce"),  # this rank
+        2: _beacon(7, "data", at=80.0),  # frozen: its beacon is 20 s old
+        3: _beacon(7, "grad_clip", collective="all_reduce"),  # waits with this rank
+        4: _beacon(7, "grad_clip"),  # where this rank is, but in no collective
+        # 5: no beacon at all
+    }
+    ranks, text = name_stuck_ranks(beacons, **here)  # type: ignore[arg-type]
+    assert ranks == [0, 2, 4, 5]
+    assert "rank 0 is stuck: at step 7, phase 'forward_backward' for 10.0 s, behind this rank" in text
+    assert "rank 2 is stuck: last seen at step 7, phase 'data', 20.0 s ago (frozen or dead)" in text
+    assert (
+        "rank 4 is stuck: at step 7, phase 'grad_clip' for 10.0 s, in no collective while this rank" in text
+    )
+    assert "rank 5 is stuck: it published no progress" in text
+    assert text.endswith("this rank (1) waits at step 7, phase 'grad_clip'") and "rank 3" not in text
+    # ahead of this rank, or out of the loop
+    beacons = {0: _beacon(8, "data"), 2: _beacon(7, "idle", since=95.0)}
+    ranks, text = name_stuck_ranks(beacons, **{**here, "world_size": 3})  # type: ignore[arg-type]
+    assert ranks == [2] and "rank 2 is stuck: out of its training loop (step 7) for 5.0 s" in text
+    ranks, text = name_stuck_ranks(
+        {0: _beacon(7, "grad_clip")}, **{**here, "world_size": 2, "collective": None}
+    )  # type: ignore[arg-type]
+    assert ranks == [] and text.startswith("no other rank is behind this one or silent")
+    # the store does not answer: its server runs in rank 0's process, which is frozen or dead
+    ranks, text = name_stuck_ranks(None, **here, store_problem="did not answer within 2 s", store_host=0)  # type: ignore[arg-type]
+    assert ranks == [0] and text.startswith(
+        "rank 0 is stuck: the store its process serves did not answer within 2 s (frozen or dead)"
+    )
+    ranks, text = name_stuck_ranks(None, **here, store_problem="did not answer within 2 s", store_host=None)  # type: ignore[arg-type]
+    assert ranks == [] and "progress is unknown" in text
+
+
+def _wait_for_a_stuck_peer(run_dir: str) -> dict | None:
+    """Rank 0 stops in step 7's forward-backward (until rank 1's watchdog fired); rank 1 goes on to the
+    grad clip's all-reduce and waits there for it. Rank 1's watchdog (1 s) names rank 0 and the all-reduce."""
+    rank = dist.get_rank()
+    store = dist.PrefixStore("test_resilience", default_store())  # type: ignore[arg-type]
+    fired: list[str] = []
+
+    def expire(message: str) -> None:
+        fired.append(message)
+        store.set("fired", "1")
+
+    limit = 1.0 if rank == 1 else 600.0
+    timeouts = TimeoutConfig(watchdog=WatchdogConfig(warmup_step_s=limit))
+    wd = StepWatchdog(
+        timeouts, EventBus(), rank=rank, run_dir=Path(run_dir), enabled=True, on_expire=expire, poll_s=0.05
+    )
+    wd.start()
+    dist.barrier()  # both beacons are out
+    wd.step_started(7)
+    wd.set_phase("forward_backward")
+    if rank == 0:
+        store.wait(["fired"], timedelta(seconds=60))
+    else:
+        wd.set_phase("grad_clip")
+    dist.all_reduce(torch.ones(1))  # rank 1 waits here for rank 0
+    wd.stop()
+    if rank == 0:
+        return None
+    return {
+        "fired": fired,
+        "stuck_ranks": wd.stuck_ranks,
+        "collective": wd.collective.record() if wd.collective else None,
+    }
+
+
+def test_a_waiting_rank_names_the_stuck_rank_and_the_collective_over_gloo(tmp_path):
+    _, seen = run_distributed(_wait_for_a_stuck_peer, 2, str(tmp_path))
+    assert seen is not None and len(seen["fired"]) == 1
+    lines = seen["fired"][0].splitlines()
+    assert lines[0].startswith("step watchdog: rank 1 made no progress") and len(lines) == 3, lines
+    assert re.fullmatch(
+        r"step watchdog: rank 0 is stuck: at step 7, phase 'forward_backward' for [0-9.]+ s, behind this rank; "
+        r"this rank \(1\) waits at step 7, phase 'grad_clip'",
+        lines[1],
+    ), lines[1]
+    assert re.fullmatch(
+        r"step watchdog: rank 1 waits in all_reduce \(torch/distributed/distributed_c10d.py:\d+\) over the "
+        r"default group \(ranks \[0, 1\]\), called from tests/loop/test_resilience.py:\d+ in _wait_for_a_stuck_peer",
+        lines[2],
+    ), lines[2]
+    assert seen["stuck_ranks"] == [0]
+    assert seen["collective"]["name"] == "all_reduce" and seen["collective"]["ranks"] == [0, 1]
+
+
+def test_no_collective_on_a_quiet_stack():
+    assert collective_wait() is None  # pytest's threads wait in no torch.distributed call

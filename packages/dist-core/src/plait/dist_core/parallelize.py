@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from plait.dist_core import fsdp_copy_in
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -355,6 +356,7 @@ def fully_shard_module(
         The module (now an ``FSDPModule``).
     """
     _check_reduce(reduce)
+    fsdp_copy_in.install()
     dp_mesh = data_parallel_mesh(mesh)
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:

@@ -1,4 +1,5 @@
-"""The NCCL flight recorder dump: the one module of the resilience package that touches private torch API.
+"""The one module of the resilience package that touches private torch API: the NCCL flight recorder dump,
+and the store of the default process group (where the ranks' progress beacons go).
 
 ``torch._C._distributed_c10d._dump_nccl_trace`` returns the recorder's pickled entries (the last
 collectives of every NCCL communicator of the process: which ones started, which completed), the same
@@ -16,7 +17,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["dump_nccl_flight_recorder", "nccl_trace_dumper"]
+__all__ = ["default_store", "dump_nccl_flight_recorder", "nccl_trace_dumper"]
+
+
+def default_store() -> dist.Store | None:
+    """The key-value store of the default process group (``distributed_c10d._get_default_store``: the store
+    the group was created in, under its prefixes), or None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 (no public API)
+    except (AttributeError, ValueError, KeyError):
+        return None
 
 
 def nccl_trace_dumper() -> Callable[[], bytes] | None:

@@ -13,11 +13,24 @@ covers the steps in which the host waits for the device's queued work. The warm-
 the step's. Step limits are capped at 90% of the collective timeout in force, so the watchdog speaks
 before a collective times out.
 
-When a limit passes, the rank writes the step, the phase and the limit to stderr and the log, the
-Python stacks of all its threads (``faulthandler``), the NCCL flight recorder when the default group is
-NCCL (:func:`~plait.loop.resilience.flight_recorder.dump_nccl_flight_recorder`), a record
-``<run_dir>/watchdog_rank<R>.json`` (rank, step, phase, message, unix time; removed when the rank's
-next ``fit()`` starts), and exits with :data:`WATCHDOG_EXIT_CODE` (75, ``EX_TEMPFAIL``) through
+When a limit passes, the rank writes the step, the phase and the limit to stderr and the log, then, in
+a process group of several ranks, what it waits for (:mod:`~plait.loop.resilience.diagnosis`): the ranks
+that are stuck, read from the progress beacons every rank publishes in the default group's store, and
+the torch.distributed collective its Python stack is in, with the collective's group, the group's ranks
+and its caller::
+
+    step watchdog: rank 1 made no progress for 10.0 s in step 7, phase 'data' (limit 10.0 s: ...); exiting ...
+    step watchdog: rank 0 is stuck: last seen at step 6, phase 'optimizer', 10.0 s ago (frozen or dead);
+        this rank (1) waits at step 7, phase 'data'
+    step watchdog: rank 1 waits in all_reduce (torch/distributed/distributed_c10d.py:4181) over the default
+        group (ranks [0, 1]), called from plait/loop/trainer.py:547 in _sum_over_dp
+
+(one line each). Then come the Python stacks of all its threads (``faulthandler``), the NCCL flight
+recorder when the default group is NCCL
+(:func:`~plait.loop.resilience.flight_recorder.dump_nccl_flight_recorder`; it, not the Python stack, is the
+authority on asynchronous collectives), a record ``<run_dir>/watchdog_rank<R>.json`` (rank, step, phase,
+message, ``stuck_ranks``, ``collective``, unix time; removed when the rank's next ``fit()`` starts), and
+the exit with :data:`WATCHDOG_EXIT_CODE` (75, ``EX_TEMPFAIL``) through
 ``os._exit``: no clean-up runs (a hung collective would block it). ``torchrun --max-restarts=N`` then
 restarts the group, which resumes from the last complete checkpoint. torchrun itself exits 1 once its
 restarts are spent, so a Slurm script that requeues after a hang looks for the record (a process
@@ -46,6 +59,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import torch.distributed as dist
 from plait.loop.config.sections import TimeoutConfig, WatchdogConfig
 from plait.loop.events import (
     AfterForwardBackward,
@@ -56,6 +70,7 @@ from plait.loop.events import (
     StepEnd,
     StepStart,
 )
+from plait.loop.resilience.diagnosis import CollectiveWait, ProgressBeacon, collective_wait
 from plait.loop.resilience.flight_recorder import dump_nccl_flight_recorder
 
 __all__ = ["WATCHDOG_EXIT_CODE", "StepWatchdog", "restart_store_warning", "watchdog_enabled"]
@@ -155,6 +170,7 @@ class StepWatchdog:
         self._steps_seen = 0  # steps ended since start()
         self._step = 0
         self._phase = "idle"
+        self._phase_t0 = 0.0  # when the current phase began
         self._started = 0.0  # when the current deadline's clock started
         self._step_t0 = 0.0
         self._excluded = 0.0  # seconds of the current step spent in checkpoint saves and evaluations
@@ -162,7 +178,10 @@ class StepWatchdog:
         self._limit: float | None = None  # None: nothing is watched now
         self._why = ""
         self._warned = False
+        self._beacon: ProgressBeacon | None = None  # this rank's progress for the others (several ranks)
         self.expired: str | None = None
+        self.stuck_ranks: list[int] = []  # when expired: the ranks this one waits for
+        self.collective: CollectiveWait | None = None  # when expired: the collective it waits in
         events.subscribe(StepStart, lambda e: self.step_started(e.step))
         events.subscribe(BeforeForwardBackward, lambda e: self.set_phase("forward_backward"))
         events.subscribe(AfterForwardBackward, lambda e: self.set_phase("grad_clip"))
@@ -182,7 +201,7 @@ class StepWatchdog:
             self._steps_seen = 0
             self._durations.clear()
             self._limit = None
-            self._phase = "idle"
+            self._phase, self._phase_t0 = "idle", self._clock()
             self._watching = True
         if self.rank == 0 and not self._warned:
             self._warned = True
@@ -196,25 +215,36 @@ class StepWatchdog:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="plait-step-watchdog", daemon=True)
         self._thread.start()
+        self._beacon = ProgressBeacon.for_default_group(self._progress)
+        if self._beacon is not None:
+            self._beacon.start()
 
     def stop(self) -> None:
         """Stop watching and end the thread."""
         with self._lock:
             self._limit = None
-            self._phase = "idle"
+            self._phase, self._phase_t0 = "idle", self._clock()
             self._watching = False
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._beacon is not None:
+            self._beacon.stop()
+            self._beacon = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             message = self.check()
             if message is not None:
-                self.expired = message
+                self.expired = message = self._explain(message)
                 self._on_expire(message)
                 return
+
+    def _progress(self) -> tuple[int, str, float]:
+        """The step, the phase and the unix time the phase began (what the beacon publishes)."""
+        with self._lock:
+            return self._step, self._phase, time.time() - (self._clock() - self._phase_t0)
 
     # ------------------------------------------------------------------ progress
     def step_limit(self) -> tuple[float, str]:
@@ -245,7 +275,7 @@ class StepWatchdog:
         """A step begins (its batch is fetched next)."""
         with self._lock:
             now = self._clock()
-            self._step, self._phase = step, "data"
+            self._step, self._phase, self._phase_t0 = step, "data", now
             self._step_t0, self._started, self._excluded = now, now, 0.0
             if self._watching:
                 self._limit, self._why = self.step_limit()
@@ -253,7 +283,7 @@ class StepWatchdog:
     def set_phase(self, name: str) -> None:
         """The step enters phase ``name`` (its limit runs on)."""
         with self._lock:
-            self._phase = name
+            self._phase, self._phase_t0 = name, self._clock()
 
     def step_ended(self, step: int) -> None:
         """A step is done (``step`` is the completed count); the time to the next step runs on its limit."""
@@ -262,7 +292,7 @@ class StepWatchdog:
             if self._steps_seen >= self.config.warmup_steps:
                 self._durations.append(now - self._step_t0 - self._excluded)
             self._steps_seen += 1
-            self._step, self._phase = step, "between_steps"
+            self._step, self._phase, self._phase_t0 = step, "between_steps", now
             self._started = now
             if self._limit is not None:
                 self._limit, self._why = self.step_limit()
@@ -275,7 +305,7 @@ class StepWatchdog:
         with self._lock:
             saved = (self._step, self._phase, self._limit is not None)
             t0 = self._clock()
-            self._step, self._phase, self._started = step, name, t0
+            self._step, self._phase, self._started, self._phase_t0 = step, name, t0, t0
             if saved[2]:
                 self._limit, self._why = limit, f"timeouts.watchdog.{name}_s={limit:g}"
         try:
@@ -285,7 +315,7 @@ class StepWatchdog:
                 now = self._clock()
                 self._excluded += now - t0
                 self._step, self._phase = saved[0], saved[1]
-                self._started = now
+                self._started = self._phase_t0 = now
                 if saved[2] and self._limit is not None:
                     self._limit, self._why = self.step_limit()
 
@@ -303,6 +333,36 @@ class StepWatchdog:
                 f"{WATCHDOG_EXIT_CODE} so that the launcher restarts the job"
             )
 
+    def _explain(self, message: str) -> str:
+        """``message`` with the ranks this one waits for and the collective it waits in, a line each (a
+        process group of several ranks only; at most ``STORE_READ_S`` for the store; never raises)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return message
+        lines = [message]
+        with contextlib.suppress(Exception):
+            self.collective = collective_wait()
+        name = self.collective.name if self.collective is not None else None
+        if self._beacon is not None:
+            with self._lock:
+                step, phase = self._step, self._phase
+            try:
+                self.stuck_ranks, stuck = self._beacon.name_stuck(step, phase, name)
+            except Exception as e:
+                stuck = f"the other ranks' progress could not be read ({type(e).__name__}: {e})"
+            lines.append(f"step watchdog: {stuck}")
+        if self.collective is not None:
+            wait = self.collective.describe(self.rank)
+        else:
+            wait = f"rank {self.rank} waits in no torch.distributed collective that its Python stacks show"
+        with contextlib.suppress(Exception):
+            if "nccl" in str(dist.get_backend()).lower():
+                wait += (
+                    " (NCCL runs collectives asynchronously: the NCCL flight recorder is the authority on "
+                    "the collectives each rank started and completed)"
+                )
+        lines.append(f"step watchdog: {wait}")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ the exit
     def _exit(self, message: str) -> None:
         """Diagnostics (message, stacks, NCCL flight recorder), then ``os._exit(WATCHDOG_EXIT_CODE)``."""
@@ -311,9 +371,13 @@ class StepWatchdog:
         fallback.start()
         try:
             with contextlib.suppress(Exception):
-                os.write(2, f"[rank {self.rank}] {message}\n".encode())
+                os.write(2, "".join(f"[rank {self.rank}] {line}\n" for line in message.splitlines()).encode())
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            record = {"rank": self.rank, "step": self._step, "phase": self._phase, "message": message}
+            record = {
+                "rank": self.rank, "step": self._step, "phase": self._phase, "message": message,
+                "stuck_ranks": self.stuck_ranks,
+                "collective": self.collective.record() if self.collective is not None else None,
+            }  # fmt: skip
             with contextlib.suppress(Exception):
                 self.record_path.write_text(json.dumps({**record, "time": time.time()}))
             trace = dump_nccl_flight_recorder(self.run_dir, self.rank)

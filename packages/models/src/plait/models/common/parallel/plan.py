@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from plait.dist_core import DistributedContext, parse_dtype
+from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
 from plait.models.common.layer import DecoderLayer, SequentialMixer
 from plait.models.common.model import CausalLMStage, DecoderStage
@@ -210,6 +210,7 @@ def apply_fsdp(
     get their own ``fully_shard`` (one per layer) so their gradients are reduced over the expert
     replicas.
     """
+    fsdp_copy_in.install()
     kwargs: dict[str, Any] = {}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
