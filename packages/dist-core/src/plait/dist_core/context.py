@@ -179,7 +179,8 @@ class DistributedContext:
         return ctx
 
     def _init_groups(self, pg_timeout: timedelta | None) -> None:
-        if "gloo" in str(dist.get_backend()).lower() and self._device.type == "cpu":
+        backend = str(dist.get_backend()).lower()
+        if backend == "fake" or ("gloo" in backend and self._device.type == "cpu"):
             self._host_group = dist.group.WORLD  # type: ignore[assignment]
         else:
             # Host-side collectives (objects, barriers) should not go through NCCL.

@@ -1,4 +1,5 @@
-"""The ``plait`` command: ``plait train``, ``finetune``, ``tokenize``, ``export``, ``config`` and ``info``.
+"""The ``plait`` command: ``plait train``, ``finetune``, ``tokenize``, ``export``, ``plan``, ``config`` and
+``info``.
 
 ``torchrun --nproc-per-node N -m plait train ...`` runs the same command on N processes.
 """
@@ -40,6 +41,13 @@ def _tokenize(argv: list[str]) -> object:
     status = main(["tokenize", *argv], prog="plait")
     if status:
         raise SystemExit(status)
+    return None
+
+
+def _plan(argv: list[str]) -> object:
+    from plait.train.planner import main
+
+    main(argv)
     return None
 
 
@@ -89,6 +97,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], object], str]] = {
     "finetune": (_finetune, "LoRA fine-tuning of a Hugging Face checkpoint; writes a PEFT adapter"),
     "tokenize": (_tokenize, "tokenize a corpus into a memory-mapped token file"),
     "export": (_export, "a Hugging Face checkpoint of any saved step of a run"),
+    "plan": (_plan, "every layout of a job on N GPUs, memory and step time predicted (--explain L)"),
     "config": (config_main, "the resolved config, every key (--keys), the reference (--markdown)"),
     "info": (_info, "what is installed: packages, extras, devices, where to start"),
 }

@@ -1,0 +1,115 @@
+"""The machine ``plait plan`` prices a layout on: compute rate, collective bandwidths, memory bandwidth.
+
+Without ``--calibrate`` the figures are the defaults below (an H200 node as measured by
+``benchmarks/comms/nccl_bandwidth.py`` and the training benchmarks) or a ``--machine`` JSON file;
+with it, the compute rate is the job's own model's forward and backward timed on this machine's device
+(:func:`calibrate_rate`) and the optimizer's rate its own step, timed likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+__all__ = ["Machine", "calibrate_rate", "load_machine"]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a layout's step is priced with.
+
+    Attributes:
+        flops: model FLOP/s one GPU sustains in the training step (forward and backward of the job's model).
+        busbw: NCCL bus bandwidth within a node, bytes/s, per collective (nccl-tests' definition).
+        inter_node_busbw: bus bandwidth of collectives that cross nodes (HSDP's replica all-reduce).
+        optimizer_bytes_per_s: bytes of parameters, gradients and moments the optimizer step moves per second.
+        latency_s: fixed cost of one collective.
+        memory_gib: memory of one GPU.
+        gpus_per_node: GPUs of one node (tensor parallelism stays within one).
+        fragmentation: the allocator's reserved over allocated bytes at the peak.
+    """
+
+    flops: float = 400e12
+    busbw: tuple[tuple[str, float], ...] = (
+        ("all_gather", 256e9),
+        ("reduce_scatter", 248e9),
+        ("all_reduce", 314e9),
+        ("all_to_all", 295e9),
+        ("send_recv", 352e9),
+    )
+    inter_node_busbw: float = 40e9
+    optimizer_bytes_per_s: float = 1.5e12
+    latency_s: float = 20e-6
+    memory_gib: float = 139.8
+    gpus_per_node: int = 8
+    fragmentation: float = 1.0
+
+    def bandwidth(self, collective: str) -> float:
+        return dict(self.busbw)[collective]
+
+    def collective_s(self, collective: str, nbytes: float, ranks: int, *, inter_node: bool = False) -> float:
+        """Seconds of one collective over ``ranks`` on ``nbytes`` (the gathered / reduced size), as
+        nccl-tests defines bus bandwidth: all-reduce moves ``2 (n-1)/n``, the others ``(n-1)/n``."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        factor = 2 * (ranks - 1) / ranks if collective == "all_reduce" else (ranks - 1) / ranks
+        bw = self.inter_node_busbw if inter_node else self.bandwidth(collective)
+        return self.latency_s + nbytes * factor / bw
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "busbw": dict(self.busbw)}, indent=1)
+
+
+def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
+    """The defaults, overridden by ``path`` (JSON with any of :class:`Machine`'s fields) and ``memory_gib``."""
+    machine = Machine()
+    if path is not None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--machine {path}: {e}") from None
+        unknown = set(data) - set(Machine.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"--machine {path}: unknown fields {sorted(unknown)} (known: {sorted(Machine.__dataclass_fields__)})"
+            )
+        if "busbw" in data:
+            data["busbw"] = tuple({**dict(machine.busbw), **data["busbw"]}.items())
+        machine = replace(machine, **data)
+    return replace(machine, memory_gib=memory_gib) if memory_gib is not None else machine
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    fn()  # warm-up
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / repeats
+
+
+def calibrate_rate(
+    model: torch.nn.Module, flops_per_token: float, microbatch: int, seq: int, device: torch.device
+) -> float:
+    """Model FLOP/s of ``model`` (the job's model, materialised on ``device``) over a forward and backward of
+    one ``[microbatch, seq]`` microbatch: ``flops_per_token`` (the training FLOPs) times the tokens over the time."""
+    ids = torch.randint(0, 100, (microbatch, seq), device=device)
+
+    def step() -> None:
+        out = model(input_ids=ids, labels=ids)
+        loss = out["loss"] if isinstance(out, dict) else out
+        loss.sum().backward()
+
+    return flops_per_token * microbatch * seq / _timed(step, device)
+
+
+def calibrate_optimizer(optimizer: torch.optim.Optimizer, nbytes: int, device: torch.device) -> float:
+    """Bytes per second the optimizer step moves (``nbytes``: parameters, gradients and moments)."""
+    return nbytes / _timed(optimizer.step, device)

@@ -1,0 +1,222 @@
+"""``plait plan``: its model states equal what real ranks build, its valid layouts are those that build, its
+best layout trains, and a model that fits nowhere is refused with what would fit.
+
+The references are real gloo ranks building the job's stages the way the trainer does (the stages of the
+rank's pipeline coordinate, parallelised and materialised, the job's optimizer stepped once), never the
+planner's own fake-group build.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from plait.dist_core import DeviceMeshParameters, DistributedContext
+from plait.dist_core.testing import run_distributed
+from plait.loop import BatchPlan, load_config
+from plait.train.config import JobConfig
+from plait.train.planner import Layout, PlanJob, main, plan
+from plait.train.train import DEFAULT_CONFIG
+from torch.distributed.tensor import DTensor
+
+from tests.e2e._pretrain_runner import REPO
+
+
+def _config(*overrides: str) -> JobConfig:
+    return load_config(DEFAULT_CONFIG, list(overrides), cls=JobConfig)
+
+
+def _layout(
+    pp: int = 1, dpr: int = 1, dps: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, sched: str | None = None
+) -> Layout:
+    spr = 2 if sched in ("zbv", "interleaved_1f1b", "dualpipev") else 1
+    return Layout(pp, dpr, dps, cp, tp, ep, sched, spr, 2, "none")
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int]:
+    """This rank's stages as the trainer builds them; the optimizer stepped once on zero gradients."""
+    from plait.loop.optim.optimizers import build_optimizer
+    from plait.train.job import build_provider
+
+    cfg = JobConfig.model_validate(config)
+    ctx = DistributedContext.from_env(layout.mesh(), "cpu")
+    provider = build_provider(cfg)
+    batch_plan = BatchPlan(
+        cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len, layout.cp
+    )
+    if layout.pp > 1:
+        topo = batch_plan.schedule(layout.pipeline_options()).topology(layout.pp)
+        num_stages, indices = topo.num_stages, sorted(topo.stages_of(ctx.coordinates("regular")["pp"]))
+    else:
+        num_stages, indices = 1, [0]
+    stages = []
+    for s in indices:
+        stage = provider.parallelize(provider.build_stage(s, num_stages), ctx)
+        provider.materialize(stage, "cpu")
+        stages.append(stage)
+    params = list({id(p): p for st in stages for p in st.parameters()}.values())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = build_optimizer(cfg.optimizer, stages)
+    optimizer.step()
+    moments = sum(
+        _local_bytes(v)
+        for st in optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim()
+    )
+    return (
+        sum(_local_bytes(p) for p in params),
+        sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        moments,
+    )
+
+
+STATE_LAYOUTS = [
+    _layout(dps=2),
+    _layout(tp=2),
+    _layout(dps=2, ep=2),
+    _layout(cp=2),
+    _layout(pp=2, sched="1f1b"),
+    _layout(pp=2, sched="zbv"),
+    _layout(dpr=2, dps=2, ep=2),
+    _layout(pp=2, dps=2, sched="interleaved_1f1b"),
+    _layout(dps=2, tp=2),
+]
+
+
+@pytest.mark.parametrize("layout", STATE_LAYOUTS, ids=lambda lay: lay.name)
+@pytest.mark.parametrize("optimizer", ["adamw", "stochastic_adamw"])
+def test_state_bytes_equal_what_the_ranks_build(layout: Layout, optimizer: str) -> None:
+    cfg = _config(f"--optimizer.name={optimizer}")
+    job = PlanJob(cfg)
+    _, num_stages, stages_of = job.schedule(
+        BatchPlan(
+            cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len, layout.cp
+        ),
+        layout,
+    )
+    predicted = job.rank_states(layout, num_stages, stages_of)
+    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
+    for p, (states, _) in enumerate(predicted):
+        rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
+        assert (states.params, states.grads, states.optimizer) == built[rank], (layout.name, p)
+
+
+def _builds(config: dict[str, Any], layout: Layout) -> str:
+    try:
+        _built_states(config, layout)
+    except (ValueError, NotImplementedError, RuntimeError, AssertionError) as e:
+        return f"refused: {e}"
+    return "built"
+
+
+def test_the_valid_layouts_are_those_that_build() -> None:
+    """Every candidate mesh and schedule on 2 ranks: the planner lists it exactly when real ranks build it."""
+    cfg = _config("--batching.microbatch_size=2")
+    result = plan(cfg, 2, checkpointing=("none",))
+    listed = {(p.layout.pp, p.layout.dp_shard, p.layout.cp, p.layout.tp, p.layout.ep, p.layout.schedule)
+              for p in result.fits + result.too_big if p.layout.microbatch_size == 2}  # fmt: skip
+    assert result.unverified == 0
+    candidates = [
+        _layout(dps=2), _layout(dps=2, ep=2), _layout(cp=2), _layout(cp=2, ep=2), _layout(tp=2),
+        *(_layout(pp=2, sched=s) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")),
+    ]  # fmt: skip
+    for layout in candidates:
+        key = (layout.pp, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.schedule)
+        outcome = run_distributed(_builds, 2, cfg.model_dump(mode="json"), layout)
+        assert all(o == outcome[0] for o in outcome), outcome
+        assert (outcome[0] == "built") == (key in listed), (layout.name, outcome[0])
+
+
+def test_a_model_that_fits_nowhere_is_refused_with_what_would_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--gpus", "1", "--gpu-memory", "0.01", "--checkpointing", "full"])
+    assert exit_info.value.code == 1
+    out = capsys.readouterr().out
+    match = re.search(
+        r"nothing fits in 0.01 GiB: the smallest layout needs ([\d.e-]+) GiB .*the smallest count that fits is (\d+) GPUs",
+        out,
+    )
+    assert match, out
+    assert float(match.group(1)) > 0.01 and int(match.group(2)) > 1
+
+
+def test_explain_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--gpus", "2", "--checkpointing", "none", "--top", "2"])
+    out = capsys.readouterr().out
+    name = re.search(r"^\| 1 \| ([^|]+) \|", out, re.M)
+    assert name, out
+    main(["--gpus", "2", "--checkpointing", "none", "--explain", name.group(1).strip()])
+    explained = capsys.readouterr().out
+    for part in (
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "compute_and_pipeline",
+        "run it with: --mesh.pipeline=",
+    ):
+        assert part in explained, explained
+    with pytest.raises(SystemExit, match="unknown mode"):
+        main(["--gpus", "2", "--checkpointing", "sometimes"])
+    with pytest.raises(SystemExit, match="no valid layout named"):
+        main(["--gpus", "2", "--checkpointing", "none", "--explain", "fsdp7"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_best_layout_trains(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The overrides ``plait plan`` prints for 2 GPUs run ``plait train`` on 2 CPU ranks."""
+    plan_out = subprocess.run(
+        [sys.executable, "-m", "plait", "plan", "--gpus", "2", "--checkpointing", "none", "--top", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    best = re.search(r"^best: (.*)$", plan_out, re.M)
+    assert best, plan_out
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "plait", "train", "--steps", "2", "--run-dir", str(tmp_path / "run"), "--data.max_files=8",
+        "--data.validation_files=1", "--evaluation.enabled=false", "--logging.progress_bar=false",
+        "--checkpoint.enabled=false", "--no-export", *best.group(1).split(),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert run.returncode == 0, (best.group(1), run.stdout[-3000:], run.stderr[-3000:])
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_layout_is_the_mesh_it_names() -> None:
+    layout = _layout(pp=2, dps=2, tp=2, sched="1f1b")
+    assert layout.world == 8 and layout.mesh() == DeviceMeshParameters(pipeline=2, data_shard=2, tensor=2)
+    cfg = load_config(DEFAULT_CONFIG, layout.overrides(), cls=JobConfig)
+    assert cfg.mesh == layout.mesh() and cfg.pipeline is not None and cfg.pipeline.kind == "1f1b"
+
+
+def test_checkpointed_layers_keep_one_hidden_state_per_sample() -> None:
+    """Full checkpointing keeps each layer's input, ``seq x hidden`` per sample; selective keeps more and
+    no checkpointing more again."""
+    cfg = _config()
+    job, m = PlanJob(cfg), cfg.model
+    per_layer = {
+        ac: job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, 1, ac)).layers
+        for ac in ("none", "selective", "full")
+    }
+    hidden_state = (
+        cfg.batching.seq_len
+        * m.hidden_size
+        * torch.empty((), dtype=getattr(torch, cfg.model_dtype)).element_size()
+    )
+    assert all(layer == (hidden_state, 0) for layer in per_layer["full"]), per_layer["full"]
+    for full, selective, none in zip(per_layer["full"], per_layer["selective"], per_layer["none"]):
+        assert sum(full) < sum(selective) < sum(none)
