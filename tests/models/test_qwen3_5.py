@@ -47,8 +47,8 @@ def _batch(vocab: int = 97) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("case", sorted(HYBRID_CASES))
 def test_parity_gradients_and_round_trip(case, tmp_path):
-    """fp32: logits, loss and every parameter gradient within 2e-5 relative (both sides run the
-    recurrence in fp32: ~1e-6 apart); plait with chunks of 5 tokens (transformers: 64)."""
+    """fp32: logits within 2e-6, every parameter gradient within 5e-5 relative (both sides run the
+    recurrence in fp32: the logits ~1e-6 apart); plait with chunks of 5 tokens (transformers: 64)."""
     path, hf = make_hf(case, tmp_path)
     model = from_pretrained(path, linear_chunk_size=5)
     ids, labels = _batch()
@@ -67,7 +67,9 @@ def test_parity_gradients_and_round_trip(case, tmp_path):
     assert set(hf_grads) == set(want)
     assert any(".linear_attn.A_log" in k for k in want) and any(".self_attn.q_norm" in k for k in want)
     for k, g in want.items():
-        assert _rel(hf_grads[k], g) < 2e-5, k
+        # the gradients sum over every token through the recurrence, in fp32 and in another order (chunks
+        # of 5 against 64): 0.6-2.5e-5 apart depending on the CPU's vector width; a wrong formula is >1e-3
+        assert _rel(hf_grads[k], g) < 5e-5, k
 
     exported = save_hf_checkpoint(model, tmp_path / "export")
     reloaded = type(hf).from_pretrained(exported).eval()
@@ -178,8 +180,8 @@ def test_packed_documents_equal_separate_runs():
         total += o["loss_sum"].item()
     assert _rel(out["logits"], torch.cat(logits, 1)) < 1e-5
     assert out["loss_sum"].item() == pytest.approx(total, rel=1e-5)
-    for n, g in packed.items():
-        assert _rel(g, model.get_parameter(n).grad) < 1e-5, n
+    for n, g in packed.items():  # fp32 sums in another order: up to ~1.1e-5 apart on some CPUs
+        assert _rel(g, model.get_parameter(n).grad) < 3e-5, n
 
 
 @pytest.mark.parametrize(

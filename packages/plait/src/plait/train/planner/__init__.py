@@ -48,7 +48,7 @@ from plait.train.planner.memory import (
     fake_world,
     state_bytes,
 )
-from plait.train.planner.timing import Machine, calibrate_rate, load_machine
+from plait.train.planner.timing import Machine, calibrate, load_machine
 
 __all__ = ["Layout", "Machine", "Plan", "PlanJob", "Prediction", "main", "plan"]
 
@@ -311,9 +311,10 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
 
     def stage_costs(layers: list[int], last: bool) -> tuple[float, float, float]:
         flops = (layer_flops * len(layers) + head_flops * last) * tokens_mb / layout.tp
-        fwd = flops / 3 / machine.flops
+        fixed = machine.microbatch_s * len(layers) / m.num_hidden_layers  # a third of it in the forward
+        fwd = flops / 3 / machine.flops + fixed / 3
         comm = _comm_per_microbatch(job, layout, machine, layers)
-        return fwd + comm / 2, 2 * fwd + extra_bwd * fwd + comm / 2, comm
+        return fwd + comm / 2, (2 + extra_bwd) * fwd + comm / 2, comm
 
     stage_layers = {s: ly for _, by_stage in ranks for s, ly in by_stage.items()}
     stage_flags = {s: (s == 0, s == num_stages - 1) for s in stage_layers}
@@ -507,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node or min(args.gpus, 8))
     job = PlanJob(config)
     if args.calibrate:
-        machine = dataclasses.replace(machine, flops=_calibrated_flops(job))
+        machine = calibrated(job, machine)
     result = plan(config, args.gpus, machine, checkpointing=modes, job=job)
     print(f"plait plan: {job.model.model_type} on {args.gpus} GPU(s) of {machine.memory_gib:g} GiB, "
           f"{machine.flops / 1e12:.1f} TFLOP/s{' (calibrated)' if args.calibrate else ''}: "
@@ -534,11 +535,13 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(1)
 
 
-def _calibrated_flops(job: PlanJob) -> float:
-    """The job's model (one stage, its config's microbatch) timed forward and backward on this device."""
+def calibrated(job: PlanJob, machine: Machine) -> Machine:
+    """``machine`` with the rate and the fixed cost per microbatch of the job's model (one stage) timed
+    forward and backward on this device (:func:`~plait.train.planner.timing.calibrate`)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     provider = job.provider()
     model = provider.parallelize(provider.build_stage(0, 1), None)
     provider.materialize(model, device)
     b = job.config.batching
-    return calibrate_rate(model, provider.flops_per_token(b.seq_len), b.microbatch_size, b.seq_len, device)
+    flops, fixed = calibrate(model, provider.flops_per_token(b.seq_len), b.microbatch_size, b.seq_len, device)
+    return dataclasses.replace(machine, flops=flops, microbatch_s=fixed)

@@ -3,7 +3,7 @@
 Without ``--calibrate`` the figures are the defaults below (an H200 node as measured by
 ``benchmarks/comms/nccl_bandwidth.py`` and the training benchmarks) or a ``--machine`` JSON file;
 with it, the compute rate is the job's own model's forward and backward timed on this machine's device
-(:func:`calibrate_rate`) and the optimizer's rate its own step, timed likewise.
+(:func:`calibrate`: the rate and the fixed cost of a microbatch) and the optimizer's rate its own step, timed likewise.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Machine", "calibrate_rate", "load_machine"]
+__all__ = ["Machine", "calibrate", "load_machine"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Machine:
         memory_gib: memory of one GPU.
         gpus_per_node: GPUs of one node (tensor parallelism stays within one).
         fragmentation: the allocator's reserved over allocated bytes at the peak.
+        microbatch_s: fixed seconds of one microbatch's forward and backward through the whole model
+            (kernel launches, the host's work per layer), whatever its size.
     """
 
     flops: float = 400e12
@@ -48,6 +50,7 @@ class Machine:
     memory_gib: float = 139.8
     gpus_per_node: int = 8
     fragmentation: float = 1.0
+    microbatch_s: float = 0.0
 
     def bandwidth(self, collective: str) -> float:
         return dict(self.busbw)[collective]
@@ -95,19 +98,29 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> 
     return (time.perf_counter() - t0) / repeats
 
 
-def calibrate_rate(
+def calibrate(
     model: torch.nn.Module, flops_per_token: float, microbatch: int, seq: int, device: torch.device
-) -> float:
-    """Model FLOP/s of ``model`` (the job's model, materialised on ``device``) over a forward and backward of
-    one ``[microbatch, seq]`` microbatch: ``flops_per_token`` (the training FLOPs) times the tokens over the time."""
-    ids = torch.randint(0, 100, (microbatch, seq), device=device)
+) -> tuple[float, float]:
+    """``(model FLOP/s, seconds of fixed cost per microbatch)`` of ``model`` (the job's model, materialised on
+    ``device``): a forward and backward timed at 1 and at ``microbatch`` samples of ``seq`` tokens; the
+    difference per sample gives the rate (the training FLOPs over its time), the rest the fixed cost of a
+    microbatch (launches, the host's per-layer work). With ``microbatch`` 1 the fixed cost is 0."""
 
-    def step() -> None:
-        out = model(input_ids=ids, labels=ids)
-        loss = out["loss"] if isinstance(out, dict) else out
-        loss.sum().backward()
+    def timed(samples: int) -> float:
+        ids = torch.randint(0, 100, (samples, seq), device=device)
 
-    return flops_per_token * microbatch * seq / _timed(step, device)
+        def step() -> None:
+            out = model(input_ids=ids, labels=ids)
+            loss = out["loss"] if isinstance(out, dict) else out
+            loss.sum().backward()
+
+        return _timed(step, device)
+
+    t_full = timed(microbatch)
+    if microbatch == 1:
+        return flops_per_token * seq / t_full, 0.0
+    per_sample = max((t_full - timed(1)) / (microbatch - 1), 1e-9)
+    return flops_per_token * seq / per_sample, max(0.0, t_full - microbatch * per_sample)
 
 
 def calibrate_optimizer(optimizer: torch.optim.Optimizer, nbytes: int, device: torch.device) -> float:

@@ -1,0 +1,123 @@
+"""How close ``plait plan`` comes to real runs: predicted against measured tok/s per GPU and peak memory.
+
+    python3 -m benchmarks.training.plan_accuracy --config examples/qwen3_moe/configs/gpu1.toml --gpus 1
+    python3 -m benchmarks.training.plan_accuracy --config F --gpus 4 --layouts 12 --calibrate --out results/plan_accuracy.md
+
+Plans the job on ``--gpus`` GPUs (with ``--calibrate``: the compute rate and the fixed cost per microbatch timed on this machine's GPU), then
+runs ``--layouts`` of the layouts that fit (the fastest predicted ones, then every k-th of the rest, so that
+the table spans the ranking) with ``plait train`` on that many GPUs for ``--steps`` steps, no checkpoints,
+no export, no evaluation. Measured: the last logging interval's tokens per second per GPU (the first
+interval holds the compile) and the main rank's peak allocated memory (``torch.cuda.max_memory_allocated``;
+with pipeline stages the planner's figure is the fullest rank's, so those rows compare different ranks).
+Prints and writes (``--out``) one row per layout: predicted, measured, the error of each, and whether the
+planner's first pick is within 5% of the fastest measured layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _measure(config: Path, gpus: int, overrides: list[str], steps: int) -> tuple[float, float] | str:
+    """(tok/s per GPU of the last logging interval, peak GiB on the main rank), or why the run failed."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
+        cmd = [*(launch if gpus > 1 else [sys.executable]), "-m", "plait", "train", "--config", str(config),
+               "--steps", str(steps), "--run-dir", run_dir, "--no-export", "--checkpoint.enabled=false",
+               "--evaluation.enabled=false", "--logging.progress_bar=false",
+               f"--logging.interval={max(1, steps // 2)}", *overrides]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
+        if proc.returncode != 0:
+            return f"rc {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-1][:120]}"
+        records = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if "tokens_per_s" in r]
+    if not timed:
+        return "no throughput record"
+    return timed[-1]["tokens_per_s"] / gpus, max(r.get("mem_allocated_gib") or 0.0 for r in timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, required=True)
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--layouts", type=int, default=12, help="layouts to run")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--calibrate", action="store_true", help="time the job's model on this GPU first")
+    ap.add_argument("--checkpointing", default="none,selective,full")
+    ap.add_argument("--out", type=Path, help="markdown table to write")
+    args = ap.parse_args()
+
+    from plait.loop import load_config
+    from plait.train.config import JobConfig
+    from plait.train.planner import Machine, PlanJob, calibrated, plan
+
+    config = load_config(args.config, [], cls=JobConfig)
+    job = PlanJob(config)
+    machine = dataclasses.replace(Machine(), gpus_per_node=args.gpus)
+    if torch.cuda.is_available():
+        machine = dataclasses.replace(
+            machine, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30
+        )
+    if args.calibrate:
+        machine = calibrated(job, machine)
+    result = plan(config, args.gpus, machine, checkpointing=tuple(args.checkpointing.split(",")), job=job)
+    fits = result.fits
+    step = max(1, (len(fits) - args.layouts // 2) // max(1, args.layouts - args.layouts // 2))
+    chosen = fits[: args.layouts // 2] + fits[args.layouts // 2 :: step]
+    chosen = chosen[: args.layouts]
+    rows, measured = [], {}
+    for p in chosen:
+        got = _measure(args.config, args.gpus, p.layout.overrides(), args.steps)
+        name = p.layout.name
+        if isinstance(got, str):
+            rows.append(
+                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {got} | | {p.peak_bytes / 2**30:.2f} | | |"
+            )
+            continue
+        tok, gib = got
+        measured[name] = tok
+        memory = f"{gib:.2f} | {p.peak_bytes / 2**30 / gib - 1:+.0%}" if gib else "n/a (no CUDA) |"
+        rows.append(
+            f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | {tok:,.0f} | {p.tokens_per_s_per_gpu / tok - 1:+.0%} "
+            f"| {p.peak_bytes / 2**30:.2f} | {memory} |"
+        )
+        print(rows[-1], flush=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    lines = [
+        "# plait plan: predicted against measured",
+        "",
+        f"**device:** {args.gpus} x {device}, torch {torch.__version__}, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; planner rate {machine.flops / 1e12:.1f} TFLOP/s"
+        f"{' (calibrated)' if args.calibrate else ' (default)'}",
+        "",
+        f"**command:** `python3 -m benchmarks.training.plan_accuracy {' '.join(sys.argv[1:])}`",
+        "",
+        "| layout | predicted tok/s per GPU | measured | error | predicted peak GiB | measured | error |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+    if measured:
+        fastest = max(measured.values())
+        first = measured.get(chosen[0].layout.name)
+        verdict = "not run" if first is None else f"{first / fastest:.2f}x of the fastest measured"
+        lines += ["", f"The planner's first pick ({chosen[0].layout.name}): {verdict} (target >= 0.95x)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
