@@ -7,13 +7,15 @@ under a fake process group of N ranks: :mod:`~plait.train.planner.memory`), and 
 - **memory per GPU** (the largest over the pipeline ranks): the sharded parameters, gradients and
   optimizer moments as built (exact); the FSDP2 units gathered at once (all of a stage's units with
   ``reshard_after_forward = false``, else the two largest and the root's); the activations of one
-  microbatch per stage (one sample's, measured, times the microbatch size) (:func:`~plait.train.planner.memory.activation_profile`) times the microbatches
-  the schedule holds in flight (the pipeline simulator's peak); the largest layer's activations while a
+  microbatch per stage (one sample's, :func:`~plait.train.planner.memory.activation_profile`, times the
+  microbatch size) times the microbatches the schedule holds in flight (the pipeline simulator's peak);
+  the largest layer's activations while a
   checkpointed layer is recomputed; the unsharded gradients and reduce-scatter buffer of the largest
   unit; all times the allocator's fragmentation factor (:class:`~plait.train.planner.timing.Machine`).
 - **step time**: each stage's forward (a third of the training FLOPs of its layers, and of the LM head on
   the last stage) and backward (two thirds; a full checkpoint adds a forward, a selective one 30% of a
-  forward) at the machine's FLOP/s, divided by the tensor-parallel degree; tensor, context and expert
+  forward) at the machine's FLOP/s, divided by the tensor-parallel degree, plus the machine's fixed cost
+  of a microbatch (its share of the layers; measured by ``--calibrate``); tensor, context and expert
   parallelism's collectives per microbatch added to the stage's compute (they wait in the layer); the
   pipeline simulator composes the stages with the schedule's program and the send/recv time; FSDP2's
   all-gathers and reduce-scatters hide behind the compute except the first unit's gather and the last
