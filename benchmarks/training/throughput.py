@@ -188,6 +188,8 @@ class _Profile:
             if self.ticks == self.skip + 1 and os.environ.get("PROFILE_PYTHON_DIR"):
                 self.python = cProfile.Profile()
                 self.python.enable()
+            elif self.python is not None and self.ticks == self.skip + 4:  # the 3 profiled steps
+                self.python.disable()
 
     def report(self, s_per_step: float) -> dict[str, float]:
         """Print the kernel and host tables; return the window's timeline summary (:func:`timeline`)."""
@@ -195,7 +197,7 @@ class _Profile:
             return {}
         self.prof.__exit__(None, None, None)
         if self.python is not None:
-            self.python.disable()
+            self.python.disable()  # (already, unless the run ended inside the window)
             path = Path(os.environ["PROFILE_PYTHON_DIR"]) / f"{self.row}.pstats"
             self.python.dump_stats(path)
             print("PROFILE python (cProfile of the profiled steps, by own time):", flush=True)
