@@ -44,26 +44,21 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int]:
-    """This rank's stages as the trainer builds them; the optimizer stepped once on zero gradients."""
+    """This rank's stages built by the trainer's own functions; the optimizer stepped once on zero gradients."""
+    from plait.loop.engine import build_stages, place_stages
     from plait.loop.optim.optimizers import build_optimizer
+    from plait.loop.topology import Topology
     from plait.train.job import build_provider
 
     cfg = JobConfig.model_validate(config)
     ctx = DistributedContext.from_env(layout.mesh(), "cpu")
-    provider = build_provider(cfg)
-    batch_plan = BatchPlan(
-        cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len, layout.cp
+    topology = Topology.from_context(ctx)
+    batch_plan = BatchPlan.from_sections(
+        cfg.batching.model_copy(update={"microbatch_size": layout.microbatch_size}), layout.mesh()
     )
-    if layout.pp > 1:
-        topo = batch_plan.schedule(layout.pipeline_options()).topology(layout.pp)
-        num_stages, indices = topo.num_stages, sorted(topo.stages_of(ctx.coordinates("regular")["pp"]))
-    else:
-        num_stages, indices = 1, [0]
-    stages = []
-    for s in indices:
-        stage = provider.parallelize(provider.build_stage(s, num_stages), ctx)
-        provider.materialize(stage, "cpu")
-        stages.append(stage)
+    schedule = batch_plan.schedule(layout.pipeline_options()) if layout.pp > 1 else None
+    num_stages, indices = place_stages(schedule, topology)
+    stages = build_stages(build_provider(cfg), cfg, ctx, topology, indices, num_stages, torch.device("cpu"))
     params = list({id(p): p for st in stages for p in st.parameters()}.values())
     for p in params:
         p.grad = torch.zeros_like(p)

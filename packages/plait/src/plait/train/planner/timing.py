@@ -2,8 +2,8 @@
 
 Without ``--calibrate`` the figures are the defaults below (an H200 node as measured by
 ``benchmarks/comms/nccl_bandwidth.py`` and the training benchmarks) or a ``--machine`` JSON file;
-with it, the compute rate is the job's own model's forward and backward timed on this machine's device
-(:func:`calibrate`: the rate and the fixed cost of a microbatch) and the optimizer's rate its own step, timed likewise.
+with it, the job's own model's forward and backward are timed on this machine's device (:func:`calibrate`: the
+rate and the fixed cost of a microbatch).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,9 +63,6 @@ class Machine:
         factor = 2 * (ranks - 1) / ranks if collective == "all_reduce" else (ranks - 1) / ranks
         bw = self.inter_node_busbw if inter_node else self.bandwidth(collective)
         return self.latency_s + nbytes * factor / bw
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "busbw": dict(self.busbw)}, indent=1)
 
 
 def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
@@ -121,8 +118,3 @@ def calibrate(
         return flops_per_token * seq / t_full, 0.0
     per_sample = max((t_full - timed(1)) / (microbatch - 1), 1e-9)
     return flops_per_token * seq / per_sample, max(0.0, t_full - microbatch * per_sample)
-
-
-def calibrate_optimizer(optimizer: torch.optim.Optimizer, nbytes: int, device: torch.device) -> float:
-    """Bytes per second the optimizer step moves (``nbytes``: parameters, gradients and moments)."""
-    return nbytes / _timed(optimizer.step, device)
