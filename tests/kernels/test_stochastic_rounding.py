@@ -71,6 +71,50 @@ def test_grad_scale_clips_inside_the_step(run):
     assert run(check_grad_scale_clips_inside_the_step) == (run.path == "triton")
 
 
+def check_one_launch_equals_a_launch_per_tensor(moment_dtype):
+    """All of a group's tensors in one Triton launch update each exactly as a launch of its own (same
+    seeds): the block table maps every block to its tensor and its place inside it. fp32 tensors of
+    the same launch also match torch's AdamW."""
+    from plait.kernels._triton.stochastic_rounding import adamw_triton
+
+    torch.manual_seed(0)
+    sizes = [3000, 5, 2048, 4097, 1]  # blocks of 2048: a tensor's last block is partial or full
+    kw = {"lr": 1e-2, "b1": 0.8, "b2": 0.95, "eps": 1e-6, "wd": 0.1, "bc1": 0.2, "bc2": 0.05}
+    scale = torch.tensor(0.5)
+    for dtype in (torch.bfloat16, torch.float32):
+        init = [(torch.randn(n).to(dtype), torch.randn(n).to(dtype), torch.randn(n).abs()) for n in sizes]
+
+        def state(init=init):
+            return [
+                (p.clone(), g.clone(), m.to(moment_dtype, copy=True), v.to(moment_dtype), seed)
+                for seed, (p, g, m) in enumerate(init, 11)
+                for v in [m * m]
+            ]
+
+        together, apart = state(), state()
+        adamw_triton(together, grad_scale=scale, **kw)
+        for t in apart:
+            adamw_triton([t], grad_scale=scale, **kw)
+        for a, b in zip(together, apart):
+            for x, y in zip(a[:4], b[:4]):
+                assert torch.equal(x, y)
+        if dtype == torch.float32 and moment_dtype == torch.float32:
+            for (p, g, m, v, _), (p0, g0, m0) in zip(together, init):
+                gs = g0 * 0.5
+                m_ref = 0.8 * m0 + 0.2 * gs
+                v_ref = 0.95 * m0 * m0 + 0.05 * gs * gs
+                p_ref = p0 * (1 - 1e-2 * 0.1) - 1e-2 * (m_ref / 0.2) / ((v_ref / 0.05).sqrt() + 1e-6)
+                torch.testing.assert_close(p, p_ref, atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(m, m_ref)
+                torch.testing.assert_close(v, v_ref)
+    return True
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_equals_a_launch_per_tensor(interpreter_pool, moment_dtype):
+    assert interpreter_pool.apply(check_one_launch_equals_a_launch_per_tensor, (moment_dtype,))
+
+
 def _mlp(dtype):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))

@@ -61,6 +61,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+_TRITON_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _hyper(group: dict[str, Any], t: float) -> dict[str, float]:
+    """A param group's AdamW hyperparameters at step ``t`` (bias corrections included)."""
+    b1, b2 = group["betas"]
+    return {
+        "lr": float(group["lr"]), "b1": float(b1), "b2": float(b2), "eps": float(group["eps"]),
+        "wd": float(group["weight_decay"]), "bc1": 1 - b1**t, "bc2": 1 - b2**t,
+    }  # fmt: skip
+
+
 def _adamw_torch(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, b1: float, b2: float,
     eps: float, wd: float, bc1: float, bc2: float, seed: int, grad_scale: torch.Tensor | None,
@@ -89,8 +101,10 @@ class StochasticAdamW(Optimizer):
     """AdamW whose bf16 parameters (and optional bf16 moments) are written with stochastic rounding.
 
     Decoupled weight decay (``p -= lr * wd * p``) and bias correction as in ``torch.optim.AdamW``.
-    fp32 parameters are updated exactly (no rounding needed). On CUDA one fused Triton kernel per
-    parameter reads ``p, g, m, v`` once and writes ``p, m, v`` once.
+    fp32 parameters are updated exactly (no rounding needed). On CUDA one fused Triton kernel reads
+    ``p, g, m, v`` once and writes ``p, m, v`` once, for all the parameters of a param group in one
+    launch (per combination of dtypes; fp16 or non-contiguous tensors take the PyTorch path): the
+    host's cost of a step is a few microseconds per parameter, not a kernel launch each.
 
     Gradient clipping inside the step: ``step(grad_scale=factor)`` multiplies every gradient by
     ``factor`` (a 0-d device tensor, e.g. :func:`plait.dist_core.clip_factor` of the global norm) as
@@ -180,6 +194,9 @@ class StochasticAdamW(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             b1, b2 = group["betas"]
+            # Tensors the Triton kernel takes, one launch per (step, dtypes): the host cost of a step
+            # is then a few microseconds per parameter, not a kernel launch each.
+            launches: dict[tuple[float, torch.dtype, torch.dtype, torch.dtype], list[Any]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -196,16 +213,18 @@ class StochasticAdamW(Optimizer):
                 pl, gl = _local(p), _local(p.grad)
                 ml, vl = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 seed = int(torch.randint(0, _SEED_MAX, (1,), generator=self.generator).item())
-                kw = {
-                    "lr": float(group["lr"]), "b1": float(b1), "b2": float(b2), "eps": float(group["eps"]),
-                    "wd": float(group["weight_decay"]), "bc1": 1 - b1**t, "bc2": 1 - b2**t, "seed": seed,
-                }  # fmt: skip
                 if pl.numel() == 0:
                     continue
-                if use_triton(pl, gl, ml, vl) and pl.is_contiguous() and gl.is_contiguous():
-                    from plait.kernels._triton.stochastic_rounding import adamw_triton
+                if (
+                    use_triton(pl, gl, ml, vl)
+                    and all(x.is_contiguous() and x.dtype in _TRITON_DTYPES for x in (pl, gl, ml))
+                    and pl.device == gl.device == ml.device
+                ):
+                    launches.setdefault((t, pl.dtype, gl.dtype, ml.dtype), []).append((pl, gl, ml, vl, seed))
+                    continue
+                _adamw_torch(pl, gl, ml, vl, grad_scale=grad_scale, seed=seed, **_hyper(group, t))
+            for (t, *_), tensors in launches.items():
+                from plait.kernels._triton.stochastic_rounding import adamw_triton
 
-                    adamw_triton(pl, gl, ml, vl, grad_scale=grad_scale, **kw)
-                else:
-                    _adamw_torch(pl, gl, ml, vl, grad_scale=grad_scale, **kw)
+                adamw_triton(tensors, grad_scale=grad_scale, **_hyper(group, t))
         return loss

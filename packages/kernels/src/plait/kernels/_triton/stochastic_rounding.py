@@ -35,10 +35,22 @@ def _sr_kernel(x_ptr, y_ptr, n, seed, BLOCK: tl.constexpr):
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, lr, b1, b2, eps, wd, bc1, bc2, seed,
-    P_BF16: tl.constexpr, M_BF16: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+    table_ptr, tensor_of_block_ptr, scale_ptr, lr, b1, b2, eps, wd, bc1, bc2,
+    P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_BF16: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # One program per BLOCK elements of one tensor: tensor_of_block says which, its table row
+    # [p, g, m, v addresses, numel, seed, first block] where (the tensors of one launch are many).
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(tensor_of_block_ptr + pid).to(tl.int64) * 7
+    p_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16 if P_BF16 else tl.float32))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16 if G_BF16 else tl.float32))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16 if M_BF16 else tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16 if M_BF16 else tl.float32))
+    n = tl.load(row + 4)
+    seed = tl.load(row + 5).to(tl.int32)
+    block = (pid - tl.load(row + 6)).to(tl.int32)  # the block's index inside its tensor
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -51,13 +63,13 @@ def _adamw_kernel(
     p = p * (1.0 - lr * wd)
     p = p - lr * (m / bc1) / (tl.sqrt(v / bc2) + eps)
     if P_BF16 or M_BF16:
-        r = _rand_block(seed, tl.program_id(0), BLOCK)  # low half -> p, high half -> m
+        r = _rand_block(seed, block, BLOCK)  # low half -> p, high half -> m
     if M_BF16:
-        r_v = _rand_block(seed ^ 0x5BD1E995, tl.program_id(0), BLOCK)
+        r_v = _rand_block(seed ^ 0x5BD1E995, block, BLOCK)
     if P_BF16:
         tl.store(p_ptr + offs, _sr_bf16(p, r), mask=mask)
     else:
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_ptr + offs, p, mask=mask)
     if M_BF16:
         tl.store(m_ptr + offs, _sr_bf16(m, r >> 16), mask=mask)
         tl.store(v_ptr + offs, _sr_bf16(v, r_v), mask=mask)
@@ -78,17 +90,43 @@ def stochastic_round_triton(x: torch.Tensor, seed: int) -> torch.Tensor:
     return y
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+_tensor_of_block: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}  # by the launch's numels
+
+
 def adamw_triton(
-    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, b1: float, b2: float,
-    eps: float, wd: float, bc1: float, bc2: float, seed: int, grad_scale: torch.Tensor | None = None,
+    tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]], *, lr: float, b1: float,
+    b2: float, eps: float, wd: float, bc1: float, bc2: float, grad_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """In-place fused AdamW step on contiguous tensors (``p`` any float, moments fp32/bf16); the
-    gradient is multiplied by the 0-d ``grad_scale`` (on ``p``'s device) when given."""
-    n = p.numel()
-    if m.dtype not in (torch.float32, torch.bfloat16) or m.dtype != v.dtype:
-        raise ValueError(f"StochasticAdamW: moment dtypes {m.dtype}/{v.dtype} unsupported")
-    _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-        p, g, m, v, g if grad_scale is None else grad_scale.to(p.device), n, lr, b1, b2, eps, wd, bc1, bc2, seed,
-        P_BF16=p.dtype == torch.bfloat16, M_BF16=m.dtype == torch.bfloat16, SCALED=grad_scale is not None,
-        BLOCK=_BLOCK, num_warps=8,
+    """In-place fused AdamW step of many tensors in one launch: ``tensors`` holds ``(p, g, m, v, seed)``
+    of contiguous tensors on one device, every ``p`` of one dtype, every ``g`` of one, every moment
+    of one (fp32 or bf16 each). Each gradient is multiplied by the 0-d ``grad_scale`` when given.
+    The random bits of a tensor depend on its seed and its elements' positions only, not on the
+    other tensors of the launch."""
+    p0, g0, m0 = tensors[0][:3]
+    if {p0.dtype, g0.dtype, m0.dtype} - set(_DTYPES) or any(
+        (p.dtype, g.dtype, m.dtype, v.dtype) != (p0.dtype, g0.dtype, m0.dtype, m0.dtype) for p, g, m, v, _ in tensors
+    ):  # fmt: skip
+        raise ValueError("StochasticAdamW: one launch takes fp32/bf16 tensors, one dtype per role")
+    numels = tuple(p.numel() for p, *_ in tensors)
+    blocks = [triton.cdiv(n, _BLOCK) for n in numels]
+    first = [0]
+    for b in blocks[:-1]:
+        first.append(first[-1] + b)
+    key = (p0.device, numels)
+    if (tensor_of_block := _tensor_of_block.get(key)) is None:
+        counts = torch.tensor(blocks, device=p0.device)
+        tensor_of_block = torch.repeat_interleave(torch.arange(len(blocks), device=p0.device, dtype=torch.int32), counts)
+        _tensor_of_block[key] = tensor_of_block
+    rows = [
+        (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, seed, f)
+        for (p, g, m, v, seed), n, f in zip(tensors, numels, first)
+    ]
+    table = torch.tensor(rows, dtype=torch.int64)
+    if p0.is_cuda:
+        table = table.pin_memory().to(p0.device, non_blocking=True)
+    _adamw_kernel[(sum(blocks),)](
+        table, tensor_of_block, p0 if grad_scale is None else grad_scale.to(p0.device), lr, b1, b2, eps, wd, bc1,
+        bc2, P_BF16=p0.dtype == torch.bfloat16, G_BF16=g0.dtype == torch.bfloat16,
+        M_BF16=m0.dtype == torch.bfloat16, SCALED=grad_scale is not None, BLOCK=_BLOCK, num_warps=8,
     )  # fmt: skip
