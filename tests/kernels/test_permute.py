@@ -107,6 +107,73 @@ def test_permute_unpermute(run, dtype, t, h, e, k, align, empty, drop):
     )
 
 
+def check_permute_max_rows(dtype, t, h, e, k, align, drop=False):
+    """``max_rows`` below, at and above the bound against the full permute (itself checked against the
+    per-expert loop above): the same rows up to the cap, the copies past it skipped (``dst == -1``),
+    the full group sizes returned (their sum exceeds the cap exactly when it overflowed), and unpermute's
+    output and gradients those of the kept copies alone (float64 loop)."""
+    idx, topk_p = _routing(t, e, k, seed=1)
+    if drop:
+        idx[0, 0] = e
+    torch.manual_seed(1)
+    x = torch.randn(t, h, dtype=dtype)
+    full, full_p, full_map, full_tpe = permute(x, idx, e, topk_p, align=align)
+    bound = permuted_rows(t, k, e, align)
+    used = int(full_tpe.sum())
+    # Tokens as a strided view (as the all-gather dispatch's packed rows give them): the same rows.
+    strided = torch.cat([x, torch.randn(t, 3).to(dtype)], 1)[:, :h]
+    assert not strided.is_contiguous()
+    assert torch.equal(permute(strided, idx, e, topk_p, align=align, max_rows=used - 1)[0], full[: used - 1])
+    for cap in sorted({0, 1, used // 2, used - 1, used, bound, bound + 5}):
+        xb = x.clone().requires_grad_()
+        pb = topk_p.clone().requires_grad_()
+        xp, pp, rmap, tpe = permute(xb, idx, e, pb, align=align, max_rows=cap)
+        m = min(cap, bound)
+        assert xp.shape == (m, h) and pp.shape == (m,) and rmap.src.shape == (m,)
+        assert torch.equal(tpe, full_tpe)  # never truncated: the caller detects overflow by its sum
+        assert (int(tpe.sum()) > m) == (cap < used)
+        assert torch.equal(xp.detach(), full[:m]) and torch.equal(pp.detach(), full_p[:m])
+        assert torch.equal(rmap.src, full_map.src[:m])
+        assert torch.equal(rmap.dst, torch.where(full_map.dst < m, full_map.dst, -1))
+        # An expert that scales its rows; the kept copies are those whose full-buffer row is below the cap.
+        scale = torch.linspace(0.5, 1.5, m).to(dtype)[:, None]
+        y = unpermute(xp * scale, rmap, pp)
+        dy = torch.randn(t, h, generator=torch.Generator().manual_seed(cap)).to(dtype)
+        (y.float() * dy.float()).sum().backward()
+        x64, p64 = x.double().requires_grad_(), topk_p.double().requires_grad_()
+        y64 = torch.zeros(t, h, dtype=torch.float64)
+        for tt in range(t):
+            for j in range(k):
+                r = int(full_map.dst[tt, j])
+                if 0 <= r < m:
+                    y64[tt] = y64[tt] + x64[tt] * scale[r].double() * p64[tt, j]
+        if y64.requires_grad:  # not when no copy is kept (cap 0)
+            (y64 * dy.double()).sum().backward()
+        gx64 = x64.grad if x64.grad is not None else torch.zeros_like(x64)
+        gp64 = p64.grad if p64.grad is not None else torch.zeros_like(p64)
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+        torch.testing.assert_close(y.double(), y64.detach(), **tol)
+        torch.testing.assert_close(xb.grad.double(), gx64, **tol)
+        torch.testing.assert_close(pb.grad.double(), gp64, atol=tol["atol"] * 10, rtol=tol["rtol"])
+    return use_triton(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h,e,k,align,drop", [(9, 6, 4, 2, 1, False), (6, 5, 3, 2, 4, True)])
+def test_permute_max_rows(run, dtype, t, h, e, k, align, drop):
+    assert run(check_permute_max_rows, dtype, t, h, e, k, align, drop) == (run.path == "triton")
+
+
+def test_permute_max_rows_compiles_static():
+    idx, p = _routing(7, 5, 2)
+    x = torch.randn(7, 4)
+    fn = torch.compile(lambda x, i, p: permute(x, i, 5, p, max_rows=6), fullgraph=True, backend="eager")
+    xp, pp, rmap, tpe = fn(x, idx, p)
+    ref = permute(x, idx, 5, p, max_rows=6)
+    assert xp.shape == (6, 4) and torch.equal(xp, ref[0]) and torch.equal(tpe, ref[3])
+    assert torch.equal(pp, ref[1]) and torch.equal(rmap.dst, ref[2].dst)
+
+
 def test_permute_bad_input():
     x = torch.randn(4, 3)
     idx = torch.zeros(4, 2, dtype=torch.long)
@@ -114,6 +181,9 @@ def test_permute_bad_input():
         permute(x, torch.ones(4, 2), 2)
     with pytest.raises(ValueError, match="align"):
         permute(x, idx, 2, align=0)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_rows must be an int >= 0 or None"):
+            permute(x, idx, 2, max_rows=bad)
     with pytest.raises(ValueError, match="topk_idx"):
         permute(x, idx[:3], 2)
     _, _, rmap, _ = permute(x, idx, 2)

@@ -72,6 +72,13 @@ LAYOUTS = {
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
     "ctx_ep2_fsdp2_chunks4": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_chunks": 4}),
     "ctx_ep2_fsdp2_all_gather": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "all_gather"}),
+    # a bounded expert buffer: 48 of the exact 64 rows per rank (16 tokens, top-2)
+    "ctx_ep2_fsdp2_all_gather_buffer": (
+        2,
+        (1, 1, 2, 1, 1),
+        (1, 1, 2),
+        {"expert_dispatch": "all_gather", "expert_buffer_factor": 1.5},
+    ),
     "ep2_hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 2, 2), {}),
     "hsdp2x2": (4, (1, 2, 2, 1, 1), (1, 4, 1), {}),
     "tp2": (2, (1, 1, 1, 1, 2), (1, 2, 1), {}),
@@ -133,6 +140,9 @@ def _rank_run(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> 
                 assert isinstance(sinks, DTensor) and sinks.placements[-1] == Shard(0), sinks
     if "expert_chunks" in pkw:
         assert all(moe.dispatcher.num_chunks == pkw["expert_chunks"] for moe in model.moe_layers())
+    if "expert_buffer_factor" in pkw:
+        factor = pkw["expert_buffer_factor"]
+        assert all(moe.dispatcher.buffer_factor == factor for moe in model.moe_layers())
     if dshape[1] * dshape[2] > 1:  # FSDP: one parameter group (all-gather, reduce-scatter) per unit
         from torch.distributed.fsdp import fully_shard
 
@@ -254,3 +264,15 @@ def _missing_deepep_worker() -> str:
 def test_deepep_dispatch_without_deep_ep_names_the_extra():
     for msg in run_distributed(_missing_deepep_worker, 2):
         assert "plait-moe[deepep]" in msg
+
+
+def test_expert_buffer_factor_config() -> None:
+    from pydantic import ValidationError
+
+    cfg = ParallelConfig(expert_dispatch="all_gather", expert_buffer_factor=1.5)
+    assert cfg.expert_buffer_factor == 1.5 and ParallelConfig().expert_buffer_factor is None
+    for bad in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match="expert_buffer_factor"):
+            ParallelConfig(expert_dispatch="all_gather", expert_buffer_factor=bad)
+    with pytest.raises(ValidationError, match=r"expert_buffer_factor applies to parallel\.expert_dispatch"):
+        ParallelConfig(expert_buffer_factor=2.0)  # the default dispatch is all_to_all

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.utils._python_dispatch
 from plait.dist_core.testing import run_distributed
 from plait.moe import (
     AllGatherDispatcher,
@@ -79,9 +82,12 @@ def _ep_worker(
     device: str = "cpu",
     backend: Dispatch = "all_to_all",
     num_chunks: int | None = None,
+    buffer_factor: float | None = None,
 ) -> dict[str, Any]:
     if backend != "deepep":
-        return _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks)
+        return _ep_run(
+            seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks, buffer_factor
+        )
     with fake_deep_ep() as buffer:  # DeepEP's Buffer API over gloo (tests/moe/_fake_deep_ep.py)
         result = _ep_run(seed, layer_kwargs, router_kwargs, one_hot_expert, device, backend, num_chunks)
     # forward dispatch and combine, then their backwards (combine's is a cached dispatch).
@@ -116,11 +122,12 @@ def _ep_run(
     device: str,
     backend: Dispatch,
     num_chunks: int | None,
+    buffer_factor: float | None = None,
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert).to(device)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("ep",))
-    expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks)
+    expert_parallel(layer, mesh, backend=backend, num_chunks=num_chunks, buffer_factor=buffer_factor)
     expected = {"deepep": DeepEPDispatcher, "all_gather": AllGatherDispatcher}.get(
         backend, AllToAllDispatcher
     )
@@ -172,6 +179,7 @@ def _check(
     device: str = "cpu",
     dispatch: Dispatch = "all_to_all",
     num_chunks: int | None = None,
+    buffer_factor: float | None = None,
 ) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     results = run_distributed(
@@ -184,6 +192,7 @@ def _check(
         device,
         dispatch,
         num_chunks,
+        buffer_factor,
         backend=backend,
     )
     layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
@@ -455,7 +464,11 @@ def test_expert_parallel_errors() -> None:
 
 
 def _ep_outputs(
-    seed: int, router_kwargs: dict[str, Any], backend: str, compiled: bool = False
+    seed: int,
+    router_kwargs: dict[str, Any],
+    backend: str,
+    compiled: bool = False,
+    buffer_factor: float | None = None,
 ) -> list[torch.Tensor]:
     """This rank's output, input gradient and local parameter gradients of an EP layer (capacity 0.75),
     eager or compiled with ``fullgraph=True`` (a graph break fails)."""
@@ -464,7 +477,8 @@ def _ep_outputs(
     rank, world = dist.get_rank(), dist.get_world_size()
     x_all, g_all = _inputs(world, seed, None)
     layer = _make_layer(seed, {"capacity_factor": 0.75}, router_kwargs, None)
-    expert_parallel(layer, init_device_mesh("cpu", (world,)), backend=backend)  # type: ignore[arg-type]
+    mesh = init_device_mesh("cpu", (world,))
+    expert_parallel(layer, mesh, backend=backend, buffer_factor=buffer_factor)  # type: ignore[arg-type]
     counters.clear()
     torch._dynamo.reset()
     fn = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
@@ -478,12 +492,14 @@ def _ep_outputs(
 
 def _compiled_worker() -> list[float]:
     router = {"top_k": 3, "aux_loss_coef": 0.05}
-    eager, compiled = (_ep_outputs(13, router, "all_gather", c) for c in (False, True))
+    # A bounded expert buffer (54 of the exact 72 rows): its overflow assert and clamped groups trace too.
+    eager, compiled = (_ep_outputs(13, router, "all_gather", c, buffer_factor=1.5) for c in (False, True))
     return [float((a - b).abs().max()) for a, b in zip(eager, compiled, strict=True)]
 
 
 def test_all_gather_dispatch_compiles_fullgraph() -> None:
-    """The EP layer is one graph for torch.compile (no break at the dispatch) and equals eager."""
+    """The EP layer is one graph for torch.compile (no break at the dispatch: the packed all-gather's
+    autograd.Function, the bounded buffer's device-side assert) and equals eager."""
     for diffs in run_distributed(_compiled_worker, 2):
         assert max(diffs) <= 1e-6, diffs
 
@@ -501,3 +517,223 @@ def _unequal_tokens_worker() -> str:
 def test_all_gather_dispatch_refuses_unequal_token_counts() -> None:
     for msg in run_distributed(_unequal_tokens_worker, 2):
         assert "every rank of the EP group must pass the same number of tokens" in msg
+
+
+# --- all-gather dispatch: bounded expert buffer (buffer_factor), packed all-gather --------------------
+
+
+def _routed_rows(
+    world: int,
+    seed: int,
+    layer_kwargs: dict[str, Any],
+    router_kwargs: dict[str, Any],
+    one_hot_expert: int | None = None,
+) -> list[int]:
+    """Assignments each EP rank's experts get from every rank's tokens (the single-process routing)."""
+    layer = _make_layer(seed, layer_kwargs, router_kwargs, one_hot_expert)
+    local, seen = layer.dispatcher, []
+
+    def spy(x: torch.Tensor, topk_idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(topk_idx)
+        return local(x, topk_idx, *args, **kwargs)
+
+    layer.dispatcher = spy
+    x_all, _ = _inputs(world, seed, one_hot_expert)
+    with torch.no_grad():
+        for rank in range(world):
+            layer(x_all[rank])
+    idx, n_local = torch.cat(seen), E // world
+    return [int(((idx >= r * n_local) & (idx < (r + 1) * n_local)).sum()) for r in range(world)]
+
+
+def _factor_for(rows: int, tokens: int, top_k: int) -> float:
+    """The buffer_factor whose buffer is exactly ``rows`` rows (``ceil(f * tokens * top_k) == rows``)."""
+    f = rows / (tokens * top_k)
+    while math.ceil(f * tokens * top_k) > rows:
+        f = math.nextafter(f, 0.0)
+    while math.ceil(f * tokens * top_k) < rows:
+        f = math.nextafter(f, math.inf)
+    return f
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_bounded_buffer_matches_reference(world: int) -> None:
+    """A buffer below the exact ``P*T*k`` bound that the fullest rank fills to its last row: the float64
+    parity of the exact buffer (outputs, input and every parameter gradient)."""
+    layer_kwargs = {"shared_expert_intermediate_size": 5}
+    router_kwargs = {"top_k": 3, "norm_topk_prob": True, "aux_loss_coef": 0.05}
+    need = max(_routed_rows(world, 12, layer_kwargs, router_kwargs))
+    assert T * 3 < need < world * T * 3, need  # bounded, and above the balanced share
+    factor = _factor_for(need, T, 3)
+    _check(world, 12, layer_kwargs, router_kwargs, dispatch="all_gather", buffer_factor=factor)
+
+
+def test_all_gather_bounded_buffer_chunked_with_capacity() -> None:
+    """Chunks (each with its own bounded buffer) and dropped slots."""
+    _check(
+        2,
+        seed=9,
+        layer_kwargs={"shared_expert_intermediate_size": 5, "capacity_factor": 0.75},
+        router_kwargs={"top_k": 3, "norm_topk_prob": True, "aux_loss_coef": 0.05},
+        dispatch="all_gather",
+        num_chunks=3,
+        buffer_factor=1.75,
+    )
+
+
+def _overflow_worker(
+    seed: int, factor: float, one_hot_expert: int | None, router_kwargs: dict[str, Any]
+) -> str | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = _make_layer(seed, {}, router_kwargs, one_hot_expert)
+    mesh = init_device_mesh("cpu", (world,))
+    expert_parallel(layer, mesh, backend="all_gather", buffer_factor=factor)
+    x, _ = _inputs(world, seed, one_hot_expert)
+    try:
+        layer(x[rank])
+    except RuntimeError as e:
+        # Only the overflowing rank stops (on CPU at once); the others wait in the output's
+        # reduce-scatter: join it so that they finish (a real job's launcher tears them down).
+        dummy = torch.zeros(world * T, H)
+        dist.reduce_scatter_tensor(torch.empty(T, H), dummy, group=mesh.get_group())
+        return str(e)
+    return None
+
+
+def test_all_gather_bounded_buffer_overflow_raises() -> None:
+    """Every token on rank 1's expert 5 with factor 1.0: rank 1's experts get 2x their buffer. The step
+    stops there with a message naming the option and the fix; rank 0 (no overflow) runs on."""
+    msgs = run_distributed(_overflow_worker, 2, 3, 1.0, 5, {"top_k": 1})
+    assert msgs[0] is None
+    assert msgs[1] is not None
+    assert "raise parallel.expert_buffer_factor (now 1)" in msgs[1], msgs[1]
+    assert "expert buffer's 12 rows" in msgs[1] and "None (exact bound, 24 rows)" in msgs[1], msgs[1]
+
+
+def test_all_gather_overflow_message_fits_cuda() -> None:
+    """CUDA refuses ``_assert_async`` messages of 255 characters or more ("Message length must be
+    smaller than 255"): the longest numbers still fit, the option's name included."""
+    from plait.moe.dispatch.all_gather import _overflow_message
+
+    msg = _overflow_message(2**62, 1 / 3 + 1e-12, 2**63 - 1)
+    assert len(msg) < 255 and "parallel.expert_buffer_factor (now 0.333333)" in msg and "None" in msg
+
+
+def test_all_gather_bounded_buffer_one_row_short_raises() -> None:
+    """The tightest overflow: one row fewer than the fullest rank needs."""
+    router_kwargs = {"top_k": 3}
+    need = _routed_rows(2, 12, {}, router_kwargs)
+    full = need.index(max(need))
+    assert max(need) > T * 3
+    msgs = run_distributed(_overflow_worker, 2, 12, _factor_for(max(need) - 1, T, 3), None, router_kwargs)
+    assert msgs[1 - full] is None
+    assert msgs[full] is not None and "parallel.expert_buffer_factor" in msgs[full]
+
+
+def test_all_gather_buffer_factor_validation() -> None:
+    for bad in (0.5, 0.0, -1.0, math.inf, math.nan, True, "2"):
+        with pytest.raises(ValueError, match=r"buffer_factor \(parallel.expert_buffer_factor\) must be"):
+            AllGatherDispatcher(None, buffer_factor=bad)  # type: ignore[arg-type]  # checked before the group
+
+
+def _buffer_errors_worker() -> list[str]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    msgs = []
+    for backend, factor in (("all_to_all", 1.5), ("deepep", 1.5), ("all_gather", 0.9)):
+        layer = MoELayer(H, FFN, E, RouterConfig(top_k=1))
+        with pytest.raises(ValueError) as info:
+            expert_parallel(layer, mesh, backend=backend, buffer_factor=factor)  # type: ignore[arg-type]
+        assert isinstance(layer.dispatcher, LocalDispatcher)  # refused: the layer is unchanged
+        assert not isinstance(layer.experts.gate_up_proj, DTensor)
+        msgs.append(str(info.value))
+    layer = MoELayer(H, FFN, E, RouterConfig(top_k=2))
+    expert_parallel(layer, mesh, backend="all_gather", buffer_factor=2)
+    assert isinstance(layer.dispatcher, AllGatherDispatcher)
+    # T=12, k=2 per rank: min(P*T*k, ceil(2 * T*k)); a 5-token chunk: ceil(2 * 10) = 20.
+    assert layer.dispatcher.buffer_rows(T, 2, E // 2) == min(2 * T * 2, 48)
+    assert layer.dispatcher.buffer_rows(5, 2, E // 2) == 20
+    assert "buffer_factor=2.0" in repr(layer.dispatcher)
+    return msgs
+
+
+def test_expert_parallel_buffer_factor_errors() -> None:
+    a2a, deepep, small = run_distributed(_buffer_errors_worker, 2)[0]
+    assert "applies to backend 'all_gather' only, not 'all_to_all'" in a2a
+    assert "parallel.expert_buffer_factor" in a2a
+    assert "not 'deepep'" in deepep
+    assert "must be a finite number >= 1 or None, got 0.9" in small
+
+
+def _packed_gather_worker(dtype: torch.dtype, width: int) -> list[torch.Tensor]:
+    """The packed all-gather (and its backward) against one functional collective per tensor."""
+    from plait.moe.dispatch.all_gather import _PackedAllGather
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(rank)
+    t, k = 5, 3
+    x = torch.randn(t, width, generator=g).to(dtype).requires_grad_()
+    w = torch.rand(t, k, generator=g).requires_grad_()  # fp32 routing weights
+    ids = torch.randint(-1, 9, (t, k), generator=g, dtype=torch.int32)
+    gx = torch.randn(world * t, width, generator=torch.Generator().manual_seed(10 + rank)).to(dtype)
+    gw = torch.randn(world * t, k, generator=torch.Generator().manual_seed(20 + rank))
+    xs, ws, idx = _PackedAllGather.apply(x, w, ids, group)
+    assert (xs.dtype, ws.dtype, idx.dtype) == (dtype, torch.float32, torch.int32)
+    assert not idx.requires_grad
+    torch.autograd.backward([xs, ws], [gx, gw])
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    xs2, ws2, idx2 = gather(x2, 0, group), gather(w2, 0, group), gather(ids, 0, group)
+    torch.autograd.backward([xs2, ws2], [gx, gw])
+    out = [xs, xs2, ws, ws2, idx, idx2, x.grad, x2.grad, w.grad, w2.grad]
+    return [t.detach().clone() for t in out]  # clone: waits for the (asynchronous) collectives
+
+
+@pytest.mark.parametrize(("dtype", "width"), [(torch.bfloat16, 7), (torch.float32, 4), (torch.float64, 3)])
+def test_packed_all_gather_equals_separate_gathers(dtype: torch.dtype, width: int) -> None:
+    """Bitwise: tokens (bf16 with an odd width: padded rows), fp32 weights and int32 ids gathered in one
+    collective, and the token and weight gradients reduce-scattered in their own dtypes."""
+    for rank, res in enumerate(run_distributed(_packed_gather_worker, 2, dtype, width)):
+        for i in range(0, len(res), 2):
+            assert torch.equal(res[i], res[i + 1]), f"rank {rank}, item {i // 2}"
+
+
+class _CollectiveCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the functional-collective ops (their waits left out) dispatched under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.name()
+        op = name.split("::")[-1].removesuffix(".default")
+        # The collectives; not their waits nor the eager async-tensor wrapper (_wrap_tensor_autograd).
+        if name.startswith("_c10d_functional::") and not op.startswith(("wait_tensor", "_")):
+            self.ops.append(op)
+        return func(*args, **(kwargs or {}))
+
+
+def _count_worker(num_chunks: int) -> tuple[list[str], list[str]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = _make_layer(3, {}, {"top_k": 2}, None)
+    expert_parallel(layer, init_device_mesh("cpu", (world,)), backend="all_gather", num_chunks=num_chunks)
+    x_all, g_all = _inputs(world, 3, None)
+    x = x_all[rank].clone().requires_grad_()
+    with _CollectiveCounter() as fwd:
+        out = layer(x)
+    with _CollectiveCounter() as bwd:
+        (out.hidden_states * g_all[rank]).sum().backward()
+    return fwd.ops, bwd.ops
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_all_gather_dispatch_collective_count(num_chunks: int) -> None:
+    """Per chunk: one packed all-gather and one reduce-scatter forward, one coalesced reduce-scatter and
+    one all-gather backward; plus the token-count all-gather once per forward. (Before the packing:
+    three all-gathers per chunk forward, two reduce-scatters and an all-gather per chunk backward.)"""
+    fwd, bwd = run_distributed(_count_worker, 2, num_chunks)[0]
+    n = num_chunks
+    gather, scatter = "all_gather_into_tensor", "reduce_scatter_tensor"
+    assert sorted(fwd) == sorted([gather] * (1 + n) + [scatter] * n), fwd
+    assert sorted(bwd) == sorted([f"{scatter}_coalesced"] * n + [gather] * n), bwd

@@ -18,6 +18,7 @@ def expert_parallel(
     ep_mesh: DeviceMesh,
     backend: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
+    buffer_factor: float | None = None,
 ) -> MoELayer:
     """Shard ``layer``'s experts over ``ep_mesh`` and switch it to expert-parallel dispatch.
 
@@ -35,6 +36,11 @@ def expert_parallel(
         num_chunks: ``"all_to_all"`` and ``"all_gather"``: token chunks pipelined so that the exchanges
             overlap the expert compute (see :class:`AllToAllDispatcher`, :class:`AllGatherDispatcher`);
             ``None`` = 1.
+        buffer_factor: ``"all_gather"`` only: the permuted expert buffer holds ``buffer_factor`` times
+            the rows a rank gets under balanced routing instead of the exact ``P * T * k`` bound; more
+            assignments stop the step with a device-side assert naming
+            ``parallel.expert_buffer_factor`` (see :class:`AllGatherDispatcher`). ``None`` = the
+            exact bound.
 
     Returns:
         ``layer``.
@@ -42,7 +48,8 @@ def expert_parallel(
     Raises:
         ImportError: ``backend="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
         ValueError: a mesh that is not 1-D, experts not divisible by its size, applied twice, or
-            ``num_chunks`` set for ``"deepep"`` or below 1.
+            ``num_chunks`` set for ``"deepep"`` or below 1, ``buffer_factor`` set for another backend
+            than ``"all_gather"`` or not a finite number >= 1.
     """
     if ep_mesh.ndim != 1:
         raise ValueError(
@@ -60,11 +67,16 @@ def expert_parallel(
         raise ValueError(
             "expert_parallel: num_chunks applies to backends 'all_to_all' and 'all_gather', not 'deepep'"
         )
+    if buffer_factor is not None and backend != "all_gather":
+        raise ValueError(
+            f"expert_parallel: buffer_factor (parallel.expert_buffer_factor) applies to backend 'all_gather' "
+            f"only, not {backend!r}"
+        )
     chunks = 1 if num_chunks is None else num_chunks
     if backend == "deepep":
         dispatcher = DeepEPDispatcher(group, layer.num_experts)
     elif backend == "all_gather":
-        dispatcher = AllGatherDispatcher(group, chunks)
+        dispatcher = AllGatherDispatcher(group, chunks, buffer_factor)
     else:
         dispatcher = AllToAllDispatcher(group, chunks)
     ep = ep_mesh.size()

@@ -163,6 +163,13 @@ class ParallelConfig(BaseModel):
         expert_chunks: ``all_to_all`` and ``all_gather``: token chunks pipelined so that the
             exchanges overlap the expert GEMMs (the dispatcher's ``num_chunks``; 1 = no overlap;
             None = 1; ``deepep`` refuses it).
+        expert_buffer_factor: ``all_gather`` only: each rank's permuted expert buffer holds this
+            many times the rows its experts get when the routing is balanced (``T * k``), instead of
+            the exact bound ``P * T * k`` that no routing can overflow; the expert activations and
+            their elementwise work then scale with the factor instead of the EP size ``P``. A step
+            whose routing sends more assignments to a rank's experts stops with a device-side assert
+            naming this key (raise it, or None); nothing is dropped. 1.5-2 with load balancing (aux
+            loss or the selection bias); None = the exact bound.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -205,6 +212,22 @@ class ParallelConfig(BaseModel):
         ge=1,
         description="all_to_all/all_gather: token chunks overlapping exchanges with expert GEMMs (None: 1).",
     )
+    expert_buffer_factor: float | None = Field(
+        default=None,
+        ge=1.0,
+        allow_inf_nan=False,
+        description="all_gather: expert buffer rows as a multiple of balanced routing's; overflow "
+        "stops the step (None: exact P*T*k bound).",
+    )
+
+    @model_validator(mode="after")
+    def _buffer_factor_needs_all_gather(self) -> ParallelConfig:
+        if self.expert_buffer_factor is not None and self.expert_dispatch != "all_gather":
+            raise ValueError(
+                "parallel.expert_buffer_factor applies to parallel.expert_dispatch = 'all_gather' only, "
+                f"not {self.expert_dispatch!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cuda_graphs_need_compile(self) -> ParallelConfig:

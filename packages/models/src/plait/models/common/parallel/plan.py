@@ -172,6 +172,7 @@ def apply_expert_parallel(
     ep_mesh: DeviceMesh,
     dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
     num_chunks: int | None = None,
+    buffer_factor: float | None = None,
 ) -> None:
     """Shard every MoE layer's experts over ``ep_mesh`` (1-D) with ``plait.moe.expert_parallel``.
 
@@ -181,15 +182,18 @@ def apply_expert_parallel(
         dispatch: Token dispatch backend (``ParallelConfig.expert_dispatch``).
         num_chunks: overlap chunks of the ``all_to_all`` / ``all_gather`` dispatch
             (``ParallelConfig.expert_chunks``; None = 1).
+        buffer_factor: the ``all_gather`` dispatch's expert buffer, in multiples of balanced
+            routing's rows (``ParallelConfig.expert_buffer_factor``; None = the exact bound).
 
     Raises:
         ImportError: ``dispatch="deepep"`` without DeepEP installed (names ``plait-moe[deepep]``).
-        ValueError: ``num_chunks`` set with ``dispatch="deepep"``.
+        ValueError: ``num_chunks`` set with ``dispatch="deepep"``, ``buffer_factor`` with another
+            dispatch than ``"all_gather"``.
     """
     from plait.moe import expert_parallel
 
     for moe in model.moe_layers():
-        expert_parallel(moe, ep_mesh, backend=dispatch, num_chunks=num_chunks)
+        expert_parallel(moe, ep_mesh, backend=dispatch, num_chunks=num_chunks, buffer_factor=buffer_factor)
 
 
 def apply_fsdp(
@@ -322,7 +326,13 @@ def parallelize_decoder(
     experts_sharded = _dim_size(expert_mesh, "ep_shard") > 1 and bool(model.moe_layers())
     if experts_sharded:
         assert expert_mesh is not None
-        apply_expert_parallel(model, expert_mesh["ep_shard"], config.expert_dispatch, config.expert_chunks)
+        apply_expert_parallel(
+            model,
+            expert_mesh["ep_shard"],
+            config.expert_dispatch,
+            config.expert_chunks,
+            config.expert_buffer_factor,
+        )
     layers = {layer.layer_idx: layer for layer in model.decoder_layers()}
     apply_activation_checkpointing(dict(layers), config.activation_checkpointing)
     if config.compile:
