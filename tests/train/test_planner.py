@@ -1,9 +1,11 @@
 """``plait plan``: its model states equal what real ranks build, its valid layouts are those that build, its
-best layout trains, and a model that fits nowhere is refused with what would fit.
+best layout trains, and a model that fits nowhere is refused with what would fit; its activations measured
+on one or two layers of each kind equal those of the whole model, and a model far larger than the machine
+is planned in seconds.
 
 The references are real gloo ranks building the job's stages the way the trainer does (the stages of the
 rank's pipeline coordinate, parallelised and materialised, the job's optimizer stepped once), never the
-planner's own fake-group build.
+planner's own fake-group build; the activations' is a meta forward of the whole model.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -19,8 +22,10 @@ import torch
 from plait.dist_core import DeviceMeshParameters, DistributedContext
 from plait.dist_core.testing import run_distributed
 from plait.loop import BatchPlan, load_config
+from plait.models import estimate_num_parameters
 from plait.train.config import JobConfig
 from plait.train.planner import Layout, PlanJob, main, plan
+from plait.train.planner.memory import ActivationProfile, activation_profile, saved_bytes
 from plait.train.train import DEFAULT_CONFIG
 from torch.distributed.tensor import DTensor
 
@@ -29,6 +34,21 @@ from tests.e2e._pretrain_runner import REPO
 
 def _config(*overrides: str) -> JobConfig:
     return load_config(DEFAULT_CONFIG, list(overrides), cls=JobConfig)
+
+
+def _with_model(model: dict[str, Any], *overrides: str, **sections: Any) -> JobConfig:
+    """The default job with another ``[model]`` and top-level keys or sections replaced."""
+    data = _config(*overrides).model_dump(mode="json")
+    return JobConfig.model_validate({**data, **sections, "model": model})
+
+
+# Two dense layers, then MoE layers (sigmoid routing, a shared expert), and a multi-token-prediction module.
+TINY_DEEPSEEK = dict(
+    model_type="deepseek_v3", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    n_group=2, topk_group=1, first_k_dense_replace=2, num_nextn_predict_layers=1,
+)  # fmt: skip
 
 
 def _layout(
@@ -95,17 +115,35 @@ STATE_LAYOUTS = [
 def test_state_bytes_equal_what_the_ranks_build(layout: Layout, optimizer: str) -> None:
     cfg = _config(f"--optimizer.name={optimizer}")
     job = PlanJob(cfg)
-    _, num_stages, stages_of = job.schedule(
+    _, num_stages, placement = job.schedule(
         BatchPlan(
             cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len, layout.cp
         ),
         layout,
     )
-    predicted = job.rank_states(layout, num_stages, stages_of)
+    predicted = job.rank_states(layout, num_stages, placement)
     built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
     for p, (states, _) in enumerate(predicted):
         rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
         assert (states.params, states.grads, states.optimizer) == built[rank], (layout.name, p)
+
+
+@pytest.mark.parametrize(
+    "layout", [_layout(dps=2, ep=2), _layout(tp=2), _layout(pp=2, sched="1f1b")], ids=lambda lay: lay.name
+)
+def test_state_bytes_of_layers_of_two_kinds_equal_what_the_ranks_build(layout: Layout) -> None:
+    """The planner builds two layers of each kind (dense, MoE) of a 6-layer DeepSeek-V3 and counts the others
+    as their kind's: the sums are those of the ranks' whole stages, byte for byte."""
+    cfg = _with_model(TINY_DEEPSEEK)
+    job = PlanJob(cfg)
+    batch_plan = BatchPlan(
+        cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len
+    )
+    _, num_stages, placement = job.schedule(batch_plan, layout)
+    predicted = job.rank_states(layout, num_stages, placement)
+    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
+    for p, (states, _) in enumerate(predicted):
+        assert (states.params, states.grads, states.optimizer) == built[p * (layout.world // layout.pp)], p
 
 
 def _builds(config: dict[str, Any], layout: Layout) -> str:
@@ -215,3 +253,55 @@ def test_checkpointed_layers_keep_one_hidden_state_per_sample() -> None:
     assert all(layer == (hidden_state, 0) for layer in per_layer["full"]), per_layer["full"]
     for full, selective, none in zip(per_layer["full"], per_layer["selective"], per_layer["none"]):
         assert sum(full) < sum(selective) < sum(none)
+
+
+def _whole_model_activations(job: PlanJob, mode: str) -> ActivationProfile:
+    """The activation profile of one sample from meta forwards of the job's whole model (every layer)."""
+    ac, m = job.config.parallel.activation_checkpointing, job.model
+
+    def forward(checkpointing: str) -> Any:
+        update = {"mode": checkpointing, "every": 1}
+        provider = job.provider(compile=False, activation_checkpointing=ac.model_copy(update=update))
+        model = provider.parallelize(provider.build_stage(0, 1), None)
+        sac_ops = frozenset(ac.save_ops) if checkpointing == "none" else None
+        return saved_bytes(model, job.config.batching.seq_len, m.hidden_size, sac_ops)
+
+    return activation_profile(forward, mode, range(m.num_hidden_layers))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        TINY_DEEPSEEK | {"mtp_loss_weight": 0.3},
+        {**_config().model.model_dump(mode="json"), "num_hidden_layers": 6, "mlp_only_layers": [2]},  # type: ignore[union-attr]
+    ],
+    ids=["deepseek_v3-dense2-mtp", "qwen3_moe-dense-layer-2"],
+)
+def test_activations_of_the_layer_kinds_equal_the_whole_models(model: dict[str, Any]) -> None:
+    """Measured on one or two layers of each kind and mapped onto the others, a sample's activations equal,
+    byte for byte, those a forward of the whole model saves, under each checkpointing mode."""
+    job = PlanJob(_with_model(model, "--batching.seq_len=64"))
+    assert len(set(job.stand_in.values())) < job.model.num_hidden_layers
+    for mode in ("none", "selective", "full"):
+        planned = job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, 1, mode))
+        assert planned == _whole_model_activations(job, mode), mode
+
+
+def test_a_model_far_larger_than_the_machine_is_planned_in_seconds() -> None:
+    """DeepSeek-V3 671B (its config's defaults: 61 layers, 256 experts) at 4096 tokens on 2 GPUs, from the
+    config alone: every layout refused or priced, all too big; the two pipeline ranks of ``pp2`` hold the
+    model's 671B parameters, byte for byte, although each kind's layers were built once or twice."""
+    cfg = _with_model(
+        {"model_type": "deepseek_v3"}, "--optimizer.name=stochastic_adamw", model_dtype="bfloat16",
+        batching={"global_batch_size": 8, "microbatch_size": 1, "seq_len": 4096},
+    )  # fmt: skip
+    job = PlanJob(cfg)
+    start = time.perf_counter()
+    result = plan(cfg, 2, job=job)
+    elapsed = time.perf_counter() - start
+    assert not result.fits and result.too_big and result.unverified == 0
+    layout = _layout(pp=2, sched="1f1b")
+    _, num_stages, placement = job.schedule(BatchPlan(8, layout.microbatch_size, 1, 4096), layout)
+    ranks = job.rank_states(layout, num_stages, placement)
+    assert sum(states.params for states, _ in ranks) == 2 * estimate_num_parameters(cfg.model)
+    assert elapsed < 60, f"{elapsed:.1f} s"  # minutes when every layer was forwarded

@@ -1,8 +1,10 @@
 """``plait plan``: every layout a job can run on N GPUs, with its memory per GPU and step time predicted.
 
-:func:`plan` enumerates the candidates (:mod:`~plait.train.planner.layouts`), lets the job's own checks
-refuse the invalid ones (the batch plan, the pipeline schedule, the model built and parallelised on meta
-under a fake process group of N ranks: :mod:`~plait.train.planner.memory`), and prices each valid one:
+:func:`plan` enumerates the candidates (:mod:`~plait.train.planner.layouts`), ranks them all with estimated
+model states and pipeline bubbles, then lets the job's own checks refuse the invalid ones among the most
+promising (the batch plan, the pipeline schedule's program, the model built and parallelised on meta under
+a fake process group of N ranks, one or two layers of each kind standing for the others:
+:mod:`~plait.train.planner.memory`), and prices each valid one:
 
 - **memory per GPU** (the largest over the pipeline ranks): the sharded parameters, gradients and
   optimizer moments as built (exact); the FSDP2 units gathered at once (all of a stage's units with
@@ -30,8 +32,9 @@ The table ranks the layouts that fit by predicted tokens per second per GPU and 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,15 +42,20 @@ from typing import Any
 
 import torch
 from plait.loop import BatchPlan, ConfigError, load_config, split_cli_overrides
+from plait.models import stage_layer_ids
 from plait.pipelining import ActionCosts, build_program, lower, simulate
 from plait.train.config import JobConfig
 from plait.train.planner.layouts import CHECKPOINTING, Layout, candidate_layouts
 from plait.train.planner.memory import (
     ActivationProfile,
+    SavedBytes,
     StateBytes,
     activation_profile,
     context,
     fake_world,
+    keep_layers,
+    saved_bytes,
+    stand_ins,
     state_bytes,
 )
 from plait.train.planner.timing import Machine, calibrate, load_machine
@@ -96,12 +104,36 @@ class Plan:
     unverified: int = 0
 
 
+Placement = tuple[tuple[int, ...], ...]  # the stages of each pipeline rank
 RankStates = list[tuple[StateBytes, dict[int, list[int]]]]  # per pipeline rank: states, layers per stage
+_REFUSALS = (ValueError, NotImplementedError, RuntimeError, AssertionError)  # the job's checks raise these
+
+
+class _Refused(ValueError):
+    """A refusal already named by its exception's type (``"RuntimeError: ..."``)."""
 
 
 def state_key(layout: Layout, num_stages: int) -> tuple[int, ...]:
     """What a layout's model states depend on (FSDP shards over data x context ranks alike)."""
     return (layout.pp, num_stages, layout.dp_replicate, layout.dp_shard * layout.cp, layout.tp, layout.ep)
+
+
+def _refusal(e: Exception) -> str:
+    return str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def _once(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` the first time; what the job's checks raised then is raised again
+    (a ValueError naming it)."""
+    if key not in cache:
+        try:
+            cache[key] = make()
+        except _REFUSALS as e:
+            cache[key] = _Refused(_refusal(e))
+    value = cache[key]
+    if isinstance(value, _Refused):
+        raise _Refused(str(value))
+    return value
 
 
 class PlanJob:
@@ -115,167 +147,214 @@ class PlanJob:
         self.config = config
         self.model = config.model
         self.build_provider = build_provider
-        self.states: dict[tuple[Any, ...], RankStates | str] = {}
-        self._inventory: dict[str, Any] | None = None
-        self.programs: dict[tuple[Any, ...], Any] = {}
         self.flops_per_token = float(self.provider().flops_per_token(config.batching.seq_len))
-        self.activations: dict[tuple[int, str], ActivationProfile] = {}
+        self.stand_in = stand_ins(
+            self.model, range(self.model.num_hidden_layers)
+        )  # the layer measured for each
+        self._inventory: dict[str, Any] | None = None
+        self.schedules: dict[tuple[Any, ...], Any] = {}
+        self.programs: dict[tuple[Any, ...], Any] = {}
+        self.prototypes: dict[tuple[int, int], tuple[torch.nn.Module, dict[int, int]]] = {}
+        self.stages: dict[tuple[Any, ...], tuple[StateBytes, list[int]] | _Refused] = {}
+        self.ranks: dict[tuple[Any, ...], RankStates] = {}
+        self.forwards: dict[tuple[int, str], tuple[SavedBytes, SavedBytes]] = {}
+        self.activations: dict[tuple[Any, ...], ActivationProfile] = {}
+        self.stage_acts: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        self.memos: dict[tuple[Any, ...], Any] = {}
 
-    def schedule(self, batch_plan: BatchPlan, layout: Layout) -> tuple[Any, int, Callable[[int], list[int]]]:
-        """The layout's lowered pipeline program (None without pipelining), stage count and stages per rank.
+    def schedule(
+        self, batch_plan: BatchPlan, layout: Layout, *, exact: bool = True
+    ) -> tuple[Any, int, Placement]:
+        """The layout's lowered pipeline program (None without pipelining, or with ``exact=False``: the
+        first pass builds none), stage count and the stages of each pipeline rank.
 
         Raises:
             ValueError: the schedule refuses the layout (its own checks).
         """
         if layout.pp == 1:
-            return None, 1, lambda p: [0]
-        options = layout.pipeline_options()
-        key = (tuple(sorted((options or {}).items())), layout.pp, batch_plan.num_microbatches)
-        if key not in self.programs:
-            try:
-                schedule = batch_plan.schedule(options)
-                topo = schedule.topology(layout.pp)
-                placement = {p: sorted(topo.stages_of(p)) for p in range(layout.pp)}
-                self.programs[key] = (lower(build_program(schedule, layout.pp)), topo.num_stages, placement)
-            except ValueError as e:
-                self.programs[key] = f"ValueError: {str(e).splitlines()[0][:160]}"
-        cached = self.programs[key]
-        if isinstance(cached, str):
-            raise ValueError(cached.removeprefix("ValueError: "))
-        program, num_stages, placement = cached
-        return program, num_stages, placement.__getitem__
+            return None, 1, ((0,),)
+        key = (layout.schedule, layout.stages_per_rank, layout.pp, batch_plan.num_microbatches)
+
+        def topology() -> tuple[Any, int, Placement]:
+            schedule = batch_plan.schedule(layout.pipeline_options())
+            topo = schedule.topology(layout.pp)
+            return (
+                schedule,
+                topo.num_stages,
+                tuple(tuple(sorted(topo.stages_of(p))) for p in range(layout.pp)),
+            )
+
+        schedule, num_stages, placement = _once(self.schedules, key, topology)
+        program = (
+            _once(self.programs, key, lambda: lower(build_program(schedule, layout.pp))) if exact else None
+        )
+        return program, num_stages, placement
+
+    def memo(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, computed once per job."""
+        if (fn, *args) not in self.memos:
+            self.memos[fn, *args] = fn(*args)
+        return self.memos[fn, *args]
 
     def provider(self, **parallel: Any) -> Any:
         cfg = self.config.model_copy(update={"parallel": self.config.parallel.model_copy(update=parallel)})
         return self.build_provider(cfg)
 
+    def stage(self, s: int, num_stages: int) -> tuple[torch.nn.Module, dict[int, int]]:
+        """Stage ``s`` of ``num_stages`` built on meta with the stand-ins of its decoder layers only
+        (:func:`~plait.train.planner.memory.stand_ins`), not parallelised (a fresh copy each time: the plans
+        change it in place), and its layers' stand-ins."""
+        if (s, num_stages) not in self.prototypes:
+            stage = self.provider(compile=False).build_stage(s, num_stages)
+            stand_in = stand_ins(self.model, [ly.layer_idx for ly in stage.decoder_layers()])
+            self.prototypes[s, num_stages] = keep_layers(stage, set(stand_in.values())), stand_in
+        stage, stand_in = self.prototypes[s, num_stages]
+        return copy.deepcopy(stage), stand_in
+
     def rank_states(
-        self, layout: Layout, num_stages: int, stages_of: Callable[[int], list[int]]
+        self, layout: Layout, num_stages: int, placement: Placement, *, exact: bool = True
     ) -> RankStates:
-        """Per pipeline rank: its state bytes and the decoder layers of each of its stages, from the job's
-        model built and parallelised on meta under a fake group (:mod:`~plait.train.planner.memory`).
+        """Per pipeline rank: its state bytes and the decoder layers of each of its stages; each stage's
+        from the job's model built and parallelised on meta under a fake group
+        (:mod:`~plait.train.planner.memory`), or with ``exact=False`` estimated (:meth:`estimated_stage`).
 
         Raises:
             ValueError: the job's plan refuses the layout (the message says why).
         """
-        key = state_key(layout, num_stages)
-        if key not in self.states:
-            provider = self.provider(compile=False)
+        key = (exact, state_key(layout, num_stages), placement)
+        if key not in self.ranks:
+            stage = self.stage_states if exact else self.estimated_stage
             per_rank: RankStates = []
-            try:
-                for p in range(layout.pp):
-                    rank = p * (layout.world // layout.pp)
-                    with fake_world(layout.world, rank):
-                        ctx = context(layout.mesh(), rank)
-                        indices = stages_of(p)
-                        stages = [
-                            provider.parallelize(provider.build_stage(s, num_stages), ctx) for s in indices
-                        ]
-                        layers = {
-                            i: [ly.layer_idx for ly in st.decoder_layers()] for i, st in zip(indices, stages)
-                        }
-                        states = state_bytes(stages, self.config.optimizer)
-                    per_rank.append((states, layers))
-            except (ValueError, NotImplementedError, RuntimeError, AssertionError) as e:
-                self.states[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            else:
-                self.states[key] = per_rank
-        result = self.states[key]
-        if isinstance(result, str):
-            raise ValueError(result)
-        return result
+            for p, indices in enumerate(placement):
+                parts = {s: stage(layout, num_stages, s, p) for s in indices}
+                states = sum((st for st, _ in parts.values()), StateBytes(0, 0, 0, ()))
+                per_rank.append((states, {s: layers for s, (_, layers) in parts.items()}))
+            self.ranks[key] = per_rank
+        return self.ranks[key]
 
-    def estimated_states(
-        self, layout: Layout, num_stages: int, stages_of: Callable[[int], list[int]]
-    ) -> RankStates:
-        """:meth:`rank_states` estimated from the unsharded model's parameters (dense ones split over tensor
+    def stage_states(self, layout: Layout, num_stages: int, s: int, p: int) -> tuple[StateBytes, list[int]]:
+        """Stage ``s``'s state bytes on pipeline rank ``p`` and its decoder layers: the stage built with the
+        stand-ins of its layers and parallelised as that rank does, under a fake group of the layout's world
+        (a stage's states do not depend on which rank holds it)."""
+
+        def build() -> tuple[StateBytes, list[int]]:
+            stage, stand_in = self.stage(s, num_stages)
+            rank = p * (layout.world // layout.pp)
+            with fake_world(layout.world, rank):
+                stage = self.provider(compile=False).parallelize(stage, context(layout.mesh(), rank))
+                return state_bytes(stage, self.config.optimizer, stand_in), list(stand_in)
+
+        return _once(self.stages, (state_key(layout, num_stages), s), build)
+
+    def estimated_stage(
+        self, layout: Layout, num_stages: int, s: int, p: int
+    ) -> tuple[StateBytes, list[int]]:
+        """:meth:`stage_states` estimated from the unsharded model's parameters (dense ones split over tensor
         and FSDP ranks, experts over expert and their FSDP ranks): the first pass's ranking only."""
+        del p
         inv = self.inventory()
-        per_stage = self.model.num_hidden_layers / num_stages
+        layers = stage_layer_ids(self.model.num_hidden_layers, s, num_stages)
         fsdp = layout.dp_shard * layout.cp
         expert_fsdp = max(1, layout.dp * layout.cp // layout.ep) if layout.ep > 1 else fsdp
-        ratio = inv["optimizer_ratio"]
-        per_rank: RankStates = []
-        for p in range(layout.pp):
-            indices = stages_of(p)
-            by_stage = {
-                s: [i for i in range(self.model.num_hidden_layers) if int(i // per_stage) == s]
-                for s in indices
-            }
-            layers = [i for ly in by_stage.values() for i in ly]
-            first, last = 0 in indices, num_stages - 1 in indices
-            dense = sum(inv["dense"][i] for i in layers) + inv["embed"] * first + inv["head"] * last
-            experts = sum(inv["experts"][i] for i in layers)
-            local = dense / layout.tp / fsdp + experts / layout.ep / expert_fsdp
-            units = [inv["dense"][i] / layout.tp + inv["experts"][i] / layout.ep for i in layers]
-            units.append((inv["embed"] * first + inv["head"] * last) / layout.tp)
-            states = StateBytes(
-                int(local), int(local * inv["trainable"]), int(local * ratio), tuple(int(u) for u in units)
-            )
-            per_rank.append((states, by_stage))
-        return per_rank
+        ends = inv["embed"] * (s == 0) + inv["head"] * (s == num_stages - 1)
+        dense = sum(inv["dense"][i] for i in layers) + ends
+        experts = sum(inv["experts"][i] for i in layers)
+        local = dense / layout.tp / fsdp + experts / layout.ep / expert_fsdp
+        units = [inv["dense"][i] / layout.tp + inv["experts"][i] / layout.ep for i in layers]
+        units.append(ends / layout.tp)
+        states = StateBytes(
+            int(local), int(local * inv["trainable"]), int(local * inv["optimizer_ratio"]),
+            tuple(int(u) for u in units),
+        )  # fmt: skip
+        return states, layers
 
     def inventory(self) -> dict[str, Any]:
         """Parameter bytes of the unsharded model: per layer (dense, experts), the embedding, the rest (head,
         final norm); the trainable share and the optimizer's bytes per parameter byte."""
         if self._inventory is None:
-            model = self.provider(compile=False).build_stage(0, 1)
-            n = self.config.model.num_hidden_layers  # type: ignore[union-attr]
-            dense, experts = [0] * n, [0] * n
-            embed = head = trainable = total = 0
+            model, stand_in = self.stage(0, 1)
+            built: dict[int, list[int]] = defaultdict(
+                lambda: [0, 0, 0]
+            )  # per built layer: dense, experts, trainable
+            embed = head = trainable = 0
             for name, q in model.named_parameters():
                 nbytes = q.numel() * q.element_size()
-                total += nbytes
-                trainable += nbytes * q.requires_grad
                 if ".layers." in name:
-                    i = int(name.split(".layers.")[1].split(".")[0])
-                    (experts if ".experts." in name else dense)[i] += nbytes
-                elif "embed" in name:
+                    layer = built[int(name.split(".layers.")[1].split(".")[0])]
+                    layer[".experts." in name] += nbytes
+                    layer[2] += nbytes * q.requires_grad
+                    continue
+                trainable += nbytes * q.requires_grad
+                if "embed" in name:
                     embed += nbytes
                 else:
                     head += nbytes
-            states = state_bytes([model], self.config.optimizer)
+            dense, experts = (
+                [built[j][0] for j in stand_in.values()],
+                [built[j][1] for j in stand_in.values()],
+            )
+            total = embed + head + sum(dense) + sum(experts)
+            trainable += sum(built[j][2] for j in stand_in.values())
+            states = state_bytes(model, self.config.optimizer, stand_in)
             self._inventory = {
                 "dense": dense, "experts": experts, "embed": embed, "head": head,
                 "trainable": trainable / max(total, 1), "optimizer_ratio": states.optimizer / max(total, 1),
             }  # fmt: skip
         return self._inventory
 
+    def saved(self, seq: int, mode: str) -> tuple[SavedBytes, SavedBytes]:
+        """:func:`~plait.train.planner.memory.saved_bytes` of one sample of ``seq`` tokens through the job's
+        unsharded model built with the layers' stand-ins, checkpointed by ``mode`` (``none``: with the
+        outputs of the selective policy's ops; ``full``)."""
+        if (seq, mode) not in self.forwards:
+            ac = self.config.parallel.activation_checkpointing
+            provider = self.provider(
+                compile=False, activation_checkpointing=ac.model_copy(update={"mode": mode, "every": 1})
+            )
+            stage, _ = self.stage(0, 1)
+            sac_ops = frozenset(ac.save_ops) if mode == "none" else None
+            self.forwards[seq, mode] = saved_bytes(
+                provider.parallelize(stage, None), seq, self.model.hidden_size, sac_ops
+            )
+        return self.forwards[seq, mode]
+
     def activation(self, layout: Layout, *, exact: bool = True) -> ActivationProfile:
         """One sample's activations on a rank of ``layout`` (the first pass scales the whole sequence's by the
         context-parallel degree instead of measuring each shard length)."""
-        if not exact and layout.cp > 1:
-            return self.activation(dataclasses.replace(layout, cp=1)).scaled(1 / layout.cp)
-        seq = self.config.batching.seq_len // layout.cp
-        key = (seq, layout.checkpointing)
+        measured = layout.cp if exact else 1  # the context-parallel degree whose shard is measured
+        key = (layout.cp, measured, layout.checkpointing)
         if key not in self.activations:
-            ac = self.config.parallel.activation_checkpointing
-
-            def build(mode: str) -> torch.nn.Module:
-                provider = self.provider(
-                    compile=False, activation_checkpointing=ac.model_copy(update={"mode": mode, "every": 1})
-                )
-                return provider.parallelize(provider.build_stage(0, 1), None)
-
-            self.activations[key] = activation_profile(
-                build, layout.checkpointing, ac.save_ops, 1, seq,
-                self.model.hidden_size, self.model.num_hidden_layers,
-            )  # fmt: skip
+            seq = self.config.batching.seq_len // measured
+            profile = activation_profile(
+                lambda mode: self.saved(seq, mode), layout.checkpointing, list(self.stand_in.values())
+            )
+            self.activations[key] = profile if measured == layout.cp else profile.scaled(1 / layout.cp)
         return self.activations[key]
 
+    def stage_activations(self, layout: Layout, num_stages: int, *, exact: bool = True) -> tuple[int, ...]:
+        """One sample's activations on each of ``num_stages`` stages of ``layout`` (:meth:`activation`)."""
+        key = (layout.cp, exact, layout.checkpointing, layout.tp, num_stages)
+        if key not in self.stage_acts:
+            acts, n = self.activation(layout, exact=exact), self.model.num_hidden_layers
+            self.stage_acts[key] = tuple(
+                acts.stage(stage_layer_ids(n, s, num_stages), s == 0, s == num_stages - 1, layout.tp)
+                for s in range(num_stages)
+            )
+        return self.stage_acts[key]
 
-def _comm_per_microbatch(job: PlanJob, layout: Layout, machine: Machine, layers: list[int]) -> float:
-    """Tensor, context and expert parallelism's collectives of one microbatch of a stage (forward and
+
+def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
+    """Tensor, context and expert parallelism's collectives of one microbatch in one layer (forward and
     backward): they wait inside the layers."""
     m, b = job.model, job.config.batching
     tokens = layout.microbatch_size * b.seq_len // layout.cp
     act = tokens * m.hidden_size * 2  # bf16 activations
     s = 0.0
     if layout.tp > 1:  # two all-reduces per layer forward, two in the backward
-        s += 4 * len(layers) * machine.collective_s("all_reduce", act, layout.tp)
+        s += 4 * machine.collective_s("all_reduce", act, layout.tp)
     if layout.cp > 1:  # keys and values gathered in the forward, their gradients reduce-scattered back
         kv = 2 * layout.microbatch_size * b.seq_len * m.kv_heads * m.resolved_head_dim * 2 // layout.tp
-        s += len(layers) * 2 * machine.collective_s("all_gather", kv, layout.cp)
+        s += 2 * machine.collective_s("all_gather", kv, layout.cp)
     experts = getattr(m, "num_experts", None)
     if layout.ep > 1 and experts:
         k = getattr(m, "num_experts_per_tok", 1)
@@ -284,25 +363,51 @@ def _comm_per_microbatch(job: PlanJob, layout: Layout, machine: Machine, layers:
                         + machine.collective_s("reduce_scatter", act * layout.ep, layout.ep))  # fmt: skip
         else:
             each = 4 * machine.collective_s("all_to_all", act * k, layout.ep)
-        s += len(layers) * each
+        s += each
     return s
+
+
+def _fsdp_collectives(
+    units: tuple[int, ...], fsdp: int, machine: Machine
+) -> tuple[float, float, float, float]:
+    """Seconds of FSDP2's collectives of ``units`` over ``fsdp`` ranks: all the all-gathers, all the
+    reduce-scatters, the first unit's all-gather and the last unit's reduce-scatter."""
+    gather = [machine.collective_s("all_gather", u, fsdp) for u in units]
+    scatter = [machine.collective_s("reduce_scatter", u, fsdp) for u in units]
+    return sum(gather), sum(scatter), gather[0], scatter[-1]
+
+
+def _resident(states: StateBytes, fsdp: bool, reshard: bool) -> tuple[float, dict[str, float]]:
+    """The bytes a rank's model states keep on its GPU and their parts: the local states; with FSDP the units
+    gathered at once (all without resharding, else the two largest and the root's) and the reduce-scatter
+    buffers of the largest."""
+    gathered = sorted(states.gathered)
+    inflight = sum(gathered) if not reshard else sum(gathered[-2:]) + (states.gathered[-1] if gathered else 0)
+    biggest = gathered[-1] if gathered else 0
+    parts = {
+        "params": float(states.params), "grads": float(states.grads), "optimizer": float(states.optimizer),
+        "gathered": float(inflight if fsdp else 0), "reduce_buffers": float(2 * biggest if fsdp else 0),
+    }  # fmt: skip
+    return sum(parts.values()), parts
 
 
 def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = True) -> Prediction | str:
     """The prediction of ``layout``, or why the job refuses it; ``exact=False`` estimates the model states
-    instead of building them (the first pass of :func:`plan`)."""
+    and the pipeline's bubble instead of building the stages and the schedule's program (the first pass
+    of :func:`plan`: the batch plan and the schedule's options are checked, not the rest)."""
     cfg, m = job.config, job.model
     try:
         batch_plan = BatchPlan(cfg.batching.global_batch_size, layout.microbatch_size, layout.dp,
                                cfg.batching.seq_len, layout.cp)  # fmt: skip
         nmb = batch_plan.num_microbatches
-        program, num_stages, stages_of = job.schedule(batch_plan, layout)
+        program, num_stages, placement = job.schedule(batch_plan, layout, exact=exact)
         if num_stages > m.num_hidden_layers:
             return f"{num_stages} stages for {m.num_hidden_layers} layers"
-        ranks = (job.rank_states if exact else job.estimated_states)(layout, num_stages, stages_of)
+        ranks = job.rank_states(layout, num_stages, placement, exact=exact)
         acts = job.activation(layout, exact=exact)
-    except (ValueError, NotImplementedError, RuntimeError, ConfigError, AssertionError) as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        stage_acts = job.stage_activations(layout, num_stages, exact=exact)
+    except _REFUSALS as e:
+        return _refusal(e)
 
     seq = cfg.batching.seq_len
     tokens_mb = layout.microbatch_size * seq // layout.cp
@@ -310,27 +415,32 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     head_flops = 6 * m.hidden_size * m.vocab_size
     layer_flops = (flops_token - head_flops) / m.num_hidden_layers
     extra_bwd = {"none": 0.0, "selective": _SELECTIVE_RECOMPUTE, "full": 1.0}[layout.checkpointing]
+    comm_layer = _comm_per_layer(job, layout, machine)
 
-    def stage_costs(layers: list[int], last: bool) -> tuple[float, float, float]:
-        flops = (layer_flops * len(layers) + head_flops * last) * tokens_mb / layout.tp
-        fixed = machine.microbatch_s * len(layers) / m.num_hidden_layers  # a third of it in the forward
+    def stage_costs(layers: int, last: bool) -> tuple[float, float]:
+        flops = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp
+        fixed = machine.microbatch_s * layers / m.num_hidden_layers  # a third of it in the forward
         fwd = flops / 3 / machine.flops + fixed / 3
-        comm = _comm_per_microbatch(job, layout, machine, layers)
-        return fwd + comm / 2, (2 + extra_bwd) * fwd + comm / 2, comm
+        comm = comm_layer * layers
+        return fwd + comm / 2, (2 + extra_bwd) * fwd + comm / 2
 
-    stage_layers = {s: ly for _, by_stage in ranks for s, ly in by_stage.items()}
-    stage_flags = {s: (s == 0, s == num_stages - 1) for s in stage_layers}
-    # one sample's activations times the microbatch (every saved tensor is per sample)
     mb = layout.microbatch_size
-    act_bytes = {s: float(mb * acts.stage(ly, *stage_flags[s], layout.tp)) for s, ly in stage_layers.items()}
-    costs = {s: stage_costs(ly, stage_flags[s][1]) for s, ly in stage_layers.items()}
-    tp_comm = sum(c[2] for c in costs.values()) * nmb / layout.pp
+    cost_of: dict[tuple[int, bool], tuple[float, float]] = {}  # by (layers, last)
+    costs, act_bytes = {}, {}
+    for _, by_stage in ranks:
+        for s, ly in by_stage.items():
+            shape = (len(ly), s == num_stages - 1)
+            if shape not in cost_of:
+                cost_of[shape] = stage_costs(*shape)
+            costs[s] = cost_of[shape]
+            act_bytes[s] = float(mb * stage_acts[s])  # every saved tensor is per sample
+    tp_comm = comm_layer * m.num_hidden_layers * nmb / layout.pp
     p2p = machine.collective_s("send_recv", tokens_mb * m.hidden_size * 2, 2) if layout.pp > 1 else 0.0
-    if program is None:
-        f, b, _ = costs[0]
+    if layout.pp == 1:
+        f, b = costs[0]
         compute_s, bubble, peak_acts = nmb * (f + b), 0.0, [act_bytes[0]]
-    elif not exact:  # the first pass: the bubble of a 1F1B-like schedule, its activations in flight
-        slowest = max(f + b for f, b, _ in costs.values()) * len(stage_layers) / layout.pp
+    elif program is None:  # the first pass: the bubble of a 1F1B-like schedule, its activations in flight
+        slowest = max(f + b for f, b in cost_of.values()) * num_stages / layout.pp
         compute_s = (nmb + (layout.pp - 1) / layout.stages_per_rank) * slowest
         bubble = 1 - nmb * slowest / compute_s
         inflight = nmb if layout.schedule == "gpipe" else min(nmb, layout.pp)
@@ -339,7 +449,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         result = simulate(program, ActionCosts(comm=p2p), stage_costs={
             s: ActionCosts(forward=f, backward=b, backward_input=b / 2, backward_weight=b / 2, comm=p2p,
                            activation_memory=act_bytes[s])
-            for s, (f, b, _) in costs.items()
+            for s, (f, b) in costs.items()
         })  # fmt: skip
         compute_s, bubble, peak_acts = result.step_time, result.bubble_fraction, list(result.peak_activations)
 
@@ -347,11 +457,10 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     fsdp_n = layout.dp_shard * layout.cp
     reshard = cfg.parallel.reshard_after_forward is not False
     gathers = (2 * nmb if reshard else 1) if fsdp_n > 1 else 0
-    units = ranks[0][0].gathered
-    ag = [machine.collective_s("all_gather", u, fsdp_n) for u in units]
-    rs = [machine.collective_s("reduce_scatter", u, fsdp_n) for u in units]
-    fsdp_total = sum(ag) * gathers + sum(rs) if fsdp_n > 1 else 0.0
-    fsdp_exposed = (ag[0] + rs[-1] + max(0.0, fsdp_total - compute_s)) if fsdp_n > 1 and units else 0.0
+    fsdp_exposed = 0.0
+    if fsdp_n > 1 and ranks[0][0].gathered:
+        gather, scatter, first, last = job.memo(_fsdp_collectives, ranks[0][0].gathered, fsdp_n, machine)
+        fsdp_exposed = first + last + max(0.0, gathers * gather + scatter - compute_s)
     states0 = ranks[0][0]
     replica = machine.collective_s(
         "all_reduce", states0.grads, layout.dp_replicate, inter_node=layout.world > machine.gpus_per_node
@@ -361,22 +470,16 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     tok_s = cfg.batching.global_batch_size * seq / step / layout.world
 
     # memory of the fullest pipeline rank
-    best: dict[str, float] = {}
-    for p, (states, _) in enumerate(ranks):
-        gathered = sorted(states.gathered)
-        inflight = (
-            sum(gathered)
-            if not reshard
-            else sum(gathered[-2:]) + (states.gathered[-1] if states.gathered else 0)
-        )
-        biggest = gathered[-1] if gathered else 0
-        parts = {
-            "params": float(states.params), "grads": float(states.grads), "optimizer": float(states.optimizer),
-            "gathered": float(inflight if fsdp_n > 1 else 0), "activations": float(peak_acts[p]),
-            "recompute": float(mb * acts.split(acts.transient, layout.tp)), "reduce_buffers": float(2 * biggest if fsdp_n > 1 else 0),
-        }  # fmt: skip
-        if sum(parts.values()) > sum(best.values()):
-            best = parts
+    totals = [
+        job.memo(_resident, st, fsdp_n > 1, reshard)[0] + peak_acts[p] for p, (st, _) in enumerate(ranks)
+    ]
+    fullest = max(range(len(ranks)), key=totals.__getitem__)
+    resident = job.memo(_resident, ranks[fullest][0], fsdp_n > 1, reshard)[1]
+    best = {
+        "params": resident["params"], "grads": resident["grads"], "optimizer": resident["optimizer"],
+        "gathered": resident["gathered"], "activations": float(peak_acts[fullest]),
+        "recompute": float(mb * acts.split(acts.transient, layout.tp)), "reduce_buffers": resident["reduce_buffers"],
+    }  # fmt: skip
     peak = sum(best.values()) * machine.fragmentation
     exposed = tp_comm + fsdp_exposed + replica
     if peak > 0.9 * machine.memory_gib * GIB:
@@ -403,10 +506,11 @@ def plan(
 ) -> Plan:
     """Every layout of ``config`` on ``gpus`` GPUs, priced on ``machine`` (default :class:`Machine`).
 
-    Two passes: every candidate is priced with estimated model states, then the layouts of the
-    ``exact_limit`` most promising distinct meshes (all of them when there are no more; fitting ones
-    first, fastest first) are built under the fake group and priced exactly. Only exactly priced layouts
-    are listed; the others are counted in ``Plan.unverified``.
+    Two passes: every candidate is priced with estimated model states and pipeline bubbles, then the
+    layouts of the most promising distinct meshes (fitting ones first, fastest first) are built (the
+    schedule's program, the stages under the fake group) and priced exactly, until ``exact_limit`` meshes
+    of which the job accepts a layout are (or all are). Only exactly priced layouts are listed; the
+    others are counted in ``Plan.unverified``.
     """
     machine = machine or Machine()
     job = job or PlanJob(config)
@@ -428,19 +532,22 @@ def plan(
         return (best.peak_bytes > machine.memory_gib * GIB, -best.tokens_per_s_per_gpu)
 
     keys = sorted(coarse, key=promise)
-    fits, too_big = [], []
-    for key in keys[:exact_limit]:
-        for layout, _ in coarse[key]:
+    fits: list[Prediction] = []
+    too_big: list[Prediction] = []
+    accepted = 0  # meshes priced exactly of which the job accepts a layout
+    while keys and accepted < exact_limit:
+        valid = False
+        for layout, _ in coarse[keys.pop(0)]:
             result = predict(job, layout, machine)
             if isinstance(result, str):
                 refused[result] += 1
-            elif result.peak_bytes > machine.memory_gib * GIB:
-                too_big.append(result)
-            else:
-                fits.append(result)
+                continue
+            (too_big if result.peak_bytes > machine.memory_gib * GIB else fits).append(result)
+            valid = True
+        accepted += valid
     fits.sort(key=lambda r: -r.tokens_per_s_per_gpu)
     too_big.sort(key=lambda r: r.peak_bytes)
-    unverified = sum(len(coarse[k]) for k in keys[exact_limit:])
+    unverified = sum(len(coarse[k]) for k in keys)
     return Plan(gpus, machine, fits, too_big, refused, unverified)
 
 

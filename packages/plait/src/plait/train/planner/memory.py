@@ -1,24 +1,30 @@
 """What one GPU of a layout holds: the sharded model states, exactly, and the activations, measured.
 
-States (parameters, gradients, optimizer moments) come from the job's own model built on the meta device
-and parallelised by the job's own plan (TP, EP, FSDP2) under torch's ``fake`` process group of the
-layout's world size: no memory, no GPU, any model size. Each pipeline rank's stages are built as that
-rank builds them (:func:`fake_world` re-creates the group as the rank with that pipeline coordinate and
-data / context / tensor coordinate 0, which holds the largest FSDP shard where shards are uneven).
+Both come from the job's own model built on the meta device with one or two decoder layers of each kind
+(MoE or dense, attention window, layer type; :func:`stand_ins`) and mapped onto every layer of their kind,
+so that a model of any size and depth is measured in seconds.
 
-Activations come from one forward of the job's unsharded model on the meta device per microbatch shape
-and checkpointing mode: every tensor autograd saves is counted once (by storage) and attributed to the
-decoder layer it was saved in, or to the stage's ends (embedding, head and loss). Selective checkpointing
-saves its ops' outputs outside those hooks, so they are counted from the outputs of the policy's ops in
-the unchecked forward. Tensors whose last dim is not the model width are divided by the tensor-parallel
-degree (heads and FFN width are split; the residual stream is not), when a layout's stage is priced.
+States (parameters, gradients, optimizer moments) come from each stage built that way and parallelised by
+the job's own plan (TP, EP, FSDP2) under torch's ``fake`` process group of the layout's world size: no
+memory, no GPU. A stage is built as the pipeline rank that holds it builds it (:func:`fake_world`
+re-creates the group as the rank with that pipeline coordinate and data / context / tensor coordinate 0,
+which holds the largest FSDP shard where shards are uneven). Layers of a kind are sharded alike, so the
+sums are those of the whole stage, byte for byte.
+
+Activations come from one forward of the job's unsharded model on the meta device per sequence length,
+unchecked and fully checkpointed: every tensor autograd saves is counted once (by storage) and attributed
+to the decoder layer it was saved in, or to the stage's ends (embedding, head and loss). Selective
+checkpointing saves its ops' outputs outside those hooks, so they are counted from the outputs of the
+policy's ops in the unchecked forward. Tensors whose last dim is not the model width are divided by the
+tensor-parallel degree (heads and FFN width are split; the residual stream is not), when a layout's stage
+is priced.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +34,46 @@ from plait.dist_core import DeviceMeshParameters, DistributedContext
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ActivationProfile", "StateBytes", "activation_profile", "fake_world", "state_bytes"]
+__all__ = [
+    "ActivationProfile",
+    "SavedBytes",
+    "StateBytes",
+    "activation_profile",
+    "fake_world",
+    "keep_layers",
+    "saved_bytes",
+    "stand_ins",
+    "state_bytes",
+]
 
 # Mesh dims over which FSDP2 shards parameters (what its all-gather undoes).
 _FSDP_DIMS = ("dp_cp_shard", "ep_replicate")
+
+SavedBytes = dict[int, list[int]]  # per layer index (-1: before the layers, -2: after): [model-wide, other]
+
+
+def stand_ins(config: Any, layer_ids: Sequence[int]) -> dict[int, int]:
+    """Each of ``layer_ids``' stand-in: itself for the first two layers of each kind (MoE or dense, window,
+    layer type: what ``plait.models.estimate_num_parameters`` tells apart), the second of its kind for the
+    others. A layer holds and saves what any layer of its kind does, except that tensors several layers
+    save (the rotary tables, a window's mask) are counted on the first that saves them."""
+    kept: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    out = {}
+    for i in layer_ids:
+        first = kept[(config.is_moe_layer(i), config.sliding_window_of(i), config.layer_type_of(i))]
+        if len(first) < 2:
+            first.append(i)
+        out[i] = first[-1]
+    return out
+
+
+def keep_layers(stage: nn.Module, keep: Collection[int]) -> nn.Module:
+    """``stage`` (just built, not parallelised) without its decoder layers whose index is not in ``keep``."""
+    layers = stage.get_submodule("model.layers")  # the trunk's layers by global index
+    assert isinstance(layers, nn.ModuleDict)
+    for key in [k for k in layers if int(k) not in keep]:
+        del layers[key]
+    return stage
 
 
 @dataclass(frozen=True)
@@ -42,7 +84,7 @@ class StateBytes:
         params, grads, optimizer: the local shards (gradients of trainable parameters in their dtype,
             the optimizer's moments: two per parameter for AdamW, one for SGD with momentum, none without).
         gathered: per FSDP2 unit, the bytes its all-gather materialises (the unit's parameters unsharded
-            over the FSDP dims, in their dtype), outermost unit last.
+            over the FSDP dims, in their dtype), outermost unit last (stage by stage).
     """
 
     params: int
@@ -53,6 +95,13 @@ class StateBytes:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    def __add__(self, other: StateBytes) -> StateBytes:
+        """The states of two stages on one rank."""
+        return StateBytes(
+            self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer,
+            self.gathered + other.gathered,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -107,38 +156,46 @@ def _moments(optimizer: Any) -> tuple[int, torch.dtype | None]:
     return 2, None
 
 
-def state_bytes(stages: Sequence[nn.Module], optimizer: Any) -> StateBytes:
-    """The local model state of ``stages`` (one rank's, built on meta and parallelised)."""
+def state_bytes(stage: nn.Module, optimizer: Any, stand_in: Mapping[int, int] | None = None) -> StateBytes:
+    """The local model state of one stage (built on meta and parallelised).
+
+    ``stand_in`` maps every decoder layer of the stage, in order, to the built layer that stands for it
+    (the stage was built with :func:`keep_layers` of :func:`stand_ins`); default: the layers built.
+    """
     from torch.distributed.fsdp import FSDPModule
 
+    layers = {ly.layer_idx: ly for ly in stage.decoder_layers()}  # type: ignore[operator]
+    stand_in = stand_in or {i: i for i in layers}
+    owner = {id(x): i for i, ly in layers.items() for x in (*ly.modules(), *ly.parameters())}
     moments, moment_dtype = _moments(optimizer)
-    params = grads = opt = 0
-    seen: set[int] = set()
-    for stage in stages:
-        for p in stage.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            local = _local(p)
-            nbytes = local.numel() * local.element_size()
-            params += nbytes
-            if p.requires_grad:
-                grads += nbytes
-                size = local.element_size() if moment_dtype is None else moment_dtype.itemsize
-                opt += moments * local.numel() * size
-    gathered = []
+    sums: dict[int | None, list[int]] = defaultdict(lambda: [0, 0, 0])  # per built layer; None: the rest
+    for p in stage.parameters():
+        local = _local(p)
+        nbytes = local.numel() * local.element_size()
+        acc = sums[owner.get(id(p))]
+        acc[0] += nbytes
+        if p.requires_grad:
+            acc[1] += nbytes
+            size = local.element_size() if moment_dtype is None else moment_dtype.itemsize
+            acc[2] += moments * local.numel() * size
+    units: list[tuple[int | None, int]] = []  # (the built layer holding it or None, bytes), outermost last
     owned: set[int] = set()
-    for stage in stages:
-        units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
-        for unit in reversed(units):  # innermost first: a parameter belongs to the innermost unit holding it
-            unit_bytes = 0
-            for p in unit.parameters():
-                if id(p) in owned or _gather_factor(p) == 1:
-                    continue
-                owned.add(id(p))
-                local = _local(p)
-                unit_bytes += local.numel() * local.element_size() * _gather_factor(p)
+    for unit in reversed([m for m in stage.modules() if isinstance(m, FSDPModule)]):
+        unit_bytes = 0  # innermost first: a parameter belongs to the innermost unit holding it
+        for p in unit.parameters():
+            if id(p) in owned or _gather_factor(p) == 1:
+                continue
+            owned.add(id(p))
+            local = _local(p)
+            unit_bytes += local.numel() * local.element_size() * _gather_factor(p)
+        units.append((owner.get(id(unit)), unit_bytes))
+    gathered: list[int] = []
+    for i, (layer, unit_bytes) in enumerate(units):
+        if layer is None:
             gathered.append(unit_bytes)
+        elif i == 0 or units[i - 1][0] is None:  # the layers' units (last layer first): every layer's
+            gathered += [b for j in reversed(stand_in) for held, b in units if held == stand_in[j]]
+    params, grads, opt = (sums[None][k] + sum(sums[stand_in[j]][k] for j in stand_in) for k in range(3))
     return StateBytes(params, grads, opt, tuple(gathered))
 
 
@@ -182,7 +239,7 @@ class _OpOutputs(TorchDispatchMode):
     def __init__(self, ops: frozenset[str], where: list[int], hidden: int) -> None:
         super().__init__()
         self.ops, self.where, self.hidden = ops, where, hidden
-        self.bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        self.bytes: SavedBytes = defaultdict(lambda: [0, 0])
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -197,14 +254,15 @@ def _add(acc: list[int], t: torch.Tensor, hidden: int) -> None:
     acc[0 if t.dim() and t.shape[-1] == hidden else 1] += t.numel() * t.element_size()
 
 
-def _saved_bytes(
-    model: nn.Module, ids: torch.Tensor, hidden: int, sac_ops: frozenset[str] | None = None
-) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """One meta forward of ``model``: saved bytes per layer index (-1: before the layers, -2: after), and
-    the bytes of ``sac_ops``' outputs per layer."""
+def saved_bytes(
+    model: nn.Module, seq: int, hidden: int, sac_ops: frozenset[str] | None = None
+) -> tuple[SavedBytes, SavedBytes]:
+    """One meta forward of ``model`` on one sample of ``seq`` tokens: saved bytes per layer index, and the
+    bytes of ``sac_ops``' outputs per layer."""
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     where = [-1]
-    saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    storages: set[int] = set()
+    saved: SavedBytes = defaultdict(lambda: [0, 0])
+    storages: dict[int, torch.UntypedStorage] = {}  # held: a freed storage's id would be reused
     handles = []
     for layer in model.decoder_layers():  # type: ignore[operator]
         handles.append(
@@ -213,9 +271,9 @@ def _saved_bytes(
         handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -2)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = id(t.untyped_storage())
-        if key not in storages and not isinstance(t, nn.Parameter):
-            storages.add(key)
+        storage = t.untyped_storage()
+        if id(storage) not in storages and not isinstance(t, nn.Parameter):
+            storages[id(storage)] = storage
             _add(saved[where[0]], t, hidden)
         return t
 
@@ -230,28 +288,26 @@ def _saved_bytes(
 
 
 def activation_profile(
-    build: Any, mode: str, save_ops: Sequence[str], microbatch: int, seq: int, hidden: int, layers: int
+    forward: Callable[[str], tuple[SavedBytes, SavedBytes]], mode: str, stand_in: Sequence[int]
 ) -> ActivationProfile:
-    """Activation bytes of one microbatch of ``[microbatch, seq]`` tokens under checkpointing ``mode``.
+    """Activation bytes of one sample under checkpointing ``mode``.
 
-    ``build(mode)`` returns the job's whole model (one stage) on meta, with that checkpointing applied and
-    nothing compiled.
+    ``forward(m)`` is :func:`saved_bytes` of the job's model with checkpointing ``m`` (``"none"``: with the
+    outputs of the selective policy's ops; ``"full"``); decoder layer ``i`` is measured on ``stand_in[i]``.
     """
-    ids = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
-    plain, sac = _saved_bytes(
-        build("none"), ids, hidden, frozenset(save_ops) if mode == "selective" else None
-    )
 
-    def pair(d: dict[int, list[int]], i: int) -> tuple[int, int]:
+    def pair(d: SavedBytes, i: int) -> tuple[int, int]:
         v = d.get(i, [0, 0])
         return (v[0], v[1])
 
+    plain, sac = forward("none")
     ends = (pair(plain, -1), pair(plain, -2))
     if mode == "none":
-        return ActivationProfile(tuple(pair(plain, i) for i in range(layers)), ends, (0, 0))
-    checked, _ = _saved_bytes(build("full"), ids, hidden)
+        return ActivationProfile(tuple(pair(plain, j) for j in stand_in), ends, (0, 0))
+    checked, _ = forward("full")
+    kept = sac if mode == "selective" else {}
     per_layer = tuple(
-        (pair(checked, i)[0] + pair(sac, i)[0], pair(checked, i)[1] + pair(sac, i)[1]) for i in range(layers)
+        (pair(checked, j)[0] + pair(kept, j)[0], pair(checked, j)[1] + pair(kept, j)[1]) for j in stand_in
     )
-    biggest = max((pair(plain, i) for i in range(layers)), key=sum)
+    biggest = max((pair(plain, j) for j in stand_in), key=sum)
     return ActivationProfile(per_layer, ends, biggest)

@@ -8,6 +8,7 @@ rate and the fixed cost of a microbatch).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -52,8 +53,12 @@ class Machine:
     fragmentation: float = 1.0
     microbatch_s: float = 0.0
 
+    @functools.cached_property
+    def _bandwidths(self) -> dict[str, float]:
+        return dict(self.busbw)
+
     def bandwidth(self, collective: str) -> float:
-        return dict(self.busbw)[collective]
+        return self._bandwidths[collective]
 
     def collective_s(self, collective: str, nbytes: float, ranks: int, *, inter_node: bool = False) -> float:
         """Seconds of one collective over ``ranks`` on ``nbytes`` (the gathered / reduced size), as
