@@ -114,7 +114,11 @@ def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str
         return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
     # EP rows: gpu2.toml's dispatch (every size on the device: no host sync, one graph per layer), each
     # rank's expert buffer twice balanced routing's rows (half the exact bound's at EP 4)
-    expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather", "--parallel.expert_buffer_factor=2"]
+    expert = [
+        f"--mesh.expert={n}",
+        "--parallel.expert_dispatch=all_gather",
+        "--parallel.expert_buffer_factor=2",
+    ]
     expert = expert if m[1] == "ep" else []
     # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (8 layers): 4 with FSDP alone; with
     # EP the units hold only the small dense weights, so one unit for all layers.

@@ -99,7 +99,7 @@ def check_one_launch_equals_a_launch_per_tensor(moment_dtype):
             for x, y in zip(a[:4], b[:4]):
                 assert torch.equal(x, y)
         if dtype == torch.float32 and moment_dtype == torch.float32:
-            for (p, g, m, v, _), (p0, g0, m0) in zip(together, init):
+            for (p, _g, m, v, _), (p0, g0, m0) in zip(together, init):
                 gs = g0 * 0.5
                 m_ref = 0.8 * m0 + 0.2 * gs
                 v_ref = 0.95 * m0 * m0 + 0.05 * gs * gs

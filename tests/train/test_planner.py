@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -267,6 +268,34 @@ def _whole_model_activations(job: PlanJob, mode: str) -> ActivationProfile:
         return saved_bytes(model, job.config.batching.seq_len, m.hidden_size, sac_ops)
 
     return activation_profile(forward, mode, range(m.num_hidden_layers))
+
+
+def test_activations_equal_what_a_real_forward_saves() -> None:
+    """The meta count (attention as the fused kernels save it) equals, byte for byte and per layer, what a
+    forward of the materialised model saves on this CPU, where SDPA runs its flash kernel."""
+    job = PlanJob(_config("--batching.seq_len=64"))
+    planned = job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, 1, "none"))
+    provider = job.provider(compile=False)
+    model = provider.parallelize(provider.build_stage(0, 1), None)
+    provider.materialize(model, torch.device("cpu"))
+    saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    storages: dict[int, torch.UntypedStorage] = {}
+    where = [-1]
+    for layer in model.decoder_layers():
+        layer.register_forward_pre_hook(lambda m, a, i=layer.layer_idx: where.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -2))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t.untyped_storage()) not in storages and not isinstance(t, torch.nn.Parameter):
+            storages[id(t.untyped_storage())] = t.untyped_storage()
+            saved[where[0]][0 if t.dim() and t.shape[-1] == job.model.hidden_size else 1] += t.nbytes
+        return t
+
+    ids = torch.randint(0, 256, (1, 64))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    assert planned.layers == tuple(tuple(saved[i]) for i in range(job.model.num_hidden_layers))
+    assert planned.ends == (tuple(saved[-1]), tuple(saved[-2]))
 
 
 @pytest.mark.parametrize(

@@ -193,7 +193,6 @@ class StochasticAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             # Tensors the Triton kernel takes, one launch per (step, dtypes): the host cost of a step
             # is then a few microseconds per parameter, not a kernel launch each.
             launches: dict[tuple[float, torch.dtype, torch.dtype, torch.dtype], list[Any]] = {}

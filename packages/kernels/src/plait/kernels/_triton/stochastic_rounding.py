@@ -116,7 +116,9 @@ def adamw_triton(
     key = (p0.device, numels)
     if (tensor_of_block := _tensor_of_block.get(key)) is None:
         counts = torch.tensor(blocks, device=p0.device)
-        tensor_of_block = torch.repeat_interleave(torch.arange(len(blocks), device=p0.device, dtype=torch.int32), counts)
+        tensor_of_block = torch.repeat_interleave(
+            torch.arange(len(blocks), device=p0.device, dtype=torch.int32), counts
+        )
         _tensor_of_block[key] = tensor_of_block
     rows = [
         (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, seed, f)

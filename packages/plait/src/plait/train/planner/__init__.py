@@ -58,7 +58,7 @@ from plait.train.planner.memory import (
     stand_ins,
     state_bytes,
 )
-from plait.train.planner.timing import Machine, calibrate, load_machine
+from plait.train.planner.timing import Machine, activation_bytes, calibrate, load_machine
 
 __all__ = ["Layout", "Machine", "Plan", "PlanJob", "Prediction", "main", "plan"]
 
@@ -433,7 +433,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
             if shape not in cost_of:
                 cost_of[shape] = stage_costs(*shape)
             costs[s] = cost_of[shape]
-            act_bytes[s] = float(mb * stage_acts[s])  # every saved tensor is per sample
+            act_bytes[s] = float(mb * stage_acts[s]) * machine.activation_scale  # per sample
     tp_comm = comm_layer * m.num_hidden_layers * nmb / layout.pp
     p2p = machine.collective_s("send_recv", tokens_mb * m.hidden_size * 2, 2) if layout.pp > 1 else 0.0
     if layout.pp == 1:
@@ -478,7 +478,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     best = {
         "params": resident["params"], "grads": resident["grads"], "optimizer": resident["optimizer"],
         "gathered": resident["gathered"], "activations": float(peak_acts[fullest]),
-        "recompute": float(mb * acts.split(acts.transient, layout.tp)), "reduce_buffers": resident["reduce_buffers"],
+        "recompute": float(mb * acts.split(acts.transient, layout.tp)) * machine.activation_scale,
+        "reduce_buffers": resident["reduce_buffers"],
     }  # fmt: skip
     peak = sum(best.values()) * machine.fragmentation
     exposed = tp_comm + fsdp_exposed + replica
@@ -646,11 +647,18 @@ def main(argv: list[str] | None = None) -> None:
 
 def calibrated(job: PlanJob, machine: Machine) -> Machine:
     """``machine`` with the rate and the fixed cost per microbatch of the job's model (one stage) timed
-    forward and backward on this device (:func:`~plait.train.planner.timing.calibrate`)."""
+    forward and backward on this device (:func:`~plait.train.planner.timing.calibrate`) and, on a GPU, the
+    activation bytes its forward keeps over the planner's count (``activation_scale``)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     provider = job.provider()
     model = provider.parallelize(provider.build_stage(0, 1), None)
     provider.materialize(model, device)
     b = job.config.batching
     flops, fixed = calibrate(model, provider.flops_per_token(b.seq_len), b.microbatch_size, b.seq_len, device)
-    return dataclasses.replace(machine, flops=flops, microbatch_s=fixed)
+    scale = machine.activation_scale
+    if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
+        mode = job.config.parallel.activation_checkpointing.mode
+        profile = job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, b.microbatch_size, mode))
+        counted = b.microbatch_size * profile.stage(range(job.model.num_hidden_layers), True, True, 1)
+        scale = activation_bytes(model, b.microbatch_size, b.seq_len, device) / counted
+    return dataclasses.replace(machine, flops=flops, microbatch_s=fixed, activation_scale=scale)

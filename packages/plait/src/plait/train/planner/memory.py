@@ -15,7 +15,9 @@ Activations come from one forward of the job's unsharded model on the meta devic
 unchecked and fully checkpointed: every tensor autograd saves is counted once (by storage) and attributed
 to the decoder layer it was saved in, or to the stage's ends (embedding, head and loss). Selective
 checkpointing saves its ops' outputs outside those hooks, so they are counted from the outputs of the
-policy's ops in the unchecked forward. Tensors whose last dim is not the model width are divided by the
+policy's ops in the unchecked forward. Attention counts what the fused kernels of real runs save (inputs,
+output, log-sum-exp: :func:`fused_attention`), not the ``[L, S]`` probabilities of SDPA's math path,
+which meta tensors would take. Tensors whose last dim is not the model width are divided by the
 tensor-parallel degree (heads and FFN width are split; the residual stream is not), when a layout's stage
 is priced.
 """
@@ -254,6 +256,53 @@ def _add(acc: list[int], t: torch.Tensor, hidden: int) -> None:
     acc[0 if t.dim() and t.shape[-1] == hidden else 1] += t.numel() * t.element_size()
 
 
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for its backward (flash, cuDNN, FlexAttention: the inputs, the
+    output and an fp32 log-sum-exp per query and head), in place of the ``[L, S]`` probabilities that
+    SDPA's math path, the one meta tensors take, saves. Shapes only: the planner never runs a backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, lq = q.shape[:3]  # [B, H, L, D]; the kernels write the output as [B, L, H, Dv], so that
+        out = q.new_empty((b, lq, h, v.shape[-1])).transpose(1, 2)  # the head merge after is a view
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise NotImplementedError("the planner's attention stand-in has no backward")
+
+
+_FUSED_ATTENTION_OP = "aten._scaled_dot_product_flash_attention.default"
+
+
+@contextlib.contextmanager
+def fused_attention(sac: _OpOutputs | None) -> Iterator[None]:
+    """Attention as the GPU kernels save it (:class:`_FusedAttention`), for SDPA and the sink attention of
+    ``plait.models``; its output and log-sum-exp count as the flash kernel's outputs for ``sac``."""
+    from unittest import mock
+
+    from plait.models.common.attention import kernels
+
+    def attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        out, lse = _FusedAttention.apply(q, k, v)
+        if sac is not None and _FUSED_ATTENTION_OP in sac.ops and sac.where[0] >= 0:
+            for t in (out, lse):
+                _add(sac.bytes[sac.where[0]], t, sac.hidden)
+        return out  # type: ignore[no-any-return]
+
+    with (
+        mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", attention),
+        mock.patch.object(kernels, "sink_reference_attention", attention),
+    ):
+        yield
+
+
 def saved_bytes(
     model: nn.Module, seq: int, hidden: int, sac_ops: frozenset[str] | None = None
 ) -> tuple[SavedBytes, SavedBytes]:
@@ -279,7 +328,11 @@ def saved_bytes(
 
     mode = _OpOutputs(sac_ops, where, hidden) if sac_ops else None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode or contextlib.nullcontext():
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            mode or contextlib.nullcontext(),
+            fused_attention(mode),
+        ):
             model(input_ids=ids, labels=ids)
     finally:
         for h in handles:

@@ -35,6 +35,9 @@ class Machine:
         fragmentation: the allocator's reserved over allocated bytes at the peak.
         microbatch_s: fixed seconds of one microbatch's forward and backward through the whole model
             (kernel launches, the host's work per layer), whatever its size.
+        activation_scale: the activation bytes a forward of the job's model keeps on this device over the
+            planner's count of them (``--calibrate`` on a GPU measures it: compiled layers may save less
+            than the eager ops counted); 1 = the count.
     """
 
     flops: float = 400e12
@@ -52,6 +55,7 @@ class Machine:
     gpus_per_node: int = 8
     fragmentation: float = 1.0
     microbatch_s: float = 0.0
+    activation_scale: float = 1.0
 
     @functools.cached_property
     def _bandwidths(self) -> dict[str, float]:
@@ -123,3 +127,17 @@ def calibrate(
         return flops_per_token * seq / t_full, 0.0
     per_sample = max((t_full - timed(1)) / (microbatch - 1), 1e-9)
     return flops_per_token * seq / per_sample, max(0.0, t_full - microbatch * per_sample)
+
+
+def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> int:
+    """Bytes a CUDA forward of ``model`` on ``samples`` x ``seq`` tokens keeps allocated for its backward
+    (allocated after the forward, graph alive, minus before: the saved tensors and the loss)."""
+    ids = torch.randint(0, 100, (samples, seq), device=device)
+    model(input_ids=ids, labels=ids)  # warm: compiled graphs and workspaces allocated once
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    out = model(input_ids=ids, labels=ids)
+    torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - before
+    del out
+    return kept
