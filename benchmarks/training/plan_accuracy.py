@@ -100,7 +100,8 @@ def main() -> None:
         "",
         f"**device:** {args.gpus} x {device}, torch {torch.__version__}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; planner rate {machine.flops / 1e12:.1f} TFLOP/s"
-        f"{' (calibrated)' if args.calibrate else ' (default)'}",
+        f"{' (calibrated)' if args.calibrate else ' (default)'}, fixed cost per microbatch "
+        f"{machine.microbatch_s * 1e3:.1f} ms, activation scale {machine.activation_scale:.2f}",
         "",
         f"**command:** `python3 -m benchmarks.training.plan_accuracy {' '.join(sys.argv[1:])}`",
         "",
