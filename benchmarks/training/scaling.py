@@ -11,8 +11,7 @@ Workloads (``workloads.py``), equal tokens per GPU in every row:
          blocks compiled, then torchtitan 0.2.2's own ``apply_fsdp`` (embeddings, each block, norm + output,
          the root; bf16 gradient reduction like plait's), fused torch AdamW.
   moe    the 1.14B Qwen3-MoE, 4 x 2048 per GPU: the main job's Trainer (``plait train``
-         with ``gpu1.toml``'s settings), FSDP over n and EP = n x FSDP = n (``all_gather`` dispatch, each
-         rank's expert buffer twice balanced routing's rows).
+         with ``gpu1.toml``'s settings), FSDP over n and EP = n x FSDP = n (``all_gather`` dispatch).
 
 Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--steps`` steps after
 ``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows

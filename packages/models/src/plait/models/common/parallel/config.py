@@ -168,8 +168,9 @@ class ParallelConfig(BaseModel):
             the exact bound ``P * T * k`` that no routing can overflow; the expert activations and
             their elementwise work then scale with the factor instead of the EP size ``P``. A step
             whose routing sends more assignments to a rank's experts stops with a device-side assert
-            naming this key (raise it, or None); nothing is dropped. 1.5-2 with load balancing (aux
-            loss or the selection bias); None = the exact bound.
+            naming this key (raise it, or None); nothing is dropped. No constant is safe for every
+            model (2 overflowed at EP 4 in the first steps of a 1.14B MoE with a weak aux loss): size
+            it from the busiest rank's measured share. None = the exact bound.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
