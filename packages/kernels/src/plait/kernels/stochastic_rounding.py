@@ -193,9 +193,9 @@ class StochasticAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # Tensors the Triton kernel takes, one launch per (step, dtypes): the host cost of a step
-            # is then a few microseconds per parameter, not a kernel launch each.
-            launches: dict[tuple[float, torch.dtype, torch.dtype, torch.dtype], list[Any]] = {}
+            # Tensors the Triton kernel takes, one launch per (step, device, dtypes): the host cost of a
+            # step is then a few microseconds per parameter, not a kernel launch each.
+            launches: dict[tuple[Any, ...], list[Any]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -216,10 +216,11 @@ class StochasticAdamW(Optimizer):
                     continue
                 if (
                     use_triton(pl, gl, ml, vl)
-                    and all(x.is_contiguous() and x.dtype in _TRITON_DTYPES for x in (pl, gl, ml))
+                    and all(x.is_contiguous() and x.dtype in _TRITON_DTYPES for x in (pl, gl, ml, vl))
                     and pl.device == gl.device == ml.device
                 ):
-                    launches.setdefault((t, pl.dtype, gl.dtype, ml.dtype), []).append((pl, gl, ml, vl, seed))
+                    key = (t, pl.device, pl.dtype, gl.dtype, ml.dtype)
+                    launches.setdefault(key, []).append((pl, gl, ml, vl, seed))
                     continue
                 _adamw_torch(pl, gl, ml, vl, grad_scale=grad_scale, seed=seed, **_hyper(group, t))
             for (t, *_), tensors in launches.items():
