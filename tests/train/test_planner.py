@@ -1,7 +1,7 @@
 """``plait plan``: its model states equal what real ranks build, its valid layouts are those that build, its
 best layout trains, and a model that fits nowhere is refused with what would fit; its activations measured
-on one or two layers of each kind equal those of the whole model, and a model far larger than the machine
-is planned in seconds.
+on one or two layers of each kind equal those of the whole model and what a real forward saves, and a model
+far larger than the machine is planned from two layers of each kind.
 
 The references are real gloo ranks building the job's stages the way the trainer does (the stages of the
 rank's pipeline coordinate, parallelised and materialised, the job's optimizer stepped once), never the
@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -316,21 +315,21 @@ def test_activations_of_the_layer_kinds_equal_the_whole_models(model: dict[str, 
         assert planned == _whole_model_activations(job, mode), mode
 
 
-def test_a_model_far_larger_than_the_machine_is_planned_in_seconds() -> None:
+def test_a_model_far_larger_than_the_machine_is_planned_from_two_layers_of_each_kind() -> None:
     """DeepSeek-V3 671B (its config's defaults: 61 layers, 256 experts) at 4096 tokens on 2 GPUs, from the
     config alone: every layout refused or priced, all too big; the two pipeline ranks of ``pp2`` hold the
-    model's 671B parameters, byte for byte, although each kind's layers were built once or twice."""
+    model's 671B parameters, byte for byte, although no stage was built with more than two layers of each
+    kind (dense, MoE): what keeps the plan to seconds (whole stages took minutes)."""
     cfg = _with_model(
         {"model_type": "deepseek_v3"}, "--optimizer.name=stochastic_adamw", model_dtype="bfloat16",
         batching={"global_batch_size": 8, "microbatch_size": 1, "seq_len": 4096},
     )  # fmt: skip
     job = PlanJob(cfg)
-    start = time.perf_counter()
     result = plan(cfg, 2, job=job)
-    elapsed = time.perf_counter() - start
     assert not result.fits and result.too_big and result.unverified == 0
     layout = _layout(pp=2, sched="1f1b")
     _, num_stages, placement = job.schedule(BatchPlan(8, layout.microbatch_size, 1, 4096), layout)
     ranks = job.rank_states(layout, num_stages, placement)
     assert sum(states.params for states, _ in ranks) == 2 * estimate_num_parameters(cfg.model)
-    assert elapsed < 60, f"{elapsed:.1f} s"  # minutes when every layer was forwarded
+    built = [len(list(stage.decoder_layers())) for stage, _ in job.prototypes.values()]
+    assert built and max(built) <= 4, built

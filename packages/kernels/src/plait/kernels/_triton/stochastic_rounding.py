@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -110,9 +112,7 @@ def adamw_triton(
         raise ValueError("StochasticAdamW: one launch takes fp32/bf16 tensors, one dtype per role")
     numels = tuple(p.numel() for p, *_ in tensors)
     blocks = [triton.cdiv(n, _BLOCK) for n in numels]
-    first = [0]
-    for b in blocks[:-1]:
-        first.append(first[-1] + b)
+    first = itertools.accumulate(blocks[:-1], initial=0)  # each tensor's first program
     key = (p0.device, numels)
     if (tensor_of_block := _tensor_of_block.get(key)) is None:
         counts = torch.tensor(blocks, device=p0.device)

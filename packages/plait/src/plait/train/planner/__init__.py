@@ -658,7 +658,7 @@ def calibrated(job: PlanJob, machine: Machine) -> Machine:
     scale = machine.activation_scale
     if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
         mode = job.config.parallel.activation_checkpointing.mode
-        profile = job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, b.microbatch_size, mode))
-        counted = b.microbatch_size * profile.stage(range(job.model.num_hidden_layers), True, True, 1)
+        one_gpu = Layout(1, 1, 1, 1, 1, 1, None, 1, b.microbatch_size, mode)
+        counted = b.microbatch_size * job.stage_activations(one_gpu, 1)[0]
         scale = activation_bytes(model, b.microbatch_size, b.seq_len, device) / counted
     return dataclasses.replace(machine, flops=flops, microbatch_s=fixed, activation_scale=scale)

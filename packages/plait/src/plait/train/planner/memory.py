@@ -245,11 +245,15 @@ class _OpOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if str(func) in self.ops and self.where[0] >= 0:
-            for t in out if isinstance(out, tuple | list) else (out,):
+        self.record(str(func), out if isinstance(out, tuple | list) else (out,))
+        return out
+
+    def record(self, op: str, outputs: Sequence[Any]) -> None:
+        """Count ``outputs`` of ``op`` on the current layer when the policy saves that op's outputs."""
+        if op in self.ops and self.where[0] >= 0:
+            for t in outputs:
                 if isinstance(t, torch.Tensor):
                     _add(self.bytes[self.where[0]], t, self.hidden)
-        return out
 
 
 def _add(acc: list[int], t: torch.Tensor, hidden: int) -> None:
@@ -291,9 +295,8 @@ def fused_attention(sac: _OpOutputs | None) -> Iterator[None]:
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         out, lse = _FusedAttention.apply(q, k, v)
-        if sac is not None and _FUSED_ATTENTION_OP in sac.ops and sac.where[0] >= 0:
-            for t in (out, lse):
-                _add(sac.bytes[sac.where[0]], t, sac.hidden)
+        if sac is not None:
+            sac.record(_FUSED_ATTENTION_OP, (out, lse))
         return out  # type: ignore[no-any-return]
 
     with (
