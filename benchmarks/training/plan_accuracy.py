@@ -3,7 +3,9 @@
     python3 -m benchmarks.training.plan_accuracy --config examples/qwen3_moe/configs/gpu1.toml --gpus 1
     python3 -m benchmarks.training.plan_accuracy --config F --gpus 4 --layouts 12 --calibrate --out results/plan_accuracy.md
 
-Plans the job on ``--gpus`` GPUs (with ``--calibrate``: the compute rate and the fixed cost per microbatch timed on this machine's GPU), then
+Plans the job on ``--gpus`` GPUs (with ``--calibrate``: the job measured on this machine's GPU first, as
+``plait plan --calibrate`` does: its model's rate and fixed costs, its optimizer, FSDP2's cost per unit, a
+few steps of one microbatch), then
 runs ``--layouts`` of the layouts that fit (the fastest predicted ones, then every k-th of the rest, so that
 the table spans the ranking) with ``plait train`` on that many GPUs for ``--steps`` steps, no checkpoints,
 no export, no evaluation. Measured: the last logging interval's tokens per second per GPU (the first
@@ -18,34 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _measure(config: Path, gpus: int, overrides: list[str], steps: int) -> tuple[float, float] | str:
-    """(tok/s per GPU of the last logging interval, peak GiB on the main rank), or why the run failed."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
-        cmd = [*(launch if gpus > 1 else [sys.executable]), "-m", "plait", "train", "--config", str(config),
-               "--steps", str(steps), "--run-dir", run_dir, "--no-export", "--checkpoint.enabled=false",
-               "--evaluation.enabled=false", "--logging.progress_bar=false",
-               f"--logging.interval={max(1, steps // 2)}", *overrides]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
-        if proc.returncode != 0:
-            return f"rc {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-1][:120]}"
-        records = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "tokens_per_s" in r]
-    if not timed:
-        return "no throughput record"
-    return timed[-1]["tokens_per_s"] / gpus, max(r.get("mem_allocated_gib") or 0.0 for r in timed)
 
 
 def main() -> None:
@@ -62,6 +42,7 @@ def main() -> None:
     from plait.loop import load_config
     from plait.train.config import JobConfig
     from plait.train.planner import Machine, PlanJob, calibrated, plan
+    from plait.train.planner.timing import run_job
 
     config = load_config(args.config, [], cls=JobConfig)
     job = PlanJob(config)
@@ -72,6 +53,7 @@ def main() -> None:
         )
     if args.calibrate:
         machine = calibrated(job, machine)
+        print("calibrated: " + machine.measured(), flush=True)
     result = plan(config, args.gpus, machine, checkpointing=tuple(args.checkpointing.split(",")), job=job)
     fits = result.fits
     step = max(1, (len(fits) - args.layouts // 2) // max(1, args.layouts - args.layouts // 2))
@@ -79,14 +61,14 @@ def main() -> None:
     chosen = chosen[: args.layouts]
     rows, measured = [], {}
     for p in chosen:
-        got = _measure(args.config, args.gpus, p.layout.overrides(), args.steps)
         name = p.layout.name
-        if isinstance(got, str):
+        try:
+            tok, gib = run_job(args.config, args.gpus, p.layout.overrides(), args.steps, cwd=ROOT)
+        except RuntimeError as e:
             rows.append(
-                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {got} | | {p.peak_bytes / 2**30:.2f} | | |"
+                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {e} | | {p.peak_bytes / 2**30:.2f} | | |"
             )
             continue
-        tok, gib = got
         measured[name] = tok
         memory = f"{gib:.2f} | {p.peak_bytes / 2**30 / gib - 1:+.0%}" if gib else "n/a (no CUDA) |"
         rows.append(
@@ -99,9 +81,8 @@ def main() -> None:
         "# plait plan: predicted against measured",
         "",
         f"**device:** {args.gpus} x {device}, torch {torch.__version__}, "
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; planner rate {machine.flops / 1e12:.1f} TFLOP/s"
-        f"{' (calibrated)' if args.calibrate else ' (default)'}, fixed cost per microbatch "
-        f"{machine.microbatch_s * 1e3:.1f} ms, activation scale {machine.activation_scale:.2f}",
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; planner"
+        f"{' (calibrated)' if args.calibrate else ' (default)'}: {machine.measured()}",
         "",
         f"**command:** `python3 -m benchmarks.training.plan_accuracy {' '.join(sys.argv[1:])}`",
         "",

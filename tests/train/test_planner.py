@@ -27,6 +27,7 @@ from plait.train.config import JobConfig
 from plait.train.planner import Layout, PlanJob, main, plan
 from plait.train.planner.memory import ActivationProfile, activation_profile, saved_bytes
 from plait.train.train import DEFAULT_CONFIG
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tests.e2e._pretrain_runner import REPO
@@ -63,8 +64,9 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int]:
-    """This rank's stages built by the trainer's own functions; the optimizer stepped once on zero gradients."""
+def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, int]:
+    """This rank's stages built by the trainer's own functions (their bytes of parameters, gradients and
+    moments, the optimizer stepped once on zero gradients, and their FSDP2 units)."""
     from plait.loop.engine import build_stages, place_stages
     from plait.loop.optim.optimizers import build_optimizer
     from plait.loop.topology import Topology
@@ -94,6 +96,7 @@ def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int
         sum(_local_bytes(p) for p in params),
         sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         moments,
+        sum(isinstance(m, FSDPModule) for st in stages for m in st.modules()),
     )
 
 
@@ -125,7 +128,9 @@ def test_state_bytes_equal_what_the_ranks_build(layout: Layout, optimizer: str) 
     built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
     for p, (states, _) in enumerate(predicted):
         rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
-        assert (states.params, states.grads, states.optimizer) == built[rank], (layout.name, p)
+        assert (states.params, states.grads, states.optimizer) == built[rank][:3], (layout.name, p)
+        # the units FSDP2's per-unit cost (Machine.fsdp_unit_s) is counted over
+        assert len(states.gathered) == built[rank][3], (layout.name, p)
 
 
 @pytest.mark.parametrize(
@@ -143,7 +148,8 @@ def test_state_bytes_of_layers_of_two_kinds_equal_what_the_ranks_build(layout: L
     predicted = job.rank_states(layout, num_stages, placement)
     built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
     for p, (states, _) in enumerate(predicted):
-        assert (states.params, states.grads, states.optimizer) == built[p * (layout.world // layout.pp)], p
+        rank = p * (layout.world // layout.pp)
+        assert (states.params, states.grads, states.optimizer, len(states.gathered)) == built[rank], p
 
 
 def _builds(config: dict[str, Any], layout: Layout) -> str:
@@ -227,6 +233,44 @@ def test_the_best_layout_trains(tmp_path) -> None:  # type: ignore[no-untyped-de
                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert run.returncode == 0, (best.group(1), run.stdout[-3000:], run.stderr[-3000:])
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_optimizer_calibration_moves_the_planned_state_bytes() -> None:
+    """``optimizer_step`` (what ``--calibrate`` divides its time by) counts the bytes the planner's exact
+    1-GPU states say the step moves: parameters and moments read and written, gradients read."""
+    from plait.loop.optim import build_optimizer
+    from plait.train.planner.timing import forward_backward_s, optimizer_step
+
+    for name in ("adamw", "stochastic_adamw"):
+        cfg = _config(f"--optimizer.name={name}", "--batching.seq_len=64")
+        job = PlanJob(cfg)
+        provider = job.provider()
+        model = provider.build_stage(0, 1)
+        provider.materialize(model, "cpu")
+        forward_backward_s(model, 1, 64, torch.device("cpu"))  # the gradients
+        _, moved = optimizer_step(build_optimizer(cfg.optimizer, model), torch.device("cpu"))
+        (states, _), = job.rank_states(_layout(), 1, ((0,),))
+        assert moved == 2 * states.params + states.grads + 2 * states.optimizer, name
+
+
+@pytest.mark.timeout(300)
+def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--calibrate`` on this CPU: the job run for two steps (a real ``plait train``), its model timed,
+    FSDP2 on a one-rank gloo group; every figure is a positive, finite measurement and the plan prices them.
+    A job that cannot run is an error naming the run's failure."""
+    from plait.train.planner import Machine, calibrated
+    from plait.train.planner.timing import run_job
+
+    cfg = _config("--batching.seq_len=128", "--batching.global_batch_size=4", "--batching.microbatch_size=2",
+                  "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
+    machine = calibrated(PlanJob(cfg), Machine(), steps=2)
+    assert 0 < machine.flops < float("inf") and 0 < machine.optimizer_bytes_per_s < float("inf")
+    assert machine.fsdp_unit_s > 0 and machine.step_s >= 0 and machine.microbatch_s >= 0
+    best = plan(cfg, 2, machine, checkpointing=("none",)).fits[0]
+    fsdp = [p for p in plan(cfg, 2, machine, checkpointing=("none",)).fits if p.layout.dp_shard == 2][0]
+    assert fsdp.time["fsdp_host"] > 0 and best.time["step_fixed"] == machine.step_s
+    with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
+        run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)
 
 
 def test_the_layout_is_the_mesh_it_names() -> None:

@@ -34,6 +34,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +60,15 @@ from plait.train.planner.memory import (
     stand_ins,
     state_bytes,
 )
-from plait.train.planner.timing import Machine, activation_bytes, calibrate, load_machine
+from plait.train.planner.timing import (
+    Machine,
+    activation_bytes,
+    calibrate,
+    forward_backward_s,
+    load_machine,
+    optimizer_step,
+    run_job,
+)
 
 __all__ = ["Layout", "Machine", "Plan", "PlanJob", "Prediction", "main", "plan"]
 
@@ -466,7 +476,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         "all_reduce", states0.grads, layout.dp_replicate, inter_node=layout.world > machine.gpus_per_node
     )
     optimizer_s = (2 * states0.params + states0.grads + 2 * states0.optimizer) / machine.optimizer_bytes_per_s
-    step = compute_s + fsdp_exposed + replica + optimizer_s
+    fsdp_host = machine.fsdp_unit_s * len(states0.gathered) * nmb if fsdp_n > 1 else 0.0
+    step = compute_s + fsdp_exposed + fsdp_host + replica + optimizer_s + machine.step_s
     tok_s = cfg.batching.global_batch_size * seq / step / layout.world
 
     # memory of the fullest pipeline rank
@@ -492,7 +503,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     else:
         limit = "compute"
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
-             "fsdp_exposed": fsdp_exposed, "replica_all_reduce": replica, "optimizer": optimizer_s}  # fmt: skip
+             "fsdp_exposed": fsdp_exposed, "fsdp_host": fsdp_host, "replica_all_reduce": replica,
+             "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
     return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages)
 
 
@@ -619,6 +631,10 @@ def main(argv: list[str] | None = None) -> None:
     job = PlanJob(config)
     if args.calibrate:
         machine = calibrated(job, machine)
+        print(
+            f"plait plan: calibrated on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: "
+            + machine.measured()
+        )
     result = plan(config, args.gpus, machine, checkpointing=modes, job=job)
     print(f"plait plan: {job.model.model_type} on {args.gpus} GPU(s) of {machine.memory_gib:g} GiB, "
           f"{machine.flops / 1e12:.1f} TFLOP/s{' (calibrated)' if args.calibrate else ''}: "
@@ -645,20 +661,73 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(1)
 
 
-def calibrated(job: PlanJob, machine: Machine) -> Machine:
-    """``machine`` with the rate and the fixed cost per microbatch of the job's model (one stage) timed
-    forward and backward on this device (:func:`~plait.train.planner.timing.calibrate`) and, on a GPU, the
-    activation bytes its forward keeps over the planner's count (``activation_scale``)."""
+def calibrated(job: PlanJob, machine: Machine, *, steps: int = 6) -> Machine:
+    """``machine`` with the job measured on this device (a GPU if there is one), one microbatch at a time.
+
+    - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`); its
+      step less the forward and backward and the optimizer step timed alone is the step's fixed cost.
+    - ``flops`` and ``microbatch_s``: the job's model (one stage) timed forward and backward at one sample
+      and at the microbatch (:func:`~plait.train.planner.timing.calibrate`).
+    - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
+    - ``activation_scale`` (on a GPU): the activation bytes its forward keeps over the planner's count.
+    - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding):
+      the extra forward and backward time per unit.
+    """
+    from plait.loop.optim import build_optimizer
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    b = job.config.batching
+    mb, seq = b.microbatch_size, b.seq_len
+    mode = job.config.parallel.activation_checkpointing.mode
+    one_gpu = Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode)
+    with tempfile.TemporaryDirectory() as d:  # first, while this process holds no device memory
+        config_file = Path(d) / "job.json"
+        config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
+        tok_s, _ = run_job(
+            config_file, 1, [*one_gpu.overrides(), f"--batching.global_batch_size={mb}"], steps
+        )
     provider = job.provider()
     model = provider.parallelize(provider.build_stage(0, 1), None)
     provider.materialize(model, device)
-    b = job.config.batching
-    flops, fixed = calibrate(model, provider.flops_per_token(b.seq_len), b.microbatch_size, b.seq_len, device)
+    flops, fixed, t_microbatch = calibrate(model, provider.flops_per_token(seq), mb, seq, device)
+    t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
     scale = machine.activation_scale
     if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
-        mode = job.config.parallel.activation_checkpointing.mode
-        one_gpu = Layout(1, 1, 1, 1, 1, 1, None, 1, b.microbatch_size, mode)
-        counted = b.microbatch_size * job.stage_activations(one_gpu, 1)[0]
-        scale = activation_bytes(model, b.microbatch_size, b.seq_len, device) / counted
-    return dataclasses.replace(machine, flops=flops, microbatch_s=fixed, activation_scale=scale)
+        counted = mb * job.stage_activations(one_gpu, 1)[0]
+        scale = activation_bytes(model, mb, seq, device) / counted
+    del model
+    return dataclasses.replace(
+        machine, flops=flops, microbatch_s=fixed, activation_scale=scale,
+        optimizer_bytes_per_s=moved / t_optimizer, fsdp_unit_s=_fsdp_unit_s(job, device, t_microbatch),
+        step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
+    )  # fmt: skip
+
+
+def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
+    """Seconds FSDP2 adds per unit to one microbatch's forward and backward: the job's model with its units
+    (``parallel.fsdp_layers_per_unit``, ``reshard_after_forward``) on a one-rank group, against ``t_plain``
+    without FSDP. The collectives' transfer time is priced apart from bandwidth; what stays is the hooks',
+    the copies' and the launches' time."""
+    import torch.distributed as dist
+    from plait.models.common.parallel import apply_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    owned = not dist.is_initialized()
+    if owned:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        par, b = job.config.parallel, job.config.batching
+        provider = job.provider()
+        model = provider.parallelize(provider.build_stage(0, 1), None)
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_cp_shard",))
+        apply_fsdp(model, mesh, reshard_after_forward=par.reshard_after_forward,
+                   layers_per_unit=par.fsdp_layers_per_unit)  # fmt: skip
+        provider.materialize(model, device)
+        units = sum(isinstance(m, FSDPModule) for m in model.modules())
+        t_fsdp = forward_backward_s(model, b.microbatch_size, b.seq_len, device)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return max(0.0, (t_fsdp - t_plain) / units)
