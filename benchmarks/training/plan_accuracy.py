@@ -9,8 +9,10 @@ few steps of one microbatch), then
 runs ``--layouts`` of the layouts that fit (the fastest predicted ones, then every k-th of the rest, so that
 the table spans the ranking) with ``plait train`` on that many GPUs for ``--steps`` steps, no checkpoints,
 no export, no evaluation. Measured: the last logging interval's tokens per second per GPU (the first
-interval holds the compile) and the main rank's peak allocated memory (``torch.cuda.max_memory_allocated``;
-with pipeline stages the planner's figure is the fullest rank's, so those rows compare different ranks).
+interval holds the compile) and the main rank's peak allocated and reserved memory (the error is against the
+reserved bytes, which is what runs out: the planner's peak includes the allocator's fragmentation, measured by
+``--calibrate``; with pipeline stages the planner's figure is the fullest rank's, so those rows compare
+different ranks).
 Prints and writes (``--out``) one row per layout: predicted, measured, the error of each, and whether the
 planner's first pick is within 5% of the fastest measured layout.
 """
@@ -63,17 +65,24 @@ def main() -> None:
     for p in chosen:
         name = p.layout.name
         try:
-            tok, gib = run_job(args.config, args.gpus, p.layout.overrides(), args.steps, cwd=ROOT)
+            tok, allocated, reserved = run_job(
+                args.config, args.gpus, p.layout.overrides(), args.steps, cwd=ROOT
+            )
         except RuntimeError as e:
             rows.append(
-                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {e} | | {p.peak_bytes / 2**30:.2f} | | |"
+                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {e} | | {p.peak_bytes / 2**30:.2f} | | | |"
             )
             continue
         measured[name] = tok
-        memory = f"{gib:.2f} | {p.peak_bytes / 2**30 / gib - 1:+.0%}" if gib else "n/a (no CUDA) |"
+        gib = p.peak_bytes / 2**30
+        memory = (
+            f"{allocated:.2f} | {reserved:.2f} | {gib / reserved - 1:+.0%}"
+            if reserved
+            else "n/a (no CUDA) | |"
+        )
         rows.append(
             f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | {tok:,.0f} | {p.tokens_per_s_per_gpu / tok - 1:+.0%} "
-            f"| {p.peak_bytes / 2**30:.2f} | {memory} |"
+            f"| {gib:.2f} | {memory} |"
         )
         print(rows[-1], flush=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -86,8 +95,8 @@ def main() -> None:
         "",
         f"**command:** `python3 -m benchmarks.training.plan_accuracy {' '.join(sys.argv[1:])}`",
         "",
-        "| layout | predicted tok/s per GPU | measured | error | predicted peak GiB | measured | error |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| layout | predicted tok/s per GPU | measured | error | predicted peak GiB | allocated | reserved | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
     if measured:

@@ -21,8 +21,9 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   parallelism's collectives per microbatch added to the stage's compute (they wait in the layer); the
   pipeline simulator composes the stages with the schedule's program and the send/recv time; FSDP2's
   all-gathers and reduce-scatters hide behind the compute except the first unit's gather and the last
-  unit's reduce-scatter and whatever exceeds the compute; HSDP's replica all-reduce and the optimizer
-  step (bytes moved at the machine's rate) follow.
+  unit's reduce-scatter and whatever exceeds the compute, and FSDP2's own time per unit and microbatch is
+  added; HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's
+  fixed cost (data, trainer) follow. ``--calibrate`` measures the rates and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``
@@ -609,7 +610,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: min(gpus, 8))")
     ap.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: the machine's, 139.8)")
     ap.add_argument("--machine", type=Path, help="JSON of timing.Machine fields (rates, bandwidths)")
-    ap.add_argument("--calibrate", action="store_true", help="time the job's model on this machine's device")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the job on this machine's device first (its model, optimizer, FSDP2, a few steps)",
+    )
     ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING), help="modes to consider")
     ap.add_argument("--top", type=int, default=15, help="rows of the table")
     ap.add_argument("--explain", metavar="LAYOUT", help="the breakdown of one layout (its name in the table)")
@@ -670,6 +675,7 @@ def calibrated(job: PlanJob, machine: Machine, *, steps: int = 6) -> Machine:
       and at the microbatch (:func:`~plait.train.planner.timing.calibrate`).
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - ``activation_scale`` (on a GPU): the activation bytes its forward keeps over the planner's count.
+    - ``fragmentation`` (on a GPU): the peak reserved over the peak allocated bytes of the job's steps.
     - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding):
       the extra forward and backward time per unit.
     """
@@ -683,7 +689,7 @@ def calibrated(job: PlanJob, machine: Machine, *, steps: int = 6) -> Machine:
     with tempfile.TemporaryDirectory() as d:  # first, while this process holds no device memory
         config_file = Path(d) / "job.json"
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
-        tok_s, _ = run_job(
+        tok_s, allocated, reserved = run_job(
             config_file, 1, [*one_gpu.overrides(), f"--batching.global_batch_size={mb}"], steps
         )
     provider = job.provider()
@@ -700,6 +706,7 @@ def calibrated(job: PlanJob, machine: Machine, *, steps: int = 6) -> Machine:
         machine, flops=flops, microbatch_s=fixed, activation_scale=scale,
         optimizer_bytes_per_s=moved / t_optimizer, fsdp_unit_s=_fsdp_unit_s(job, device, t_microbatch),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
+        fragmentation=reserved / allocated if allocated else machine.fragmentation,
     )  # fmt: skip
 
 

@@ -36,7 +36,8 @@ class Machine:
         latency_s: fixed cost of one collective.
         memory_gib: memory of one GPU.
         gpus_per_node: GPUs of one node (tensor parallelism stays within one).
-        fragmentation: the allocator's reserved over allocated bytes at the peak.
+        fragmentation: the allocator's reserved over allocated bytes at the peak (``--calibrate`` on a GPU
+            measures it in a few steps of the job).
         microbatch_s: fixed seconds of one microbatch's forward and backward through the whole model
             (kernel launches, the host's work per layer), whatever its size.
         activation_scale: the activation bytes a forward of the job's model keeps on this device over the
@@ -75,7 +76,8 @@ class Machine:
         """What ``--calibrate`` measures, in words."""
         return (f"{self.flops / 1e12:.1f} TFLOP/s, {self.microbatch_s * 1e3:.1f} ms fixed per microbatch, optimizer "
                 f"{self.optimizer_bytes_per_s / 1e9:.0f} GB/s, FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and "
-                f"microbatch, {self.step_s * 1e3:.1f} ms fixed per step, activation scale {self.activation_scale:.2f}")  # fmt: skip
+                f"microbatch, {self.step_s * 1e3:.1f} ms fixed per step, activation scale {self.activation_scale:.2f}, "
+                f"fragmentation {self.fragmentation:.2f}")  # fmt: skip
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
@@ -164,11 +166,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device) -> tu
 
 def run_job(
     config: Path, gpus: int, overrides: Sequence[str], steps: int, cwd: Path | None = None
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """``plait train --config config`` with ``overrides`` for ``steps`` steps on ``gpus`` processes (torchrun
     when more than one), without checkpoints, evaluation or export: ``(tokens per second per GPU over the
-    last logging interval, the main rank's peak allocated GiB; 0 without CUDA)``. The first interval, which
-    holds the compile, is left out when ``steps >= 2``.
+    last logging interval, the main rank's peak allocated GiB and peak reserved GiB; 0 without CUDA)``. The
+    first interval, which holds the compile, is left out of the rate when ``steps >= 2``.
 
     Raises:
         RuntimeError: the run failed (its exit status and last line of output) or logged no throughput.
@@ -189,7 +191,8 @@ def run_job(
     timed = [r for r in records if "tokens_per_s" in r]
     if not timed:
         raise RuntimeError("plait train logged no throughput")
-    return timed[-1]["tokens_per_s"] / gpus, max(r.get("mem_allocated_gib") or 0.0 for r in timed)
+    peak = [max(r.get(key) or 0.0 for r in timed) for key in ("mem_allocated_gib", "mem_reserved_gib")]
+    return timed[-1]["tokens_per_s"] / gpus, peak[0], peak[1]
 
 
 def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> int:
