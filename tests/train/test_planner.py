@@ -255,20 +255,23 @@ def test_the_optimizer_calibration_moves_the_planned_state_bytes() -> None:
 
 @pytest.mark.timeout(300)
 def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--calibrate`` on this CPU: the job run for two steps (a real ``plait train``), its model timed,
-    FSDP2 on a one-rank gloo group; every figure is a positive, finite measurement and the plan prices them.
+    """``--calibrate`` on this CPU: the job run for two steps (a real ``plait train``), its model timed
+    without and with full checkpointing (which recomputes the forward: more time), FSDP2 on a one-rank gloo
+    group; every figure is a positive, finite measurement and the plan prices them.
     A job that cannot run is an error naming the run's failure."""
     from plait.train.planner import Machine, calibrated
     from plait.train.planner.timing import run_job
 
     cfg = _config("--batching.seq_len=128", "--batching.global_batch_size=4", "--batching.microbatch_size=2",
                   "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
-    machine = calibrated(PlanJob(cfg), Machine(), steps=2)
+    machine = calibrated(PlanJob(cfg), Machine(), modes=("full",), steps=2)
     assert 0 < machine.flops < float("inf") and 0 < machine.optimizer_bytes_per_s < float("inf")
-    assert machine.fsdp_unit_s > 0 and machine.step_s >= 0 and machine.microbatch_s >= 0
-    best = plan(cfg, 2, machine, checkpointing=("none",)).fits[0]
-    fsdp = [p for p in plan(cfg, 2, machine, checkpointing=("none",)).fits if p.layout.dp_shard == 2][0]
-    assert fsdp.time["fsdp_host"] > 0 and best.time["step_fixed"] == machine.step_s
+    assert machine.fsdp_unit_s > 0 and machine.step_s >= 0
+    assert [m for m, _ in machine.host_s] == ["none", "full"] and all(t > 0 for _, t in machine.host_s)
+    assert dict(machine.recompute)["none"] == 1 and dict(machine.recompute)["full"] > 1
+    fits = plan(cfg, 2, machine, checkpointing=("none",)).fits
+    fsdp = [p for p in fits if p.layout.dp_shard == 2][0]
+    assert fsdp.time["fsdp_host_per_microbatch"] > 0 and fits[0].time["step_fixed"] == machine.step_s
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)
 

@@ -14,20 +14,22 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   the largest layer's activations while a
   checkpointed layer is recomputed; the unsharded gradients and reduce-scatter buffer of the largest
   unit; all times the allocator's fragmentation factor (:class:`~plait.train.planner.timing.Machine`).
-- **step time**: each stage's forward (a third of the training FLOPs of its layers, and of the LM head on
-  the last stage) and backward (two thirds; a full checkpoint adds a forward, a selective one 30% of a
-  forward) at the machine's FLOP/s, divided by the tensor-parallel degree, plus the machine's fixed cost
-  of a microbatch (its share of the layers; measured by ``--calibrate``); tensor, context and expert
-  parallelism's collectives per microbatch added to the stage's compute (they wait in the layer); the
-  pipeline simulator composes the stages with the schedule's program and the send/recv time; FSDP2's
-  all-gathers and reduce-scatters hide behind the compute except the first unit's gather and the last
-  unit's reduce-scatter and whatever exceeds the compute, and FSDP2's own time per unit and microbatch is
-  added; HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's
-  fixed cost (data, trainer) follow. ``--calibrate`` measures the rates and fixed costs (:func:`calibrated`).
+- **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
+  (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's time
+  per unit). The GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the
+  machine's FLOP/s, divided by the tensor-parallel degree, times the mode's recompute factor; a forward is a
+  third of it before recomputation. Tensor, context and expert parallelism's collectives per microbatch are
+  added to the stage (they wait in the layer); the pipeline simulator composes the stages with the
+  schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the
+  compute except the first unit's gather and the last unit's reduce-scatter and whatever exceeds the
+  compute; HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's
+  fixed cost (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs
+  (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``
-(exposed collectives above 20% of the step) or ``compute``.
+(exposed collectives above 20% of the step), ``host`` (a stage's microbatch is issued slower than the GPU
+runs it: larger microbatches would be as fast per microbatch) or ``compute``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,6 @@ from plait.train.planner.memory import (
 from plait.train.planner.timing import (
     Machine,
     activation_bytes,
-    calibrate,
     forward_backward_s,
     load_machine,
     optimizer_step,
@@ -74,7 +75,6 @@ from plait.train.planner.timing import (
 __all__ = ["Layout", "Machine", "Plan", "PlanJob", "Prediction", "main", "plan"]
 
 GIB = 2**30
-_SELECTIVE_RECOMPUTE = 0.3  # share of a layer's forward that selective checkpointing recomputes
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Prediction:
         step_s: predicted seconds per optimizer step.
         tokens_per_s_per_gpu: the global batch's tokens per second, per GPU.
         peak_bytes: predicted peak memory of the fullest GPU.
-        limit: what bounds it: ``memory``, ``bubble``, ``communication`` or ``compute``.
+        limit: what bounds it: ``memory``, ``bubble``, ``communication``, ``host`` or ``compute``.
         memory: the peak's parts (bytes) on the fullest pipeline rank.
         time: the step's parts (seconds).
         num_stages: the model's pipeline stages.
@@ -425,17 +425,29 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     flops_token = job.flops_per_token
     head_flops = 6 * m.hidden_size * m.vocab_size
     layer_flops = (flops_token - head_flops) / m.num_hidden_layers
-    extra_bwd = {"none": 0.0, "selective": _SELECTIVE_RECOMPUTE, "full": 1.0}[layout.checkpointing]
+    recompute = machine.of_mode("recompute", layout.checkpointing)
+    host_s = machine.of_mode("host_s", layout.checkpointing)
     comm_layer = _comm_per_layer(job, layout, machine)
+    fsdp_n = layout.dp_shard * layout.cp
+    states0 = ranks[0][0]
+    # FSDP2's own time per microbatch on a stage: its units' share of the rank's
+    fsdp_stage = machine.fsdp_unit_s * len(states0.gathered) / len(ranks[0][1]) if fsdp_n > 1 else 0.0
+    host_bound = False
 
     def stage_costs(layers: int, last: bool) -> tuple[float, float]:
-        flops = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp
-        fixed = machine.microbatch_s * layers / m.num_hidden_layers  # a third of it in the forward
-        fwd = flops / 3 / machine.flops + fixed / 3
+        """A microbatch's forward and backward through the stage: the GPU's work, or the host's floor when
+        longer, plus the collectives that wait inside the layers."""
+        nonlocal host_bound
+        gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
+        host = host_s * layers / m.num_hidden_layers + fsdp_stage
+        host_bound |= host > gpu
+        t = max(gpu, host)
+        fwd = t / (3 * recompute)
         comm = comm_layer * layers
-        return fwd + comm / 2, (2 + extra_bwd) * fwd + comm / 2
+        return fwd + comm / 2, t - fwd + comm / 2
 
     mb = layout.microbatch_size
+    scale = machine.of_mode("activation_scale", layout.checkpointing)
     cost_of: dict[tuple[int, bool], tuple[float, float]] = {}  # by (layers, last)
     costs, act_bytes = {}, {}
     for _, by_stage in ranks:
@@ -444,7 +456,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
             if shape not in cost_of:
                 cost_of[shape] = stage_costs(*shape)
             costs[s] = cost_of[shape]
-            act_bytes[s] = float(mb * stage_acts[s]) * machine.activation_scale  # per sample
+            act_bytes[s] = float(mb * stage_acts[s]) * scale  # per sample
     tp_comm = comm_layer * m.num_hidden_layers * nmb / layout.pp
     p2p = machine.collective_s("send_recv", tokens_mb * m.hidden_size * 2, 2) if layout.pp > 1 else 0.0
     if layout.pp == 1:
@@ -465,20 +477,17 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         compute_s, bubble, peak_acts = result.step_time, result.bubble_fraction, list(result.peak_activations)
 
     # FSDP2: gathers per microbatch unless parameters stay gathered; one reduce-scatter per step
-    fsdp_n = layout.dp_shard * layout.cp
     reshard = cfg.parallel.reshard_after_forward is not False
     gathers = (2 * nmb if reshard else 1) if fsdp_n > 1 else 0
     fsdp_exposed = 0.0
     if fsdp_n > 1 and ranks[0][0].gathered:
         gather, scatter, first, last = job.memo(_fsdp_collectives, ranks[0][0].gathered, fsdp_n, machine)
         fsdp_exposed = first + last + max(0.0, gathers * gather + scatter - compute_s)
-    states0 = ranks[0][0]
     replica = machine.collective_s(
         "all_reduce", states0.grads, layout.dp_replicate, inter_node=layout.world > machine.gpus_per_node
     )
     optimizer_s = (2 * states0.params + states0.grads + 2 * states0.optimizer) / machine.optimizer_bytes_per_s
-    fsdp_host = machine.fsdp_unit_s * len(states0.gathered) * nmb if fsdp_n > 1 else 0.0
-    step = compute_s + fsdp_exposed + fsdp_host + replica + optimizer_s + machine.step_s
+    step = compute_s + fsdp_exposed + replica + optimizer_s + machine.step_s
     tok_s = cfg.batching.global_batch_size * seq / step / layout.world
 
     # memory of the fullest pipeline rank
@@ -490,7 +499,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     best = {
         "params": resident["params"], "grads": resident["grads"], "optimizer": resident["optimizer"],
         "gathered": resident["gathered"], "activations": float(peak_acts[fullest]),
-        "recompute": float(mb * acts.split(acts.transient, layout.tp)) * machine.activation_scale,
+        "recompute": float(mb * acts.split(acts.transient, layout.tp)) * scale,
         "reduce_buffers": resident["reduce_buffers"],
     }  # fmt: skip
     peak = sum(best.values()) * machine.fragmentation
@@ -501,10 +510,12 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         limit = "bubble"
     elif exposed > 0.2 * step:
         limit = "communication"
+    elif host_bound:
+        limit = "host"
     else:
         limit = "compute"
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
-             "fsdp_exposed": fsdp_exposed, "fsdp_host": fsdp_host, "replica_all_reduce": replica,
+             "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage, "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
     return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages)
 
@@ -635,7 +646,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node or min(args.gpus, 8))
     job = PlanJob(config)
     if args.calibrate:
-        machine = calibrated(job, machine)
+        machine = calibrated(job, machine, modes=modes)
         print(
             f"plait plan: calibrated on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: "
             + machine.measured()
@@ -666,55 +677,69 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(1)
 
 
-def calibrated(job: PlanJob, machine: Machine, *, steps: int = 6) -> Machine:
+def calibrated(
+    job: PlanJob, machine: Machine, *, modes: tuple[str, ...] = CHECKPOINTING, steps: int = 6
+) -> Machine:
     """``machine`` with the job measured on this device (a GPU if there is one), one microbatch at a time.
 
-    - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`); its
-      step less the forward and backward and the optimizer step timed alone is the step's fixed cost.
-    - ``flops`` and ``microbatch_s``: the job's model (one stage) timed forward and backward at one sample
-      and at the microbatch (:func:`~plait.train.planner.timing.calibrate`).
+    - Per checkpointing mode of ``modes`` (and ``none``), the job's model (one stage): ``host_s``, a forward
+      and backward of one sample (the host's floor: so short a microbatch leaves the GPU waiting); the GPU's
+      busy time of one at the microbatch size, which gives ``flops`` (without checkpointing) and
+      ``recompute`` (each mode's over it); on a GPU, ``activation_scale``: the bytes its forward keeps over
+      the planner's count.
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
-    - ``activation_scale`` (on a GPU): the activation bytes its forward keeps over the planner's count.
-    - ``fragmentation`` (on a GPU): the peak reserved over the peak allocated bytes of the job's steps.
-    - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding):
-      the extra forward and backward time per unit.
+    - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding),
+      one sample: the extra time per unit.
+    - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
+      less the model's forward and backward (wall time) and the optimizer step.
+    - ``fragmentation`` (on a GPU): the peak reserved over the peak allocated bytes of those steps.
     """
     from plait.loop.optim import build_optimizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    b = job.config.batching
+    b, par = job.config.batching, job.config.parallel
     mb, seq = b.microbatch_size, b.seq_len
-    mode = job.config.parallel.activation_checkpointing.mode
-    one_gpu = Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode)
+    job_mode = par.activation_checkpointing.mode
     with tempfile.TemporaryDirectory() as d:  # first, while this process holds no device memory
         config_file = Path(d) / "job.json"
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
+        one_gpu = Layout(1, 1, 1, 1, 1, 1, None, 1, mb, job_mode)
         tok_s, allocated, reserved = run_job(
             config_file, 1, [*one_gpu.overrides(), f"--batching.global_batch_size={mb}"], steps
         )
-    provider = job.provider()
-    model = provider.parallelize(provider.build_stage(0, 1), None)
-    provider.materialize(model, device)
-    flops, fixed, t_microbatch = calibrate(model, provider.flops_per_token(seq), mb, seq, device)
-    t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
-    scale = machine.activation_scale
-    if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
-        counted = mb * job.stage_activations(one_gpu, 1)[0]
-        scale = activation_bytes(model, mb, seq, device) / counted
-    del model
+    host, busy, scale = {}, {}, {}
+    for mode in dict.fromkeys(("none", *modes, job_mode)):
+        ac = par.activation_checkpointing.model_copy(update={"mode": mode})
+        provider = job.provider(activation_checkpointing=ac)
+        model = provider.parallelize(provider.build_stage(0, 1), None)
+        provider.materialize(model, device)
+        host[mode] = forward_backward_s(model, 1, seq, device)
+        busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
+        if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
+            counted = mb * job.stage_activations(Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode), 1)[0]
+            scale[mode] = activation_bytes(model, mb, seq, device) / counted
+        if mode == job_mode:
+            t_microbatch = forward_backward_s(model, mb, seq, device)
+            t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
+        del model
     return dataclasses.replace(
-        machine, flops=flops, microbatch_s=fixed, activation_scale=scale,
-        optimizer_bytes_per_s=moved / t_optimizer, fsdp_unit_s=_fsdp_unit_s(job, device, t_microbatch),
+        machine,
+        flops=provider.flops_per_token(seq) * seq * mb / busy["none"],
+        host_s=tuple(host.items()),
+        recompute=tuple((m, t / busy["none"]) for m, t in busy.items()),
+        activation_scale=tuple(scale.items()) or machine.activation_scale,
+        optimizer_bytes_per_s=moved / t_optimizer,
+        fsdp_unit_s=_fsdp_unit_s(job, device, host[job_mode]),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         fragmentation=reserved / allocated if allocated else machine.fragmentation,
-    )  # fmt: skip
+    )
 
 
 def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
-    """Seconds FSDP2 adds per unit to one microbatch's forward and backward: the job's model with its units
+    """Seconds FSDP2 adds per unit to a forward and backward of one sample: the job's model with its units
     (``parallel.fsdp_layers_per_unit``, ``reshard_after_forward``) on a one-rank group, against ``t_plain``
-    without FSDP. The collectives' transfer time is priced apart from bandwidth; what stays is the hooks',
-    the copies' and the launches' time."""
+    without FSDP. The collectives' transfer time is priced apart from bandwidth; what stays is the host's
+    time in the hooks, the copies and the launches."""
     import torch.distributed as dist
     from plait.models.common.parallel import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh
@@ -725,7 +750,7 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        par, b = job.config.parallel, job.config.batching
+        par = job.config.parallel
         provider = job.provider()
         model = provider.parallelize(provider.build_stage(0, 1), None)
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_cp_shard",))
@@ -733,7 +758,7 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
                    layers_per_unit=par.fsdp_layers_per_unit)  # fmt: skip
         provider.materialize(model, device)
         units = sum(isinstance(m, FSDPModule) for m in model.modules())
-        t_fsdp = forward_backward_s(model, b.microbatch_size, b.seq_len, device)
+        t_fsdp = forward_backward_s(model, 1, job.config.batching.seq_len, device)
     finally:
         if owned:
             dist.destroy_process_group()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Machine", "calibrate", "load_machine", "optimizer_step", "run_job"]
+__all__ = ["Machine", "forward_backward_s", "load_machine", "optimizer_step", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,15 @@ class Machine:
         gpus_per_node: GPUs of one node (tensor parallelism stays within one).
         fragmentation: the allocator's reserved over allocated bytes at the peak (``--calibrate`` on a GPU
             measures it in a few steps of the job).
-        microbatch_s: fixed seconds of one microbatch's forward and backward through the whole model
-            (kernel launches, the host's work per layer), whatever its size.
-        activation_scale: the activation bytes a forward of the job's model keeps on this device over the
-            planner's count of them (``--calibrate`` on a GPU measures it: compiled layers may save less
-            than the eager ops counted); 1 = the count.
+        host_s: per activation-checkpointing mode, the seconds the host takes to issue one microbatch's
+            forward and backward through the whole model (Python, autograd, kernel launches), whatever its
+            size: a microbatch takes at least this long, the GPU waiting when its own work is shorter
+            (``--calibrate`` measures it at one sample); none = 0.
+        recompute: per mode, the GPU time of a forward and backward over that without checkpointing (a
+            forward is a third of it without; ``--calibrate`` measures it).
+        activation_scale: per mode, the activation bytes a forward of the job's model keeps on this device
+            over the planner's count of them (``--calibrate`` on a GPU measures it: compiled layers may save
+            less than the eager ops counted); none = 1, the count.
         fsdp_unit_s: seconds FSDP2 adds per unit and microbatch besides its collectives' transfer time (its
             hooks, copies in and out, the launches): measured on a one-rank FSDP2 model.
         step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
@@ -63,8 +67,9 @@ class Machine:
     memory_gib: float = 139.8
     gpus_per_node: int = 8
     fragmentation: float = 1.0
-    microbatch_s: float = 0.0
-    activation_scale: float = 1.0
+    host_s: tuple[tuple[str, float], ...] = ()
+    recompute: tuple[tuple[str, float], ...] = (("none", 1.0), ("selective", 1.1), ("full", 4 / 3))
+    activation_scale: tuple[tuple[str, float], ...] = ()
     fsdp_unit_s: float = 0.0
     step_s: float = 0.0
 
@@ -72,12 +77,21 @@ class Machine:
     def _bandwidths(self) -> dict[str, float]:
         return dict(self.busbw)
 
+    def of_mode(self, field: str, mode: str) -> float:
+        """``field``'s value (``host_s``, ``recompute`` or ``activation_scale``) for checkpointing ``mode``."""
+        return dict(getattr(self, field)).get(mode, 0.0 if field == "host_s" else 1.0)
+
     def measured(self) -> str:
         """What ``--calibrate`` measures, in words."""
-        return (f"{self.flops / 1e12:.1f} TFLOP/s, {self.microbatch_s * 1e3:.1f} ms fixed per microbatch, optimizer "
-                f"{self.optimizer_bytes_per_s / 1e9:.0f} GB/s, FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and "
-                f"microbatch, {self.step_s * 1e3:.1f} ms fixed per step, activation scale {self.activation_scale:.2f}, "
-                f"fragmentation {self.fragmentation:.2f}")  # fmt: skip
+
+        def modes(field: str, fmt: str) -> str:
+            return ", ".join(f"{m} {fmt.format(v)}" for m, v in getattr(self, field))
+
+        return (f"{self.flops / 1e12:.1f} TFLOP/s; host per microbatch {modes('host_s', '{:.3f} s')}; GPU time "
+                f"over no checkpointing {modes('recompute', '{:.2f}x')}; activations over the count "
+                f"{modes('activation_scale', '{:.2f}x') or '1'}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
+                f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; {self.step_s * 1e3:.1f} ms "
+                f"fixed per step; fragmentation {self.fragmentation:.2f}")  # fmt: skip
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
@@ -105,8 +119,9 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
             raise ValueError(
                 f"--machine {path}: unknown fields {sorted(unknown)} (known: {sorted(Machine.__dataclass_fields__)})"
             )
-        if "busbw" in data:
-            data["busbw"] = tuple({**dict(machine.busbw), **data["busbw"]}.items())
+        for key in ("busbw", "host_s", "recompute", "activation_scale"):  # {name: value}, over the defaults
+            if key in data:
+                data[key] = tuple({**dict(getattr(machine, key)), **data[key]}.items())
         machine = replace(machine, **data)
     return replace(machine, memory_gib=memory_gib) if memory_gib is not None else machine
 
@@ -122,9 +137,12 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> 
     return (time.perf_counter() - t0) / repeats
 
 
-def forward_backward_s(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> float:
-    """Seconds of one forward and backward of ``model`` on ``samples`` x ``seq`` random tokens (device
-    synchronised; after a warm-up)."""
+def forward_backward_s(
+    model: torch.nn.Module, samples: int, seq: int, device: torch.device, *, busy: bool = False
+) -> float:
+    """Seconds of one forward and backward of ``model`` on ``samples`` x ``seq`` random tokens, after a warm-up:
+    the wall time (device synchronised), or with ``busy`` the time the device spends in its kernels and copies
+    (CUDA: summed from the profiler's device records; elsewhere the wall time: the CPU runs them as it goes)."""
     ids = torch.randint(0, 100, (samples, seq), device=device)
 
     def step() -> None:
@@ -132,21 +150,18 @@ def forward_backward_s(model: torch.nn.Module, samples: int, seq: int, device: t
         loss = out["loss"] if isinstance(out, dict) else out
         loss.sum().backward()
 
-    return _timed(step, device)
+    if not busy or device.type != "cuda":
+        return _timed(step, device)
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-
-def calibrate(
-    model: torch.nn.Module, flops_per_token: float, microbatch: int, seq: int, device: torch.device
-) -> tuple[float, float, float]:
-    """``(model FLOP/s, seconds of fixed cost per microbatch, seconds of a microbatch)`` of ``model`` (the job's model, materialised on
-    ``device``): a forward and backward timed at 1 and at ``microbatch`` samples of ``seq`` tokens; the
-    difference per sample gives the rate (the training FLOPs over its time), the rest the fixed cost of a
-    microbatch (launches, the host's per-layer work). With ``microbatch`` 1 the fixed cost is 0."""
-    t_full = forward_backward_s(model, microbatch, seq, device)
-    if microbatch == 1:
-        return flops_per_token * seq / t_full, 0.0, t_full
-    per_sample = max((t_full - forward_backward_s(model, 1, seq, device)) / (microbatch - 1), 1e-9)
-    return flops_per_token * seq / per_sample, max(0.0, t_full - microbatch * per_sample), t_full
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[float, int]:
