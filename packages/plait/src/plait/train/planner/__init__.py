@@ -441,7 +441,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
         host = host_s * layers / m.num_hidden_layers + fsdp_stage
         host_bound |= host > gpu
-        t = max(gpu, host)
+        t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
         comm = comm_layer * layers
         return fwd + comm / 2, t - fwd + comm / 2
@@ -715,6 +715,9 @@ def calibrated(
         provider.materialize(model, device)
         host[mode] = forward_backward_s(model, 1, seq, device)
         busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
+        if device.type != "cuda" and mb > 1:  # ops run as issued: the time per sample, the rest fixed
+            per_sample = max(0.0, busy[mode] - host[mode]) / (mb - 1)
+            host[mode], busy[mode] = max(0.0, host[mode] - per_sample), mb * per_sample
         if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
             counted = mb * job.stage_activations(Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode), 1)[0]
             scale[mode] = activation_bytes(model, mb, seq, device) / counted
@@ -732,6 +735,7 @@ def calibrated(
         fsdp_unit_s=_fsdp_unit_s(job, device, host[job_mode]),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         fragmentation=reserved / allocated if allocated else machine.fragmentation,
+        host_overlaps=device.type == "cuda",
     )
 
 

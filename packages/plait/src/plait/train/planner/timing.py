@@ -42,6 +42,8 @@ class Machine:
             forward and backward through the whole model (Python, autograd, kernel launches), whatever its
             size: a microbatch takes at least this long, the GPU waiting when its own work is shorter
             (``--calibrate`` measures it at one sample); none = 0.
+        host_overlaps: the host issues work ahead of the device (CUDA: a microbatch takes the longer of the
+            two); False: the device runs each op as it is issued (a CPU: the host's time adds to the compute).
         recompute: per mode, the GPU time of a forward and backward over that without checkpointing (a
             forward is a third of it without; ``--calibrate`` measures it).
         activation_scale: per mode, the activation bytes a forward of the job's model keeps on this device
@@ -68,6 +70,7 @@ class Machine:
     gpus_per_node: int = 8
     fragmentation: float = 1.0
     host_s: tuple[tuple[str, float], ...] = ()
+    host_overlaps: bool = True
     recompute: tuple[tuple[str, float], ...] = (("none", 1.0), ("selective", 1.1), ("full", 4 / 3))
     activation_scale: tuple[tuple[str, float], ...] = ()
     fsdp_unit_s: float = 0.0
