@@ -24,7 +24,7 @@ from plait.dist_core.testing import run_distributed
 from plait.loop import BatchPlan, load_config
 from plait.models import estimate_num_parameters
 from plait.train.config import JobConfig
-from plait.train.planner import Layout, PlanJob, main, plan
+from plait.train.planner import Layout, Machine, PlanJob, main, plan
 from plait.train.planner.memory import ActivationProfile, activation_profile, saved_bytes
 from plait.train.train import DEFAULT_CONFIG
 from torch.distributed.fsdp import FSDPModule
@@ -259,7 +259,7 @@ def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixtu
     without and with full checkpointing (which recomputes the forward: more time), FSDP2 on a one-rank gloo
     group; every figure is a positive, finite measurement and the plan prices them.
     A job that cannot run is an error naming the run's failure."""
-    from plait.train.planner import Machine, calibrated
+    from plait.train.planner import calibrated
     from plait.train.planner.timing import run_job
 
     cfg = _config("--batching.seq_len=128", "--batching.global_batch_size=4", "--batching.microbatch_size=2",
@@ -275,6 +275,16 @@ def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixtu
     assert fsdp.time["fsdp_host_per_microbatch"] > 0 and fits[0].time["step_fixed"] == machine.step_s
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)
+
+
+def test_equal_speeds_rank_the_larger_microbatch_first() -> None:
+    """Without a host floor every microbatch size of a mode prices the same: the larger comes first."""
+    fits = plan(_config(), 1, checkpointing=("none",)).fits
+    sizes = [p.layout.microbatch_size for p in fits]
+    assert len({round(p.tokens_per_s_per_gpu) for p in fits}) == 1 and sizes == sorted(sizes, reverse=True)
+    floor = Machine(host_s=(("none", 1.0),))  # one second per microbatch: fewer, larger ones are faster
+    first = plan(_config(), 1, floor, checkpointing=("none",)).fits[0]
+    assert first.limit == "host" and first.layout.microbatch_size == max(sizes)
 
 
 def test_the_layout_is_the_mesh_it_names() -> None:

@@ -531,7 +531,8 @@ def plan(
 ) -> Plan:
     """Every layout of ``config`` on ``gpus`` GPUs, priced on ``machine`` (default :class:`Machine`).
 
-    Two passes: every candidate is priced with estimated model states and pipeline bubbles, then the
+    ``Plan.fits`` is ranked fastest first, equal speeds by the larger microbatch (:func:`_rank`). Two passes:
+    every candidate is priced with estimated model states and pipeline bubbles, then the
     layouts of the most promising distinct meshes (fitting ones first, fastest first) are built (the
     schedule's program, the stages under the fake group) and priced exactly, until ``exact_limit`` meshes
     of which the job accepts a layout are (or all are). Only exactly priced layouts are listed; the
@@ -570,10 +571,17 @@ def plan(
             (too_big if result.peak_bytes > machine.memory_gib * GIB else fits).append(result)
             valid = True
         accepted += valid
-    fits.sort(key=lambda r: -r.tokens_per_s_per_gpu)
+    fits.sort(key=_rank)
     too_big.sort(key=lambda r: r.peak_bytes)
     unverified = sum(len(coarse[k]) for k in keys)
     return Plan(gpus, machine, fits, too_big, refused, unverified)
+
+
+def _rank(p: Prediction) -> tuple[float, int]:
+    """Fastest first; equal speeds (to 4 significant digits) go to the larger microbatch: fewer microbatches
+    run the same work with fewer launches, hooks and pauses between them, which the model does not price
+    (each microbatch takes its GPU work or the host's floor, whichever is longer, nothing in between)."""
+    return -float(f"{p.tokens_per_s_per_gpu:.4g}"), -p.layout.microbatch_size
 
 
 def _table(predictions: list[Prediction], top: int) -> str:
