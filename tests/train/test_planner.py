@@ -249,7 +249,7 @@ def test_the_optimizer_calibration_moves_the_planned_state_bytes() -> None:
         provider.materialize(model, "cpu")
         forward_backward_s(model, 1, 64, torch.device("cpu"))  # the gradients
         _, moved = optimizer_step(build_optimizer(cfg.optimizer, model), torch.device("cpu"))
-        (states, _), = job.rank_states(_layout(), 1, ((0,),))
+        ((states, _),) = job.rank_states(_layout(), 1, ((0,),))
         assert moved == 2 * states.params + states.grads + 2 * states.optimizer, name
 
 
@@ -271,7 +271,7 @@ def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixtu
     assert not machine.host_overlaps  # a CPU runs the ops as they are issued
     assert dict(machine.recompute)["none"] == 1 and dict(machine.recompute)["full"] > 1
     fits = plan(cfg, 2, machine, checkpointing=("none",)).fits
-    fsdp = [p for p in fits if p.layout.dp_shard == 2][0]
+    fsdp = next(p for p in fits if p.layout.dp_shard == 2)
     assert fsdp.time["fsdp_host_per_microbatch"] > 0 and fits[0].time["step_fixed"] == machine.step_s
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)

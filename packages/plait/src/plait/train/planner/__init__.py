@@ -708,13 +708,15 @@ def calibrated(
     b, par = job.config.batching, job.config.parallel
     mb, seq = b.microbatch_size, b.seq_len
     job_mode = par.activation_checkpointing.mode
+
+    def one_gpu(mode: str) -> Layout:
+        return Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode)
+
     with tempfile.TemporaryDirectory() as d:  # first, while this process holds no device memory
         config_file = Path(d) / "job.json"
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
-        one_gpu = Layout(1, 1, 1, 1, 1, 1, None, 1, mb, job_mode)
-        tok_s, allocated, reserved = run_job(
-            config_file, 1, [*one_gpu.overrides(), f"--batching.global_batch_size={mb}"], steps
-        )
+        overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
+        tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
     host, busy, scale = {}, {}, {}
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
@@ -723,11 +725,11 @@ def calibrated(
         provider.materialize(model, device)
         host[mode] = forward_backward_s(model, 1, seq, device)
         busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
-        if device.type != "cuda" and mb > 1:  # ops run as issued: the time per sample, the rest fixed
-            per_sample = max(0.0, busy[mode] - host[mode]) / (mb - 1)
+        if device.type != "cuda":  # ops run as issued: the time per sample, the rest fixed (0 at one sample)
+            per_sample = max(0.0, busy[mode] - host[mode]) / (mb - 1) if mb > 1 else busy[mode]
             host[mode], busy[mode] = max(0.0, host[mode] - per_sample), mb * per_sample
         if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
-            counted = mb * job.stage_activations(Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode), 1)[0]
+            counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             scale[mode] = activation_bytes(model, mb, seq, device) / counted
         if mode == job_mode:
             t_microbatch = forward_backward_s(model, mb, seq, device)

@@ -3,8 +3,8 @@
 Without ``--calibrate`` the figures are the defaults below (an H200 node as measured by
 ``benchmarks/comms/nccl_bandwidth.py`` and the training benchmarks) or a ``--machine`` JSON file;
 with it, the job is measured on this machine's device (``calibrated`` in the package: its model's forward and
-backward at two sizes, :func:`calibrate`; its optimizer step, :func:`optimizer_step`; FSDP2's cost per unit;
-a few steps of the job itself, :func:`run_job`).
+backward, :func:`forward_backward_s`; its optimizer step, :func:`optimizer_step`; a few steps of the job
+itself, :func:`run_job`).
 """
 
 from __future__ import annotations
