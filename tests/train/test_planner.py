@@ -258,7 +258,7 @@ def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixtu
     """``--calibrate`` on this CPU: the job run for two steps (a real ``plait train``), its model timed
     without and with full checkpointing (which recomputes the forward: more time), FSDP2 on a one-rank gloo
     group; every figure is a positive, finite measurement and the plan prices them.
-    A job that cannot run is an error naming the run's failure."""
+    A job that cannot run is an error naming the run's failure (``plait plan`` exits with it)."""
     from plait.train.planner import calibrated
     from plait.train.planner.timing import run_job
 
@@ -275,6 +275,9 @@ def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixtu
     assert fsdp.time["fsdp_host_per_microbatch"] > 0 and fits[0].time["step_fixed"] == machine.step_s
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)
+    missing = "--data.source=/nonexistent/corpus"  # the planner does not read the data; the run does
+    with pytest.raises(SystemExit, match=r"--calibrate runs the job's model on one device .*data.source"):
+        main(["--gpus", "1", "--calibrate", missing])
 
 
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:

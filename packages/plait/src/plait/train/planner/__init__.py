@@ -654,11 +654,16 @@ def main(argv: list[str] | None = None) -> None:
     machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node or min(args.gpus, 8))
     job = PlanJob(config)
     if args.calibrate:
-        machine = calibrated(job, machine, modes=modes)
-        print(
-            f"plait plan: calibrated on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: "
-            + machine.measured()
-        )
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        try:
+            machine = calibrated(job, machine, modes=modes)
+        except RuntimeError as e:  # the job's run failed, or the model does not fit (OutOfMemoryError)
+            raise SystemExit(
+                f"plait plan: error: --calibrate runs the job's model on one device ({device}) and that failed: "
+                f"{e} (without --calibrate, or with --machine J.json of figures measured elsewhere, it plans "
+                "from the config alone)"
+            ) from None
+        print(f"plait plan: calibrated on {device}: {machine.measured()}")
     result = plan(config, args.gpus, machine, checkpointing=modes, job=job)
     print(f"plait plan: {job.model.model_type} on {args.gpus} GPU(s) of {machine.memory_gib:g} GiB, "
           f"{machine.flops / 1e12:.1f} TFLOP/s{' (calibrated)' if args.calibrate else ''}: "
