@@ -728,16 +728,19 @@ def calibrated(
         provider = job.provider(activation_checkpointing=ac)
         model = provider.parallelize(provider.build_stage(0, 1), None)
         provider.materialize(model, device)
-        host[mode] = forward_backward_s(model, 1, seq, device)
+        one_sample = forward_backward_s(model, 1, seq, device)
         busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
-        if device.type != "cuda":  # ops run as issued: the time per sample, the rest fixed (0 at one sample)
-            per_sample = max(0.0, busy[mode] - host[mode]) / (mb - 1) if mb > 1 else busy[mode]
-            host[mode], busy[mode] = max(0.0, host[mode] - per_sample), mb * per_sample
+        host[mode] = one_sample
         if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             scale[mode] = activation_bytes(model, mb, seq, device) / counted
+        else:  # ops run as issued: a fixed time per microbatch, the rest per sample
+            fixed = min(max((mb * one_sample - busy[mode]) / (mb - 1), 0.0), one_sample) if mb > 1 else 0.0
+            if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
+                fixed = 0.0
+            host[mode], busy[mode] = fixed, busy[mode] - fixed
         if mode == job_mode:
-            t_microbatch = forward_backward_s(model, mb, seq, device)
+            t_one_sample, t_microbatch = one_sample, forward_backward_s(model, mb, seq, device)
             t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
         del model
     return dataclasses.replace(
@@ -747,7 +750,7 @@ def calibrated(
         recompute=tuple((m, t / busy["none"]) for m, t in busy.items()),
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
-        fsdp_unit_s=_fsdp_unit_s(job, device, host[job_mode]),
+        fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         fragmentation=reserved / allocated if allocated else machine.fragmentation,
         host_overlaps=device.type == "cuda",
