@@ -11,6 +11,7 @@ planner's own fake-group build; the activations' is a meta forward of the whole 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -65,9 +66,24 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, int]:
+def _fsdp_units(stages: list[torch.nn.Module]) -> list[int]:
+    """The bytes each FSDP2 unit (one per ``fully_shard`` call: modules sharded together share its state)
+    of ``stages`` all-gathers, sorted."""
+    states = {id(st): st for m in stages for sub in m.modules() if isinstance(sub, FSDPModule)
+              for st in [sub._get_fsdp_state()]}  # fmt: skip
+    return sorted(
+        sum(
+            math.prod(fp._orig_size) * fp.sharded_param.element_size()
+            for fp in st._fsdp_param_group.fsdp_params
+        )
+        for st in states.values()
+        if st._fsdp_param_group is not None
+    )
+
+
+def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, list[int]]:
     """This rank's stages built by the trainer's own functions (their bytes of parameters, gradients and
-    moments, the optimizer stepped once on zero gradients, and their FSDP2 units)."""
+    moments, the optimizer stepped once on zero gradients, and what their FSDP2 units gather)."""
     from plait.loop.engine import build_stages, place_stages
     from plait.loop.optim.optimizers import build_optimizer
     from plait.loop.topology import Topology
@@ -97,7 +113,7 @@ def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int
         sum(_local_bytes(p) for p in params),
         sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         moments,
-        sum(isinstance(m, FSDPModule) for st in stages for m in st.modules()),
+        _fsdp_units(stages),
     )
 
 
@@ -129,9 +145,28 @@ def test_state_bytes_equal_what_the_ranks_build(layout: Layout, optimizer: str) 
     built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
     for p, (states, _) in enumerate(predicted):
         rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
-        assert (states.params, states.grads, states.optimizer) == built[rank][:3], (layout.name, p)
-        # the units FSDP2's per-unit cost (Machine.fsdp_unit_s) is counted over
-        assert len(states.gathered) == built[rank][3], (layout.name, p)
+        # with the units: what each gathers, and FSDP2's per-unit cost (Machine.fsdp_unit_s) is counted over them
+        assert (states.params, states.grads, states.optimizer, sorted(states.gathered)) == built[rank], p
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [_layout(dps=2), _layout(dps=2, ep=2), _layout(pp=2, dps=2, sched="1f1b")],
+    ids=lambda lay: lay.name,
+)
+def test_units_of_several_layers_gather_what_the_ranks_build(layout: Layout) -> None:
+    """``parallel.fsdp_layers_per_unit = 2`` (one ``fully_shard`` per two layers; DeepSeek-V3's dense and MoE
+    layers built two of each kind): each unit gathers what the real ranks' unit does."""
+    cfg = _with_model(TINY_DEEPSEEK, "--parallel.fsdp_layers_per_unit=2")
+    job = PlanJob(cfg)
+    batch_plan = BatchPlan(
+        cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len
+    )
+    _, num_stages, placement = job.schedule(batch_plan, layout)
+    predicted = job.rank_states(layout, num_stages, placement)
+    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
+    for p, (states, _) in enumerate(predicted):
+        assert sorted(states.gathered) == built[p * (layout.world // layout.pp)][3], (layout.name, p)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +185,7 @@ def test_state_bytes_of_layers_of_two_kinds_equal_what_the_ranks_build(layout: L
     built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
     for p, (states, _) in enumerate(predicted):
         rank = p * (layout.world // layout.pp)
-        assert (states.params, states.grads, states.optimizer, len(states.gathered)) == built[rank], p
+        assert (states.params, states.grads, states.optimizer, sorted(states.gathered)) == built[rank], p
 
 
 def _builds(config: dict[str, Any], layout: Layout) -> str:

@@ -253,7 +253,8 @@ class PlanJob:
             rank = p * (layout.world // layout.pp)
             with fake_world(layout.world, rank):
                 stage = self.provider(compile=False).parallelize(stage, context(layout.mesh(), rank))
-                return state_bytes(stage, self.config.optimizer, stand_in), list(stand_in)
+                per_unit = self.config.parallel.fsdp_layers_per_unit
+                return state_bytes(stage, self.config.optimizer, stand_in, per_unit), list(stand_in)
 
         return _once(self.stages, (state_key(layout, num_stages), s), build)
 
@@ -765,7 +766,6 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
     import torch.distributed as dist
     from plait.models.common.parallel import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
 
     owned = not dist.is_initialized()
     if owned:
@@ -779,7 +779,7 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
         apply_fsdp(model, mesh, reshard_after_forward=par.reshard_after_forward,
                    layers_per_unit=par.fsdp_layers_per_unit)  # fmt: skip
         provider.materialize(model, device)
-        units = sum(isinstance(m, FSDPModule) for m in model.modules())
+        units = -(-len(list(model.decoder_layers())) // par.fsdp_layers_per_unit) + 1  # apply_fsdp's calls
         t_fsdp = forward_backward_s(model, 1, job.config.batching.seq_len, device)
     finally:
         if owned:

@@ -143,7 +143,9 @@ def _gather_factor(p: torch.Tensor) -> int:
     names = p.device_mesh.mesh_dim_names or ()
     factor = 1
     for i, placement in enumerate(p.placements):
-        if placement.is_shard() and names[i] in _FSDP_DIMS:
+        # Shard, or the _StridedShard FSDP2 puts on a dim it shards a tensor already sharded on a later dim
+        # (e.g. experts over ep_replicate after expert parallelism over ep_shard)
+        if hasattr(placement, "dim") and names[i] in _FSDP_DIMS:
             factor *= p.device_mesh.size(i)
     return factor
 
@@ -158,11 +160,27 @@ def _moments(optimizer: Any) -> tuple[int, torch.dtype | None]:
     return 2, None
 
 
-def state_bytes(stage: nn.Module, optimizer: Any, stand_in: Mapping[int, int] | None = None) -> StateBytes:
+def _layer_units(units: list[tuple[int | None, bool, int]], built: list[int], per_unit: int) -> list[int]:
+    """The gathered bytes of the stage's decoder-layer units, last first: ``built`` lists, per decoder layer
+    in order, the built layer standing for it; each run of ``per_unit`` layers shares one unit (the layers'
+    own units summed), units inside a layer (e.g. its experts') stay one per layer."""
+    out: list[int] = []
+    for start in reversed(range(0, len(built), per_unit)):
+        group = built[start : start + per_unit]
+        out += [b for j in reversed(group) for held, whole, b in units if held == j and not whole]
+        out.append(sum(b for j in group for held, whole, b in units if held == j and whole))
+    return out
+
+
+def state_bytes(
+    stage: nn.Module, optimizer: Any, stand_in: Mapping[int, int] | None = None, layers_per_unit: int = 1
+) -> StateBytes:
     """The local model state of one stage (built on meta and parallelised).
 
     ``stand_in`` maps every decoder layer of the stage, in order, to the built layer that stands for it
     (the stage was built with :func:`keep_layers` of :func:`stand_ins`); default: the layers built.
+    ``layers_per_unit``: consecutive decoder layers that share one FSDP2 unit
+    (``parallel.fsdp_layers_per_unit``; their gathered bytes are one unit's).
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -180,25 +198,29 @@ def state_bytes(stage: nn.Module, optimizer: Any, stand_in: Mapping[int, int] | 
             acc[1] += nbytes
             size = local.element_size() if moment_dtype is None else moment_dtype.itemsize
             acc[2] += moments * local.numel() * size
-    units: list[tuple[int | None, int]] = []  # (the built layer holding it or None, bytes), outermost last
+    # FSDP2 modules, innermost first: (the built layer holding it or None, whether it is that layer, bytes)
+    units: list[tuple[int | None, bool, int]] = []
     owned: set[int] = set()
     for unit in reversed([m for m in stage.modules() if isinstance(m, FSDPModule)]):
-        unit_bytes = 0  # innermost first: a parameter belongs to the innermost unit holding it
+        unit_bytes = 0  # a parameter belongs to the innermost unit holding it
         for p in unit.parameters():
             if id(p) in owned or _gather_factor(p) == 1:
                 continue
             owned.add(id(p))
             local = _local(p)
             unit_bytes += local.numel() * local.element_size() * _gather_factor(p)
-        units.append((owner.get(id(unit)), unit_bytes))
+        held = owner.get(id(unit))
+        units.append((held, held is not None and unit is layers[held], unit_bytes))
     gathered: list[int] = []
-    for i, (layer, unit_bytes) in enumerate(units):
+    for i, (layer, _, unit_bytes) in enumerate(units):
         if layer is None:
             gathered.append(unit_bytes)
-        elif i == 0 or units[i - 1][0] is None:  # the layers' units (last layer first): every layer's
-            gathered += [b for j in reversed(stand_in) for held, b in units if held == stand_in[j]]
+        elif i == 0 or units[i - 1][0] is None:  # the layers' units, last first
+            gathered += _layer_units(units, list(stand_in.values()), layers_per_unit)
     params, grads, opt = (sums[None][k] + sum(sums[stand_in[j]][k] for j in stand_in) for k in range(3))
-    return StateBytes(params, grads, opt, tuple(gathered))
+    return StateBytes(
+        params, grads, opt, tuple(b for b in gathered if b)
+    )  # a unit without parameters gathers none
 
 
 @dataclass(frozen=True)
