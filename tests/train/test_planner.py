@@ -1,7 +1,9 @@
-"""``plait plan``: its model states equal what real ranks build, its valid layouts are those that build, its
-best layout trains, and a model that fits nowhere is refused with what would fit; its activations measured
-on one or two layers of each kind equal those of the whole model and what a real forward saves, and a model
-far larger than the machine is planned from two layers of each kind.
+"""``plait plan``: its model states (and every FSDP2 unit's gathered bytes) equal what real ranks build, its
+valid layouts are those that build, its best layout trains, and a model that fits nowhere is refused with what
+would fit; its activations measured on one or two layers of each kind equal those of the whole model and what
+a real forward saves, and a model far larger than the machine is planned from two layers of each kind;
+``--calibrate`` measures the job on this device (a real ``plait train`` run, the optimizer's bytes as the
+planner counts them) and the plan prices what it measures.
 
 The references are real gloo ranks building the job's stages the way the trainer does (the stages of the
 rank's pipeline coordinate, parallelised and materialised, the job's optimizer stepped once), never the
@@ -290,7 +292,7 @@ def test_the_optimizer_calibration_moves_the_planned_state_bytes() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_calibration_measures_the_job_on_this_device(capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibration_measures_the_job_on_this_device() -> None:
     """``--calibrate`` on this CPU: the job run for two steps (a real ``plait train``), its model timed
     without and with full checkpointing, FSDP2 on a one-rank gloo group; every figure is a positive, finite
     measurement (their sizes are the GPU's business: on a shared CPU a few milliseconds are noise) and the
