@@ -132,23 +132,25 @@ STATE_LAYOUTS = [
 ]
 
 
+def _assert_states_are_the_ranks(cfg: JobConfig, layout: Layout) -> None:
+    """The planner's states of every pipeline rank of ``layout`` (parameters, gradients, moments and each
+    FSDP2 unit's gathered bytes, over which FSDP2's per-unit cost is counted) equal a real rank's build."""
+    job = PlanJob(cfg)
+    b = cfg.batching
+    batch_plan = BatchPlan(b.global_batch_size, layout.microbatch_size, layout.dp, b.seq_len, layout.cp)
+    _, num_stages, placement = job.schedule(batch_plan, layout)
+    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
+    for p, (states, _) in enumerate(job.rank_states(layout, num_stages, placement)):
+        rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
+        units = sorted(b for b in states.gathered if b)  # a root without parameters: 0 bytes, no FSDP2 group
+        planned = (states.params, states.grads, states.optimizer, units)
+        assert planned == built[rank], (layout.name, p)
+
+
 @pytest.mark.parametrize("layout", STATE_LAYOUTS, ids=lambda lay: lay.name)
 @pytest.mark.parametrize("optimizer", ["adamw", "stochastic_adamw"])
 def test_state_bytes_equal_what_the_ranks_build(layout: Layout, optimizer: str) -> None:
-    cfg = _config(f"--optimizer.name={optimizer}")
-    job = PlanJob(cfg)
-    _, num_stages, placement = job.schedule(
-        BatchPlan(
-            cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len, layout.cp
-        ),
-        layout,
-    )
-    predicted = job.rank_states(layout, num_stages, placement)
-    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
-    for p, (states, _) in enumerate(predicted):
-        rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
-        # with the units: what each gathers, and FSDP2's per-unit cost (Machine.fsdp_unit_s) is counted over them
-        assert (states.params, states.grads, states.optimizer, sorted(states.gathered)) == built[rank], p
+    _assert_states_are_the_ranks(_config(f"--optimizer.name={optimizer}"), layout)
 
 
 @pytest.mark.parametrize(
@@ -159,16 +161,7 @@ def test_state_bytes_equal_what_the_ranks_build(layout: Layout, optimizer: str) 
 def test_units_of_several_layers_gather_what_the_ranks_build(layout: Layout) -> None:
     """``parallel.fsdp_layers_per_unit = 2`` (one ``fully_shard`` per two layers; DeepSeek-V3's dense and MoE
     layers built two of each kind): each unit gathers what the real ranks' unit does."""
-    cfg = _with_model(TINY_DEEPSEEK, "--parallel.fsdp_layers_per_unit=2")
-    job = PlanJob(cfg)
-    batch_plan = BatchPlan(
-        cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len
-    )
-    _, num_stages, placement = job.schedule(batch_plan, layout)
-    predicted = job.rank_states(layout, num_stages, placement)
-    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
-    for p, (states, _) in enumerate(predicted):
-        assert sorted(states.gathered) == built[p * (layout.world // layout.pp)][3], (layout.name, p)
+    _assert_states_are_the_ranks(_with_model(TINY_DEEPSEEK, "--parallel.fsdp_layers_per_unit=2"), layout)
 
 
 @pytest.mark.parametrize(
@@ -177,17 +170,7 @@ def test_units_of_several_layers_gather_what_the_ranks_build(layout: Layout) -> 
 def test_state_bytes_of_layers_of_two_kinds_equal_what_the_ranks_build(layout: Layout) -> None:
     """The planner builds two layers of each kind (dense, MoE) of a 6-layer DeepSeek-V3 and counts the others
     as their kind's: the sums are those of the ranks' whole stages, byte for byte."""
-    cfg = _with_model(TINY_DEEPSEEK)
-    job = PlanJob(cfg)
-    batch_plan = BatchPlan(
-        cfg.batching.global_batch_size, layout.microbatch_size, layout.dp, cfg.batching.seq_len
-    )
-    _, num_stages, placement = job.schedule(batch_plan, layout)
-    predicted = job.rank_states(layout, num_stages, placement)
-    built = run_distributed(_built_states, layout.world, cfg.model_dump(mode="json"), layout)
-    for p, (states, _) in enumerate(predicted):
-        rank = p * (layout.world // layout.pp)
-        assert (states.params, states.grads, states.optimizer, sorted(states.gathered)) == built[rank], p
+    _assert_states_are_the_ranks(_with_model(TINY_DEEPSEEK), layout)
 
 
 def _builds(config: dict[str, Any], layout: Layout) -> str:
@@ -314,7 +297,7 @@ def test_calibration_measures_the_job_on_this_device() -> None:
     fits = plan(cfg, 2, priced, checkpointing=("none",)).fits
     fsdp = next(p for p in fits if p.layout.dp_shard == 2)
     ((states, _),) = PlanJob(cfg).rank_states(fsdp.layout, 1, ((0,),))
-    assert fsdp.time["fsdp_host_per_microbatch"] == pytest.approx(0.01 * len(states.gathered))
+    assert fsdp.time["fsdp_host_per_microbatch"] == pytest.approx(0.01 * states.units)
     assert fits[0].time["step_fixed"] == 0.5
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)

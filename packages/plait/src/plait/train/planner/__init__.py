@@ -432,7 +432,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
     # FSDP2's own time per microbatch on a stage: its units' share of the rank's
-    fsdp_stage = machine.fsdp_unit_s * len(states0.gathered) / len(ranks[0][1]) if fsdp_n > 1 else 0.0
+    fsdp_stage = machine.fsdp_unit_s * states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
     host_bound = False
 
     def stage_costs(layers: int, last: bool) -> tuple[float, float]:

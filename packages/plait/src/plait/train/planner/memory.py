@@ -86,7 +86,8 @@ class StateBytes:
         params, grads, optimizer: the local shards (gradients of trainable parameters in their dtype,
             the optimizer's moments: two per parameter for AdamW, one for SGD with momentum, none without).
         gathered: per FSDP2 unit, the bytes its all-gather materialises (the unit's parameters unsharded
-            over the FSDP dims, in their dtype), outermost unit last (stage by stage).
+            over the FSDP dims, in their dtype; 0 for a root without parameters, e.g. a middle pipeline
+            stage's), outermost unit last (stage by stage).
     """
 
     params: int
@@ -97,6 +98,11 @@ class StateBytes:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def units(self) -> int:
+        """The FSDP2 units that gather parameters (those whose hooks do work)."""
+        return sum(1 for b in self.gathered if b)
 
     def __add__(self, other: StateBytes) -> StateBytes:
         """The states of two stages on one rank."""
@@ -218,9 +224,7 @@ def state_bytes(
         elif i == 0 or units[i - 1][0] is None:  # the layers' units, last first
             gathered += _layer_units(units, list(stand_in.values()), layers_per_unit)
     params, grads, opt = (sums[None][k] + sum(sums[stand_in[j]][k] for j in stand_in) for k in range(3))
-    return StateBytes(
-        params, grads, opt, tuple(b for b in gathered if b)
-    )  # a unit without parameters gathers none
+    return StateBytes(params, grads, opt, tuple(gathered))
 
 
 @dataclass(frozen=True)
