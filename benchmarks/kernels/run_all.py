@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -259,36 +260,50 @@ def bench_rms_norm(quick: bool) -> None:
         attempt("rms_norm+residual fwd+bwd", shape, name, mk, nbytes=8 * n)
 
 
+def _model_shapes(quick: bool) -> list[tuple[int, ...]]:
+    """The parameter shapes of a Qwen3-MoE (hidden 1024, 64 experts of FFN 512, vocab 151936): one step
+    over a model's many tensors, each with its own address and a partial last block (quick: 1 layer and
+    a smaller vocabulary; else 2 layers, ~0.6B parameters)."""
+    h, e, f, kv = 1024, 64, 512, 256
+    layer = [(h,), (h,), (h, h), (kv, h), (kv, h), (64,), (64,), (h, h), (e, h), (e, 2 * f, h), (e, h, f)]
+    vocab = 32000 if quick else 151936
+    return [(vocab, h), *(layer * (1 if quick else 2)), (h,), (vocab, h)]
+
+
 def bench_adamw(quick: bool) -> None:
     n = (1 << 26) if quick else (1 << 28)
-    shape = f"{n >> 20}M params"
+    model = _model_shapes(quick)
+    model_n = sum(math.prod(s) for s in model)
     for label, pdtype, mdtype, per_elem in (
         ("fp32 states", torch.bfloat16, torch.float32, 22),
         ("bf16 states", torch.bfloat16, torch.bfloat16, 14),
     ):
-        p = torch.nn.Parameter(torch.randn(n, dtype=pdtype, device=DEV) * 0.02)
-        p.grad = torch.randn(n, dtype=pdtype, device=DEV) * 1e-3
-        opt = StochasticAdamW([p], lr=1e-4, moment_dtype=mdtype, seed=0)
-        attempt(f"adamw step ({label})", shape, "plait SR", lambda opt=opt: opt.step, nbytes=per_elem * n)
-        del opt, p
-        gc.collect()
-        torch.cuda.empty_cache()
-        # torch fused AdamW on the same dtypes (round-to-nearest, states in the param dtype)
         tdt = torch.float32 if mdtype == torch.float32 else torch.bfloat16
-        q = torch.nn.Parameter(torch.randn(n, dtype=tdt, device=DEV) * 0.02)
-        q.grad = torch.randn(n, dtype=tdt, device=DEV) * 1e-3
-        o2 = torch.optim.AdamW([q], lr=1e-4, fused=True)
-        tb = 28 if tdt == torch.float32 else 14
-        attempt(
-            f"adamw step ({label})",
-            shape,
-            f"torch fused ({'fp32' if tdt == torch.float32 else 'bf16'} all)",
-            lambda o2=o2: o2.step,
-            nbytes=tb * n,
-        )
-        del o2, q
-        gc.collect()
-        torch.cuda.empty_cache()
+        torch_bytes = 28 if tdt == torch.float32 else 14
+        for shape, shapes, count in (
+            (f"{n >> 20}M params", [(n,)], n),
+            (f"{len(model)} tensors, {model_n >> 20}M params", model, model_n),
+        ):
+            ps = [torch.nn.Parameter(torch.randn(s, dtype=pdtype, device=DEV) * 0.02) for s in shapes]
+            for p in ps:
+                p.grad = torch.randn_like(p) * 1e-3
+            opt = StochasticAdamW(ps, lr=1e-4, moment_dtype=mdtype, seed=0)
+            attempt(
+                f"adamw step ({label})", shape, "plait SR", lambda opt=opt: opt.step, nbytes=per_elem * count
+            )
+            del opt, ps
+            gc.collect()
+            torch.cuda.empty_cache()
+            # torch fused AdamW on the same tensors (round-to-nearest, states in the param dtype)
+            qs = [torch.nn.Parameter(torch.randn(s, dtype=tdt, device=DEV) * 0.02) for s in shapes]
+            for q in qs:
+                q.grad = torch.randn_like(q) * 1e-3
+            o2 = torch.optim.AdamW(qs, lr=1e-4, fused=True)
+            impl = f"torch fused ({'fp32' if tdt == torch.float32 else 'bf16'} all)"
+            attempt(f"adamw step ({label})", shape, impl, lambda o2=o2: o2.step, nbytes=torch_bytes * count)
+            del o2, qs
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def bench_permute(quick: bool) -> None:

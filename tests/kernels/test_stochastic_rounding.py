@@ -74,22 +74,33 @@ def test_grad_scale_clips_inside_the_step(run):
 def check_one_launch_equals_a_launch_per_tensor(moment_dtype):
     """All of a group's tensors in one Triton launch update each exactly as a launch of its own (same
     seeds): the block table maps every block to its tensor and its place inside it. fp32 tensors of
-    the same launch also match torch's AdamW."""
+    the same launch also match torch's AdamW. A launch of tensors at 16-byte addresses with numels of
+    16 elements takes 16-byte accesses (2048 and 4112 alone), the others narrow ones (every launch
+    with a tensor of 5 elements, or the one at an odd address): both update alike."""
     from plait.kernels._triton.stochastic_rounding import adamw_triton
+    from plait.kernels.stochastic_rounding import wide_access
 
+    def odd_address(t):  # t's values, one element past a 16-byte boundary
+        return torch.cat([t[:1], t])[1:]
+
+    assert wide_access(torch.zeros(32), torch.zeros(32)) and not wide_access(torch.zeros(33))
+    assert not wide_access(torch.zeros(32), odd_address(torch.zeros(32)))
     torch.manual_seed(0)
-    sizes = [3000, 5, 2048, 4097, 1]  # blocks of 2048: a tensor's last block is partial or full
+    sizes = [3000, 5, 2048, 4097, 1, 4112, 32]  # blocks of 2048: a tensor's last block is partial or full
     kw = {"lr": 1e-2, "b1": 0.8, "b2": 0.95, "eps": 1e-6, "wd": 0.1, "bc1": 0.2, "bc2": 0.05}
     scale = torch.tensor(0.5)
     for dtype in (torch.bfloat16, torch.float32):
         init = [(torch.randn(n).to(dtype), torch.randn(n).to(dtype), torch.randn(n).abs()) for n in sizes]
 
         def state(init=init):
-            return [
+            out = [
                 (p.clone(), g.clone(), m.to(moment_dtype, copy=True), v.to(moment_dtype), seed)
                 for seed, (p, g, m) in enumerate(init, 11)
                 for v in [m * m]
             ]
+            p, *rest = out[-1]
+            out[-1] = (odd_address(p), *rest)
+            return out
 
         together, apart = state(), state()
         adamw_triton(together, grad_scale=scale, **kw)

@@ -64,6 +64,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 _TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def wide_access(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton step may move 16 bytes per access of these tensors (of one numel): every
+    address a multiple of 16 bytes and the numel of 16 elements. The step launches such tensors
+    apart from the others, which take narrow accesses."""
+    return tensors[0].numel() % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _hyper(group: dict[str, Any], t: float) -> dict[str, float]:
     """A param group's AdamW hyperparameters at step ``t`` (bias corrections included)."""
     b1, b2 = group["betas"]
@@ -193,8 +200,8 @@ class StochasticAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # Tensors the Triton kernel takes, one launch per (step, device, dtypes): the host cost of a
-            # step is then a few microseconds per parameter, not a kernel launch each.
+            # Tensors the Triton kernel takes, one launch per (step, device, dtypes, 16-byte alignment):
+            # the host cost of a step is then a few microseconds per parameter, not a kernel launch each.
             launches: dict[tuple[Any, ...], list[Any]] = {}
             for p in group["params"]:
                 if p.grad is None:
@@ -219,7 +226,7 @@ class StochasticAdamW(Optimizer):
                     and all(x.is_contiguous() and x.dtype in _TRITON_DTYPES for x in (pl, gl, ml, vl))
                     and pl.device == gl.device == ml.device
                 ):
-                    key = (t, pl.device, pl.dtype, gl.dtype, ml.dtype)
+                    key = (t, pl.device, pl.dtype, gl.dtype, ml.dtype, wide_access(pl, gl, ml, vl))
                     launches.setdefault(key, []).append((pl, gl, ml, vl, seed))
                     continue
                 _adamw_torch(pl, gl, ml, vl, grad_scale=grad_scale, seed=seed, **_hyper(group, t))

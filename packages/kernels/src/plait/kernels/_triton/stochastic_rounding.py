@@ -39,7 +39,7 @@ def _sr_kernel(x_ptr, y_ptr, n, seed, BLOCK: tl.constexpr):
 def _adamw_kernel(
     table_ptr, tensor_of_block_ptr, scale_ptr, lr, b1, b2, eps, wd, bc1, bc2,
     P_BF16: tl.constexpr, G_BF16: tl.constexpr, M_BF16: tl.constexpr, SCALED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One program per BLOCK elements of one tensor: tensor_of_block says which, its table row
     # [p, g, m, v addresses, numel, seed, first block] where (the tensors of one launch are many).
@@ -50,6 +50,12 @@ def _adamw_kernel(
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16 if M_BF16 else tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16 if M_BF16 else tl.float32))
     n = tl.load(row + 4)
+    if ALIGNED:  # what the compiler cannot see through the table: 16-byte loads and stores
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        n = tl.multiple_of(n, 16)
     seed = tl.load(row + 5).to(tl.int32)
     block = (pid - tl.load(row + 6)).to(tl.int32)  # the block's index inside its tensor
     offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -104,7 +110,9 @@ def adamw_triton(
     of contiguous tensors on one device, every ``p`` of one dtype, every ``g`` of one, every moment
     of one (fp32 or bf16 each). Each gradient is multiplied by the 0-d ``grad_scale`` when given.
     The random bits of a tensor depend on its seed and its elements' positions only, not on the
-    other tensors of the launch."""
+    other tensors of the launch. When every address is a multiple of 16 bytes and every numel of 16
+    elements (``wide_access``), the kernel moves 16 bytes per load and store; one other tensor in the
+    launch makes the whole launch take narrow accesses (the optimizer launches such tensors apart)."""
     p0, g0, m0 = tensors[0][:3]
     if {p0.dtype, g0.dtype, m0.dtype} - set(_DTYPES) or any(
         (p.dtype, g.dtype, m.dtype, v.dtype) != (p0.dtype, g0.dtype, m0.dtype, m0.dtype) for p, g, m, v, _ in tensors
@@ -124,11 +132,15 @@ def adamw_triton(
         (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, seed, f)
         for (p, g, m, v, seed), n, f in zip(tensors, numels, first)
     ]
+    from plait.kernels.stochastic_rounding import wide_access
+
+    wide = all(wide_access(p, g, m, v) for p, g, m, v, _ in tensors)
     table = torch.tensor(rows, dtype=torch.int64)
     if p0.is_cuda:
         table = table.pin_memory().to(p0.device, non_blocking=True)
     _adamw_kernel[(sum(blocks),)](
         table, tensor_of_block, p0 if grad_scale is None else grad_scale.to(p0.device), lr, b1, b2, eps, wd, bc1,
         bc2, P_BF16=p0.dtype == torch.bfloat16, G_BF16=g0.dtype == torch.bfloat16,
-        M_BF16=m0.dtype == torch.bfloat16, SCALED=grad_scale is not None, BLOCK=_BLOCK, num_warps=8,
+        M_BF16=m0.dtype == torch.bfloat16, SCALED=grad_scale is not None, ALIGNED=wide, BLOCK=_BLOCK,
+        num_warps=8,
     )  # fmt: skip
