@@ -442,7 +442,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
         host = host_s * layers / m.num_hidden_layers + fsdp_stage
         host_bound |= host > gpu
-        t = (max(gpu, host) if machine.host_overlaps else gpu + host) + machine.microbatch_s
+        t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
         comm = comm_layer * layers
         return fwd + comm / 2, t - fwd + comm / 2
@@ -517,8 +517,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         limit = "compute"
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
              "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage, "replica_all_reduce": replica,
-             "optimizer": optimizer_s, "loop_per_microbatch": machine.microbatch_s,
-             "step_fixed": machine.step_s}  # fmt: skip
+             "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
     return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages)
 
 
@@ -705,11 +704,9 @@ def calibrated(
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding),
       one sample: the extra time per unit.
-    - ``microbatch_s`` and ``step_s``: ``plait train`` run for ``steps`` steps of one and of two microbatches
-      each (:func:`run_job`). The difference of the two steps is the loop's time per microbatch: less the
-      model's own (the longer of its GPU time and the host's floor; their sum on a CPU), it is
-      ``microbatch_s``; the one-microbatch step less that time and the optimizer step is ``step_s``.
-    - ``fragmentation`` (on a GPU): the peak reserved over the peak allocated bytes of the one-microbatch run.
+    - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
+      less the model's forward and backward (wall time) and the optimizer step.
+    - ``fragmentation`` (on a GPU): the peak reserved over the peak allocated bytes of those steps.
     """
     from plait.loop.optim import build_optimizer
 
@@ -724,12 +721,8 @@ def calibrated(
     with tempfile.TemporaryDirectory() as d:  # first, while this process holds no device memory
         config_file = Path(d) / "job.json"
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
-        overrides = one_gpu(job_mode).overrides()
-        tok_s, allocated, reserved = run_job(
-            config_file, 1, [*overrides, f"--batching.global_batch_size={mb}"], steps
-        )
-        tok_s2, _, _ = run_job(config_file, 1, [*overrides, f"--batching.global_batch_size={2 * mb}"], steps)
-    loop_s = 2 * mb * seq / tok_s2 - mb * seq / tok_s  # one microbatch more
+        overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
+        tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
     host, busy, scale = {}, {}, {}
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
@@ -748,8 +741,7 @@ def calibrated(
                 fixed = 0.0
             host[mode], busy[mode] = fixed, busy[mode] - fixed
         if mode == job_mode:
-            t_one_sample = one_sample
-            t_model = host[mode] + busy[mode] if device.type != "cuda" else max(host[mode], busy[mode])
+            t_one_sample, t_microbatch = one_sample, forward_backward_s(model, mb, seq, device)
             t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
         del model
     return dataclasses.replace(
@@ -760,8 +752,7 @@ def calibrated(
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
         fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
-        microbatch_s=max(0.0, loop_s - t_model),
-        step_s=max(0.0, mb * seq / tok_s - loop_s - t_optimizer),
+        step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         fragmentation=reserved / allocated if allocated else machine.fragmentation,
         host_overlaps=device.type == "cuda",
     )

@@ -51,11 +51,8 @@ class Machine:
             less than the eager ops counted); none = 1, the count.
         fsdp_unit_s: seconds FSDP2 adds per unit and microbatch besides its collectives' transfer time (its
             hooks, copies in and out, the launches): measured on a one-rank FSDP2 model.
-        microbatch_s: seconds the training loop adds to each microbatch's forward and backward (slicing the
-            batch, the loss's bookkeeping, the pause between microbatches): the job run at one and at two
-            microbatches per step, the difference less the model's own time.
-        step_s: fixed seconds of a training step outside its microbatches and the optimizer step (the data,
-            the metrics, the trainer): a few steps of the job measured.
+        step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
+            optimizer step (the data, the loss's bookkeeping, the trainer): a few steps of the job measured.
     """
 
     flops: float = 400e12
@@ -77,7 +74,6 @@ class Machine:
     recompute: tuple[tuple[str, float], ...] = (("none", 1.0), ("selective", 1.1), ("full", 4 / 3))
     activation_scale: tuple[tuple[str, float], ...] = ()
     fsdp_unit_s: float = 0.0
-    microbatch_s: float = 0.0
     step_s: float = 0.0
 
     @functools.cached_property
@@ -97,9 +93,8 @@ class Machine:
         return (f"{self.flops / 1e12:.1f} TFLOP/s; host per microbatch {modes('host_s', '{:.3f} s')}; GPU time "
                 f"over no checkpointing {modes('recompute', '{:.2f}x')}; activations over the count "
                 f"{modes('activation_scale', '{:.2f}x') or '1'}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
-                f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; the loop "
-                f"{self.microbatch_s * 1e3:.1f} ms per microbatch and {self.step_s * 1e3:.1f} ms per step; "
-                f"fragmentation {self.fragmentation:.2f}")  # fmt: skip
+                f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; {self.step_s * 1e3:.1f} ms "
+                f"fixed per step; fragmentation {self.fragmentation:.2f}")  # fmt: skip
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
