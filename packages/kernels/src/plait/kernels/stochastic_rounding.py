@@ -230,8 +230,8 @@ class StochasticAdamW(Optimizer):
                     launches.setdefault(key, []).append((pl, gl, ml, vl, seed))
                     continue
                 _adamw_torch(pl, gl, ml, vl, grad_scale=grad_scale, seed=seed, **_hyper(group, t))
-            for (t, *_), tensors in launches.items():
+            for (t, *_, wide), tensors in launches.items():
                 from plait.kernels._triton.stochastic_rounding import adamw_triton
 
-                adamw_triton(tensors, grad_scale=grad_scale, **_hyper(group, t))
+                adamw_triton(tensors, grad_scale=grad_scale, wide=wide, **_hyper(group, t))
         return loss

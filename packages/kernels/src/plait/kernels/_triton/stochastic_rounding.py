@@ -105,14 +105,16 @@ _tensor_of_block: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {} 
 def adamw_triton(
     tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]], *, lr: float, b1: float,
     b2: float, eps: float, wd: float, bc1: float, bc2: float, grad_scale: torch.Tensor | None = None,
+    wide: bool | None = None,
 ) -> None:  # fmt: skip
     """In-place fused AdamW step of many tensors in one launch: ``tensors`` holds ``(p, g, m, v, seed)``
     of contiguous tensors on one device, every ``p`` of one dtype, every ``g`` of one, every moment
     of one (fp32 or bf16 each). Each gradient is multiplied by the 0-d ``grad_scale`` when given.
     The random bits of a tensor depend on its seed and its elements' positions only, not on the
     other tensors of the launch. When every address is a multiple of 16 bytes and every numel of 16
-    elements (``wide_access``), the kernel moves 16 bytes per load and store; one other tensor in the
-    launch makes the whole launch take narrow accesses (the optimizer launches such tensors apart)."""
+    elements (``wide_access``; ``wide``: the caller has checked it, None: checked here), the kernel moves
+    16 bytes per load and store; one other tensor in the launch makes the whole launch take narrow
+    accesses (the optimizer launches such tensors apart)."""
     p0, g0, m0 = tensors[0][:3]
     if {p0.dtype, g0.dtype, m0.dtype} - set(_DTYPES) or any(
         (p.dtype, g.dtype, m.dtype, v.dtype) != (p0.dtype, g0.dtype, m0.dtype, m0.dtype) for p, g, m, v, _ in tensors
@@ -132,9 +134,10 @@ def adamw_triton(
         (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, seed, f)
         for (p, g, m, v, seed), n, f in zip(tensors, numels, first)
     ]
-    from plait.kernels.stochastic_rounding import wide_access
+    if wide is None:
+        from plait.kernels.stochastic_rounding import wide_access
 
-    wide = all(wide_access(p, g, m, v) for p, g, m, v, _ in tensors)
+        wide = all(wide_access(p, g, m, v) for p, g, m, v, _ in tensors)
     table = torch.tensor(rows, dtype=torch.int64)
     if p0.is_cuda:
         table = table.pin_memory().to(p0.device, non_blocking=True)

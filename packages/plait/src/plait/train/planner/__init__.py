@@ -730,8 +730,13 @@ def calibrated(
         model = provider.parallelize(provider.build_stage(0, 1), None)
         provider.materialize(model, device)
         one_sample = forward_backward_s(model, 1, seq, device)
-        busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
+        busy[mode] = forward_backward_s(
+            model, mb, seq, device, busy=True
+        )  # elsewhere than CUDA: the wall time
         host[mode] = one_sample
+        if mode == job_mode:
+            t_one_sample = one_sample
+            t_microbatch = forward_backward_s(model, mb, seq, device) if device.type == "cuda" else busy[mode]
         if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             scale[mode] = activation_bytes(model, mb, seq, device) / counted
@@ -741,7 +746,6 @@ def calibrated(
                 fixed = 0.0
             host[mode], busy[mode] = fixed, busy[mode] - fixed
         if mode == job_mode:
-            t_one_sample, t_microbatch = one_sample, forward_backward_s(model, mb, seq, device)
             t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
         del model
     return dataclasses.replace(
@@ -766,6 +770,7 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
     import torch.distributed as dist
     from plait.models.common.parallel import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     owned = not dist.is_initialized()
     if owned:
@@ -779,7 +784,7 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
         apply_fsdp(model, mesh, reshard_after_forward=par.reshard_after_forward,
                    layers_per_unit=par.fsdp_layers_per_unit)  # fmt: skip
         provider.materialize(model, device)
-        units = -(-len(list(model.decoder_layers())) // par.fsdp_layers_per_unit) + 1  # apply_fsdp's calls
+        units = sum(isinstance(m, FSDPModule) for m in model.modules())
         t_fsdp = forward_backward_s(model, 1, job.config.batching.seq_len, device)
     finally:
         if owned:
