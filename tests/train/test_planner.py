@@ -83,9 +83,10 @@ def _fsdp_units(stages: list[torch.nn.Module]) -> list[int]:
     )
 
 
-def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, list[int]]:
+def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, list[int], int]:
     """This rank's stages built by the trainer's own functions (their bytes of parameters, gradients and
-    moments, the optimizer stepped once on zero gradients, and what their FSDP2 units gather)."""
+    moments, the optimizer stepped once on zero gradients, what their FSDP2 units gather, and the gradients
+    outside the decoder layers)."""
     from plait.loop.engine import build_stages, place_stages
     from plait.loop.optim.optimizers import build_optimizer
     from plait.loop.topology import Topology
@@ -101,6 +102,7 @@ def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int
     num_stages, indices = place_stages(schedule, topology)
     stages = build_stages(build_provider(cfg), cfg, ctx, topology, indices, num_stages, torch.device("cpu"))
     params = list({id(p): p for st in stages for p in st.parameters()}.values())
+    outer = {id(p): p for st in stages for n, p in st.named_parameters() if ".layers." not in n}
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(cfg.optimizer, stages)
@@ -116,6 +118,7 @@ def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int
         sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         moments,
         _fsdp_units(stages),
+        sum(_local_bytes(p.grad) for p in outer.values()),
     )
 
 
@@ -133,8 +136,9 @@ STATE_LAYOUTS = [
 
 
 def _assert_states_are_the_ranks(cfg: JobConfig, layout: Layout) -> None:
-    """The planner's states of every pipeline rank of ``layout`` (parameters, gradients, moments and each
-    FSDP2 unit's gathered bytes, over which FSDP2's per-unit cost is counted) equal a real rank's build."""
+    """The planner's states of every pipeline rank of ``layout`` (parameters, gradients, moments, each
+    FSDP2 unit's gathered bytes, over which FSDP2's per-unit cost is counted, and the gradients outside the
+    decoder layers, what a lone microbatch's peak holds) equal a real rank's build."""
     job = PlanJob(cfg)
     b = cfg.batching
     batch_plan = BatchPlan(b.global_batch_size, layout.microbatch_size, layout.dp, b.seq_len, layout.cp)
@@ -143,7 +147,7 @@ def _assert_states_are_the_ranks(cfg: JobConfig, layout: Layout) -> None:
     for p, (states, _) in enumerate(job.rank_states(layout, num_stages, placement)):
         rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
         units = sorted(b for b in states.gathered if b)  # a root without parameters: 0 bytes, no FSDP2 group
-        planned = (states.params, states.grads, states.optimizer, units)
+        planned = (states.params, states.grads, states.optimizer, units, states.outer_grads)
         assert planned == built[rank], (layout.name, p)
 
 

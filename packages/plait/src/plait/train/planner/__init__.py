@@ -11,9 +11,12 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   ``reshard_after_forward = false``, else the two largest and the root's); the activations of one
   microbatch per stage (one sample's, :func:`~plait.train.planner.memory.activation_profile`, times the
   microbatch size) times the microbatches the schedule holds in flight (the pipeline simulator's peak);
-  the largest layer's activations while a
-  checkpointed layer is recomputed; the unsharded gradients and reduce-scatter buffer of the largest
-  unit; all times the allocator's fragmentation factor (:class:`~plait.train.planner.timing.Machine`).
+  what the backward holds above them at its peak (a checkpointed layer recomputed, its temporaries: the
+  largest layer's activations times the machine's ``backward_scale``); the unsharded gradients and
+  reduce-scatter buffer of the largest unit; all times the allocator's fragmentation factor
+  (:class:`~plait.train.planner.timing.Machine`). With one microbatch per step the gradients, set to
+  None after each step, are created by the backward as the activations are freed: the peak holds those
+  outside the decoder layers, or all of them with the activations gone, whichever is more.
 - **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
   (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's time
   per unit). The GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the
@@ -276,7 +279,7 @@ class PlanJob:
         units.append(ends / layout.tp)
         states = StateBytes(
             int(local), int(local * inv["trainable"]), int(local * inv["optimizer_ratio"]),
-            tuple(int(u) for u in units),
+            tuple(int(u) for u in units), int(ends / layout.tp / fsdp * inv["trainable"]),
         )  # fmt: skip
         return states, layers
 
@@ -497,10 +500,15 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     ]
     fullest = max(range(len(ranks)), key=totals.__getitem__)
     resident = job.memo(_resident, ranks[fullest][0], fsdp_n > 1, reshard)[1]
+    backward = float(mb * acts.split(acts.transient, layout.tp)) * machine.of_mode(
+        "backward_scale", layout.checkpointing
+    )
+    grads = resident["grads"]
+    if nmb == 1:  # set to None after each step: a lone microbatch's backward creates them as activations go
+        grads = max(float(ranks[fullest][0].outer_grads), grads - float(peak_acts[fullest]) - backward)
     best = {
-        "params": resident["params"], "grads": resident["grads"], "optimizer": resident["optimizer"],
-        "gathered": resident["gathered"], "activations": float(peak_acts[fullest]),
-        "recompute": float(mb * acts.split(acts.transient, layout.tp)) * scale,
+        "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
+        "gathered": resident["gathered"], "activations": float(peak_acts[fullest]), "backward": backward,
         "reduce_buffers": resident["reduce_buffers"],
     }  # fmt: skip
     peak = sum(best.values()) * machine.fragmentation
@@ -700,7 +708,8 @@ def calibrated(
       and backward of one sample (the host's floor: so short a microbatch leaves the GPU waiting); the GPU's
       busy time of one at the microbatch size, which gives ``flops`` (without checkpointing) and
       ``recompute`` (each mode's over it); on a GPU, ``activation_scale``: the bytes its forward keeps over
-      the planner's count.
+      the planner's count, and ``backward_scale``: the backward's peak above them over the count of the
+      largest layer's unchecked activations.
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding),
       one sample: the extra time per unit.
@@ -723,7 +732,7 @@ def calibrated(
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
-    host, busy, scale = {}, {}, {}
+    host, busy, scale, backward = {}, {}, {}, {}
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
         provider = job.provider(activation_checkpointing=ac)
@@ -737,9 +746,11 @@ def calibrated(
         if mode == job_mode:
             t_one_sample = one_sample
             t_microbatch = forward_backward_s(model, mb, seq, device) if device.type == "cuda" else busy[mode]
-        if device.type == "cuda":  # the compiled kernels' saves against the meta count, one microbatch
+        if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
-            scale[mode] = activation_bytes(model, mb, seq, device) / counted
+            kept, peak = activation_bytes(model, mb, seq, device)
+            scale[mode] = kept / counted
+            backward[mode] = (peak - kept) / (mb * sum(job.activation(one_gpu(mode)).transient))
         else:  # ops run as issued: a fixed time per microbatch, the rest per sample
             fixed = min(max((mb * one_sample - busy[mode]) / (mb - 1), 0.0), one_sample) if mb > 1 else 0.0
             if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
@@ -754,6 +765,7 @@ def calibrated(
         host_s=tuple(host.items()),
         recompute=tuple((m, t / busy["none"]) for m, t in busy.items()),
         activation_scale=tuple(scale.items()) or machine.activation_scale,
+        backward_scale=tuple(backward.items()) or machine.backward_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
         fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),

@@ -88,12 +88,14 @@ class StateBytes:
         gathered: per FSDP2 unit, the bytes its all-gather materialises (the unit's parameters unsharded
             over the FSDP dims, in their dtype; 0 for a root without parameters, e.g. a middle pipeline
             stage's), outermost unit last (stage by stage).
+        outer_grads: the part of ``grads`` outside the decoder layers (embeddings, head, final norm).
     """
 
     params: int
     grads: int
     optimizer: int
     gathered: tuple[int, ...]
+    outer_grads: int = 0
 
     @property
     def total(self) -> int:
@@ -108,7 +110,7 @@ class StateBytes:
         """The states of two stages on one rank."""
         return StateBytes(
             self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer,
-            self.gathered + other.gathered,
+            self.gathered + other.gathered, self.outer_grads + other.outer_grads,
         )  # fmt: skip
 
 
@@ -224,7 +226,7 @@ def state_bytes(
         elif i == 0 or units[i - 1][0] is None:  # the layers' units, last first
             gathered += _layer_units(units, list(stand_in.values()), layers_per_unit)
     params, grads, opt = (sums[None][k] + sum(sums[stand_in[j]][k] for j in stand_in) for k in range(3))
-    return StateBytes(params, grads, opt, tuple(gathered))
+    return StateBytes(params, grads, opt, tuple(gathered), sums[None][1])
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,9 @@ class ActivationProfile:
     Attributes:
         layers: what each decoder layer keeps for its backward, by global layer index.
         ends: what is kept outside the decoder layers: (embedding side, head and loss side).
-        transient: the largest unchecked layer (what a checkpointed layer holds while it is recomputed in
-            the backward; zeros without checkpointing).
+        transient: the largest layer's activations unchecked: what a checkpointed layer holds while it is
+            recomputed in the backward, and the unit the backward's other temporaries are measured in
+            (``Machine.backward_scale``).
     """
 
     layers: tuple[tuple[int, int], ...]
@@ -384,12 +387,12 @@ def activation_profile(
 
     plain, sac = forward("none")
     ends = (pair(plain, -1), pair(plain, -2))
+    biggest = max((pair(plain, j) for j in stand_in), key=sum)
     if mode == "none":
-        return ActivationProfile(tuple(pair(plain, j) for j in stand_in), ends, (0, 0))
+        return ActivationProfile(tuple(pair(plain, j) for j in stand_in), ends, biggest)
     checked, _ = forward("full")
     kept = sac if mode == "selective" else {}
     per_layer = tuple(
         (pair(checked, j)[0] + pair(kept, j)[0], pair(checked, j)[1] + pair(kept, j)[1]) for j in stand_in
     )
-    biggest = max((pair(plain, j) for j in stand_in), key=sum)
     return ActivationProfile(per_layer, ends, biggest)

@@ -49,6 +49,10 @@ class Machine:
         activation_scale: per mode, the activation bytes a forward of the job's model keeps on this device
             over the planner's count of them (``--calibrate`` on a GPU measures it: compiled layers may save
             less than the eager ops counted); none = 1, the count.
+        backward_scale: per mode, the bytes the backward holds at its peak above what the forward kept (a
+            checkpointed layer recomputed, the backward's temporaries) over the count of the largest layer's
+            unchecked activations (``--calibrate`` on a GPU measures it); default: none 0, else 1 (one layer
+            recomputed as counted).
         fsdp_unit_s: seconds FSDP2 adds per unit and microbatch besides its collectives' transfer time (its
             hooks, copies in and out, the launches): measured on a one-rank FSDP2 model.
         step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
@@ -73,6 +77,7 @@ class Machine:
     host_overlaps: bool = True
     recompute: tuple[tuple[str, float], ...] = (("none", 1.0), ("selective", 1.1), ("full", 4 / 3))
     activation_scale: tuple[tuple[str, float], ...] = ()
+    backward_scale: tuple[tuple[str, float], ...] = (("none", 0.0),)
     fsdp_unit_s: float = 0.0
     step_s: float = 0.0
 
@@ -81,7 +86,8 @@ class Machine:
         return dict(self.busbw)
 
     def of_mode(self, field: str, mode: str) -> float:
-        """``field``'s value (``host_s``, ``recompute`` or ``activation_scale``) for checkpointing ``mode``."""
+        """``field``'s value (``host_s``, ``recompute``, ``activation_scale`` or ``backward_scale``) for
+        checkpointing ``mode``."""
         return dict(getattr(self, field)).get(mode, 0.0 if field == "host_s" else 1.0)
 
     def measured(self) -> str:
@@ -92,7 +98,8 @@ class Machine:
 
         return (f"{self.flops / 1e12:.1f} TFLOP/s; host per microbatch {modes('host_s', '{:.3f} s')}; GPU time "
                 f"over no checkpointing {modes('recompute', '{:.2f}x')}; activations over the count "
-                f"{modes('activation_scale', '{:.2f}x') or '1'}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
+                f"{modes('activation_scale', '{:.2f}x') or '1'}; backward's peak over one layer's activations "
+                f"{modes('backward_scale', '{:.2f}x')}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
                 f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; {self.step_s * 1e3:.1f} ms "
                 f"fixed per step; fragmentation {self.fragmentation:.2f}")  # fmt: skip
 
@@ -122,15 +129,16 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
             raise ValueError(
                 f"--machine {path}: unknown fields {sorted(unknown)} (known: {sorted(Machine.__dataclass_fields__)})"
             )
-        for key in ("busbw", "host_s", "recompute", "activation_scale"):  # {name: value}, over the defaults
+        for key in ("busbw", "host_s", "recompute", "activation_scale", "backward_scale"):  # fmt: skip
             if key in data:
-                data[key] = tuple({**dict(getattr(machine, key)), **data[key]}.items())
+                data[key] = tuple({**dict(getattr(machine, key)), **data[key]}.items())  # over the defaults
         machine = replace(machine, **data)
     return replace(machine, memory_gib=memory_gib) if memory_gib is not None else machine
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up
+    fn()  # warm-up: twice, the first call of a process runs slower beyond its compile (an H200: 48 ms, then 35)
+    fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -213,15 +221,24 @@ def run_job(
     return timed[-1]["tokens_per_s"] / gpus, peak[0], peak[1]
 
 
-def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> int:
-    """Bytes a CUDA forward of ``model`` on ``samples`` x ``seq`` tokens keeps allocated for its backward
-    (allocated after the forward, graph alive, minus before: the saved tensors and the loss)."""
+def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> tuple[int, int]:
+    """Bytes a CUDA forward and backward of ``model`` on ``samples`` x ``seq`` tokens allocate above its
+    parameters and gradients: ``(kept after the forward, graph alive: the saved tensors and the loss; the
+    peak of the forward and backward)``."""
     ids = torch.randint(0, 100, (samples, seq), device=device)
-    model(input_ids=ids, labels=ids)  # warm: compiled graphs and workspaces allocated once
+
+    def loss() -> torch.Tensor:
+        out = model(input_ids=ids, labels=ids)
+        return (out["loss"] if isinstance(out, dict) else out).sum()
+
+    loss().backward()  # warm: compiled graphs, workspaces and the gradients allocated once
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    out = model(input_ids=ids, labels=ids)
+    torch.cuda.reset_peak_memory_stats(device)
+    value = loss()
     torch.cuda.synchronize(device)
     kept = torch.cuda.memory_allocated(device) - before
-    del out
-    return kept
+    value.backward()
+    del value
+    torch.cuda.synchronize(device)
+    return kept, torch.cuda.max_memory_allocated(device) - before
