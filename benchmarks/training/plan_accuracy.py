@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true", help="time the job's model on this GPU first")
     ap.add_argument("--checkpointing", default="none,selective,full")
     ap.add_argument("--out", type=Path, help="markdown table to write")
+    ap.add_argument(
+        "--save-machine", type=Path, help="the planner's machine (as calibrated) as JSON, for --machine"
+    )
     args = ap.parse_args()
 
     from plait.loop import load_config
@@ -56,6 +59,8 @@ def main() -> None:
     if args.calibrate:
         machine = calibrated(job, machine)
         print("calibrated: " + machine.measured(), flush=True)
+    if args.save_machine:
+        args.save_machine.write_text(machine.to_json() + "\n")
     result = plan(config, args.gpus, machine, checkpointing=tuple(args.checkpointing.split(",")), job=job)
     fits = result.fits
     step = max(1, (len(fits) - args.layouts // 2) // max(1, args.layouts - args.layouts // 2))

@@ -310,6 +310,26 @@ def test_calibration_measures_the_job_on_this_device() -> None:
         main(["--gpus", "1", "--calibrate", missing])
 
 
+def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--save-machine`` writes what ``--machine`` reads: every figure, those by checkpointing mode too."""
+    from plait.train.planner.timing import load_machine
+
+    def figures(m: Machine) -> dict[str, Any]:
+        return {k: dict(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(m).items()}
+
+    measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
+                       activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
+                       fragmentation=1.07, step_s=0.002, fsdp_unit_s=0.001, gpus_per_node=4)  # fmt: skip
+    path = tmp_path / "machine.json"
+    path.write_text(measured.to_json())
+    assert figures(load_machine(path, None)) == figures(measured)
+    main(["--gpus", "1", "--checkpointing", "none", "--top", "1", "--machine", str(path),
+          "--save-machine", str(tmp_path / "again.json")])  # fmt: skip
+    assert figures(load_machine(tmp_path / "again.json", None)) == figures(
+        dataclasses.replace(measured, gpus_per_node=1)
+    )
+
+
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:
     """Without a host floor every microbatch size of a mode prices the same: the larger comes first."""
     fits = plan(_config(), 1, checkpointing=("none",)).fits

@@ -431,6 +431,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     layer_flops = (flops_token - head_flops) / m.num_hidden_layers
     recompute = machine.of_mode("recompute", layout.checkpointing)
     host_s = machine.of_mode("host_s", layout.checkpointing)
+    idle_s = machine.of_mode("idle_s", layout.checkpointing)
     comm_layer = _comm_per_layer(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
@@ -443,6 +444,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         longer, plus the collectives that wait inside the layers."""
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
+        gpu += idle_s * layers / m.num_hidden_layers
         host = host_s * layers / m.num_hidden_layers + fsdp_stage
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
@@ -624,7 +626,7 @@ def _smallest_fit(config: JobConfig, gpus: int, machine: Machine, job: PlanJob) 
 
 def main(argv: list[str] | None = None) -> None:
     """``plait plan --config F --gpus N [--gpus-per-node M] [--gpu-memory GiB] [--calibrate] [--machine J]
-    [--explain LAYOUT] [--top K] [--section.key=value ...]``."""
+    [--save-machine J] [--explain LAYOUT] [--top K] [--section.key=value ...]``."""
     import sys
 
     from plait.train.train import DEFAULT_CONFIG
@@ -643,6 +645,8 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="measure the job on this machine's device first (its model, optimizer, FSDP2, a few steps)",
     )
+    ap.add_argument("--save-machine", type=Path, help="write the machine's figures (with --calibrate: as measured) "
+                    "to this JSON, for --machine")  # fmt: skip
     ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING), help="modes to consider")
     ap.add_argument("--top", type=int, default=15, help="rows of the table")
     ap.add_argument("--explain", metavar="LAYOUT", help="the breakdown of one layout (its name in the table)")
@@ -673,6 +677,8 @@ def main(argv: list[str] | None = None) -> None:
                 "from the config alone)"
             ) from None
         print(f"plait plan: calibrated on {device}: {machine.measured()}")
+    if args.save_machine is not None:
+        args.save_machine.write_text(machine.to_json() + "\n")
     result = plan(config, args.gpus, machine, checkpointing=modes, job=job)
     print(f"plait plan: {job.model.model_type} on {args.gpus} GPU(s) of {machine.memory_gib:g} GiB, "
           f"{machine.flops / 1e12:.1f} TFLOP/s{' (calibrated)' if args.calibrate else ''}: "
@@ -707,7 +713,8 @@ def calibrated(
     - Per checkpointing mode of ``modes`` (and ``none``), the job's model (one stage): ``host_s``, a forward
       and backward of one sample (the host's floor: so short a microbatch leaves the GPU waiting); the GPU's
       busy time of one at the microbatch size, which gives ``flops`` (without checkpointing) and
-      ``recompute`` (each mode's over it); on a GPU, ``activation_scale``: the bytes its forward keeps over
+      ``recompute`` (each mode's over it); on a GPU, ``idle_s``: that microbatch's wall time less its busy
+      time when the GPU bounds it; ``activation_scale``: the bytes its forward keeps over
       the planner's count, and ``backward_scale``: the backward's peak above them over the count of the
       largest layer's unchecked activations.
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
@@ -732,7 +739,7 @@ def calibrated(
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
-    host, busy, scale, backward = {}, {}, {}, {}
+    host, busy, idle, scale, backward = {}, {}, {}, {}, {}
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
         provider = job.provider(activation_checkpointing=ac)
@@ -743,10 +750,9 @@ def calibrated(
             model, mb, seq, device, busy=True
         )  # elsewhere than CUDA: the wall time
         host[mode] = one_sample
-        if mode == job_mode:
-            t_one_sample = one_sample
-            t_microbatch = forward_backward_s(model, mb, seq, device) if device.type == "cuda" else busy[mode]
         if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
+            wall = forward_backward_s(model, mb, seq, device)
+            idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one_sample else 0.0  # GPU-bound only
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             kept, peak = activation_bytes(model, mb, seq, device)
             scale[mode] = kept / counted
@@ -755,14 +761,16 @@ def calibrated(
             fixed = min(max((mb * one_sample - busy[mode]) / (mb - 1), 0.0), one_sample) if mb > 1 else 0.0
             if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
                 fixed = 0.0
-            host[mode], busy[mode] = fixed, busy[mode] - fixed
+            wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
         if mode == job_mode:
+            t_one_sample, t_microbatch = one_sample, wall
             t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
         del model
     return dataclasses.replace(
         machine,
         flops=provider.flops_per_token(seq) * seq * mb / busy["none"],
         host_s=tuple(host.items()),
+        idle_s=tuple(idle.items()),
         recompute=tuple((m, t / busy["none"]) for m, t in busy.items()),
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         backward_scale=tuple(backward.items()) or machine.backward_scale,

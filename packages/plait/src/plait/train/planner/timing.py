@@ -42,6 +42,10 @@ class Machine:
             forward and backward through the whole model (Python, autograd, kernel launches), whatever its
             size: a microbatch takes at least this long, the GPU waiting when its own work is shorter
             (``--calibrate`` measures it at one sample); none = 0.
+        idle_s: per mode, the seconds a GPU-bound microbatch's GPU still idles (its start, the host falling
+            behind on short kernels): the wall time of a forward and backward at the job's microbatch less the
+            GPU's busy time, added to the GPU work of every microbatch (``--calibrate`` on a GPU measures it);
+            none = 0.
         host_overlaps: the host issues work ahead of the device (CUDA: a microbatch takes the longer of the
             two); False: the device runs each op as it is issued (a CPU: the host's time adds to the compute).
         recompute: per mode, the GPU time of a forward and backward over that without checkpointing (a
@@ -74,6 +78,7 @@ class Machine:
     gpus_per_node: int = 8
     fragmentation: float = 1.0
     host_s: tuple[tuple[str, float], ...] = ()
+    idle_s: tuple[tuple[str, float], ...] = ()
     host_overlaps: bool = True
     recompute: tuple[tuple[str, float], ...] = (("none", 1.0), ("selective", 1.1), ("full", 4 / 3))
     activation_scale: tuple[tuple[str, float], ...] = ()
@@ -81,14 +86,19 @@ class Machine:
     fsdp_unit_s: float = 0.0
     step_s: float = 0.0
 
+    def to_json(self) -> str:
+        """The machine as JSON, what ``--machine`` reads back (the per-name figures as objects)."""
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return json.dumps({k: dict(v) if k in _NAMED else v for k, v in data.items()}, indent=1)
+
     @functools.cached_property
     def _bandwidths(self) -> dict[str, float]:
         return dict(self.busbw)
 
     def of_mode(self, field: str, mode: str) -> float:
-        """``field``'s value (``host_s``, ``recompute``, ``activation_scale`` or ``backward_scale``) for
-        checkpointing ``mode``."""
-        return dict(getattr(self, field)).get(mode, 0.0 if field == "host_s" else 1.0)
+        """``field``'s value (``host_s``, ``idle_s``, ``recompute``, ``activation_scale`` or
+        ``backward_scale``) for checkpointing ``mode``."""
+        return dict(getattr(self, field)).get(mode, 0.0 if field in ("host_s", "idle_s") else 1.0)
 
     def measured(self) -> str:
         """What ``--calibrate`` measures, in words."""
@@ -96,7 +106,8 @@ class Machine:
         def modes(field: str, fmt: str) -> str:
             return ", ".join(f"{m} {fmt.format(v)}" for m, v in getattr(self, field))
 
-        return (f"{self.flops / 1e12:.1f} TFLOP/s; host per microbatch {modes('host_s', '{:.3f} s')}; GPU time "
+        return (f"{self.flops / 1e12:.1f} TFLOP/s; host per microbatch {modes('host_s', '{:.3f} s')}; GPU idle per "
+                f"microbatch {modes('idle_s', '{:.4f} s') or '0'}; GPU time "
                 f"over no checkpointing {modes('recompute', '{:.2f}x')}; activations over the count "
                 f"{modes('activation_scale', '{:.2f}x') or '1'}; backward's peak over one layer's activations "
                 f"{modes('backward_scale', '{:.2f}x')}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
@@ -116,6 +127,9 @@ class Machine:
         return self.latency_s + nbytes * factor / bw
 
 
+_NAMED = ("busbw", "host_s", "idle_s", "recompute", "activation_scale", "backward_scale")  # figures by name
+
+
 def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
     """The defaults, overridden by ``path`` (JSON with any of :class:`Machine`'s fields) and ``memory_gib``."""
     machine = Machine()
@@ -129,7 +143,7 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
             raise ValueError(
                 f"--machine {path}: unknown fields {sorted(unknown)} (known: {sorted(Machine.__dataclass_fields__)})"
             )
-        for key in ("busbw", "host_s", "recompute", "activation_scale", "backward_scale"):  # fmt: skip
+        for key in _NAMED:
             if key in data:
                 data[key] = tuple({**dict(getattr(machine, key)), **data[key]}.items())  # over the defaults
         machine = replace(machine, **data)
