@@ -10,7 +10,7 @@ runs ``--layouts`` of the layouts that fit (the fastest predicted ones, then eve
 the table spans the ranking) with ``plait train`` on that many GPUs for ``--steps`` steps, no checkpoints,
 no export, no evaluation. Measured: the last logging interval's tokens per second per GPU (the first
 interval holds the compile) and the main rank's peak allocated and reserved memory (the error is against the
-reserved bytes, which is what runs out: the planner's peak includes the allocator's fragmentation, measured by
+reserved bytes, which is what runs out: the planner's peak includes the allocator's slack, measured by
 ``--calibrate``; with pipeline stages the planner's figure is the fullest rank's, so those rows compare
 different ranks).
 Prints and writes (``--out``) one row per layout: predicted, measured, the error of each, and whether the

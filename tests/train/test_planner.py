@@ -319,7 +319,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
 
     measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
-                       fragmentation=1.07, step_s=0.002, fsdp_unit_s=0.001, gpus_per_node=4)  # fmt: skip
+                       allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, gpus_per_node=4)  # fmt: skip
     path = tmp_path / "machine.json"
     path.write_text(measured.to_json())
     assert figures(load_machine(path, None)) == figures(measured)

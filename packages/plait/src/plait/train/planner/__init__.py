@@ -13,8 +13,8 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   microbatch size) times the microbatches the schedule holds in flight (the pipeline simulator's peak);
   what the backward holds above them at its peak (a checkpointed layer recomputed, its temporaries: the
   largest layer's activations times the machine's ``backward_scale``); the unsharded gradients and
-  reduce-scatter buffer of the largest unit; all times the allocator's fragmentation factor
-  (:class:`~plait.train.planner.timing.Machine`). With one microbatch per step the gradients, set to
+  reduce-scatter buffer of the largest unit; the allocator's slack (reserved above allocated bytes, in
+  proportion to the largest layer's activations of a microbatch: :class:`~plait.train.planner.timing.Machine`). With one microbatch per step the gradients, set to
   None after each step, are created by the backward as the activations are freed: the peak holds those
   outside the decoder layers, or all of them with the activations gone, whichever is more.
 - **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
@@ -512,8 +512,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
         "gathered": resident["gathered"], "activations": float(peak_acts[fullest]), "backward": backward,
         "reduce_buffers": resident["reduce_buffers"],
+        "allocator_slack": float(mb * acts.split(acts.transient, layout.tp)) * machine.allocator_slack,
     }  # fmt: skip
-    peak = sum(best.values()) * machine.fragmentation
+    peak = sum(best.values())
     exposed = tp_comm + fsdp_exposed + replica
     if peak > 0.9 * machine.memory_gib * GIB:
         limit = "memory"
@@ -722,7 +723,8 @@ def calibrated(
       one sample: the extra time per unit.
     - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
       less the model's forward and backward (wall time) and the optimizer step.
-    - ``fragmentation`` (on a GPU): the peak reserved over the peak allocated bytes of those steps.
+    - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps, over the
+      largest layer's activations of their microbatch.
     """
     from plait.loop.optim import build_optimizer
 
@@ -777,7 +779,9 @@ def calibrated(
         optimizer_bytes_per_s=moved / t_optimizer,
         fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
-        fragmentation=reserved / allocated if allocated else machine.fragmentation,
+        allocator_slack=(reserved - allocated) * GIB / (mb * sum(job.activation(one_gpu(job_mode)).transient))
+        if allocated
+        else machine.allocator_slack,
         host_overlaps=device.type == "cuda",
     )
 

@@ -36,8 +36,10 @@ class Machine:
         latency_s: fixed cost of one collective.
         memory_gib: memory of one GPU.
         gpus_per_node: GPUs of one node (tensor parallelism stays within one).
-        fragmentation: the allocator's reserved over allocated bytes at the peak (``--calibrate`` on a GPU
-            measures it in a few steps of the job).
+        allocator_slack: the bytes the allocator holds reserved above the allocated ones at the peak, per byte
+            of the largest layer's activations of one microbatch (freed and allocated again every step, in
+            blocks the size of a microbatch's tensors: the slack grows with them, not with the model's
+            states; ``--calibrate`` on a GPU measures it in a few steps of the job).
         host_s: per activation-checkpointing mode, the seconds the host takes to issue one microbatch's
             forward and backward through the whole model (Python, autograd, kernel launches), whatever its
             size: a microbatch takes at least this long, the GPU waiting when its own work is shorter
@@ -76,7 +78,7 @@ class Machine:
     latency_s: float = 20e-6
     memory_gib: float = 139.8
     gpus_per_node: int = 8
-    fragmentation: float = 1.0
+    allocator_slack: float = 0.0
     host_s: tuple[tuple[str, float], ...] = ()
     idle_s: tuple[tuple[str, float], ...] = ()
     host_overlaps: bool = True
@@ -112,7 +114,7 @@ class Machine:
                 f"{modes('activation_scale', '{:.2f}x') or '1'}; backward's peak over one layer's activations "
                 f"{modes('backward_scale', '{:.2f}x')}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
                 f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; {self.step_s * 1e3:.1f} ms "
-                f"fixed per step; fragmentation {self.fragmentation:.2f}")  # fmt: skip
+                f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations")  # fmt: skip
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
