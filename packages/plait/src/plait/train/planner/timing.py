@@ -164,16 +164,28 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> 
     return (time.perf_counter() - t0) / repeats
 
 
+def packed_batch(samples: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random tokens as ``plait train``'s packed data feeds the model: with their positions and document
+    ids (one document per row here), so that attention takes the job's kernel (without flash-attn,
+    document-masked FlexAttention on a GPU; a plain causal batch would take SDPA's flash kernel there,
+    which runs at another speed, and whose output selective checkpointing keeps where FlexAttention's it
+    recomputes)."""
+    ids = torch.randint(0, 100, (samples, seq), device=device)
+    positions = torch.arange(seq, device=device).expand(samples, seq)
+    return {"input_ids": ids, "labels": ids, "position_ids": positions, "document_ids": torch.zeros_like(ids)}
+
+
 def forward_backward_s(
     model: torch.nn.Module, samples: int, seq: int, device: torch.device, *, busy: bool = False
 ) -> float:
-    """Seconds of one forward and backward of ``model`` on ``samples`` x ``seq`` random tokens, after a warm-up:
+    """Seconds of one forward and backward of ``model`` on ``samples`` x ``seq`` random tokens
+    (:func:`packed_batch`), after a warm-up:
     the wall time (device synchronised), or with ``busy`` the time the device spends in its kernels and copies
     (CUDA: summed from the profiler's device records; elsewhere the wall time: the CPU runs them as it goes)."""
-    ids = torch.randint(0, 100, (samples, seq), device=device)
+    batch = packed_batch(samples, seq, device)
 
     def step() -> None:
-        out = model(input_ids=ids, labels=ids)
+        out = model(**batch)
         loss = out["loss"] if isinstance(out, dict) else out
         loss.sum().backward()
 
@@ -241,10 +253,10 @@ def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: tor
     """Bytes a CUDA forward and backward of ``model`` on ``samples`` x ``seq`` tokens allocate above its
     parameters and gradients: ``(kept after the forward, graph alive: the saved tensors and the loss; the
     peak of the forward and backward)``."""
-    ids = torch.randint(0, 100, (samples, seq), device=device)
+    batch = packed_batch(samples, seq, device)
 
     def loss() -> torch.Tensor:
-        out = model(input_ids=ids, labels=ids)
+        out = model(**batch)
         return (out["loss"] if isinstance(out, dict) else out).sum()
 
     loss().backward()  # warm: compiled graphs, workspaces and the gradients allocated once
