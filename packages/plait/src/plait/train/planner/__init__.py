@@ -14,9 +14,10 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   what the backward holds above them at its peak (a checkpointed layer recomputed, its temporaries: the
   largest layer's activations times the machine's ``backward_scale``); the unsharded gradients and
   reduce-scatter buffer of the largest unit; the allocator's slack (reserved above allocated bytes, in
-  proportion to the largest layer's activations of a microbatch: :class:`~plait.train.planner.timing.Machine`). With one microbatch per step the gradients, set to
-  None after each step, are created by the backward as the activations are freed: the peak holds those
-  outside the decoder layers, or all of them with the activations gone, whichever is more.
+  proportion to the largest layer's activations of a microbatch; :class:`~plait.train.planner.timing.Machine`).
+  With one microbatch per step the gradients, set to None after each step, are created by the backward as
+  the activations are freed: the peak holds those outside the decoder layers, or all of them with the
+  activations gone, whichever is more.
 - **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
   (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's time
   per unit). The GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the
@@ -502,9 +503,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     ]
     fullest = max(range(len(ranks)), key=totals.__getitem__)
     resident = job.memo(_resident, ranks[fullest][0], fsdp_n > 1, reshard)[1]
-    backward = float(mb * acts.split(acts.transient, layout.tp)) * machine.of_mode(
-        "backward_scale", layout.checkpointing
-    )
+    layer_acts = float(mb * acts.split(acts.transient, layout.tp))  # the largest layer's, unchecked
+    backward = layer_acts * machine.of_mode("backward_scale", layout.checkpointing)
     grads = resident["grads"]
     if nmb == 1:  # set to None after each step: a lone microbatch's backward creates them as activations go
         grads = max(float(ranks[fullest][0].outer_grads), grads - float(peak_acts[fullest]) - backward)
@@ -512,7 +512,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
         "gathered": resident["gathered"], "activations": float(peak_acts[fullest]), "backward": backward,
         "reduce_buffers": resident["reduce_buffers"],
-        "allocator_slack": float(mb * acts.split(acts.transient, layout.tp)) * machine.allocator_slack,
+        "allocator_slack": layer_acts * machine.allocator_slack,
     }  # fmt: skip
     peak = sum(best.values())
     exposed = tp_comm + fsdp_exposed + replica
