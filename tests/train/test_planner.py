@@ -13,6 +13,7 @@ planner's own fake-group build; the activations' is a meta forward of the whole 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -311,7 +312,8 @@ def test_calibration_measures_the_job_on_this_device() -> None:
 
 
 def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """``--save-machine`` writes what ``--machine`` reads: every figure, those by checkpointing mode too."""
+    """``--save-machine`` writes what ``--machine`` reads: every figure, those by checkpointing mode too; a
+    figure of the wrong type or range, or an unknown one, is an error naming it."""
     from plait.train.planner.timing import load_machine
 
     def figures(m: Machine) -> dict[str, Any]:
@@ -328,6 +330,19 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
     assert figures(load_machine(tmp_path / "again.json", None)) == figures(
         dataclasses.replace(measured, gpus_per_node=1)
     )
+    for bad, message in [
+        ({"flops": 0}, "flops must be a number > 0, got 0"),
+        ({"busbw": {"all_gather": "fast"}}, "busbw must be an object of names to numbers > 0"),
+        ({"host_s": [0.1]}, "host_s must be an object of names to numbers >= 0"),
+        ({"gpus_per_node": 0}, "gpus_per_node must be an integer >= 1"),
+        ({"fragmentation": 1.05}, r"unknown fields \['fragmentation'\]"),
+        ([1], "a JSON object of Machine fields, got list"),
+    ]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=rf"plait plan: error: --machine .*{message}"):
+            main(["--gpus", "1", "--machine", str(path)])
+    with pytest.raises(SystemExit, match=r"--save-machine .*No such file"):
+        main(["--gpus", "1", "--checkpointing", "none", "--save-machine", str(tmp_path / "no" / "dir.json")])
 
 
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:

@@ -679,7 +679,10 @@ def main(argv: list[str] | None = None) -> None:
             ) from None
         print(f"plait plan: calibrated on {device}: {machine.measured()}")
     if args.save_machine is not None:
-        args.save_machine.write_text(machine.to_json() + "\n")
+        try:
+            args.save_machine.write_text(machine.to_json() + "\n")
+        except OSError as e:
+            raise SystemExit(f"plait plan: error: --save-machine {args.save_machine}: {e}") from None
     result = plan(config, args.gpus, machine, checkpointing=modes, job=job)
     print(f"plait plan: {job.model.model_type} on {args.gpus} GPU(s) of {machine.memory_gib:g} GiB, "
           f"{machine.flops / 1e12:.1f} TFLOP/s{' (calibrated)' if args.calibrate else ''}: "

@@ -132,6 +132,32 @@ class Machine:
 _NAMED = ("busbw", "host_s", "idle_s", "recompute", "activation_scale", "backward_scale")  # figures by name
 
 
+def _check_figure(path: Path, key: str, value: object) -> None:
+    """A figure of a ``--machine`` file: a number >= 0 (> 0 for the rates, which divide; an integer >= 1 for
+    ``gpus_per_node``; ``host_overlaps`` true or false), or for the figures by name an object of them."""
+    low = (
+        0.0 if key in ("flops", "busbw", "inter_node_busbw", "optimizer_bytes_per_s", "memory_gib") else None
+    )
+
+    def number(v: object) -> bool:
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+        return ok and (low is None or v > low)  # type: ignore[operator]
+
+    bound = "> 0" if low is not None else ">= 0"
+    want = f"a number {bound}"
+    if key in _NAMED:
+        ok = isinstance(value, dict) and all(isinstance(k, str) and number(v) for k, v in value.items())
+        want = f"an object of names to numbers {bound}"
+    elif key == "host_overlaps":
+        ok, want = isinstance(value, bool), "true or false"
+    elif key == "gpus_per_node":
+        ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1"
+    else:
+        ok = number(value)
+    if not ok:
+        raise ValueError(f"--machine {path}: {key} must be {want}, got {value!r}")
+
+
 def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
     """The defaults, overridden by ``path`` (JSON with any of :class:`Machine`'s fields) and ``memory_gib``."""
     machine = Machine()
@@ -140,11 +166,15 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--machine {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--machine {path}: a JSON object of Machine fields, got {type(data).__name__}")
         unknown = set(data) - set(Machine.__dataclass_fields__)
         if unknown:
             raise ValueError(
                 f"--machine {path}: unknown fields {sorted(unknown)} (known: {sorted(Machine.__dataclass_fields__)})"
             )
+        for key, value in data.items():
+            _check_figure(path, key, value)
         for key in _NAMED:
             if key in data:
                 data[key] = tuple({**dict(getattr(machine, key)), **data[key]}.items())  # over the defaults
