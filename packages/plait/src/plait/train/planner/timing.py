@@ -135,15 +135,12 @@ _NAMED = ("busbw", "host_s", "idle_s", "recompute", "activation_scale", "backwar
 def _check_figure(path: Path, key: str, value: object) -> None:
     """A figure of a ``--machine`` file: a number >= 0 (> 0 for the rates, which divide; an integer >= 1 for
     ``gpus_per_node``; ``host_overlaps`` true or false), or for the figures by name an object of them."""
-    low = (
-        0.0 if key in ("flops", "busbw", "inter_node_busbw", "optimizer_bytes_per_s", "memory_gib") else None
-    )
+    positive = key in ("flops", "busbw", "inter_node_busbw", "optimizer_bytes_per_s", "memory_gib")
 
     def number(v: object) -> bool:
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
-        return ok and (low is None or v > low)  # type: ignore[operator]
+        return isinstance(v, int | float) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
 
-    bound = "> 0" if low is not None else ">= 0"
+    bound = "> 0" if positive else ">= 0"
     want = f"a number {bound}"
     if key in _NAMED:
         ok = isinstance(value, dict) and all(isinstance(k, str) and number(v) for k, v in value.items())
