@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from plait.loop import ConfigError, load_config
 from plait.train import JobConfig
 from plait.train.train import DEFAULT_CONFIG, main, parse_args
@@ -62,6 +63,44 @@ def test_conflicting_sections_are_config_errors_naming_both_fields(pretrain):
         cfg, ["--model.num_hidden_layers=4", "--mesh.pipeline=2", "--pipeline.kind=zbv"], cls=cls
     )
     assert ok.num_pipeline_stages == 4
+    selective = [
+        "--mesh.pipeline=2",
+        "--parallel.activation_checkpointing.mode=selective",
+        "--batching.microbatch_size=1",
+    ]
+    for kind in ("zb1p", "zbv", "dualpipev"):  # their programs split a backward into input and weight passes
+        with pytest.raises(
+            ConfigError,
+            match=rf"mode='selective' with eager layers \(parallel\.compile=false\) cannot run the {kind}",
+        ):
+            load_config(cfg, [*selective, f"--pipeline.kind={kind}"], cls=cls)
+        load_config(cfg, [*selective, f"--pipeline.kind={kind}", "--parallel.compile=true"], cls=cls)
+    load_config(cfg, [*selective, "--pipeline.kind=1f1b"], cls=cls)
+
+
+def test_eager_selective_checkpointing_allows_one_backward_per_region():
+    """What refuses selective checkpointing with eager layers under a split-backward schedule: torch's own
+    rule. A checkpointed region's input gradients, then (graph kept) its weight gradients, as the schedules'
+    I and W passes take them: the second pass fails under the selective policy, not under full checkpointing."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = str(op) in ("aten.mm.default", "aten.addmm.default")  # the matmuls, as save_ops keeps them
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def split_backward(**extra) -> None:
+        y = checkpoint(lambda t: torch.relu(lin(t)).sin(), x, use_reentrant=False, **extra).sum()
+        torch.autograd.grad(y, [x], retain_graph=True)
+        torch.autograd.grad(y, list(lin.parameters()))
+
+    split_backward()  # full checkpointing: recomputed once per pass
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        split_backward(context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 # -- overrides by field type; no abbreviated or unknown flags ----------------------------------------

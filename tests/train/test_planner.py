@@ -345,6 +345,22 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
         main(["--gpus", "1", "--checkpointing", "none", "--save-machine", str(tmp_path / "no" / "dir.json")])
 
 
+def test_split_backward_schedules_need_compiled_layers_under_selective_checkpointing() -> None:
+    """On 2 GPUs with selective checkpointing, the schedules that split a backward (zb1p, zbv, dualpipev) are
+    refused for eager layers, with the job's reason (``JobConfig`` refuses them too), and listed for compiled
+    ones; the other schedules are listed either way."""
+    split = {"zb1p", "zbv", "dualpipev"}
+    for compiled in (False, True):
+        result = plan(_config(f"--parallel.compile={str(compiled).lower()}"), 2, checkpointing=("selective",))
+        listed = {p.layout.schedule for p in result.fits + result.too_big if p.layout.pp == 2}
+        assert listed >= {"gpipe", "1f1b"}
+        assert (listed >= split) if compiled else not (listed & split), (compiled, listed)
+        refusals = " ".join(result.refused)
+        assert compiled or "with eager layers (parallel.compile=false) cannot run the zbv" in refusals, (
+            refusals
+        )
+
+
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:
     """Without a host floor every microbatch size of a mode prices the same: the larger comes first."""
     fits = plan(_config(), 1, checkpointing=("none",)).fits

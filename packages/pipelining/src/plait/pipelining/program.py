@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from plait.pipelining.actions import AnyAction, parse_action
+from plait.pipelining.actions import ActionKind, AnyAction, parse_action
 from plait.pipelining.topology import StageTopology
 
 __all__ = ["Program", "parse_program"]
@@ -53,6 +53,12 @@ class Program:
     @property
     def num_ranks(self) -> int:
         return self.topology.num_ranks
+
+    @property
+    def splits_backward(self) -> bool:
+        """Some rank runs a backward as two passes (input gradients, then weight gradients) over one graph."""
+        return any(a.kind is ActionKind.BACKWARD_WEIGHT for acts in self.actions for act in acts
+                   for a in act.sub_actions())  # fmt: skip
 
     def format(self) -> str:
         """Text dump: a header line, then ``rank R: a1 a2 ...`` per rank (parse back with :func:`parse_program`)."""

@@ -96,4 +96,34 @@ class JobConfig(TrainerConfig):
                 "model.tie_word_embeddings=true cannot be split over pipeline stages "
                 f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
             )
+        if self.mesh.pipeline > 1 and self.parallel.activation_checkpointing.mode == "selective":
+            from plait.loop import BatchPlan
+            from plait.pipelining import build_program
+
+            try:
+                program = build_program(
+                    BatchPlan.from_config(self).schedule(self.pipeline), self.mesh.pipeline
+                )
+            except ValueError:  # the batch or the schedule is wrong: the trainer's own checks say how
+                return self
+            if why := split_backward_refusal(program, "selective", self.parallel.compile):
+                raise ValueError(why)
         return self
+
+
+def split_backward_refusal(program: Any, checkpointing: str, compiled: bool) -> str | None:
+    """Why the decoder layers checkpointed by ``checkpointing`` cannot run the pipeline ``program``, or None.
+
+    A schedule that splits a backward into an input pass and a weight pass runs each layer's backward graph
+    twice; torch's eager selective checkpointing allows one backward per checkpointed region (the second
+    finds its saved outputs spent). Compiled layers (``parallel.compile``) and full checkpointing run it.
+    """
+    if checkpointing != "selective" or compiled or program is None or not program.splits_backward:
+        return None
+    return (
+        f"parallel.activation_checkpointing.mode='selective' with eager layers (parallel.compile=false) cannot "
+        f"run the {program.name} schedule: it splits each backward into an input and a weight pass, and "
+        "torch's eager selective checkpointing allows one backward per checkpointed layer; set "
+        "parallel.compile=true, mode='full', or a schedule without a split backward (pipeline.kind gpipe, "
+        "1f1b, interleaved_1f1b, looped_bfs)"
+    )

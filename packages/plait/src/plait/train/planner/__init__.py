@@ -53,7 +53,7 @@ import torch
 from plait.loop import BatchPlan, ConfigError, load_config, split_cli_overrides
 from plait.models import stage_layer_ids
 from plait.pipelining import ActionCosts, build_program, lower, simulate
-from plait.train.config import JobConfig
+from plait.train.config import JobConfig, split_backward_refusal
 from plait.train.planner.layouts import CHECKPOINTING, Layout, candidate_layouts
 from plait.train.planner.memory import (
     ActivationProfile,
@@ -184,7 +184,8 @@ class PlanJob:
         first pass builds none), stage count and the stages of each pipeline rank.
 
         Raises:
-            ValueError: the schedule refuses the layout (its own checks).
+            ValueError: the schedule refuses the layout (its own checks), or the layers' checkpointing
+                cannot run its program (:func:`~plait.train.config.split_backward_refusal`).
         """
         if layout.pp == 1:
             return None, 1, ((0,),)
@@ -203,6 +204,8 @@ class PlanJob:
         program = (
             _once(self.programs, key, lambda: lower(build_program(schedule, layout.pp))) if exact else None
         )
+        if why := split_backward_refusal(program, layout.checkpointing, self.config.parallel.compile):
+            raise ValueError(why)
         return program, num_stages, placement
 
     def memo(self, fn: Callable[..., Any], *args: Any) -> Any:
