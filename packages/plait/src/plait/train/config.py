@@ -96,7 +96,8 @@ class JobConfig(TrainerConfig):
                 "model.tie_word_embeddings=true cannot be split over pipeline stages "
                 f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
             )
-        if self.mesh.pipeline > 1 and self.parallel.activation_checkpointing.mode == "selective":
+        ac, compiled = self.parallel.activation_checkpointing, self.parallel.compile
+        if self.mesh.pipeline > 1 and ac.mode == "selective" and not compiled:  # else nothing to refuse
             from plait.loop import BatchPlan
             from plait.pipelining import build_program
 
@@ -106,7 +107,7 @@ class JobConfig(TrainerConfig):
                 )
             except ValueError:  # the batch or the schedule is wrong: the trainer's own checks say how
                 return self
-            if why := split_backward_refusal(program, "selective", self.parallel.compile):
+            if why := split_backward_refusal(program, ac.mode, compiled):
                 raise ValueError(why)
         return self
 

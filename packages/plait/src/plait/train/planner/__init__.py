@@ -748,6 +748,7 @@ def calibrated(
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
     host, busy, idle, scale, backward = {}, {}, {}, {}, {}
+    layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
         provider = job.provider(activation_checkpointing=ac)
@@ -764,7 +765,7 @@ def calibrated(
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             kept, peak = activation_bytes(model, mb, seq, device)
             scale[mode] = kept / counted
-            backward[mode] = (peak - kept) / (mb * sum(job.activation(one_gpu(mode)).transient))
+            backward[mode] = (peak - kept) / layer_bytes
         else:  # ops run as issued: a fixed time per microbatch, the rest per sample
             fixed = min(max((mb * one_sample - busy[mode]) / (mb - 1), 0.0), one_sample) if mb > 1 else 0.0
             if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
@@ -785,9 +786,7 @@ def calibrated(
         optimizer_bytes_per_s=moved / t_optimizer,
         fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
-        allocator_slack=(reserved - allocated) * GIB / (mb * sum(job.activation(one_gpu(job_mode)).transient))
-        if allocated
-        else machine.allocator_slack,
+        allocator_slack=(reserved - allocated) * GIB / layer_bytes if allocated else machine.allocator_slack,
         host_overlaps=device.type == "cuda",
     )
 
