@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from plait.dist_core import DeviceMeshParameters, DistributedContext
-from plait.dist_core.testing import run_distributed
+from plait.dist_core.testing import DistributedTestError, run_distributed
 from plait.loop import BatchPlan, load_config
 from plait.models import estimate_num_parameters
 from plait.train.config import JobConfig
@@ -35,7 +35,7 @@ from plait.train.train import DEFAULT_CONFIG
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tests.e2e._pretrain_runner import REPO
+from tests.e2e._pretrain_runner import REPO, run
 
 
 def _config(*overrides: str) -> JobConfig:
@@ -186,22 +186,53 @@ def _builds(config: dict[str, Any], layout: Layout) -> str:
     return "built"
 
 
+# Every mesh and pipeline schedule of 2 ranks.
+CANDIDATES = [
+    _layout(dps=2), _layout(dps=2, ep=2), _layout(cp=2), _layout(cp=2, ep=2), _layout(tp=2),
+    *(_layout(pp=2, sched=s) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")),
+]  # fmt: skip
+
+
+def _listed(cfg: JobConfig, mode: str) -> set[tuple[Any, ...]]:
+    """The meshes and schedules ``plait plan`` lists for 2 GPUs, microbatches of 2 and ``mode`` checkpointing."""
+    result = plan(cfg, 2, checkpointing=(mode,))
+    assert result.unverified == 0
+    return {_key(p.layout) for p in result.fits + result.too_big if p.layout.microbatch_size == 2}
+
+
+def _key(layout: Layout) -> tuple[Any, ...]:
+    return (layout.pp, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.schedule)
+
+
 def test_the_valid_layouts_are_those_that_build() -> None:
     """Every candidate mesh and schedule on 2 ranks: the planner lists it exactly when real ranks build it."""
     cfg = _config("--batching.microbatch_size=2")
-    result = plan(cfg, 2, checkpointing=("none",))
-    listed = {(p.layout.pp, p.layout.dp_shard, p.layout.cp, p.layout.tp, p.layout.ep, p.layout.schedule)
-              for p in result.fits + result.too_big if p.layout.microbatch_size == 2}  # fmt: skip
-    assert result.unverified == 0
-    candidates = [
-        _layout(dps=2), _layout(dps=2, ep=2), _layout(cp=2), _layout(cp=2, ep=2), _layout(tp=2),
-        *(_layout(pp=2, sched=s) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")),
-    ]  # fmt: skip
-    for layout in candidates:
-        key = (layout.pp, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.schedule)
+    listed = _listed(cfg, "none")
+    for layout in CANDIDATES:
         outcome = run_distributed(_builds, 2, cfg.model_dump(mode="json"), layout)
         assert all(o == outcome[0] for o in outcome), outcome
-        assert (outcome[0] == "built") == (key in listed), (layout.name, outcome[0])
+        assert (outcome[0] == "built") == (_key(layout) in listed), (layout.name, outcome[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_the_listed_layouts_train_under_checkpointing(mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every candidate on 2 ranks with checkpointed layers: the planner lists it exactly when ``plait train``
+    runs a step of it (its backward included: eager selective checkpointing allows one backward per region,
+    which the schedules that split a backward broke at their first step while the plan listed them)."""
+    cfg = _config("--batching.microbatch_size=2")
+    listed = _listed(cfg, mode)
+    for layout in CANDIDATES:
+        layout = dataclasses.replace(layout, checkpointing=mode)
+        argv = ["--steps", "1", "--run-dir", str(tmp_path / layout.name), "--no-export", "--data.max_files=8",
+                "--data.validation_files=1", "--checkpoint.enabled=false", "--evaluation.enabled=false",
+                "--logging.progress_bar=false", *layout.overrides()]  # fmt: skip
+        try:
+            run_distributed(run, 2, argv, timeout=300)
+            outcome = "ran"
+        except DistributedTestError as e:
+            outcome = f"failed: {e}"
+        assert (outcome == "ran") == (_key(layout) in listed), (layout.name, outcome[-2000:])
 
 
 def test_a_model_that_fits_nowhere_is_refused_with_what_would_fit(capsys: pytest.CaptureFixture[str]) -> None:

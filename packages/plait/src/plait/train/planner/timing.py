@@ -195,8 +195,7 @@ def packed_batch(samples: int, seq: int, device: torch.device) -> dict[str, torc
     """Random tokens as ``plait train``'s packed data feeds the model: with their positions and document
     ids (one document per row here), so that attention takes the job's kernel (without flash-attn,
     document-masked FlexAttention on a GPU; a plain causal batch would take SDPA's flash kernel there,
-    which runs at another speed, and whose output selective checkpointing keeps where FlexAttention's it
-    recomputes)."""
+    which runs at another speed and keeps other tensors for its backward)."""
     ids = torch.randint(0, 100, (samples, seq), device=device)
     positions = torch.arange(seq, device=device).expand(samples, seq)
     return {"input_ids": ids, "labels": ids, "position_ids": positions, "document_ids": torch.zeros_like(ids)}

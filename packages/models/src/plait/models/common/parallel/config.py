@@ -43,6 +43,7 @@ class ActivationCheckpointing(BaseModel):
             "aten._scaled_dot_product_cudnn_attention.default",
             "aten._flash_attention_forward.default",
             "aten._efficient_attention_forward.default",
+            "flex_attention",  # FlexAttention's higher-order op (packed documents, windows, sinks on a GPU)
             "aten._grouped_mm.default",
             "plait.gmm.default",
             "_c10d_functional.reduce_scatter_tensor.default",
