@@ -1,6 +1,6 @@
 """``plait plan``: its model states (and every FSDP2 unit's gathered bytes) equal what real ranks build, its
-valid layouts are those that build, its best layout trains, and a model that fits nowhere is refused with what
-would fit; its activations measured on one or two layers of each kind equal those of the whole model and what
+valid layouts are those that build (with checkpointed layers: those that run a step), its best layout trains,
+and a model that fits nowhere is refused with what would fit; its activations measured on one or two layers of each kind equal those of the whole model and what
 a real forward saves, and a model far larger than the machine is planned from two layers of each kind;
 ``--calibrate`` measures the job on this device (a real ``plait train`` run, the optimizer's bytes as the
 planner counts them) and the plan prices what it measures.
