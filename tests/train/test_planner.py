@@ -270,6 +270,36 @@ def test_explain_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--gpus", "2", "--checkpointing", "none", "--explain", "fsdp7"])
 
 
+def test_a_fine_tuning_job_is_planned_from_its_checkpoint_config(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A fine-tuning config has no ``[model]``: ``plait plan --init-from HF_DIR`` takes the checkpoint's
+    ``config.json`` (no weights needed), as ``plait train --init-from`` does. The planned parameters of one rank
+    are those of transformers' own model built from that file; without ``--init-from``, or with a directory
+    without ``config.json``, the error names what is missing."""
+    import transformers
+    from plait.train.job import adopt_checkpoint_config
+
+    sft = REPO / "examples" / "sft" / "configs" / "full.toml"
+    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
+    hf_config.save_pretrained(tmp_path / "ckpt")
+    main(["--config", str(sft), "--init-from", str(tmp_path / "ckpt"), "--gpus", "2", "--checkpointing", "none"])  # fmt: skip
+    assert re.search(r"^plait plan: llama on 2 GPU\(s\).* \d+ layouts fit", capsys.readouterr().out, re.M)
+
+    config = adopt_checkpoint_config(load_config(sft, [], cls=JobConfig), tmp_path / "ckpt", weights=False)
+    job = PlanJob(config)
+    states = job.rank_states(_layout(), 1, ((0,),))[0][0]
+    with torch.device("meta"):
+        reference = transformers.LlamaForCausalLM(hf_config)
+    width = torch.empty((), dtype=getattr(torch, config.model_dtype)).element_size()
+    assert states.params == sum(p.numel() for p in reference.parameters()) * width
+
+    with pytest.raises(SystemExit, match=r"no \[model\] section .*--init-from HF_DIR"):
+        main(["--config", str(sft), "--gpus", "2"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"config\.json"):
+        main(["--config", str(sft), "--init-from", str(tmp_path / "empty"), "--gpus", "2"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_best_layout_trains(tmp_path) -> None:  # type: ignore[no-untyped-def]

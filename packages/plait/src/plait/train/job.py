@@ -98,13 +98,13 @@ def build_job(
     )
 
 
-def adopt_checkpoint_config(config: JobConfig, init_from: Path) -> JobConfig:
+def adopt_checkpoint_config(config: JobConfig, init_from: Path, *, weights: bool = True) -> JobConfig:
     """The run's config with ``init_from``'s ``config.json`` as the model, and its tokenizer as the data's
     when ``data.tokenizer`` is unset and it has one.
 
     Keys of the run's ``[model]`` section (file or ``--model.*`` overrides) that are training-only
     (the family config's ``training_only_fields``) override the checkpoint's, each logged; any other key
-    must agree.
+    must agree. ``weights=False`` (``plait plan``) needs the ``config.json`` only, not the safetensors.
 
     Raises:
         StartupError: not a checkpoint directory, no readable ``config.json``, or ``[model]`` keys that
@@ -113,7 +113,7 @@ def adopt_checkpoint_config(config: JobConfig, init_from: Path) -> JobConfig:
     """
     if not init_from.is_dir():
         raise StartupError(f"--init-from: {init_from} is not a directory")
-    if not any(init_from.glob("*.safetensors")):
+    if weights and not any(init_from.glob("*.safetensors")):
         raise StartupError(
             f"--init-from: {init_from} holds no *.safetensors files (expected a Hugging Face checkpoint)"
         )

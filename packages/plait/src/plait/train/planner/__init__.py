@@ -53,7 +53,7 @@ import torch
 from plait.loop import BatchPlan, ConfigError, load_config, split_cli_overrides
 from plait.models import stage_layer_ids
 from plait.pipelining import ActionCosts, build_program, lower, simulate
-from plait.train.config import JobConfig, split_backward_refusal
+from plait.train.config import JobConfig, StartupError, split_backward_refusal
 from plait.train.planner.layouts import CHECKPOINTING, Layout, candidate_layouts
 from plait.train.planner.memory import (
     ActivationProfile,
@@ -633,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
     [--save-machine J] [--explain LAYOUT] [--top K] [--section.key=value ...]``."""
     import sys
 
+    from plait.train.job import adopt_checkpoint_config
     from plait.train.train import DEFAULT_CONFIG
 
     argv = sys.argv[1:] if argv is None else argv
@@ -640,6 +641,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="the job's config (default: embedded)"
     )
+    ap.add_argument("--init-from", type=Path, metavar="HF_DIR", help="the model of a Hugging Face checkpoint "
+                    "directory, as plait train --init-from takes it (its config.json; no weights needed)")  # fmt: skip
     ap.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
     ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: min(gpus, 8))")
     ap.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: the machine's, 139.8)")
@@ -660,13 +663,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("plait plan: --gpus must be >= 1")
     try:
         config = load_config(args.config, overrides, cls=JobConfig)
+        if args.init_from is not None:
+            config = adopt_checkpoint_config(config, args.init_from, weights=False)
+        if config.model is None:
+            raise ConfigError(
+                f"{args.config}: no [model] section (give one with model_type, or --init-from HF_DIR)"
+            )
         machine = load_machine(args.machine, args.gpu_memory)
         modes = tuple(args.checkpointing.split(","))
         if bad := [x for x in modes if x not in CHECKPOINTING]:
             raise ValueError(
                 f"--checkpointing: unknown mode(s) {bad} (choose from {', '.join(CHECKPOINTING)})"
             )
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, StartupError, ValueError) as e:
         raise SystemExit(f"plait plan: error: {e}") from None
     machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node or min(args.gpus, 8))
     job = PlanJob(config)
