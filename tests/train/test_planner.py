@@ -268,6 +268,11 @@ def test_explain_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--gpus", "2", "--checkpointing", "sometimes"])
     with pytest.raises(SystemExit, match="no valid layout named"):
         main(["--gpus", "2", "--checkpointing", "none", "--explain", "fsdp7"])
+    for flag, value, rule in (("--gpus", "0", ">= 1"), ("--gpus-per-node", "0", ">= 1"), ("--top", "0", ">= 1"),
+                              ("--gpu-memory", "-1", "> 0 GiB"), ("--gpu-memory", "nan", "> 0 GiB")):  # fmt: skip
+        args = ["--gpus", "2", flag, value] if flag != "--gpus" else [flag, value]
+        with pytest.raises(SystemExit, match=f"plait plan: error: {flag} must be {rule}, got"):
+            main(args)
 
 
 def test_a_fine_tuning_job_is_planned_from_its_checkpoint_config(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -628,15 +628,12 @@ def _smallest_fit(config: JobConfig, gpus: int, machine: Machine, job: PlanJob) 
     return f"nothing fits on up to {gpus * 2**8} GPUs of {machine.memory_gib:g} GiB"
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``plait plan --config F --gpus N [--gpus-per-node M] [--gpu-memory GiB] [--calibrate] [--machine J]
-    [--save-machine J] [--explain LAYOUT] [--top K] [--section.key=value ...]``."""
-    import sys
-
+def _arguments(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Machine, tuple[str, ...]]:
+    """``plait plan``'s arguments, the job's config, the machine and the checkpointing modes, each checked
+    (a bad one exits naming the flag or the key)."""
     from plait.train.job import adopt_checkpoint_config
     from plait.train.train import DEFAULT_CONFIG
 
-    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="plait plan", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="the job's config (default: embedded)"
@@ -659,8 +656,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--explain", metavar="LAYOUT", help="the breakdown of one layout (its name in the table)")
     overrides, rest = split_cli_overrides(argv)
     args = ap.parse_args(rest)
-    if args.gpus < 1:
-        raise SystemExit("plait plan: --gpus must be >= 1")
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
+        if value is not None and value < 1:
+            raise SystemExit(f"plait plan: error: {flag} must be >= 1, got {value}")
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        raise SystemExit(f"plait plan: error: --gpu-memory must be > 0 GiB, got {args.gpu_memory}")
     try:
         config = load_config(args.config, overrides, cls=JobConfig)
         if args.init_from is not None:
@@ -678,6 +678,15 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, StartupError, ValueError) as e:
         raise SystemExit(f"plait plan: error: {e}") from None
     machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node or min(args.gpus, 8))
+    return args, config, machine, modes
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``plait plan --config F [--init-from HF_DIR] --gpus N [--gpus-per-node M] [--gpu-memory GiB] [--calibrate]
+    [--machine J] [--save-machine J] [--explain LAYOUT] [--top K] [--section.key=value ...]``."""
+    import sys
+
+    args, config, machine, modes = _arguments(sys.argv[1:] if argv is None else argv)
     job = PlanJob(config)
     if args.calibrate:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
