@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from plait.loop import TrainerConfig
 from plait.loop.config import nearest_key
 from plait.loop.data import ByteTokenizer, DataConfig
 from plait.models import DecoderConfig, ParallelConfig, config_class_for, parse_config
 from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from plait.pipelining import Program
 
 __all__ = ["JobConfig", "StartupError", "describe_errors"]
 
@@ -112,7 +115,7 @@ class JobConfig(TrainerConfig):
         return self
 
 
-def split_backward_refusal(program: Any, checkpointing: str, compiled: bool) -> str | None:
+def split_backward_refusal(program: Program | None, checkpointing: str, compiled: bool) -> str | None:
     """Why the decoder layers checkpointed by ``checkpointing`` cannot run the pipeline ``program``, or None.
 
     A schedule that splits a backward into an input pass and a weight pass runs each layer's backward graph

@@ -65,10 +65,13 @@ def data_provider(corpus: Corpus) -> DatasetProvider:
     )
 
 
+NO_MODEL = "no [model] section (give one with model_type, or --init-from HF_DIR)"
+
+
 def build_provider(config: JobConfig, init_from: Path | None = None) -> CausalLMProvider:
     """The model provider of ``config`` (weights from ``init_from``, a Hugging Face checkpoint, if given)."""
     if config.model is None:
-        raise ConfigError("no [model] section (give one with model_type, or --init-from HF_DIR)")
+        raise ConfigError(NO_MODEL)
     return CausalLMProvider(
         config.model,
         parallel=config.parallel,

@@ -38,7 +38,7 @@ from plait.loop import ConfigError, RunDirLockedError, load_config, split_cli_ov
 from plait.loop.checkpoint import CheckpointWriteError
 from plait.loop.data import Corpus, copy_tokenizer_files, recorded_tokenizer
 from plait.train.config import JobConfig, StartupError
-from plait.train.job import adopt_checkpoint_config, build_job, build_provider, check_startup
+from plait.train.job import NO_MODEL, adopt_checkpoint_config, build_job, build_provider, check_startup
 
 __all__ = ["DEFAULT_CONFIG", "main", "parse_args"]
 
@@ -95,9 +95,7 @@ def parse_args(
     if args.init_from is not None:  # raises StartupError
         config = adopt_checkpoint_config(config, args.init_from)
     elif config.model is None:
-        raise ConfigError(
-            f"{args.config}: no [model] section (give one with model_type, or --init-from HF_DIR)"
-        )
+        raise ConfigError(f"{args.config}: {NO_MODEL}")
     return config, args
 
 

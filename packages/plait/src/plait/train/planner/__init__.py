@@ -155,10 +155,10 @@ class PlanJob:
     """The job's config and what the planner builds from it, cached across layouts."""
 
     def __init__(self, config: JobConfig) -> None:
-        from plait.train.job import build_provider
+        from plait.train.job import NO_MODEL, build_provider
 
         if config.model is None:
-            raise ConfigError("plait plan: no [model] section")
+            raise ConfigError(NO_MODEL)
         self.config = config
         self.model = config.model
         self.build_provider = build_provider
@@ -628,9 +628,9 @@ def _smallest_fit(config: JobConfig, gpus: int, machine: Machine, job: PlanJob) 
     return f"nothing fits on up to {gpus * 2**8} GPUs of {machine.memory_gib:g} GiB"
 
 
-def _arguments(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Machine, tuple[str, ...]]:
-    """``plait plan``'s arguments, the job's config, the machine and the checkpointing modes, each checked
-    (a bad one exits naming the flag or the key)."""
+def _arguments(argv: list[str]) -> tuple[argparse.Namespace, PlanJob, Machine, tuple[str, ...]]:
+    """``plait plan``'s arguments, the job, the machine and the checkpointing modes, each checked (a bad one
+    exits naming the flag or the key)."""
     from plait.train.job import adopt_checkpoint_config
     from plait.train.train import DEFAULT_CONFIG
 
@@ -665,10 +665,7 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Machine,
         config = load_config(args.config, overrides, cls=JobConfig)
         if args.init_from is not None:
             config = adopt_checkpoint_config(config, args.init_from, weights=False)
-        if config.model is None:
-            raise ConfigError(
-                f"{args.config}: no [model] section (give one with model_type, or --init-from HF_DIR)"
-            )
+        job = PlanJob(config)
         machine = load_machine(args.machine, args.gpu_memory)
         modes = tuple(args.checkpointing.split(","))
         if bad := [x for x in modes if x not in CHECKPOINTING]:
@@ -678,7 +675,7 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, Machine,
     except (ConfigError, StartupError, ValueError) as e:
         raise SystemExit(f"plait plan: error: {e}") from None
     machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node or min(args.gpus, 8))
-    return args, config, machine, modes
+    return args, job, machine, modes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -686,8 +683,8 @@ def main(argv: list[str] | None = None) -> None:
     [--machine J] [--save-machine J] [--explain LAYOUT] [--top K] [--section.key=value ...]``."""
     import sys
 
-    args, config, machine, modes = _arguments(sys.argv[1:] if argv is None else argv)
-    job = PlanJob(config)
+    args, job, machine, modes = _arguments(sys.argv[1:] if argv is None else argv)
+    config = job.config
     if args.calibrate:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         try:
