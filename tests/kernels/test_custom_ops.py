@@ -34,6 +34,8 @@ def _op_cases():
         (ops.swiglu, (gu, None, pw)),
         (ops.swiglu, (x, r, None)),
         (ops.gmm, (x, we, tpe, True, "loop")),
+        (ops.gmm_host, (x.detach(), we.detach(), tpe, True, "loop")),
+        (ops.gmm_weight_grad, (torch.randn(6, 8), x.detach(), we.detach(), tpe, True, "loop")),
         (ops.permute_rows, (x, src, dst)),
         (ops.unpermute_rows, (torch.randn(7, 16, requires_grad=True), src, dst, wk, wr)),
         (ops.linear_cross_entropy, (hid, head, tgt, -100, 1e-3, None, None, 3, 4)),

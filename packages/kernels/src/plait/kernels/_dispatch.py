@@ -6,10 +6,13 @@ import functools
 import os
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 __all__ = ["triton_available", "use_triton"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TRACED = (FakeTensor, FunctionalTensor)
 
 
 @functools.cache
@@ -39,10 +42,14 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     ``PLAIT_KERNELS_DISABLE_TRITON=1`` forces the PyTorch reference path everywhere. Tensor
     subclasses (a DTensor, an ``AsyncCollectiveTensor`` whose collective may still be running)
     take the PyTorch path too: their ops dispatch through the subclass, a Triton kernel would
-    read the wrapper's (absent) storage.
+    read the wrapper's (absent) storage. The fake and functional tensors that ``torch.compile`` traces
+    a ``torch.library.triton_op``'s body with take the Triton path on CUDA: that body launches its
+    kernels through ``torch.library.wrap_triton``, which puts them into the compiled graph.
     """
     if _forced_off() or not triton_available():
         return False
+    if any(isinstance(t, _TRACED) for t in tensors):
+        return all(t.is_cuda for t in tensors)
     if any(type(t) not in _PLAIN for t in tensors):
         return False
     if all(t.is_cuda for t in tensors):

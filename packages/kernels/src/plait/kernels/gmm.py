@@ -7,9 +7,12 @@ Backends:
 * ``"nv"``: nv-grouped-gemm (``pip install 'plait-kernels[gmm]'``), imported lazily.
 * ``"loop"``: one matmul per expert; works for every dtype/device (the CPU default).
 
-All backends share one torch custom op (``plait::gmm``, traced by ``torch.compile`` without a graph
-break) whose backward honours :func:`plait.kernels.grad_direction`: the inputs pass computes only
-``dx``, the weights pass only ``dw``. Experts with zero tokens get a zero weight gradient.
+All backends share one torch op, ``plait::gmm``, a ``triton_op``: ``torch.compile`` traces its body,
+so the ``"torch"`` backend's ``_grouped_mm`` is a node of the compiled graph (no custom-op dispatch);
+the host-side backends stay opaque (``plait::gmm_host``). Its backward computes ``dx`` with the same op
+and ``dw`` with the custom op ``plait::gmm_weight_grad``, which honours
+:func:`plait.kernels.grad_direction` each time it runs: the inputs pass computes only ``dx``, the
+weights pass only ``dw``. Experts with zero tokens get a zero weight gradient.
 ``tokens_per_expert`` may sum to fewer than ``M`` rows (a buffer sized by a static upper bound, as
 :func:`plait.kernels.permute` returns): the rows past the last group are not computed and their
 output values are unspecified (zero on the ``"loop"`` backend).
@@ -104,7 +107,35 @@ def _counts(tpe: torch.Tensor, rows: int) -> list[int]:
     return counts
 
 
+def _host_counts(tpe: torch.Tensor, backend: str, rows: int) -> Any:
+    """The group sizes the host-side backends take: a CPU int64 tensor (``"nv"``) or a list (``"loop"``)."""
+    return tpe.to("cpu", torch.int64) if backend == "nv" else _counts(tpe, rows)
+
+
 @torch.library.custom_op(
+    "plait::gmm_host",
+    mutates_args=(),
+    schema="(Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend) -> Tensor",
+)
+def _gmm_host_op(
+    x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str
+) -> torch.Tensor:
+    """The backends that read the group sizes on the host (``"loop"``, ``"nv"``): opaque to the compiler."""
+    counts = _host_counts(tpe, backend, x.shape[0])
+    if backend == "nv":
+        return _nv().gmm(x, w, counts, trans_a=False, trans_b=trans_w)
+    return _loop_mm(x, w, counts, trans_w)
+
+
+@_gmm_host_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[1] if trans_w else w.shape[2]))
+
+
+# A triton_op, not a custom_op: torch.compile traces its body, so the "torch" backend's grouped GEMM
+# (and its offsets) become plain nodes of the compiled graph, called without the custom-op dispatcher
+# (~100 us of host time per call). The host-side backends stay opaque (plait::gmm_host).
+@torch.library.triton_op(
     "plait::gmm",
     mutates_args=(),
     schema="(Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend) -> Tensor",
@@ -114,87 +145,47 @@ def _gmm_op(x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, 
     backend = _resolve(backend, x, w)
     if backend == "torch":
         return _torch_mm(x, w, _offsets(tpe, x.device), trans_w)
-    if backend == "nv":
-        return _nv().gmm(x, w, tpe.to("cpu", torch.int64), trans_a=False, trans_b=trans_w)
-    return _loop_mm(x, w, _counts(tpe, x.shape[0]), trans_w)
-
-
-@_gmm_op.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[1] if trans_w else w.shape[2]))
+    return _gmm_host_op(x, w, tpe, trans_w, backend)  # type: ignore[no-any-return]
 
 
 @torch.library.custom_op(
-    "plait::gmm_backward",
+    "plait::gmm_weight_grad",
     mutates_args=(),
-    schema="(Tensor dy, Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend, "
-    "bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+    schema="(Tensor dy, Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend) -> Tensor",
 )
-def _gmm_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    tpe: torch.Tensor,
-    trans_w: bool,
-    backend: str,
-    need_dx: bool,
-    need_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dw)``; each is empty when not needed; ``dw`` is zero when the grad-direction switch is off for weights."""
+def _gmm_dw_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str
+) -> torch.Tensor:
+    """``dw`` (``w``'s shape), zero when the grad-direction switch is off for weights.
+
+    A custom op, opaque to the compiler, so that the switch is read each time a compiled backward runs
+    (:mod:`plait.kernels.grad_direction`).
+    """
+    if not _weights_wanted(True):
+        return torch.zeros_like(w)
     backend = _resolve(backend, x, w)
-    want_dw = _weights_wanted(need_dw)
-    dy = dy.contiguous()
-    aux: Any = None
-    if need_dx or want_dw:
-        if backend == "torch":
-            aux = _offsets(tpe, x.device)
-        elif backend == "nv":
-            aux = tpe.to("cpu", torch.int64)
-        else:
-            aux = _counts(tpe, x.shape[0])
-    if not need_dx:
-        dx = x.new_empty(0)
-    elif backend == "torch":
-        # dx = dy @ w_e^T: the opposite transpose of the forward.
-        dx = _torch_mm(dy, w, aux, not trans_w)
-    elif backend == "nv":
-        dx = _nv().gmm(dy, w, aux, trans_a=False, trans_b=not trans_w)
-    else:
-        dx = _loop_mm(dy, w, aux, not trans_w)
-    if not want_dw:
-        dw = torch.zeros_like(w) if need_dw else w.new_empty(0)
-    elif backend == "torch":
-        dw = _torch_dw(x, dy, aux, trans_w)
+    if backend == "torch":
+        offs = _offsets(tpe, x.device)
+        dw = _torch_dw(x, dy, offs, trans_w)
         if not dw.is_cuda:
             # The CPU kernel's handling of empty groups is not documented: zero them here
             # (free on CPU). The CUDA (CUTLASS) kernel writes zeros for K=0 groups (checked on
             # torch 2.11 / H100 and by the gpu test); a sync or a masked pass there would
             # cost a stall or ~2x the GEMM's bytes.
-            empty = torch.nonzero(torch.diff(aux, prepend=aux.new_zeros(1)) == 0).flatten()
+            empty = torch.nonzero(torch.diff(offs, prepend=offs.new_zeros(1)) == 0).flatten()
             if empty.numel():
                 dw.index_fill_(0, empty, 0)
-    elif backend == "nv":
+        return dw
+    counts = _host_counts(tpe, backend, x.shape[0])
+    if backend == "nv":
         nv = _nv()
-        dw = nv.gmm(dy, x, aux, trans_a=True) if trans_w else nv.gmm(x, dy, aux, trans_a=True)
-    else:
-        dw = _loop_dw(x, dy, aux, trans_w)
-    return dx, dw
+        return nv.gmm(dy, x, counts, trans_a=True) if trans_w else nv.gmm(x, dy, counts, trans_a=True)
+    return _loop_dw(x, dy, counts, trans_w)
 
 
-@_gmm_backward_op.register_fake
-def _(
-    dy: Any,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    tpe: Any,
-    trans_w: bool,
-    backend: str,
-    need_dx: bool,
-    need_dw: bool,
-) -> Any:
-    return (x.new_empty(x.shape) if need_dx else x.new_empty(0)), (
-        w.new_empty(w.shape) if need_dw else w.new_empty(0)
-    )
+@_gmm_dw_op.register_fake
+def _(dy: Any, x: Any, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str) -> torch.Tensor:
+    return w.new_empty(w.shape)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -206,10 +197,11 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
 def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     x, w, tpe = ctx.saved_tensors
     need_dx, need_dw = _returned(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-    if not (need_dx or need_dw):
-        return None, None, None, None, None
-    dx, dw = _gmm_backward_op(dy, x, w, tpe, ctx.trans_w, ctx.backend, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
+    dy = dy.contiguous()
+    # dx = dy @ w_e^T: the forward with the opposite transpose (traced like it under torch.compile).
+    dx = _gmm_op(dy, w, tpe, not ctx.trans_w, ctx.backend) if need_dx else None
+    dw = _gmm_dw_op(dy, x, w, tpe, ctx.trans_w, ctx.backend) if need_dw else None
+    return dx, dw, None, None, None
 
 
 _gmm_op.register_autograd(_backward, setup_context=_setup)

@@ -16,9 +16,11 @@ returned group sizes are still the full ones, so ``tokens_per_expert.sum() > max
 caller, on the device, that the buffer overflowed.
 
 Index bookkeeping is PyTorch (a stable sort, scatters, cumsums). The row movement is the torch
-custom ops ``plait::permute_rows`` / ``plait::unpermute_rows`` (Triton on CUDA or under
+ops ``plait::permute_rows`` / ``plait::unpermute_rows`` (Triton on CUDA or under
 ``TRITON_INTERPRET=1``, PyTorch otherwise); both are gathers (no atomics), so they are
-deterministic, and their backwards are the opposite gathers.
+deterministic, and their backwards are the opposite gathers. They are ``triton_op``s: ``torch.compile``
+traces their bodies and launches the Triton kernels from the compiled graph, with no custom-op
+dispatch (about 100 us of host time per call).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _combine(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> torc
     return _combine_torch(x, dst, w)
 
 
-@torch.library.custom_op(
+@torch.library.triton_op(
     "plait::permute_rows", mutates_args=(), schema="(Tensor x, Tensor src, Tensor dst) -> Tensor"
 )
 def _permute_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -108,12 +110,7 @@ def _permute_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torc
     return _gather(x, src, None)
 
 
-@_permute_rows.register_fake
-def _(x: torch.Tensor, src: torch.Tensor, dst: Any) -> torch.Tensor:
-    return x.new_empty((src.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op(
+@torch.library.triton_op(
     "plait::unpermute_rows",
     mutates_args=(),
     schema="(Tensor x, Tensor src, Tensor dst, Tensor? w, Tensor? w_rows) -> Tensor",
@@ -128,12 +125,7 @@ def _unpermute_rows(
     return _combine(x, dst, w)
 
 
-@_unpermute_rows.register_fake
-def _(x: torch.Tensor, src: Any, dst: torch.Tensor, w: Any, w_rows: Any) -> torch.Tensor:
-    return x.new_empty((dst.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op(
+@torch.library.triton_op(
     "plait::row_dots", mutates_args=(), schema="(Tensor dy, Tensor x, Tensor dst) -> Tensor"
 )
 def _row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -145,12 +137,7 @@ def _row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Ten
     return _row_dots_torch(dy, x, dst)
 
 
-@_row_dots.register_fake
-def _(dy: torch.Tensor, x: Any, dst: torch.Tensor) -> torch.Tensor:
-    return dy.new_empty(dst.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op(
+@torch.library.triton_op(
     "plait::gather_rows", mutates_args=(), schema="(Tensor x, Tensor src, Tensor? w_rows) -> Tensor"
 )
 def _gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
@@ -158,20 +145,10 @@ def _gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None
     return _gather(x, src, w_rows)
 
 
-@_gather_rows.register_fake
-def _(x: torch.Tensor, src: torch.Tensor, w_rows: Any) -> torch.Tensor:
-    return x.new_empty((src.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op("plait::combine_rows", mutates_args=(), schema="(Tensor x, Tensor dst) -> Tensor")
+@torch.library.triton_op("plait::combine_rows", mutates_args=(), schema="(Tensor x, Tensor dst) -> Tensor")
 def _combine_rows(x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_j x[dst[t, j]]`` over ``dst >= 0``; the backward of a permute."""
     return _combine(x, dst, None)
-
-
-@_combine_rows.register_fake
-def _(x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((dst.shape[0], x.shape[1]))
 
 
 def _permute_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

@@ -1,10 +1,14 @@
-"""Triton row movement for MoE permute / unpermute: pure gathers, no atomics (deterministic)."""
+"""Triton row movement for MoE permute / unpermute: pure gathers, no atomics (deterministic).
+
+Launched through ``wrap_triton``: the ops that call them are ``triton_op``s, traced by ``torch.compile``.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 
 @triton.jit
@@ -65,7 +69,7 @@ def gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None)
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     if m and h:
         b = _block(h)
-        _gather_rows[(m, triton.cdiv(h, b))](
+        wrap_triton(_gather_rows)[(m, triton.cdiv(h, b))](
             x,
             src,
             w_rows if w_rows is not None else x,
@@ -86,7 +90,7 @@ def combine_rows(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> 
     if t and h:
         b = _block(h)
         wc = w.contiguous() if w is not None else None
-        _combine_rows[(t, triton.cdiv(h, b))](
+        wrap_triton(_combine_rows)[(t, triton.cdiv(h, b))](
             x, dst.contiguous(), wc if wc is not None else x, out, h, k,
             HAS_W=wc is not None, BLOCK=b, num_warps=_warps(b),
         )  # fmt: skip
@@ -99,5 +103,7 @@ def row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Tens
     out = torch.zeros((t, k), dtype=torch.float32, device=dy.device)
     if t and k:
         b = _block(dy.shape[1])
-        _row_dots[(t, k)](dy, x, dst.contiguous(), out, dy.shape[1], k, BLOCK=b, num_warps=_warps(b))
+        wrap_triton(_row_dots)[(t, k)](
+            dy, x, dst.contiguous(), out, dy.shape[1], k, BLOCK=b, num_warps=_warps(b)
+        )
     return out
