@@ -132,6 +132,16 @@ def _(x: torch.Tensor, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str) -
     return x.new_empty((x.shape[0], w.shape[1] if trans_w else w.shape[2]))
 
 
+def _gmm_impl(
+    x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str
+) -> torch.Tensor:
+    """``[M, N]``; rows past ``tokens_per_expert.sum()`` are not computed."""
+    backend = _resolve(backend, x, w)
+    if backend == "torch":
+        return _torch_mm(x, w, _offsets(tpe, x.device), trans_w)
+    return _gmm_host_op(x, w, tpe, trans_w, backend)  # type: ignore[no-any-return]
+
+
 # A triton_op, not a custom_op: torch.compile traces its body, so the "torch" backend's grouped GEMM
 # (and its offsets) become plain nodes of the compiled graph, called without the custom-op dispatcher
 # (~100 us of host time per call). The host-side backends stay opaque (plait::gmm_host).
@@ -141,11 +151,7 @@ def _(x: torch.Tensor, w: torch.Tensor, tpe: Any, trans_w: bool, backend: str) -
     schema="(Tensor x, Tensor w, Tensor tokens_per_expert, bool trans_w, str backend) -> Tensor",
 )
 def _gmm_op(x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str) -> torch.Tensor:
-    """``[M, N]``; rows past ``tokens_per_expert.sum()`` are not computed."""
-    backend = _resolve(backend, x, w)
-    if backend == "torch":
-        return _torch_mm(x, w, _offsets(tpe, x.device), trans_w)
-    return _gmm_host_op(x, w, tpe, trans_w, backend)  # type: ignore[no-any-return]
+    return _gmm_impl(x, w, tpe, trans_w, backend)
 
 
 @torch.library.custom_op(
@@ -198,8 +204,9 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     x, w, tpe = ctx.saved_tensors
     need_dx, need_dw = _returned(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
     dy = dy.contiguous()
-    # dx = dy @ w_e^T: the forward with the opposite transpose (traced like it under torch.compile).
-    dx = _gmm_op(dy, w, tpe, not ctx.trans_w, ctx.backend) if need_dx else None
+    # dx = dy @ w_e^T: the forward's body with the opposite transpose, called directly (traced like
+    # the forward under torch.compile; no second dispatch in eager).
+    dx = _gmm_impl(dy, w, tpe, not ctx.trans_w, ctx.backend) if need_dx else None
     dw = _gmm_dw_op(dy, x, w, tpe, ctx.trans_w, ctx.backend) if need_dw else None
     return dx, dw, None, None, None
 
