@@ -9,8 +9,8 @@ Backends:
 
 All backends share one torch op, ``plait::gmm``, a ``triton_op``: ``torch.compile`` traces its body,
 so the ``"torch"`` backend's ``_grouped_mm`` is a node of the compiled graph (no custom-op dispatch);
-the host-side backends stay opaque (``plait::gmm_host``). Its backward computes ``dx`` with the same op
-and ``dw`` with the custom op ``plait::gmm_weight_grad``, which honours
+the host-side backends stay opaque (``plait::gmm_host``). Its backward computes ``dx`` as the forward
+does (with the opposite transpose) and ``dw`` with the custom op ``plait::gmm_weight_grad``, which honours
 :func:`plait.kernels.grad_direction` each time it runs: the inputs pass computes only ``dx``, the
 weights pass only ``dw``. Experts with zero tokens get a zero weight gradient.
 ``tokens_per_expert`` may sum to fewer than ``M`` rows (a buffer sized by a static upper bound, as
