@@ -162,3 +162,41 @@ def test_eager_calls_skip_the_dispatcher_and_match_the_ops():
     assert "plait::rms_norm_backward" in {e.name for e in prof.events()}  # the check can see them
     for a, b in zip(eager, ops, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compiled_moe_ops_trace_into_the_graph():
+    """Under ``torch.compile`` the permutation and the grouped GEMM (``triton_op``s) are traced into the
+    graph: no custom-op call per MoE layer (each costs ~100 us of host time, which left compiled MoE
+    layers host-bound). Only the grouped GEMM's weight gradient stays opaque: it reads the
+    split-backward switch each time it runs."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs):
+        def keep(g, _inputs):
+            graphs.append(g)
+            return make_boxed_func(g)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    def layer(x, w1, w2, idx, probs):
+        rows, row_w, row_map, tpe = permute(x, idx, w1.shape[0], probs, align=2)
+        h = gmm(rows, w1, tpe, trans_w=True, backend="torch")
+        return unpermute(gmm(swiglu_fused(h, row_w), w2, tpe, trans_w=True, backend="torch"), row_map)
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    w1 = (torch.randn(4, 16, 16) * 0.3).requires_grad_()
+    w2 = (torch.randn(4, 16, 8) * 0.3).requires_grad_()
+    probs, idx = torch.randn(6, 4).softmax(-1).topk(2, -1)
+    probs.requires_grad_()
+    torch.compile(layer, backend=capture, fullgraph=True)(x, w1, w2, idx, probs).sum().backward()
+    forward, backward = graphs
+    ops = [{str(n.target) for n in g.graph.nodes if n.op == "call_function"} for g in graphs]
+    assert {op for op in ops[0] if op.startswith("plait.")} == set(), forward.code
+    assert {op for op in ops[1] if op.startswith("plait.")} == {"plait.gmm_weight_grad.default"}, (
+        backward.code
+    )
+    assert "aten._grouped_mm.default" in ops[0] and "aten._grouped_mm.default" in ops[1]
