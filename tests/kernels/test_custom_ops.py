@@ -200,3 +200,26 @@ def test_compiled_moe_ops_trace_into_the_graph():
         backward.code
     )
     assert "aten._grouped_mm.default" in ops[0] and "aten._grouped_mm.default" in ops[1]
+
+
+def test_compile_caches_are_tagged_with_the_kernels_source(tmp_path):
+    """``torch.compile``'s caches key a graph by what Dynamo traced, where a plait op is one node, not by what
+    a ``triton_op`` expands to below it: importing plait.kernels tags them with a digest of its source, so a
+    cache filled by another version cannot hand back that version's compiled ops (a graph calling an op that
+    no longer exists failed so)."""
+    import shutil
+
+    from plait.kernels import _compile_cache
+
+    tag = _compile_cache.source_tag()
+    assert tag in torch.compiler.config.cache_key_tag.split(",")
+    copy = tmp_path / "kernels"
+    shutil.copytree(_compile_cache._ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert _compile_cache.source_tag(copy) == tag
+    gmm_py = copy / "gmm.py"
+    gmm_py.write_text(gmm_py.read_text() + "\n# another version\n")
+    assert _compile_cache.source_tag(copy) != tag
+    with torch.compiler.config.patch(cache_key_tag="mine"):  # the user's own tag is kept, ours added once
+        _compile_cache.tag_compile_caches(tag)
+        _compile_cache.tag_compile_caches(tag)
+        assert torch.compiler.config.cache_key_tag == f"mine,{tag}"
