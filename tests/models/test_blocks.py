@@ -104,6 +104,37 @@ def test_document_masked_attention(backend):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_static_captures_keep_each_mask_at_one_address():
+    """With CUDA graphs the masks' tensors must keep their addresses across forwards (a compiled layer takes
+    some as static inputs): each new mask is copied into the last one's buffers, and attends as it should."""
+    from plait.models.common.attention.kernels import AttentionKernels
+
+    torch.manual_seed(0)
+    b, s, h, kv, d = 2, 16, 4, 2, 8
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, kv, d), torch.randn(b, s, kv, d)
+    kernels = AttentionKernels()
+    kernels.static_captures = True
+
+    def tensors(mask):
+        return {n: t for n, t in vars(mask.block_mask).items() if isinstance(t, torch.Tensor)}
+
+    addresses = None
+    for docs in (torch.tensor([[0] * 5 + [1] * 11, [0] * 16]), torch.tensor([[0] * 16, [0] * 9 + [1] * 7])):
+        mask = build_attention_mask(
+            b, s, q.device, q.dtype, document_ids=docs, kernels=kernels, implementation="flex"
+        )
+        fresh = build_attention_mask(b, s, q.device, q.dtype, document_ids=docs, implementation="flex")
+        assert tensors(mask).keys() == tensors(fresh).keys()
+        for name, t in tensors(mask).items():
+            torch.testing.assert_close(t, tensors(fresh)[name], msg=name)
+        if addresses is None:
+            addresses = {n: t.data_ptr() for n, t in tensors(mask).items()}
+        assert {n: t.data_ptr() for n, t in tensors(mask).items()} == addresses
+        out = attention(q, k, v, mask, d**-0.5)
+        ref = _reference_attention(q.double(), k.double(), v.double(), docs, d**-0.5)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_padding_masked_attention(backend):
     """Padding (left, right, inside packed rows) is never attended to; real queries match a float64

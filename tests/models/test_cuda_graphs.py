@@ -76,9 +76,13 @@ def test_cuda_graphs_refuse_tensor_parallelism():
         assert "mesh.tensor=2" in msg
 
 
-def _train(hf: dict, cuda_graphs: bool, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """``steps`` AdamW steps of the bf16 model on fixed packed batches (FlexAttention with document
-    masks, as the main job on a GPU): losses, final weights, graph launches seen."""
+def _train(
+    hf: dict, cuda_graphs: bool, steps: int = 6
+) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
+    """``steps`` AdamW steps of the bf16 model on two alternating packed batches with different documents
+    (FlexAttention with document masks, as the main job on a GPU): losses, final weights, and the graph
+    launches and graph recordings seen in the steps after the first three (the graph trees' warm-up
+    and recording)."""
     torch._dynamo.reset()
     parallel = ParallelConfig(compile=True, cuda_graphs=cuda_graphs)
     provider = CausalLMProvider(config_from_hf(hf), parallel=parallel, dtype=torch.bfloat16, seed=0)
@@ -90,19 +94,25 @@ def _train(hf: dict, cuda_graphs: bool, steps: int = 4) -> tuple[list[float], di
     gen = torch.Generator().manual_seed(0)
     b, s = 2, 128  # FlexAttention's block size: shorter rows did not lower (fp32, 64 tokens)
     batches = [torch.randint(0, hf["vocab_size"], (b, s + 1), generator=gen).cuda() for _ in range(2)]
-    pos = torch.cat([torch.arange(80), torch.arange(s - 80)]).expand(b, s).cuda()  # two documents a row
+    # Two documents a row, split at 80 or 30 tokens: each forward builds new document ids and masks.
+    positions = [torch.cat([torch.arange(n), torch.arange(s - n)]).expand(b, s).cuda() for n in (80, 30)]
     losses = []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for i in range(steps):
-            ids = batches[i % 2]
-            out = model(input_ids=ids[:, :-1], labels=ids[:, 1:], position_ids=pos)
-            loss = out["loss_sum"] / ids[:, 1:].numel() + out.get("aux_loss", 0.0)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-    launches = sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, launches
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    for i in range(steps):
+        if i == 3:
+            prof.start()
+        ids = batches[i % 2]
+        out = model(input_ids=ids[:, :-1], labels=ids[:, 1:], position_ids=positions[i % 2])
+        loss = out["loss_sum"] / ids[:, 1:].numel() + out.get("aux_loss", 0.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    prof.stop()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+    records = sum(e.count for e in events if e.key.startswith("CUDAGraphNode.record"))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, launches, records
 
 
 @pytest.mark.gpu
@@ -110,12 +120,14 @@ def _train(hf: dict, cuda_graphs: bool, steps: int = 4) -> tuple[list[float], di
 def test_cuda_graph_training_equals_compiled_training(hf):
     from torch._dynamo.utils import counters
 
-    ref_losses, ref_weights, ref_launches = _train(hf, cuda_graphs=False)
+    ref_losses, ref_weights, ref_launches, _ = _train(hf, cuda_graphs=False)
     counters.clear()
-    losses, weights, launches = _train(hf, cuda_graphs=True)
+    losses, weights, launches, records = _train(hf, cuda_graphs=True)
     assert counters["inductor"]["cudagraph_skips"] == 0  # no layer fell back to plain launches
     assert ref_launches == 0
     assert launches > 0
+    # New masks each forward, at the addresses of the last ones: the graphs replay, none records again.
+    assert records == 0
     # The same compiled kernels, replayed: equal up to bf16 rounding of the updates.
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
     for name, w in weights.items():

@@ -37,14 +37,42 @@ class AttentionKernels:
     by block instead of materialising the dense ``[B, q_len, kv_len]`` mask (tens of GiB at 128k
     tokens). Inside a compiled region (a compiled decoder layer) the eager functions are traced into
     that graph instead: no nested compile, no graph break.
+
+    Attributes:
+        static_captures: The decoder layers replay CUDA graphs (set by :func:`plait.models.parallelize`
+            with ``ParallelConfig.cuda_graphs``): the masks' tensors are kept at one address per shape
+            (:meth:`captured`).
     """
 
     def __init__(self) -> None:
         self._flex: Any = None
         self._block_mask: Any = None
+        self.static_captures = False
+        self._captured: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def block_mask(self, mask_mod: Any, batch: int, q_len: int, kv_len: int, device: torch.device) -> Any:
-        """FlexAttention ``BlockMask`` of ``mask_mod`` for ``[batch, q_len]`` queries and ``kv_len`` keys."""
+    def captured(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """``t`` itself, or with ``static_captures`` its values in a buffer kept for ``name``, its shape,
+        dtype and device.
+
+        A compiled layer takes the tensors of its mask (the block mask's, and the document ids its mask
+        function closes over) as graph inputs, some as static ones: under CUDA graphs a new address each
+        forward would record every layer's graphs again (a device sync and new graph memory per layer and
+        forward). The buffer is rewritten by the next forward of that shape, so a forward's backward must
+        run before it, as with one stage per process, the only layout ``cuda_graphs`` allows.
+        """
+        if not self.static_captures:
+            return t
+        key = (name, tuple(t.shape), t.dtype, t.device)
+        buf = self._captured.get(key)
+        if buf is None:
+            buf = self._captured[key] = torch.empty_like(t)
+        return buf.copy_(t)
+
+    def block_mask(
+        self, mask_mod: Any, batch: int, q_len: int, kv_len: int, device: torch.device, name: str = "mask"
+    ) -> Any:
+        """FlexAttention ``BlockMask`` of ``mask_mod`` for ``[batch, q_len]`` queries and ``kv_len`` keys;
+        ``name`` tells apart the masks of one forward (their :meth:`captured` buffers)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         fn: Any = create_block_mask
@@ -52,7 +80,12 @@ class AttentionKernels:
             if self._block_mask is None:
                 self._block_mask = torch.compile(create_block_mask)
             fn = self._block_mask
-        return fn(mask_mod, batch, None, q_len, kv_len, device=device)
+        mask = fn(mask_mod, batch, None, q_len, kv_len, device=device)
+        if self.static_captures:
+            for attr, t in list(vars(mask).items()):
+                if isinstance(t, torch.Tensor):
+                    setattr(mask, attr, self.captured(t, f"{name}.{attr}"))
+        return mask
 
     def flex(
         self,

@@ -156,7 +156,7 @@ def build_attention_mask(
             dense = dense & (document_ids[:, :, None] == document_ids[:, None, :])
         return AttentionMask(backend, document_ids=document_ids, dense_mask=dense[:, None], **common)
     if backend == "flex":
-        docs = document_ids
+        docs = None if document_ids is None else kernels.captured(document_ids, "document_ids")
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             keep = q_idx >= kv_idx
@@ -166,7 +166,7 @@ def build_attention_mask(
                 keep = keep & (docs[b, q_idx] == docs[b, kv_idx])
             return keep
 
-        block_mask = kernels.block_mask(mask_mod, batch, seq_len, seq_len, device)
+        block_mask = kernels.block_mask(mask_mod, batch, seq_len, seq_len, device, f"window={window}")
         return AttentionMask(backend, document_ids=document_ids, block_mask=block_mask, **common)
     if document_ids is None:  # flash with a window only: the kernel's own window, no varlen
         return AttentionMask(backend, **common)

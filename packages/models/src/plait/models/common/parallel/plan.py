@@ -339,6 +339,7 @@ def parallelize_decoder(
         for layer in layers.values():
             layer.compile(mode="reduce-overhead" if config.cuda_graphs else None)
         model.model.cuda_graphs = config.cuda_graphs
+        model.model.kernels.static_captures = config.cuda_graphs
     if fsdp:
         assert dense_mesh is not None
         if _dim_size(dense_mesh, "dp_replicate") > 1:
