@@ -146,8 +146,12 @@ class ParallelConfig(BaseModel):
             replayed: a launch per graph instead of one per kernel, meant for host-bound steps. One
             process per stage only: parameters must keep their addresses and no collective may run
             inside a layer, so tensor, context and expert parallelism, FSDP over more than one rank
-            and pipeline stages are refused. CUDA only. Off by default: on the main job's one-GPU
-            model it made the Trainer's step slower (``benchmarks/results/cuda_graphs.md``).
+            and pipeline stages are refused. One backward per optimizer step: torch's graph trees hand
+            the layers' weight gradients out of their memory pool, and a later replay overwrites
+            gradients kept from an earlier microbatch (an error, or wrong gradients; the main job
+            refuses several microbatches per step). CUDA only. Off by default: with one microbatch per
+            step the GPU is busy anyway, and the graphs keep memory of their own
+            (``benchmarks/results/cuda_graphs.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
@@ -199,7 +203,7 @@ class ParallelConfig(BaseModel):
     compile: bool = Field(default=False, description="torch.compile each decoder layer.")
     cuda_graphs: bool = Field(
         default=False,
-        description="With compile: replay each layer as CUDA graphs (CUDA, one process per stage only).",
+        description="With compile: replay each layer as CUDA graphs (CUDA; one process per stage, one microbatch per step).",
     )
     context_parallel_attention: Literal["ring", "allgather"] = Field(
         default="allgather",
