@@ -1,7 +1,7 @@
 """``ParallelConfig.cuda_graphs``: the compiled decoder layers replayed as CUDA graphs.
 
 On the CPU: what the option refuses (no compile, a layout of several processes per stage, CPU
-activations). On a GPU (``gpu``): a few training steps with graphs equal the same compiled steps
+activations, a training forward that finds gradients kept from an earlier backward). On a GPU (``gpu``): a few training steps with graphs equal the same compiled steps
 without them, and the layers really ran as graph replays (no skipped capture, graph launches seen).
 """
 
@@ -56,6 +56,30 @@ def test_cuda_graphs_refuse_cpu_activations():
     provider.materialize(model, "cpu")
     with pytest.raises(RuntimeError, match=r"parallel\.cuda_graphs needs CUDA activations, got cpu"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_cuda_graphs_refuse_gradients_kept_from_an_earlier_backward():
+    """Accumulating over backwards would read gradients the graph trees overwrote: the forward refuses."""
+    provider = CausalLMProvider(
+        config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True)
+    )
+    model = provider.build_stage(0, 1)
+    provider.parallelize(model, None)
+    provider.materialize(model, "cpu")
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    weight = model.model.layers["1"].mlp.down_proj.weight
+    weight.grad = torch.zeros_like(weight)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.down_proj\.weight still has a gradient"):
+        model(input_ids=ids)
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match=r"needs CUDA activations"),
+    ):  # evaluation is allowed
+        model(input_ids=ids)
+    model.model.embed_tokens.weight.grad = torch.zeros_like(model.model.embed_tokens.weight)
+    weight.grad = None  # outside the layers' graphs, a gradient may accumulate
+    with pytest.raises(RuntimeError, match=r"needs CUDA activations"):
+        model(input_ids=ids)
 
 
 def _tensor_parallel_worker() -> str:

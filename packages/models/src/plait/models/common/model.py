@@ -203,6 +203,8 @@ class DecoderTrunk(nn.Module):
                 raise ValueError("stages after the first need hidden_states from the previous stage")
             h = hidden_states
         if self.cuda_graphs:
+            if torch.is_grad_enabled():
+                self._check_no_accumulation()
             if h.device.type != "cuda":
                 raise RuntimeError(f"parallel.cuda_graphs needs CUDA activations, got {h.device.type}")
             # One graph step per forward: the previous step's graph outputs were consumed by its
@@ -219,6 +221,24 @@ class DecoderTrunk(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return h, aux, stats
+
+    def _check_no_accumulation(self) -> None:
+        """Under CUDA graphs, a training forward must find the decoder layers' gradients None.
+
+        The backward graphs hand the layers' weight gradients out of the graph trees' memory pool
+        (autograd keeps them as ``.grad``) and the next forward's replays overwrite that memory: a gradient
+        kept from an earlier backward would be read overwritten, an error or silently wrong values when
+        accumulating over microbatches (pytorch/pytorch#169545).
+        """
+        for layer in self.decoder_layers():
+            for name, p in layer.named_parameters():
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"parallel.cuda_graphs: layers.{layer.layer_idx}.{name} still has a gradient at this "
+                        "forward; with CUDA graphs each backward must start from gradients set to None (one "
+                        "microbatch per optimizer step, then zero_grad(set_to_none=True)): the graph trees "
+                        "would overwrite gradients accumulated over several backwards"
+                    )
 
     def reset_parameters(self) -> None:
         """Hugging Face's initialisation (normal(0, initializer_range), unit norms)."""

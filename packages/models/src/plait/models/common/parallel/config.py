@@ -148,8 +148,9 @@ class ParallelConfig(BaseModel):
             inside a layer, so tensor, context and expert parallelism, FSDP over more than one rank
             and pipeline stages are refused. One backward per optimizer step: torch's graph trees hand
             the layers' weight gradients out of their memory pool, and a later replay overwrites
-            gradients kept from an earlier microbatch (an error, or wrong gradients; the main job
-            refuses several microbatches per step). CUDA only. Off by default: with one microbatch per
+            gradients kept from an earlier microbatch (an error, or wrong gradients): a training
+            forward that finds a layer's gradient not None raises, and the main job refuses several
+            microbatches per step. CUDA only. Off by default: with one microbatch per
             step the GPU is busy anyway, and the graphs keep memory of their own
             (``benchmarks/results/cuda_graphs.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
