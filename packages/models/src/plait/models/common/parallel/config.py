@@ -150,8 +150,8 @@ class ParallelConfig(BaseModel):
             the layers' weight gradients out of their memory pool, and a later replay overwrites
             gradients kept from an earlier microbatch (an error, or wrong gradients): a training
             forward that finds a layer's gradient not None raises, and the main job refuses several
-            microbatches per step. CUDA only. Off by default: with one microbatch per
-            step the GPU is busy anyway, and the graphs keep memory of their own
+            microbatches per step. CUDA only. Off by default: it pays where the step is host-bound,
+            and at the main job's microbatch sizes the one-GPU step is GPU-bound
             (``benchmarks/results/cuda_graphs.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
