@@ -1,8 +1,9 @@
 """``ParallelConfig.cuda_graphs``: the compiled decoder layers replayed as CUDA graphs.
 
 On the CPU: what the option refuses (no compile, a layout of several processes per stage, CPU
-activations, a training forward that finds gradients kept from an earlier backward). On a GPU (``gpu``): a few training steps with graphs equal the same compiled steps
-without them, and the layers really ran as graph replays (no skipped capture, graph launches seen).
+activations, a training forward that finds gradients kept from an earlier backward). On a GPU
+(``gpu``): a few training steps with graphs equal the same compiled steps without them, and the layers
+really ran as graph replays (no skipped capture, graph launches seen, no graph recorded again).
 """
 
 from __future__ import annotations
