@@ -1,9 +1,10 @@
 """``ParallelConfig.cuda_graphs``: the compiled decoder layers replayed as CUDA graphs.
 
 On the CPU: what the option refuses (no compile, a layout of several processes per stage, CPU
-activations, a training forward that finds gradients kept from an earlier backward). On a GPU
-(``gpu``): a few training steps with graphs equal the same compiled steps without them, and the layers
-really ran as graph replays (no skipped capture, graph launches seen, no graph recorded again).
+activations), and gradients that accumulate over microbatches whose backward reuses its output memory.
+On a GPU (``gpu``): a few training steps with graphs, one or several microbatches each, equal the same
+compiled steps without them, and the layers really ran as graph replays (no skipped capture, graph
+launches seen, no graph recorded again).
 """
 
 from __future__ import annotations
@@ -65,23 +66,70 @@ def test_cuda_graphs_refuse_cpu_activations():
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
 
 
-def test_cuda_graphs_refuse_gradients_kept_from_an_earlier_backward():
-    """Accumulating over backwards would read gradients the graph trees overwrote: the forward refuses."""
+class _PoolGrad(torch.autograd.Function):
+    """``x * w`` whose backward hands out the weight gradient in one buffer it rewrites at every call,
+    as a CUDA-graph replay's output in the graph trees' pool is rewritten by the next replay."""
+
+    pool: torch.Tensor | None = None
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        if _PoolGrad.pool is None:
+            _PoolGrad.pool = torch.empty_like(x[0])
+        _PoolGrad.pool.copy_((dy * x).sum(0))  # the next backward overwrites it
+        return None, _PoolGrad.pool.view(_PoolGrad.pool.shape)  # a new tensor on that memory, as a replay's
+
+
+def _accumulate(w: torch.nn.Parameter, xs: list[torch.Tensor]) -> torch.Tensor:
+    """Two steps of ``len(xs)`` microbatches through :class:`_PoolGrad` on ``w``, each step from gradients
+    set to None as ``zero_grad`` does: the last step's accumulated gradient (float64)."""
+    _PoolGrad.pool = None
+    for _ in range(2):
+        w.grad = None
+        for x in xs:
+            _PoolGrad.apply(x, w).sum().backward()
+    return w.grad.double()
+
+
+def test_gradients_accumulate_over_microbatches_whose_backward_reuses_its_output_memory():
+    """Four microbatches accumulate into one gradient although each backward writes its gradient into the
+    same memory (the graph trees' pool): equal to the float64 sum of the microbatches' gradients; without
+    own_graph_gradients, autograd keeps that memory as ``.grad`` and the sum is wrong."""
+    from plait.models.common.model import own_graph_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 5, generator=gen) for _ in range(4)]
+    expected = sum(x.double().sum(0) for x in xs)
+    plain, owned = torch.nn.Module(), torch.nn.Module()  # each one parameter, standing for a layer's weight
+    plain.w, owned.w = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(5))
+    own_graph_gradients([owned])
+    own_graph_gradients([owned])  # a second call adds no second hook
+    torch.testing.assert_close(_accumulate(owned.w, xs), expected)
+    assert owned.w.grad.data_ptr() != _PoolGrad.pool.data_ptr()
+    assert not torch.allclose(_accumulate(plain.w, xs), expected)
+    assert plain.w.grad.data_ptr() == _PoolGrad.pool.data_ptr()  # autograd kept the pool's memory
+
+
+def test_a_training_forward_under_cuda_graphs_owns_the_materialised_layers_gradients():
+    """The hooks go on the parameters a training forward finds, not on those ``parallelize`` saw: materialising
+    the model built on meta replaced every parameter (and would have dropped hooks set before)."""
     model = _cpu_model_with_graphs()
-    ids = torch.zeros(1, 8, dtype=torch.long)
     weight = model.model.layers["1"].mlp.down_proj.weight
-    weight.grad = torch.zeros_like(weight)
-    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.down_proj\.weight still has a gradient"):
-        model(input_ids=ids)
-    with (
-        torch.no_grad(),
-        pytest.raises(RuntimeError, match=r"needs CUDA activations"),
-    ):  # evaluation is allowed
-        model(input_ids=ids)
-    model.model.embed_tokens.weight.grad = torch.zeros_like(model.model.embed_tokens.weight)
-    weight.grad = None  # outside the layers' graphs, a gradient may accumulate
-    with pytest.raises(RuntimeError, match=r"needs CUDA activations"):
-        model(input_ids=ids)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, *weight.shape, generator=gen) for _ in range(4)]
+    expected = sum(x.double().sum(0) for x in xs)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"needs CUDA activations"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))  # evaluation: no hook
+    assert not torch.allclose(_accumulate(weight, xs), expected)
+    with pytest.raises(RuntimeError, match=r"needs CUDA activations"):  # the hooks come first
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    torch.testing.assert_close(_accumulate(weight, xs), expected, rtol=1e-5, atol=1e-5)  # fp32 sums
 
 
 def _tensor_parallel_worker() -> str:
@@ -103,12 +151,13 @@ def test_cuda_graphs_refuse_tensor_parallelism():
 
 
 def _train(
-    hf: dict, cuda_graphs: bool, steps: int = 6
+    hf: dict, cuda_graphs: bool, microbatches: int, steps: int = 6
 ) -> tuple[list[float], dict[str, torch.Tensor], int, list[int]]:
     """``steps`` AdamW steps of the bf16 model on two alternating packed batches with different documents
-    (FlexAttention with document masks, as the main job on a GPU): losses, final weights, the graph
-    launches seen in the steps after the first three (the graph trees' warm-up and recording), and the
-    graph recordings seen in the first three steps and in the rest."""
+    (FlexAttention with document masks, as the main job on a GPU), each step's gradient accumulated over
+    ``microbatches`` backwards: losses, final weights, the graph launches seen in the steps after the
+    first three (the graph trees' warm-up and recording), and the graph recordings seen in the first three
+    steps and in the rest."""
     torch._dynamo.reset()
     parallel = ParallelConfig(compile=True, cuda_graphs=cuda_graphs)
     provider = CausalLMProvider(config_from_hf(hf), parallel=parallel, dtype=torch.bfloat16, seed=0)
@@ -129,13 +178,15 @@ def _train(
         if i == 3:
             first.stop()
             rest.start()
-        ids = batches[i % 2]
-        out = model(input_ids=ids[:, :-1], labels=ids[:, 1:], position_ids=positions[i % 2])
-        loss = out["loss_sum"] / ids[:, 1:].numel() + out.get("aux_loss", 0.0)
-        loss.backward()
+        total = 0.0
+        for ids, pos in zip(batches[i % 2].chunk(microbatches), positions[i % 2].chunk(microbatches)):
+            out = model(input_ids=ids[:, :-1], labels=ids[:, 1:], position_ids=pos)
+            loss = out["loss_sum"] / (b * s) + out.get("aux_loss", 0.0) / microbatches
+            loss.backward()
+            total += loss.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(total)
     rest.stop()
     launches = sum(e.count for e in rest.key_averages() if e.key == "cudaGraphLaunch")
     records = [
@@ -146,13 +197,14 @@ def _train(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("microbatches", [1, 2], ids=["one_backward", "accumulated"])
 @pytest.mark.parametrize("hf", [MOE, LLAMA], ids=["qwen3_moe", "llama"])
-def test_cuda_graph_training_equals_compiled_training(hf):
+def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
     from torch._dynamo.utils import counters
 
-    ref_losses, ref_weights, ref_launches, _ = _train(hf, cuda_graphs=False)
+    ref_losses, ref_weights, ref_launches, _ = _train(hf, cuda_graphs=False, microbatches=microbatches)
     counters.clear()
-    losses, weights, launches, records = _train(hf, cuda_graphs=True)
+    losses, weights, launches, records = _train(hf, cuda_graphs=True, microbatches=microbatches)
     assert counters["inductor"]["cudagraph_skips"] == 0  # no layer fell back to plain launches
     assert ref_launches == 0
     assert launches > 0

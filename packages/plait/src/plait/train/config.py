@@ -114,30 +114,6 @@ class JobConfig(TrainerConfig):
                 raise ValueError(why)
         return self
 
-    @model_validator(mode="after")
-    def _check_cuda_graphs_against_batching(self) -> JobConfig:
-        """``parallel.cuda_graphs`` with several microbatches per step: refused, naming the fields."""
-        if not self.parallel.cuda_graphs:
-            return self
-        from plait.loop import BatchPlan
-
-        try:
-            plan = BatchPlan.from_config(self)
-        except ValueError:  # the trainer's own checks say what is wrong with the batch
-            return self
-        if plan.num_microbatches > 1:
-            # The backward graphs hand the first microbatch's weight gradients out of the graph trees'
-            # memory pool (autograd keeps them as .grad), and the next microbatch's replay overwrites them:
-            # an error at the first step, silently wrong gradients after it (pytorch/pytorch#169545).
-            raise ValueError(
-                f"parallel.cuda_graphs=true needs one microbatch per step, got {plan.num_microbatches}: "
-                f"batching.global_batch_size={plan.global_batch_size} / (batching.microbatch_size="
-                f"{plan.microbatch_size} x data-parallel size {plan.dp_size}); torch's CUDA-graph trees "
-                "overwrite the gradients accumulated from an earlier microbatch. Set "
-                f"batching.microbatch_size={plan.rank_batch_size} or parallel.cuda_graphs=false"
-            )
-        return self
-
 
 def split_backward_refusal(program: Program | None, checkpointing: str, compiled: bool) -> str | None:
     """Why the decoder layers checkpointed by ``checkpointing`` cannot run the pipeline ``program``, or None.

@@ -9,7 +9,8 @@ contract). A family supplies its config and a layer factory; nothing here names 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from plait.models.common.norm import RMSNorm
 from plait.models.common.rope import RotaryEmbedding
 from plait.moe import MoELayer, switch_aux_loss_from_stats
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "CausalLMStage",
@@ -69,6 +71,38 @@ def estimate_num_parameters(config: DecoderConfig, layer_factory: LayerFactory) 
     return total
 
 
+# parameter -> hooked by own_graph_gradients; parameter -> the gradient its hook made (weak: zero_grad frees it)
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OWNED_GRADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _own_gradient(p: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: the first gradient of a step becomes a tensor of its own."""
+    owned = _OWNED_GRADS.get(p)
+    if p.grad is not None and (owned is None or owned() is not p.grad):
+        p.grad = p.grad.clone()
+        _OWNED_GRADS[p] = weakref.ref(p.grad)
+
+
+def own_graph_gradients(layers: Iterable[nn.Module]) -> None:
+    """Keep the gradients of layers replayed as CUDA graphs out of the graph trees' memory.
+
+    A backward graph returns the layer's weight gradients in the graph trees' memory pool, and autograd
+    keeps the first of a step as ``.grad`` without a copy; the next forward's replays overwrite that pool,
+    so a gradient accumulated over several microbatches would be read overwritten (an error at the first
+    step, wrong gradients after it: pytorch/pytorch#169545). A hook after each accumulation replaces a
+    gradient it did not make with a copy (once per parameter and step, after ``zero_grad`` set it to None);
+    later microbatches add into that copy in place. The trunk calls this at every training forward under
+    CUDA graphs: materialising a model built on meta (``to_empty``) or loading with ``assign`` replaces its
+    parameters, and with them their hooks; parameters hooked already are skipped.
+    """
+    for layer in layers:
+        for p in layer.parameters():
+            if p.requires_grad and p not in _HOOKED:
+                p.register_post_accumulate_grad_hook(_own_gradient)
+                _HOOKED[p] = True
+
+
 def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
     if part is None:
         return total
@@ -94,7 +128,8 @@ class DecoderTrunk(nn.Module):
         kernels: This model's compiled attention kernels (FlexAttention), shared by its masks.
         cuda_graphs: Set by :func:`plait.models.parallelize` when the decoder layers are compiled
             into CUDA graphs (``ParallelConfig.cuda_graphs``): each forward starts a new graph
-            step, and inputs off CUDA are refused.
+            step, and inputs off CUDA are refused. A training forward first makes
+            the layers' gradients tensors of their own (:func:`own_graph_gradients`).
     """
 
     def __init__(
@@ -204,7 +239,7 @@ class DecoderTrunk(nn.Module):
             h = hidden_states
         if self.cuda_graphs:
             if torch.is_grad_enabled():
-                self._check_no_accumulation()
+                own_graph_gradients(self.decoder_layers())
             if h.device.type != "cuda":
                 raise RuntimeError(f"parallel.cuda_graphs needs CUDA activations, got {h.device.type}")
             # One graph step per forward: the previous step's graph outputs were consumed by its
@@ -221,26 +256,6 @@ class DecoderTrunk(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return h, aux, stats
-
-    def _check_no_accumulation(self) -> None:
-        """Under CUDA graphs, a training forward must find the decoder layers' gradients None.
-
-        The backward graphs hand the layers' weight gradients out of the graph trees' memory pool
-        (autograd keeps them as ``.grad``) and the next forward's replays overwrite that memory: a gradient
-        kept from an earlier backward would be read overwritten, an error or silently wrong values when
-        accumulating over microbatches (pytorch/pytorch#169545).
-        """
-        for layer in self.decoder_layers():
-            if all(p.grad is None for p in layer.parameters()):  # every forward: no names built
-                continue
-            for name, p in layer.named_parameters():
-                if p.grad is not None:
-                    raise RuntimeError(
-                        f"parallel.cuda_graphs: layers.{layer.layer_idx}.{name} still has a gradient at this "
-                        "forward; with CUDA graphs each backward must start from gradients set to None (one "
-                        "microbatch per optimizer step, then zero_grad(set_to_none=True)): the graph trees "
-                        "would overwrite gradients accumulated over several backwards"
-                    )
 
     def reset_parameters(self) -> None:
         """Hugging Face's initialisation (normal(0, initializer_range), unit norms)."""

@@ -146,12 +146,13 @@ class ParallelConfig(BaseModel):
             replayed: a launch per graph instead of one per kernel, meant for host-bound steps. One
             process per stage only: parameters must keep their addresses and no collective may run
             inside a layer, so tensor, context and expert parallelism, FSDP over more than one rank
-            and pipeline stages are refused. One backward per optimizer step: torch's graph trees hand
-            the layers' weight gradients out of their memory pool, and a later replay overwrites
-            gradients kept from an earlier microbatch (an error, or wrong gradients): a training
-            forward that finds a layer's gradient not None raises, and the main job refuses several
-            microbatches per step. CUDA only. Off by default: it pays where the step is host-bound,
-            and at the main job's microbatch sizes the one-GPU step is GPU-bound
+            and pipeline stages are refused. Gradients accumulate over microbatches: torch's graph
+            trees hand the layers' weight gradients out of their memory pool, which the next replay
+            overwrites, so each training forward hooks the layers' parameters to copy the first
+            gradient of a step out of the pool (:func:`plait.models.common.model.own_graph_gradients`).
+            CUDA only. Off by default: it pays where the step is host-bound (a 0.6B Llama trained
+            1.6-1.8x faster with it at 2048 tokens per microbatch, alike from 8k; the one-GPU MoE main
+            job 1.15x), but evaluation, checkpoints and resuming have not been measured with it on a GPU
             (``benchmarks/results/cuda_graphs.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
@@ -204,7 +205,7 @@ class ParallelConfig(BaseModel):
     compile: bool = Field(default=False, description="torch.compile each decoder layer.")
     cuda_graphs: bool = Field(
         default=False,
-        description="With compile: replay each layer as CUDA graphs (CUDA; one process per stage, one microbatch per step).",
+        description="With compile: replay each layer as CUDA graphs (CUDA; one process per stage), for host-bound steps.",
     )
     context_parallel_attention: Literal["ring", "allgather"] = Field(
         default="allgather",
