@@ -9,7 +9,6 @@ contract). A family supplies its config and a layer factory; nothing here names 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -27,7 +26,6 @@ from plait.models.common.norm import RMSNorm
 from plait.models.common.rope import RotaryEmbedding
 from plait.moe import MoELayer, switch_aux_loss_from_stats
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "CausalLMStage",
@@ -71,17 +69,15 @@ def estimate_num_parameters(config: DecoderConfig, layer_factory: LayerFactory) 
     return total
 
 
-# parameter -> hooked by own_graph_gradients; parameter -> the gradient its hook made (weak: zero_grad frees it)
-_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_OWNED_GRADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OWN = "_plait_own_graph_gradient"  # set on the gradients _own_gradient made
 
 
 def _own_gradient(p: torch.Tensor) -> None:
     """A parameter's post-accumulate-grad hook: the first gradient of a step becomes a tensor of its own."""
-    owned = _OWNED_GRADS.get(p)
-    if p.grad is not None and (owned is None or owned() is not p.grad):
-        p.grad = p.grad.clone()
-        _OWNED_GRADS[p] = weakref.ref(p.grad)
+    if p.grad is not None and not getattr(p.grad, _OWN, False):
+        grad = p.grad.clone()
+        setattr(grad, _OWN, True)
+        p.grad = grad
 
 
 def own_graph_gradients(layers: Iterable[nn.Module]) -> None:
@@ -98,9 +94,9 @@ def own_graph_gradients(layers: Iterable[nn.Module]) -> None:
     """
     for layer in layers:
         for p in layer.parameters():
-            if p.requires_grad and p not in _HOOKED:
+            hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 (no public API; FSDP2 reads it too)
+            if p.requires_grad and (hooks is None or _own_gradient not in hooks.values()):
                 p.register_post_accumulate_grad_hook(_own_gradient)
-                _HOOKED[p] = True
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
