@@ -2,6 +2,8 @@
 
     python3 -m benchmarks.training.plan_accuracy --config examples/qwen3_moe/configs/gpu1.toml --gpus 1
     python3 -m benchmarks.training.plan_accuracy --config F --gpus 4 --layouts 12 --calibrate --out results/plan_accuracy.md
+    python3 -m benchmarks.training.plan_accuracy --config F --gpus 2 --calibrate --only "fsdp2 mb8 ac-none" \
+        --set parallel.fsdp_layers_per_unit=4 --set parallel.reshard_after_forward=false
 
 Plans the job on ``--gpus`` GPUs (with ``--calibrate``: the job measured on this machine's GPU first, as
 ``plait plan --calibrate`` does: its model's rate and fixed costs, its optimizer, FSDP2's cost per unit, a
@@ -11,10 +13,12 @@ the table spans the ranking) with ``plait train`` on that many GPUs for ``--step
 no export, no evaluation. Measured: the last logging interval's tokens per second per GPU (the first
 interval holds the compile) and the main rank's peak allocated and reserved memory (the error is against the
 reserved bytes, which is what runs out: the planner's peak includes the allocator's slack, measured by
-``--calibrate``; with pipeline stages the planner's figure is the fullest rank's, so those rows compare
-different ranks).
+``--calibrate``; with pipeline stages the planner's figure is the one of that rank, the first pipeline rank,
+not of the fullest).
 Prints and writes (``--out``) one row per layout: predicted, measured, the error of each, and whether the
-planner's first pick is within 5% of the fastest measured layout.
+planner's first pick is within 5% of the fastest measured layout. ``--only`` runs the named layouts (as
+``plait plan`` names them) instead; ``--set section.key=value`` changes the job for the planner and every run
+alike (e.g. FSDP's unit size, which the planner prices but does not choose).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,6 +43,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--calibrate", action="store_true", help="time the job's model on this GPU first")
     ap.add_argument("--checkpointing", default="none,selective,full")
+    ap.add_argument("--only", help="comma-separated layout names to run instead of --layouts")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override for the planner and the runs (repeatable)")  # fmt: skip
     ap.add_argument("--out", type=Path, help="markdown table to write")
     ap.add_argument(
         "--save-machine", type=Path, help="the planner's machine (as calibrated) as JSON, for --machine"
@@ -49,7 +57,8 @@ def main() -> None:
     from plait.train.planner import Machine, PlanJob, calibrated, plan
     from plait.train.planner.timing import run_job
 
-    config = load_config(args.config, [], cls=JobConfig)
+    overrides = [f"--{o}" for o in args.set]
+    config = load_config(args.config, overrides, cls=JobConfig)
     job = PlanJob(config)
     machine = dataclasses.replace(Machine(), gpus_per_node=args.gpus)
     if torch.cuda.is_available():
@@ -66,20 +75,25 @@ def main() -> None:
     step = max(1, (len(fits) - args.layouts // 2) // max(1, args.layouts - args.layouts // 2))
     chosen = fits[: args.layouts // 2] + fits[args.layouts // 2 :: step]
     chosen = chosen[: args.layouts]
+    if args.only:
+        names = args.only.split(",")
+        chosen = sorted((p for p in fits if p.layout.name in names), key=lambda p: names.index(p.layout.name))
+        if missing := set(names) - {p.layout.name for p in chosen}:
+            sys.exit(f"--only: no fitting layout named {', '.join(sorted(missing))}")
     rows, measured = [], {}
     for p in chosen:
         name = p.layout.name
         try:
             tok, allocated, reserved = run_job(
-                args.config, args.gpus, p.layout.overrides(), args.steps, cwd=ROOT
+                args.config, args.gpus, [*overrides, *p.layout.overrides()], args.steps, cwd=ROOT
             )
         except RuntimeError as e:
             rows.append(
-                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {e} | | {p.peak_bytes / 2**30:.2f} | | | |"
+                f"| {name} | {p.tokens_per_s_per_gpu:,.0f} | failed: {e} | | {p.first_rank_peak_bytes / 2**30:.2f} | | | |"
             )
             continue
         measured[name] = tok
-        gib = p.peak_bytes / 2**30
+        gib = p.first_rank_peak_bytes / 2**30
         memory = (
             f"{allocated:.2f} | {reserved:.2f} | {gib / reserved - 1:+.0%}"
             if reserved
@@ -98,7 +112,7 @@ def main() -> None:
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; planner"
         f"{' (calibrated)' if args.calibrate else ' (default)'}: {machine.measured()}",
         "",
-        f"**command:** `python3 -m benchmarks.training.plan_accuracy {' '.join(sys.argv[1:])}`",
+        f"**command:** `python3 -m benchmarks.training.plan_accuracy {shlex.join(sys.argv[1:])}`",
         "",
         "| layout | predicted tok/s per GPU | measured | error | predicted peak GiB | allocated | reserved | error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -106,9 +120,9 @@ def main() -> None:
     ]
     if measured:
         fastest = max(measured.values())
-        first = measured.get(chosen[0].layout.name)
+        first = measured.get(fits[0].layout.name)
         verdict = "not run" if first is None else f"{first / fastest:.2f}x of the fastest measured"
-        lines += ["", f"The planner's first pick ({chosen[0].layout.name}): {verdict} (target >= 0.95x)."]
+        lines += ["", f"The planner's first pick ({fits[0].layout.name}): {verdict} (target >= 0.95x)."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -174,3 +174,26 @@ def test_weight_pass_after_the_outputs_are_dropped() -> None:
     backward_weight(work)
     torch.testing.assert_close(w.grad, g.T @ torch.tanh(x), rtol=0, atol=1e-12)
     torch.testing.assert_close(gx, (g @ w.detach()) * (1 - torch.tanh(x.detach()) ** 2), rtol=0, atol=1e-12)
+
+
+def test_a_compiled_region_runs_its_backward_once_over_both_passes() -> None:
+    """A torch.compile region is one backward node computing input and weight gradients together: the I
+    pass runs it once as the whole backward, W only accumulates; both equal the eager float64 backward."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)).double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 5, dtype=torch.float64)
+    (ref_x,) = torch.autograd.grad(net(x), [x], g, retain_graph=False)
+    ref = [gp.clone() for gp in torch.autograd.grad(net(x), list(net.parameters()), g)]
+
+    out = torch.compile(net, backend="aot_eager", fullgraph=True)(x)
+    runs: list[int] = []
+    out.grad_fn.register_prehook(lambda _g: runs.append(1))
+    (gx,), work = backward_input([out], [g], [x], list(net.parameters()))
+    assert len(runs) == 1 and all(p.grad is None for p in net.parameters())
+    del out
+    backward_weight(work)
+    assert len(runs) == 1
+    torch.testing.assert_close(gx, ref_x, rtol=0, atol=1e-12)
+    for p, r in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-12)

@@ -25,6 +25,8 @@ class ActionCosts:
         backward_weight: ``W`` time.
         comm: latency added to every cross-rank dependency.
         activation_memory: memory held from a forward until its backward frees it (``B``, or ``W`` when split).
+        input_pass_frees: a split backward's ``I`` frees the activations instead of ``W`` (compiled layers:
+            their ``I`` is the whole backward, see ``plait.pipelining.split_backward``).
     """
 
     forward: float = 1.0
@@ -33,6 +35,7 @@ class ActionCosts:
     backward_weight: float = 1.0
     comm: float = 0.0
     activation_memory: float = 1.0
+    input_pass_frees: bool = False
 
     def of(self, action: AnyAction) -> float:
         total = 0.0
@@ -199,7 +202,8 @@ def simulate(
                 if a.kind is ActionKind.FORWARD:
                     events.append((st, of(a).activation_memory))
                 elif a.kind is ActionKind.BACKWARD or (
-                    a.kind is ActionKind.BACKWARD_WEIGHT and (a.stage, a.microbatch) in split
+                    a.kind is (ActionKind.BACKWARD_INPUT if of(a).input_pass_frees else ActionKind.BACKWARD_WEIGHT)
+                    and (a.stage, a.microbatch) in split
                 ):
                     events.append((en, -of(a).activation_memory))
         live = peak = 0.0

@@ -4,6 +4,11 @@ The I pass asks autograd only for the stage inputs' gradients; hooks record the 
 nodes where weight-only branches leave the input path ("intermediates"). The W pass restarts autograd from
 those nodes with the recorded gradients and asks for the parameters only. plait's autograd Functions read
 the kernels' grad-direction switch and skip the gradients the current pass does not need.
+
+A ``torch.compile`` region's backward is one autograd node that computes every gradient of the region at
+once (a compiled decoder layer's input and weight gradients come out of one graph). Splitting it would run
+that node twice, once per pass; so when weights join the input path at such a node, the I pass is the
+whole backward (its weight gradients kept) and the W pass only accumulates them into ``.grad``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class WeightGradWork:
     grads: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # index into intermediates -> grads in
     extra_roots: list[torch.Tensor] = field(default_factory=list)  # outputs not on the input path
     extra_grads: list[torch.Tensor | None] = field(default_factory=list)
+    # the weight gradients of an I pass that was the whole backward (a compiled region on the input path)
+    done: list[torch.Tensor | None] | None = None
     # The outputs keep the graph alive until W: the Python object of an autograd Function's node holds its
     # C++ node only weakly (torch 2.11), so once the caller drops the outputs the W pass would find them freed.
     outputs: list[torch.Tensor] = field(default_factory=list)
@@ -100,6 +107,29 @@ def _intermediates(
     return inter, shared
 
 
+def _compiled_region(node: Node) -> bool:
+    """``torch.compile``'s backward of a region: one node whose gradients all come out of one graph."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def _whole_backward(
+    roots: list[tuple[torch.Tensor, torch.Tensor | None]], inputs: Sequence[torch.Tensor], work: WeightGradWork
+) -> list[torch.Tensor | None]:
+    """The I pass as the whole backward: the inputs' gradients returned, the weights' kept for W."""
+    want = [i for i, t in enumerate(inputs) if t.requires_grad]
+    got = torch.autograd.grad(
+        [o for o, _ in roots],
+        [inputs[i] for i in want] + work.params,
+        grad_outputs=[g for _, g in roots],
+        allow_unused=True,
+    )
+    work.done = list(got[len(want) :])
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, g in zip(want, got):
+        result[i] = g
+    return result
+
+
 def _input_grads(
     roots: list[tuple[torch.Tensor, torch.Tensor | None]], inputs: Sequence[torch.Tensor], closure: set[Node]
 ) -> list[torch.Tensor | None]:
@@ -137,6 +167,8 @@ def backward_input(
     closure = _input_path([n for t in inputs if (n := _node(t)) is not None and n in seen], parents)
     weights = [p for p in params if p.requires_grad]
     inter, shared = _intermediates(weights, parents, seen, closure)
+    if any(_compiled_region(node) for node in inter):
+        return _whole_backward(roots, inputs, work := WeightGradWork(weights, [])), work
     work = WeightGradWork(weights, list(inter), None if shared else list(inter.values()))
     work.outputs = [o for o, _ in roots]
     for o, g in roots:
@@ -236,6 +268,10 @@ def backward_weight(work: WeightGradWork) -> None:
     activation gradients were never computed, and the earlier layers' weights need them.
     """
     if not work.params:
+        return
+    if work.done is not None:
+        _accumulate(work.params, work.done)
+        work.done = None
         return
     has_roots = any(_recorded_edges(work, i) for i in range(len(work.intermediates)))
     dws: list[torch.Tensor | None] = [None] * len(work.params)

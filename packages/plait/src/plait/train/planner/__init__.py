@@ -94,6 +94,8 @@ class Prediction:
         memory: the peak's parts (bytes) on the fullest pipeline rank.
         time: the step's parts (seconds).
         num_stages: the model's pipeline stages.
+        first_rank_peak_bytes: predicted peak of the first pipeline rank (global rank 0, whose memory
+            ``plait train`` logs); ``peak_bytes`` without pipeline stages.
     """
 
     layout: Layout
@@ -104,6 +106,7 @@ class Prediction:
     memory: dict[str, float] = field(default_factory=dict)
     time: dict[str, float] = field(default_factory=dict)
     num_stages: int = 1
+    first_rank_peak_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -479,9 +482,13 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         inflight = nmb if layout.schedule == "gpipe" else min(nmb, layout.pp)
         peak_acts = [inflight * sum(act_bytes[s] for s in by_stage) / len(by_stage) for _, by_stage in ranks]
     else:
+        # A split backward's input pass is the whole backward of compiled layers (one graph computes both:
+        # plait.pipelining.split_backward) and frees their activations; their weight pass adds gradients up.
+        whole = cfg.parallel.compile
         result = simulate(program, ActionCosts(comm=p2p), stage_costs={
-            s: ActionCosts(forward=f, backward=b, backward_input=b / 2, backward_weight=b / 2, comm=p2p,
-                           activation_memory=act_bytes[s])
+            s: ActionCosts(forward=f, backward=b, backward_input=b if whole else b / 2,
+                           backward_weight=0.0 if whole else b / 2, comm=p2p, activation_memory=act_bytes[s],
+                           input_pass_frees=whole)
             for s, (f, b) in costs.items()
         })  # fmt: skip
         compute_s, bubble, peak_acts = result.step_time, result.bubble_fraction, list(result.peak_activations)
@@ -505,19 +512,25 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         job.memo(_resident, st, fsdp_n > 1, reshard)[0] + peak_acts[p] for p, (st, _) in enumerate(ranks)
     ]
     fullest = max(range(len(ranks)), key=totals.__getitem__)
-    resident = job.memo(_resident, ranks[fullest][0], fsdp_n > 1, reshard)[1]
     layer_acts = float(mb * acts.split(acts.transient, layout.tp))  # the largest layer's, unchecked
     backward = layer_acts * machine.of_mode("backward_scale", layout.checkpointing)
-    grads = resident["grads"]
-    if nmb == 1:  # set to None after each step: a lone microbatch's backward creates them as activations go
-        grads = max(float(ranks[fullest][0].outer_grads), grads - float(peak_acts[fullest]) - backward)
-    best = {
-        "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
-        "gathered": resident["gathered"], "activations": float(peak_acts[fullest]), "backward": backward,
-        "reduce_buffers": resident["reduce_buffers"],
-        "allocator_slack": layer_acts * machine.allocator_slack,
-    }  # fmt: skip
+
+    def memory_of(r: int) -> dict[str, float]:
+        """Pipeline rank ``r``'s peak, by part."""
+        resident = job.memo(_resident, ranks[r][0], fsdp_n > 1, reshard)[1]
+        grads = resident["grads"]
+        if nmb == 1:  # set to None after each step: a lone microbatch's backward creates them as activations go
+            grads = max(float(ranks[r][0].outer_grads), grads - float(peak_acts[r]) - backward)
+        return {
+            "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
+            "gathered": resident["gathered"], "activations": float(peak_acts[r]), "backward": backward,
+            "reduce_buffers": resident["reduce_buffers"],
+            "allocator_slack": layer_acts * machine.allocator_slack,
+        }  # fmt: skip
+
+    best = memory_of(fullest)
     peak = sum(best.values())
+    first_peak = peak if fullest == 0 else sum(memory_of(0).values())
     exposed = tp_comm + fsdp_exposed + replica
     if peak > 0.9 * machine.memory_gib * GIB:
         limit = "memory"
@@ -532,7 +545,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
              "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage, "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
-    return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages)
+    return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages, first_peak)
 
 
 def plan(
