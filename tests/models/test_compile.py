@@ -3,7 +3,7 @@
 Every plait kernel the layer runs (RMSNorm with residual, the fused-probability SwiGLU, permute /
 unpermute, grouped GEMM, the router's counters) is a torch custom op, so Dynamo traces the layer,
 forward and backward, without a graph break. The pipeline's split backward (inputs pass, then
-weights pass) through the compiled layer equals a full backward.
+weights pass; through a compiled layer the inputs pass is the whole backward) equals a full backward.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ def _check_compiled(
     rounding can flip a near-tied top-k choice of the router) only the split backward is checked,
     against the compiled layer's own full backward.
     """
-    # The split backward below runs the compiled backward twice on one graph: compiled without donated
-    # buffers, as plait.loop does for split-backward schedules (the config is read when the backward
-    # graph compiles, at the first backward).
+    # Compiled without donated buffers, as plait.loop does for split-backward schedules, whose eager parts
+    # keep the graph from the inputs pass to the weights pass (the config is read when the backward graph
+    # compiles, at the first backward).
     with torch._functorch.config.patch(donated_buffer=False):
         _check_compiled_body(device, dtype, attn, backend, tol, vs_eager)
 

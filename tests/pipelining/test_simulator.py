@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from plait.pipelining import (
     ActionCosts,
@@ -42,6 +44,29 @@ def test_peak_activations_1f1b_vs_gpipe() -> None:
     assert simulate(build_gpipe(pp, m)).peak_activations == (8.0,) * 4
     half = ActionCosts(activation_memory=0.5)
     assert simulate(build_1f1b(pp, m), half).peak_activations == (2.0, 1.5, 1.0, 0.5)
+
+
+@pytest.mark.parametrize("build", [build_zb1p, build_zbv], ids=["zb1p", "zbv"])
+def test_input_pass_frees_counts_activations_from_forward_to_input_pass(build) -> None:  # type: ignore[no-untyped-def]
+    # Compiled layers: I is the whole backward and frees the activations, W costs nothing. The peak is the
+    # most (stage, microbatch) pairs of a rank between the start of F and the end of I, counted from the
+    # timeline; without the flag they stay until W, which is never less.
+    pp, m = 2, 4
+    prog = lower(build(pp, m))
+    freed_at_i = simulate(prog, ActionCosts(backward_input=2.0, backward_weight=0.0, input_pass_frees=True))
+    for r in range(pp):
+        events = []
+        for e in freed_at_i.timeline:
+            kind = re.fullmatch(r"\d+([FIW])\d+", e.action)
+            if e.rank == r and kind and kind.group(1) in "FI":
+                events.append((e.start, 1) if kind.group(1) == "F" else (e.end, -1))
+        live = peak = 0
+        for _, d in sorted(events):
+            live += d
+            peak = max(peak, live)
+        assert freed_at_i.peak_activations[r] == peak
+    held_to_w = simulate(prog, ActionCosts(backward_input=2.0, backward_weight=0.0))
+    assert all(a <= b for a, b in zip(freed_at_i.peak_activations, held_to_w.peak_activations))
 
 
 @pytest.mark.parametrize("pp,m", [(4, 8), (2, 3), (3, 5), (4, 6)])

@@ -11,11 +11,12 @@ The switch is process-wide (not thread-local) on purpose: CUDA backward runs in 
 device threads, which would not see a thread-local or ``contextvars`` value set by the caller.
 
 Under ``torch.compile`` a whole compiled region (a decoder layer) is one autograd node, so a
-weights pass has to carry activation gradients through the plait ops inside it to reach the
+weights pass would have to carry activation gradients through the plait ops inside it to reach the
 weights upstream of them. There the switch is read by plait's backward *ops* (torch custom ops,
 opaque to the compiler) each time they run, and it switches off weight gradients only: an inputs
-pass writes zeros for them (autograd drops them when the stage's inputs alone are asked for, as
-plait.pipelining's split backward does); a weights pass computes everything inside the region.
+pass writes zeros for them, a weights pass computes everything inside the region. plait.pipelining's
+split backward does not split such a region: its inputs pass is the region's whole backward, run
+once under ``BOTH``.
 """
 
 from __future__ import annotations

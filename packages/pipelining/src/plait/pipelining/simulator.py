@@ -202,7 +202,8 @@ def simulate(
                 if a.kind is ActionKind.FORWARD:
                     events.append((st, of(a).activation_memory))
                 elif a.kind is ActionKind.BACKWARD or (
-                    a.kind is (ActionKind.BACKWARD_INPUT if of(a).input_pass_frees else ActionKind.BACKWARD_WEIGHT)
+                    a.kind
+                    is (ActionKind.BACKWARD_INPUT if of(a).input_pass_frees else ActionKind.BACKWARD_WEIGHT)
                     and (a.stage, a.microbatch) in split
                 ):
                     events.append((en, -of(a).activation_memory))

@@ -113,16 +113,19 @@ def _compiled_region(node: Node) -> bool:
 
 
 def _whole_backward(
-    roots: list[tuple[torch.Tensor, torch.Tensor | None]], inputs: Sequence[torch.Tensor], work: WeightGradWork
+    roots: list[tuple[torch.Tensor, torch.Tensor | None]],
+    inputs: Sequence[torch.Tensor],
+    work: WeightGradWork,
 ) -> list[torch.Tensor | None]:
     """The I pass as the whole backward: the inputs' gradients returned, the weights' kept for W."""
     want = [i for i, t in enumerate(inputs) if t.requires_grad]
-    got = torch.autograd.grad(
-        [o for o, _ in roots],
-        [inputs[i] for i in want] + work.params,
-        grad_outputs=[g for _, g in roots],
-        allow_unused=True,
-    )
+    with grad_direction(GradDirection.BOTH):
+        got = torch.autograd.grad(
+            [o for o, _ in roots],
+            [inputs[i] for i in want] + work.params,
+            grad_outputs=[g for _, g in roots],
+            allow_unused=True,
+        )
     work.done = list(got[len(want) :])
     result: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(want, got):

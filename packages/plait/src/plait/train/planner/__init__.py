@@ -413,6 +413,28 @@ def _resident(states: StateBytes, fsdp: bool, reshard: bool) -> tuple[float, dic
     return sum(parts.values()), parts
 
 
+def _rank_memory(
+    job: PlanJob,
+    states: StateBytes,
+    activations: float,
+    fsdp: bool,
+    reshard: bool,
+    nmb: int,
+    backward: float,
+    slack: float,
+) -> dict[str, float]:
+    """A pipeline rank's peak, by part: its states, its peak of activations in flight, one layer's backward."""
+    resident = job.memo(_resident, states, fsdp, reshard)[1]
+    grads = resident["grads"]
+    if nmb == 1:  # set to None after each step: a lone microbatch's backward creates them as activations go
+        grads = max(float(states.outer_grads), grads - float(activations) - backward)
+    return {
+        "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
+        "gathered": resident["gathered"], "activations": float(activations), "backward": backward,
+        "reduce_buffers": resident["reduce_buffers"], "allocator_slack": slack,
+    }  # fmt: skip
+
+
 def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = True) -> Prediction | str:
     """The prediction of ``layout``, or why the job refuses it; ``exact=False`` estimates the model states
     and the pipeline's bubble instead of building the stages and the schedule's program (the first pass
@@ -515,22 +537,10 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     layer_acts = float(mb * acts.split(acts.transient, layout.tp))  # the largest layer's, unchecked
     backward = layer_acts * machine.of_mode("backward_scale", layout.checkpointing)
 
-    def memory_of(r: int) -> dict[str, float]:
-        """Pipeline rank ``r``'s peak, by part."""
-        resident = job.memo(_resident, ranks[r][0], fsdp_n > 1, reshard)[1]
-        grads = resident["grads"]
-        if nmb == 1:  # set to None after each step: a lone microbatch's backward creates them as activations go
-            grads = max(float(ranks[r][0].outer_grads), grads - float(peak_acts[r]) - backward)
-        return {
-            "params": resident["params"], "grads": grads, "optimizer": resident["optimizer"],
-            "gathered": resident["gathered"], "activations": float(peak_acts[r]), "backward": backward,
-            "reduce_buffers": resident["reduce_buffers"],
-            "allocator_slack": layer_acts * machine.allocator_slack,
-        }  # fmt: skip
-
-    best = memory_of(fullest)
+    slack = layer_acts * machine.allocator_slack
+    best = _rank_memory(job, ranks[fullest][0], peak_acts[fullest], fsdp_n > 1, reshard, nmb, backward, slack)
     peak = sum(best.values())
-    first_peak = peak if fullest == 0 else sum(memory_of(0).values())
+    first = _rank_memory(job, ranks[0][0], peak_acts[0], fsdp_n > 1, reshard, nmb, backward, slack)
     exposed = tp_comm + fsdp_exposed + replica
     if peak > 0.9 * machine.memory_gib * GIB:
         limit = "memory"
@@ -545,7 +555,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
              "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage, "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
-    return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages, first_peak)
+    return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages, sum(first.values()))
 
 
 def plan(
