@@ -427,7 +427,6 @@ def test_split_backward_schedules_need_compiled_layers_under_selective_checkpoin
         )
 
 
-
 def test_compiled_layers_are_priced_with_their_backward_run_whole_at_the_input_pass() -> None:
     """A split-backward schedule cannot defer a compiled layer's weight gradients (its backward is one graph,
     run whole at the input pass: plait.pipelining.split_backward): priced so, zbv gains nothing over its
@@ -440,11 +439,14 @@ def test_compiled_layers_are_priced_with_their_backward_run_whole_at_the_input_p
     eager, compiled = zbv(False), zbv(True)
     assert eager and eager.keys() == compiled.keys()
     for name, p in compiled.items():
-        assert p.step_s >= eager[name].step_s, name  # a whole I and an empty W: no weight pass to fill bubbles
+        assert p.step_s >= eager[name].step_s, (
+            name
+        )  # a whole I and an empty W: no weight pass to fill bubbles
         assert 0 < p.first_rank_peak_bytes <= p.peak_bytes
     assert any(p.step_s > eager[name].step_s for name, p in compiled.items())
     flat = plan(_config(), 2, checkpointing=("none",)).fits
     assert all(p.first_rank_peak_bytes == p.peak_bytes for p in flat if p.layout.pp == 1)
+
 
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:
     """Without a host floor every microbatch size of a mode prices the same: the larger comes first."""
