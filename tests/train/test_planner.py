@@ -439,9 +439,8 @@ def test_compiled_layers_are_priced_with_their_backward_run_whole_at_the_input_p
     eager, compiled = zbv(False), zbv(True)
     assert eager and eager.keys() == compiled.keys()
     for name, p in compiled.items():
-        assert p.step_s >= eager[name].step_s, (
-            name
-        )  # a whole I and an empty W: no weight pass to fill bubbles
+        # a whole I and an empty W: no weight pass to fill the bubbles with
+        assert p.step_s >= eager[name].step_s, name
         assert 0 < p.first_rank_peak_bytes <= p.peak_bytes
     assert any(p.step_s > eager[name].step_s for name, p in compiled.items())
     flat = plan(_config(), 2, checkpointing=("none",)).fits
