@@ -72,14 +72,15 @@ def main() -> None:
         args.save_machine.write_text(machine.to_json() + "\n")
     result = plan(config, args.gpus, machine, checkpointing=tuple(args.checkpointing.split(",")), job=job)
     fits = result.fits
-    step = max(1, (len(fits) - args.layouts // 2) // max(1, args.layouts - args.layouts // 2))
-    chosen = fits[: args.layouts // 2] + fits[args.layouts // 2 :: step]
-    chosen = chosen[: args.layouts]
     if args.only:
+        by_name = {p.layout.name: p for p in fits}
         names = args.only.split(",")
-        chosen = sorted((p for p in fits if p.layout.name in names), key=lambda p: names.index(p.layout.name))
-        if missing := set(names) - {p.layout.name for p in chosen}:
-            sys.exit(f"--only: no fitting layout named {', '.join(sorted(missing))}")
+        if missing := [n for n in names if n not in by_name]:
+            sys.exit(f"--only: no fitting layout named {', '.join(missing)}")
+        chosen = [by_name[n] for n in names]
+    else:
+        step = max(1, (len(fits) - args.layouts // 2) // max(1, args.layouts - args.layouts // 2))
+        chosen = (fits[: args.layouts // 2] + fits[args.layouts // 2 :: step])[: args.layouts]
     rows, measured = [], {}
     for p in chosen:
         name = p.layout.name

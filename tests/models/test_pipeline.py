@@ -108,9 +108,10 @@ def _pp_rank(ckpt: str, schedule: str, family: str = "qwen3_moe", compiled: bool
         with torch.device("meta"):
             stages[s] = _pp_model(family, stage_index=s, num_stages=topo.num_stages)
     load_hf_checkpoint(list(stages.values()), ckpt)
-    for layer in (layer for st in stages.values() for layer in st.decoder_layers() if compiled):
-        # one backward node per layer, as parallel.compile makes it (inductor's kernels are not the point)
-        layer.compile(backend="aot_eager", fullgraph=True)
+    if compiled:  # one backward node per layer, as parallel.compile makes it (inductor's kernels aside)
+        for st in stages.values():
+            for layer in st.decoder_layers():
+                layer.compile(backend="aot_eager", fullgraph=True)
     last = topo.num_stages - 1
     ids, labels = _batch()
     global_tokens = int((labels != -100).sum())

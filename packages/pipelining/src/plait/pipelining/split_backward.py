@@ -112,46 +112,29 @@ def _compiled_region(node: Node) -> bool:
     return type(node).__name__ == "CompiledFunctionBackward"
 
 
-def _whole_backward(
+def _grads(
     roots: list[tuple[torch.Tensor, torch.Tensor | None]],
     inputs: Sequence[torch.Tensor],
-    work: WeightGradWork,
-) -> list[torch.Tensor | None]:
-    """The I pass as the whole backward: the inputs' gradients returned, the weights' kept for W."""
+    params: Sequence[torch.Tensor],
+    direction: GradDirection,
+    retain_graph: bool,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Gradients of ``roots`` w.r.t. the inputs that require them (None for the others) and ``params``."""
     want = [i for i, t in enumerate(inputs) if t.requires_grad]
-    with grad_direction(GradDirection.BOTH):
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    if not roots or not (want or params):
+        return result, [None] * len(params)
+    with grad_direction(direction):
         got = torch.autograd.grad(
             [o for o, _ in roots],
-            [inputs[i] for i in want] + work.params,
+            [inputs[i] for i in want] + list(params),
             grad_outputs=[g for _, g in roots],
+            retain_graph=retain_graph,
             allow_unused=True,
         )
-    work.done = list(got[len(want) :])
-    result: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(want, got):
         result[i] = g
-    return result
-
-
-def _input_grads(
-    roots: list[tuple[torch.Tensor, torch.Tensor | None]], inputs: Sequence[torch.Tensor], closure: set[Node]
-) -> list[torch.Tensor | None]:
-    """The I pass: gradients of the on-path outputs w.r.t. the inputs that require them."""
-    want = [i for i, t in enumerate(inputs) if t.requires_grad]
-    on_path = [(o, g) for o, g in roots if _node(o) in closure]
-    result: list[torch.Tensor | None] = [None] * len(inputs)
-    if want and on_path:
-        with grad_direction(GradDirection.INPUTS):
-            got = torch.autograd.grad(
-                [o for o, _ in on_path],
-                [inputs[i] for i in want],
-                grad_outputs=[g for _, g in on_path],
-                retain_graph=True,
-                allow_unused=True,
-            )
-        for i, g in zip(want, got):
-            result[i] = g
-    return result
+    return result, list(got[len(want) :])
 
 
 def backward_input(
@@ -170,8 +153,10 @@ def backward_input(
     closure = _input_path([n for t in inputs if (n := _node(t)) is not None and n in seen], parents)
     weights = [p for p in params if p.requires_grad]
     inter, shared = _intermediates(weights, parents, seen, closure)
-    if any(_compiled_region(node) for node in inter):
-        return _whole_backward(roots, inputs, work := WeightGradWork(weights, [])), work
+    if any(_compiled_region(node) for node in inter):  # the I pass is the whole backward, W adds it up
+        work = WeightGradWork(weights, [])
+        result, work.done = _grads(roots, inputs, weights, GradDirection.BOTH, retain_graph=False)
+        return result, work
     work = WeightGradWork(weights, list(inter), None if shared else list(inter.values()))
     work.outputs = [o for o, _ in roots]
     for o, g in roots:
@@ -188,7 +173,8 @@ def backward_input(
 
     handles = [node.register_prehook(hook_for(i)) for i, node in enumerate(work.intermediates)]
     try:
-        result = _input_grads(roots, inputs, closure)
+        on_path = [(o, g) for o, g in roots if _node(o) in closure]
+        result, _ = _grads(on_path, inputs, [], GradDirection.INPUTS, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
