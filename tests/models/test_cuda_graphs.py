@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from plait.dist_core import DeviceMeshParameters, DistributedContext
 from plait.dist_core.testing import run_distributed
 from plait.models import CausalLMProvider, ParallelConfig, config_from_hf
 from plait.models.common.parallel.plan import parallelize_decoder
 from pydantic import ValidationError
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 MOE = {
     "model_type": "qwen3_moe",
@@ -116,20 +118,86 @@ def test_gradients_accumulate_over_microbatches_whose_backward_reuses_its_output
     assert plain.w.grad.data_ptr() == _PoolGrad.pool.data_ptr()  # autograd kept the pool's memory
 
 
-def test_a_training_forward_under_cuda_graphs_owns_the_materialised_layers_gradients():
+def _graph_trunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """The small MoE model whose trunk runs as under CUDA graphs (graph steps, hooks, static buffers) but
+    uncompiled, on the CPU: the CUDA check is lifted, what the trunk does around each layer is tested."""
+    from plait.models.common import model as model_module
+
+    monkeypatch.setattr(model_module, "_check_graph_device", lambda h: None)
+    provider = CausalLMProvider(config_from_hf(MOE))
+    model = provider.build_stage(0, 1)
+    provider.materialize(model, "cpu")
+    model.model.cuda_graphs = True
+    return model
+
+
+def test_a_training_forward_under_cuda_graphs_owns_the_materialised_layers_gradients(monkeypatch):
     """The hooks go on the parameters a training forward finds, not on those ``parallelize`` saw: materialising
-    the model built on meta replaced every parameter (and would have dropped hooks set before)."""
-    model = _cpu_model_with_graphs()
-    weight = model.model.layers["1"].mlp.down_proj.weight
+    the model built on meta replaced every parameter (and would have dropped hooks set before). The layers'
+    buffers (the routers' load counts, updated inside the layer) become static graph inputs."""
+    model = _graph_trunk_on_cpu(monkeypatch)
+    weight = model.model.layers["1"].self_attn.o_proj.weight
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(2, *weight.shape, generator=gen) for _ in range(4)]
     expected = sum(x.double().sum(0) for x in xs)
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"needs CUDA activations"):
-        model(input_ids=torch.zeros(1, 8, dtype=torch.long))  # evaluation: no hook
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=ids)  # evaluation: no hook
     assert not torch.allclose(_accumulate(weight, xs), expected)
-    with pytest.raises(RuntimeError, match=r"needs CUDA activations"):  # the hooks come first
-        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    model(input_ids=ids)
     torch.testing.assert_close(_accumulate(weight, xs), expected, rtol=1e-5, atol=1e-5)  # fp32 sums
+    buffers = list(model.model.layers["0"].buffers())
+    assert buffers and all(b._dynamo_static_input_type == "unguarded" for b in buffers)
+
+
+def _fsdp_graph_layers_worker(reshard_after_forward: bool | None) -> dict[str, object]:
+    """Two gloo ranks, FSDP over both, the plan of ``cuda_graphs`` (uncompiled: its FSDP part is tested)."""
+    from plait.dist_core.fsdp_state import param_groups
+    from plait.models.common import model as model_module
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=2), device="cpu")
+    # compile off (CPU, CI): model_copy skips the check that graphs need it
+    parallel = ParallelConfig().model_copy(
+        update={"cuda_graphs": True, "reshard_after_forward": reshard_after_forward}
+    )
+    provider = CausalLMProvider(config_from_hf(MOE), parallel=parallel)
+    model = provider.build_stage(0, 1)
+    try:
+        provider.parallelize(model, ctx)
+    except ValueError as e:
+        return {"error": str(e)}
+    provider.materialize(model, "cpu")
+    model.model.cuda_graphs = True
+    layer = model.model.layers["0"]
+    ids = torch.randint(0, MOE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(ctx.rank))
+    gathered = []
+    check, model_module._check_graph_device = model_module._check_graph_device, lambda h: None  # CPU
+    try:
+        for _ in range(2):
+            out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
+            gathered.append([p for p in layer.parameters() if not isinstance(p, DTensor)])
+            out["loss_sum"].backward()
+    finally:
+        model_module._check_graph_device = check
+    unsharded = [p._unsharded_param for g in param_groups(layer) for p in g.fsdp_params]
+    return {
+        # what the layer held after its forward: its gathered parameters, the same tensors each step
+        "gathered_after_forward": len(gathered[0]) == len(unsharded)
+        and all(a is b for a, b in zip(gathered[0], gathered[1])),
+        "hooked": all(len(p._post_accumulate_grad_hooks or {}) > 0 for p in unsharded),
+        "kept": all(p.untyped_storage().size() > 0 for p in unsharded),  # resharded after backward
+        "sharded_now": all(isinstance(p, DTensor) for p in layer.parameters()),
+    }
+
+
+def test_cuda_graphs_under_fsdp_keep_the_gathered_layers_at_fixed_addresses():
+    """With FSDP the layers keep their gathered parameters from forward to backward (no resharding after
+    forward), their memory stays allocated when they reshard after backward (every all-gather writes the
+    same addresses: the graphs read them there), and a training forward hooks those gathered parameters."""
+    for rank in run_distributed(_fsdp_graph_layers_worker, 2, None):
+        assert rank == {"gathered_after_forward": True, "hooked": True, "kept": True, "sharded_now": True}
+    for msg in run_distributed(_fsdp_graph_layers_worker, 2, True):
+        assert "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs" in msg["error"]
 
 
 def _tensor_parallel_worker() -> str:
@@ -146,27 +214,31 @@ def _tensor_parallel_worker() -> str:
 
 def test_cuda_graphs_refuse_tensor_parallelism():
     for msg in run_distributed(_tensor_parallel_worker, 2):
-        assert "parallel.cuda_graphs needs one process per stage" in msg
+        assert "parallel.cuda_graphs needs one stage per process and no collective inside a layer" in msg
         assert "mesh.tensor=2" in msg
 
 
 def _train(
-    hf: dict, cuda_graphs: bool, microbatches: int, steps: int = 6
+    hf: dict, cuda_graphs: bool, microbatches: int, steps: int = 6, data_shard: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor], int, list[int]]:
     """``steps`` AdamW steps of the bf16 model on two alternating packed batches with different documents
     (FlexAttention with document masks, as the main job on a GPU), each step's gradient accumulated over
     ``microbatches`` backwards: losses, final weights, the graph launches seen in the steps after the
     first three (the graph trees' warm-up and recording), and the graph recordings seen in the first three
-    steps and in the rest."""
+    steps and in the rest. ``data_shard`` > 1: FSDP over that many ranks (run on each), each rank its own
+    batches."""
     torch._dynamo.reset()
     parallel = ParallelConfig(compile=True, cuda_graphs=cuda_graphs)
     provider = CausalLMProvider(config_from_hf(hf), parallel=parallel, dtype=torch.bfloat16, seed=0)
     model = provider.build_stage(0, 1)
-    provider.parallelize(model, None)
+    ctx = None
+    if data_shard > 1:
+        ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=data_shard), device="cuda")
+    provider.parallelize(model, ctx)
     provider.materialize(model, "cuda")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(ctx.rank if ctx is not None else 0)
     b, s = 2, 128  # FlexAttention's block size: shorter rows did not lower (fp32, 64 tokens)
     batches = [torch.randint(0, hf["vocab_size"], (b, s + 1), generator=gen).cuda() for _ in range(2)]
     # Two documents a row, split at 80 or 30 tokens: each forward builds new document ids and masks.
@@ -193,7 +265,11 @@ def _train(
         sum(e.count for e in w.key_averages() if e.key.startswith("CUDAGraphNode.record"))
         for w in (first, rest)
     ]
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, launches, records
+    weights = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+    return losses, weights, launches, records
 
 
 @pytest.mark.gpu
@@ -215,3 +291,31 @@ def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
     for name, w in weights.items():
         torch.testing.assert_close(w, ref_weights[name], msg=name)
+
+
+def _fsdp_pair(hf: dict, microbatches: int) -> dict[str, object]:
+    """On each of two ranks: FSDP training with graphs against the same without them."""
+    from torch._dynamo.utils import counters
+
+    ref_losses, ref_weights, _, _ = _train(hf, cuda_graphs=False, microbatches=microbatches, data_shard=2)
+    counters.clear()
+    losses, weights, launches, records = _train(hf, cuda_graphs=True, microbatches=microbatches, data_shard=2)
+    return {
+        "skips": counters["inductor"]["cudagraph_skips"], "launches": launches, "records": records,
+        "losses": (losses, ref_losses), "weights": (weights, ref_weights),
+    }  # fmt: skip
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("microbatches", [1, 2], ids=["one_backward", "accumulated"])
+def test_cuda_graph_training_under_fsdp_equals_compiled_fsdp_training(microbatches):
+    """Two GPUs, FSDP over both (each rank its own batches): the layers keep their gathered parameters at
+    fixed addresses, replay as graphs without recording again, and train as the compiled layers do."""
+    for rank in run_distributed(_fsdp_pair, 2, MOE, microbatches, backend="nccl", timeout=600):
+        assert rank["skips"] == 0 and rank["launches"] > 0
+        assert rank["records"][0] > 0 and rank["records"][1] == 0
+        losses, ref_losses = rank["losses"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
+        weights, ref_weights = rank["weights"]
+        for name, w in weights.items():
+            torch.testing.assert_close(w, ref_weights[name], msg=name)

@@ -4,7 +4,7 @@
 group's ``post_forward_mesh_info`` (what ``fully_shard(reshard_after_forward=False)`` sets) and later
 restores it. FSDP2 exposes no public switch for this after ``fully_shard``, so these functions read and
 write its private state: ``FSDPModule._get_fsdp_state()``, the state's parameter groups
-(``_fsdp_param_groups`` in newer torch, ``_fsdp_param_group`` in torch <= 2.11), ``_is_root``,
+(:func:`plait.dist_core.fsdp_state.param_groups`), ``_is_root``,
 ``_auto_reshard_after_forward`` and the group's ``post_forward_mesh_info``.
 ``tests/pipelining/test_fsdp_compat.py`` checks this contract against the installed torch and fails
 naming what changed.
@@ -14,13 +14,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from plait.dist_core.fsdp_state import param_groups
 from torch.distributed.fsdp import FSDPModule
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-__all__ = ["PostForward", "keep_unsharded_after_forward", "post_forward_settings", "restore_post_forward"]
+__all__ = [
+    "PostForward",
+    "keep_unsharded_after_forward",
+    "param_groups",
+    "post_forward_settings",
+    "restore_post_forward",
+]
 
 # A parameter group and where it reshards after forward (None: it keeps the unsharded parameters).
 PostForward = tuple["FSDPParamGroup", "FSDPMeshInfo | None"]
@@ -28,16 +35,6 @@ PostForward = tuple["FSDPParamGroup", "FSDPMeshInfo | None"]
 
 def _state(module: FSDPModule) -> Any:
     return module._get_fsdp_state()
-
-
-def param_groups(module: FSDPModule) -> list[FSDPParamGroup]:
-    """The module's own FSDP2 parameter groups (empty when ``fully_shard`` gave it no parameters)."""
-    state = _state(module)
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
 
 
 def post_forward_settings(module: FSDPModule) -> list[PostForward]:

@@ -88,15 +88,36 @@ def own_graph_gradients(layers: Iterable[nn.Module]) -> None:
     so a gradient accumulated over several microbatches would be read overwritten (an error at the first
     step, wrong gradients after it: pytorch/pytorch#169545). A hook after each accumulation replaces a
     gradient it did not make with a copy (once per parameter and step, after ``zero_grad`` set it to None);
-    later microbatches add into that copy in place. The trunk calls this at every training forward under
-    CUDA graphs: materialising a model built on meta (``to_empty``) or loading with ``assign`` replaces its
-    parameters, and with them their hooks; parameters hooked already are skipped.
+    later microbatches add into that copy in place. The trunk calls this after each layer's forward in every
+    training forward under CUDA graphs, on the parameters the layer holds then (under FSDP the gathered
+    ones, which the layer keeps until its backward): materialising a model built on meta (``to_empty``) or
+    loading with ``assign`` replaces its parameters, and with them their hooks; parameters hooked already
+    are skipped.
     """
     for layer in layers:
         for p in layer.parameters():
             hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 (no public API; FSDP2 reads it too)
             if p.requires_grad and (hooks is None or _own_gradient not in hooks.values()):
                 p.register_post_accumulate_grad_hook(_own_gradient)
+
+
+def _check_graph_device(h: torch.Tensor) -> None:
+    if h.device.type != "cuda":
+        raise RuntimeError(f"parallel.cuda_graphs needs CUDA activations, got {h.device.type}")
+
+
+def static_graph_buffers(layer: nn.Module) -> None:
+    """Mark ``layer``'s buffers as inputs at fixed addresses for its CUDA graphs (once per buffer).
+
+    Without FSDP, ``torch.compile`` treats a module's buffers so itself; it does not for a module under
+    FSDP2, and a graph that updates a buffer it does not treat so (the MoE routers' load counts) is not
+    captured: its forward then runs without a graph and its backward, which expects the forward's
+    activations at the graph's addresses, is recorded again at every step. The trunk calls this before
+    each layer's forward under CUDA graphs (materialising a meta model replaces the buffers).
+    """
+    for buffer in layer.buffers():
+        if not hasattr(buffer, "_dynamo_static_input_type"):
+            torch._dynamo.mark_static_address(buffer, guard=False)  # noqa: SLF001 (no torch.compiler name)
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
@@ -233,11 +254,9 @@ class DecoderTrunk(nn.Module):
             if hidden_states is None:
                 raise ValueError("stages after the first need hidden_states from the previous stage")
             h = hidden_states
+        own_gradients = self.cuda_graphs and torch.is_grad_enabled()
         if self.cuda_graphs:
-            if torch.is_grad_enabled():
-                own_graph_gradients(self.decoder_layers())
-            if h.device.type != "cuda":
-                raise RuntimeError(f"parallel.cuda_graphs needs CUDA activations, got {h.device.type}")
+            _check_graph_device(h)
             # One graph step per forward: the previous step's graph outputs were consumed by its
             # backward (or were an evaluation forward's) and may be overwritten by this replay.
             torch.compiler.cudagraph_mark_step_begin()
@@ -246,7 +265,11 @@ class DecoderTrunk(nn.Module):
         aux: torch.Tensor | None = None
         stats: torch.Tensor | None = None
         for layer in self.decoder_layers():
+            if self.cuda_graphs:
+                static_graph_buffers(layer)
             h, layer_aux, layer_stats = layer(h, rope, masks[layer.sliding_window])
+            if own_gradients:  # after the layer's forward: under FSDP, the parameters it gathered
+                own_graph_gradients([layer])
             aux = _add(aux, layer_aux)
             stats = _add(stats, layer_stats)
         if self.norm is not None:

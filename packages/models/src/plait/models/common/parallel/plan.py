@@ -14,9 +14,10 @@ layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
+from plait.dist_core.fsdp_state import keep_unsharded_storage
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
 from plait.models.common.layer import DecoderLayer, SequentialMixer
 from plait.models.common.model import CausalLMStage, DecoderStage
@@ -26,7 +27,7 @@ from plait.models.common.parallel.float8 import apply_float8
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -241,21 +242,69 @@ def apply_fsdp(
 
 
 def _check_cuda_graph_layout(
-    dense_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None, fsdp_ranks: int
+    dense_mesh: DeviceMesh | None,
+    expert_mesh: DeviceMesh | None,
+    cp_mesh: DeviceMesh | None,
+    fsdp: bool,
+    config: ParallelConfig,
 ) -> None:
-    """``ParallelConfig.cuda_graphs`` needs one process per stage (see its docstring)."""
+    """``ParallelConfig.cuda_graphs`` needs one stage per process and no collective inside a layer (see its
+    docstring); under FSDP the layers keep their gathered parameters, so resharding after forward would
+    free nothing."""
     sizes = {
         "mesh.pipeline": _dim_size(dense_mesh, "pp"),
         "mesh.tensor": _dim_size(dense_mesh, "tp"),
         "mesh.expert": _dim_size(expert_mesh, "ep_shard"),
         "mesh.context": cp_mesh.size() if cp_mesh is not None else 1,
-        "FSDP (data parallel)": fsdp_ranks,
     }
     if used := [f"{name}={n}" for name, n in sizes.items() if n > 1]:
         raise ValueError(
-            "parallel.cuda_graphs needs one process per stage (no collective inside a layer, parameters "
-            f"at fixed addresses); this layout has {', '.join(used)}"
+            "parallel.cuda_graphs needs one stage per process and no collective inside a layer "
+            f"(data parallelism only); this layout has {', '.join(used)}"
         )
+    if fsdp and config.reshard_after_forward:
+        raise ValueError(
+            "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs (FSDP keeps the "
+            "layers' unsharded parameters at fixed addresses for the graphs) and would all-gather them "
+            "again in the backward; leave it unset or false"
+        )
+
+
+def _apply_data_parallel(
+    model: DecoderStage,
+    dense_mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    config: ParallelConfig,
+    experts_sharded: bool,
+) -> None:
+    """FSDP2 (HSDP with ``dp_replicate`` > 1) over the dense mesh's data ranks, as ``config`` says."""
+    if _dim_size(dense_mesh, "dp_replicate") > 1:
+        # HSDP; with dp_cp_shard of size 1 this is plain replication (DDP semantics).
+        dp_mesh = dense_mesh["dp_replicate", "dp_cp_shard"]
+    else:
+        dp_mesh = dense_mesh["dp_cp_shard"]
+    mp = None
+    if config.param_dtype or config.reduce_dtype:
+        mp = MixedPrecisionPolicy(
+            param_dtype=parse_dtype(config.param_dtype) if config.param_dtype else None,
+            reduce_dtype=parse_dtype(config.reduce_dtype) if config.reduce_dtype else None,
+        )
+    ep_rep = None
+    if experts_sharded and _dim_size(expert_mesh, "ep_replicate") > 1:
+        assert expert_mesh is not None
+        ep_rep = expert_mesh["ep_replicate"]
+    apply_fsdp(
+        model,
+        dp_mesh,
+        experts_sharded=experts_sharded,
+        expert_dp_mesh=ep_rep,
+        reshard_after_forward=False if config.cuda_graphs else config.reshard_after_forward,
+        mp_policy=mp,
+        layers_per_unit=config.fsdp_layers_per_unit,
+    )
+    if config.cuda_graphs:  # the graphs read each layer's gathered parameters at fixed addresses
+        for layer in model.decoder_layers():
+            keep_unsharded_storage(cast(FSDPModule, layer))
 
 
 def parallelize_decoder(
@@ -296,8 +345,8 @@ def parallelize_decoder(
     Raises:
         ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), context
             parallelism for a classifier stage or a stage with a :class:`SequentialMixer` layer
-            (e.g. ``linear_attention``), or ``config.cuda_graphs`` with a layout of several
-            processes per stage.
+            (e.g. ``linear_attention``), or ``config.cuda_graphs`` with pipeline, tensor, context or
+            expert parallelism, or with FSDP and ``reshard_after_forward=True``.
         ImportError: ``config.float8`` set without torchao (names ``plait-models[float8]``).
         RuntimeError: ``config.float8`` set without a float8-capable GPU (compute capability 8.9+).
     """
@@ -311,7 +360,7 @@ def parallelize_decoder(
     if cp_mesh is not None and cp_mesh.size() > 1:
         check_context_parallel(model, cp_mesh.size())  # before any plan changes the model
     if config.cuda_graphs:
-        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, dp if fsdp else 1)
+        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, fsdp, config)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
@@ -342,28 +391,5 @@ def parallelize_decoder(
         model.model.kernels.static_captures = config.cuda_graphs
     if fsdp:
         assert dense_mesh is not None
-        if _dim_size(dense_mesh, "dp_replicate") > 1:
-            # HSDP; with dp_cp_shard of size 1 this is plain replication (DDP semantics).
-            dp_mesh = dense_mesh["dp_replicate", "dp_cp_shard"]
-        else:
-            dp_mesh = dense_mesh["dp_cp_shard"]
-        mp = None
-        if config.param_dtype or config.reduce_dtype:
-            mp = MixedPrecisionPolicy(
-                param_dtype=parse_dtype(config.param_dtype) if config.param_dtype else None,
-                reduce_dtype=parse_dtype(config.reduce_dtype) if config.reduce_dtype else None,
-            )
-        ep_rep = None
-        if experts_sharded and _dim_size(expert_mesh, "ep_replicate") > 1:
-            assert expert_mesh is not None
-            ep_rep = expert_mesh["ep_replicate"]
-        apply_fsdp(
-            model,
-            dp_mesh,
-            experts_sharded=experts_sharded,
-            expert_dp_mesh=ep_rep,
-            reshard_after_forward=config.reshard_after_forward,
-            mp_policy=mp,
-            layers_per_unit=config.fsdp_layers_per_unit,
-        )
+        _apply_data_parallel(model, dense_mesh, expert_mesh, config, experts_sharded)
     return model
