@@ -19,7 +19,9 @@ Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--s
 dense rows also show the ratio to torchtitan at the same GPU count. A row needing more GPUs than present is
 skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0, ``throughput.timeline``):
 communication and its exposed part per step, the host's time to issue a step, the fraction of the step the
-GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of other settings (A/B in the same run).
+GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of other settings (A/B in the same run; the
+MoE variants at 1 GPU too, e.g. ``--moe-variants '{"cuda_graphs": "--parallel.cuda_graphs=true"}'``; a
+variant's "vs 1 GPU" is against the default 1-GPU row).
 Writes ``--out`` (default ``benchmarks/results/scaling.md``; none with ``--smoke``).
 """
 
@@ -151,7 +153,9 @@ def main() -> None:
         "--dense-variants", default="{}", help="JSON {name: ParallelConfig overrides}: more plait dense rows"
     )
     ap.add_argument(
-        "--moe-variants", default="{}", help="JSON {name: main-job flags}: more MoE rows at n > 1 GPUs"
+        "--moe-variants",
+        default="{}",
+        help="JSON {name: main-job flags}: more MoE rows, at 1 GPU too (each compared with the default 1-GPU row)",
     )
     ap.add_argument(
         "--concurrent",
@@ -193,9 +197,8 @@ def main() -> None:
                 results += [res for f in runs for res in f.result()]
         for row in [r for r, m in rows if m == n and r.startswith("moe.")]:
             results += throughput.spawn_rows(row, targs)
-            if n > 1:
-                for name, flags in json.loads(args.moe_variants).items():
-                    results += [{**r, "variant": name} for r in _run(row, targs, '{"": {}}', None, flags)]
+            for name, flags in json.loads(args.moe_variants).items():
+                results += [{**r, "variant": name} for r in _run(row, targs, '{"": {}}', None, flags)]
     body = table(results, args.profile)
     lines = verdicts(results)
     text = (

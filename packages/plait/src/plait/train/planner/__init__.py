@@ -515,8 +515,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         })  # fmt: skip
         compute_s, bubble, peak_acts = result.step_time, result.bubble_fraction, list(result.peak_activations)
 
-    # FSDP2: gathers per microbatch unless parameters stay gathered; one reduce-scatter per step
-    reshard = cfg.parallel.reshard_after_forward is not False
+    # FSDP2: gathers per microbatch unless parameters stay gathered (always under CUDA graphs, which also
+    # keep every unit's gathered memory); one reduce-scatter per step
+    reshard = cfg.parallel.reshard_after_forward is not False and not cfg.parallel.cuda_graphs
     gathers = (2 * nmb if reshard else 1) if fsdp_n > 1 else 0
     fsdp_exposed = 0.0
     if fsdp_n > 1 and ranks[0][0].gathered:
@@ -849,7 +850,7 @@ def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
         model = provider.parallelize(provider.build_stage(0, 1), None)
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_cp_shard",))
         apply_fsdp(model, mesh, reshard_after_forward=par.reshard_after_forward,
-                   layers_per_unit=par.fsdp_layers_per_unit)  # fmt: skip
+                   layers_per_unit=par.fsdp_layers_per_unit, cuda_graphs=par.cuda_graphs)  # fmt: skip
         provider.materialize(model, device)
         units = sum(isinstance(m, FSDPModule) for m in model.modules())
         t_fsdp = forward_backward_s(model, 1, job.config.batching.seq_len, device)

@@ -206,15 +206,31 @@ def apply_fsdp(
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     layers_per_unit: int = 1,
+    cuda_graphs: bool = False,
 ) -> None:
     """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers and on the root, over
     ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
+
+    With ``cuda_graphs`` (the layers replayed as CUDA graphs, which read their parameters at the addresses
+    they were recorded with) every layer keeps its gathered parameters allocated when it reshards
+    (:func:`plait.dist_core.fsdp_state.keep_unsharded_storage`: each all-gather writes the same addresses,
+    for the memory of the unsharded layers held all the time) and from its forward to its backward
+    (``reshard_after_forward`` unset means False; True, which would free nothing and only gather again in
+    the backward, is refused).
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
     get their own ``fully_shard`` (one per layer) so their gradients are reduced over the expert
     replicas.
     """
+    if cuda_graphs and reshard_after_forward:
+        raise ValueError(
+            "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs (FSDP keeps the "
+            "layers' unsharded parameters at fixed addresses for the graphs) and would all-gather them "
+            "again in the backward; leave it unset or false"
+        )
+    if cuda_graphs:
+        reshard_after_forward = False
     fsdp_copy_in.install()
     kwargs: dict[str, Any] = {}
     if mp_policy is not None:
@@ -239,18 +255,15 @@ def apply_fsdp(
         else:
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
+    for layer in layers if cuda_graphs else ():
+        keep_unsharded_storage(cast(FSDPModule, layer))
 
 
 def _check_cuda_graph_layout(
-    dense_mesh: DeviceMesh | None,
-    expert_mesh: DeviceMesh | None,
-    cp_mesh: DeviceMesh | None,
-    fsdp: bool,
-    config: ParallelConfig,
+    dense_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None
 ) -> None:
     """``ParallelConfig.cuda_graphs`` needs one stage per process and no collective inside a layer (see its
-    docstring); under FSDP the layers keep their gathered parameters, so resharding after forward would
-    free nothing."""
+    docstring)."""
     sizes = {
         "mesh.pipeline": _dim_size(dense_mesh, "pp"),
         "mesh.tensor": _dim_size(dense_mesh, "tp"),
@@ -261,12 +274,6 @@ def _check_cuda_graph_layout(
         raise ValueError(
             "parallel.cuda_graphs needs one stage per process and no collective inside a layer "
             f"(data parallelism only); this layout has {', '.join(used)}"
-        )
-    if fsdp and config.reshard_after_forward:
-        raise ValueError(
-            "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs (FSDP keeps the "
-            "layers' unsharded parameters at fixed addresses for the graphs) and would all-gather them "
-            "again in the backward; leave it unset or false"
         )
 
 
@@ -298,13 +305,11 @@ def _apply_data_parallel(
         dp_mesh,
         experts_sharded=experts_sharded,
         expert_dp_mesh=ep_rep,
-        reshard_after_forward=False if config.cuda_graphs else config.reshard_after_forward,
+        reshard_after_forward=config.reshard_after_forward,
         mp_policy=mp,
         layers_per_unit=config.fsdp_layers_per_unit,
+        cuda_graphs=config.cuda_graphs,
     )
-    if config.cuda_graphs:  # the graphs read each layer's gathered parameters at fixed addresses
-        for layer in model.decoder_layers():
-            keep_unsharded_storage(cast(FSDPModule, layer))
 
 
 def parallelize_decoder(
@@ -360,7 +365,7 @@ def parallelize_decoder(
     if cp_mesh is not None and cp_mesh.size() > 1:
         check_context_parallel(model, cp_mesh.size())  # before any plan changes the model
     if config.cuda_graphs:
-        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, fsdp, config)
+        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
