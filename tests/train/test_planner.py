@@ -29,7 +29,7 @@ from plait.dist_core.testing import DistributedTestError, run_distributed
 from plait.loop import BatchPlan, load_config
 from plait.models import estimate_num_parameters
 from plait.train.config import JobConfig
-from plait.train.planner import Layout, Machine, PlanJob, main, plan
+from plait.train.planner import Layout, Machine, Plan, PlanJob, main, plan
 from plait.train.planner.memory import ActivationProfile, activation_profile, saved_bytes
 from plait.train.train import DEFAULT_CONFIG
 from torch.distributed.fsdp import FSDPModule
@@ -446,6 +446,31 @@ def test_compiled_layers_are_priced_with_their_backward_run_whole_at_the_input_p
     assert any(p.first_rank_peak_bytes < p.peak_bytes for p in compiled.values())  # V: rank 1 holds more
     flat = plan(_config(), 2, checkpointing=("none",)).fits
     assert all(p.first_rank_peak_bytes == p.peak_bytes for p in flat if p.layout.pp == 1)
+
+
+def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> None:
+    """Under CUDA graphs FSDP keeps every layer gathered (the plan of plait.models): the FSDP layouts are
+    priced as without resharding after forward, those with pipeline, tensor, context or expert ranks are refused
+    by the plan."""
+    graphs = plan(
+        _config("--parallel.compile=true", "--parallel.cuda_graphs=true"), 2, checkpointing=("none",)
+    )
+    kept = plan(
+        _config("--parallel.compile=true", "--parallel.reshard_after_forward=false"),
+        2,
+        checkpointing=("none",),
+    )
+    resharded = plan(_config("--parallel.compile=true"), 2, checkpointing=("none",))
+
+    def fsdp(p: Plan) -> dict[str, Any]:
+        return {f.layout.name: f for f in p.fits if f.layout.dp_shard == 2 and f.layout.ep == 1}
+
+    assert fsdp(graphs) and fsdp(graphs).keys() == fsdp(kept).keys()
+    for name, p in fsdp(graphs).items():
+        assert p.memory["gathered"] == fsdp(kept)[name].memory["gathered"], name
+    assert any(p.memory["gathered"] > fsdp(resharded)[n].memory["gathered"] for n, p in fsdp(graphs).items())
+    assert all(f.layout.pp == f.layout.tp == f.layout.cp == f.layout.ep == 1 for f in graphs.fits)
+    assert any("parallel.cuda_graphs needs one stage per process" in why for why in graphs.refused)
 
 
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:

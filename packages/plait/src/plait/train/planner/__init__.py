@@ -132,8 +132,11 @@ class _Refused(ValueError):
 
 
 def state_key(layout: Layout, num_stages: int) -> tuple[int, ...]:
-    """What a layout's model states depend on (FSDP shards over data x context ranks alike)."""
-    return (layout.pp, num_stages, layout.dp_replicate, layout.dp_shard * layout.cp, layout.tp, layout.ep)
+    """What a layout's model states depend on (FSDP shards over data x context ranks alike), and whether it
+    has context ranks at all: the plan refuses context parallelism for some jobs (models with sequential
+    mixers, CUDA graphs), which a build of the data-parallel layout with the same states would not ask."""
+    dp = layout.dp_shard * layout.cp
+    return (layout.pp, num_stages, layout.dp_replicate, dp, layout.tp, layout.ep, int(layout.cp > 1))
 
 
 def _refusal(e: Exception) -> str:
