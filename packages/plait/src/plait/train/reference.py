@@ -32,7 +32,8 @@ def type_name(tp: Any) -> str:
     if origin is Annotated:
         return type_name(args[0])
     if origin is Literal:
-        return " | ".join(repr(a) for a in args)
+        # sorted: equal Literals in unions are one cached object, in the order of whichever was made first
+        return " | ".join(sorted(repr(a) for a in args))
     if origin is Union or origin is types.UnionType:
         return " | ".join(type_name(a) for a in args)
     if tp is type(None):
