@@ -223,13 +223,13 @@ def apply_fsdp(
     get their own ``fully_shard`` (one per layer) so their gradients are reduced over the expert
     replicas.
     """
-    if cuda_graphs and reshard_after_forward:
-        raise ValueError(
-            "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs (FSDP keeps the "
-            "layers' unsharded parameters at fixed addresses for the graphs) and would all-gather them "
-            "again in the backward; leave it unset or false"
-        )
     if cuda_graphs:
+        if reshard_after_forward:
+            raise ValueError(
+                "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs (FSDP keeps the "
+                "layers' unsharded parameters at fixed addresses for the graphs) and would all-gather them "
+                "again in the backward; leave it unset or false"
+            )
         reshard_after_forward = False
     fsdp_copy_in.install()
     kwargs: dict[str, Any] = {}
