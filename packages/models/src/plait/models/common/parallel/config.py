@@ -155,7 +155,7 @@ class ParallelConfig(BaseModel):
             step out of the pool (:func:`plait.models.common.model.own_graph_gradients`). CUDA only. Off by
             default: it pays where the step is host-bound (a 0.6B Llama trained 1.6-1.8x faster with it
             at 2048 tokens per microbatch, alike from 8k; the one-GPU MoE main job 1.15x; the 1.14B MoE
-            Trainer row under FSDP over 2 GPUs 1.17x), but evaluation, checkpoints and resuming have not
+            Trainer row under FSDP over 2 GPUs 1.13-1.17x), but evaluation, checkpoints and resuming have not
             been measured with it on a GPU (``benchmarks/results/cuda_graphs.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
