@@ -145,8 +145,9 @@ class DecoderTrunk(nn.Module):
         kernels: This model's compiled attention kernels (FlexAttention), shared by its masks.
         cuda_graphs: Set by :func:`plait.models.parallelize` when the decoder layers are compiled
             into CUDA graphs (``ParallelConfig.cuda_graphs``): each forward starts a new graph
-            step, and inputs off CUDA are refused. A training forward first makes
-            the layers' gradients tensors of their own (:func:`own_graph_gradients`).
+            step, and inputs off CUDA are refused. Each layer's buffers become static graph inputs
+            before its forward (:func:`static_graph_buffers`), and in a training forward the parameters
+            it holds after its forward get gradients of their own (:func:`own_graph_gradients`).
     """
 
     def __init__(
