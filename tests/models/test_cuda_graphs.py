@@ -154,6 +154,7 @@ def _fsdp_graph_layers_worker(reshard_after_forward: bool | None) -> dict[str, o
     """Two gloo ranks, FSDP over both, the plan of ``cuda_graphs`` (uncompiled: its FSDP part is tested)."""
     from plait.dist_core.fsdp_state import param_groups
     from plait.models.common import model as model_module
+    from plait.models.common.model import _own_gradient
 
     ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=2), device="cpu")
     # compile off (CPU, CI): model_copy skips the check that graphs need it
@@ -184,7 +185,7 @@ def _fsdp_graph_layers_worker(reshard_after_forward: bool | None) -> dict[str, o
         # what the layer held after its forward: its gathered parameters, the same tensors each step
         "gathered_after_forward": len(gathered[0]) == len(unsharded)
         and all(a is b for a, b in zip(gathered[0], gathered[1])),
-        "hooked": all(len(p._post_accumulate_grad_hooks or {}) > 0 for p in unsharded),
+        "hooked": all(_own_gradient in (p._post_accumulate_grad_hooks or {}).values() for p in unsharded),
         "kept": all(p.untyped_storage().size() > 0 for p in unsharded),  # resharded after backward
         "sharded_now": all(isinstance(p, DTensor) for p in layer.parameters()),
     }

@@ -544,7 +544,11 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     slack = layer_acts * machine.allocator_slack
     best = _rank_memory(job, ranks[fullest][0], peak_acts[fullest], fsdp_n > 1, reshard, nmb, backward, slack)
     peak = sum(best.values())
-    first = _rank_memory(job, ranks[0][0], peak_acts[0], fsdp_n > 1, reshard, nmb, backward, slack)
+    first = (
+        best
+        if fullest == 0
+        else _rank_memory(job, ranks[0][0], peak_acts[0], fsdp_n > 1, reshard, nmb, backward, slack)
+    )
     exposed = tp_comm + fsdp_exposed + replica
     if peak > 0.9 * machine.memory_gib * GIB:
         limit = "memory"

@@ -255,8 +255,9 @@ def apply_fsdp(
         else:
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
-    for layer in layers if cuda_graphs else ():
-        keep_unsharded_storage(cast(FSDPModule, layer))
+    if cuda_graphs:
+        for layer in layers:
+            keep_unsharded_storage(cast(FSDPModule, layer))
 
 
 def _check_cuda_graph_layout(
