@@ -125,3 +125,32 @@ def test_log_level_master_addr_and_wait_world_single_process(monkeypatch: pytest
             DistributedContext.from_env(DeviceMeshParameters(), device="cpu")
     finally:
         logger.setLevel(before)
+
+
+def test_shutdown_frees_cuda_graphs_before_it_destroys_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL waits forever to destroy a communicator that a live CUDA graph captured (pytorch#115388):
+    the context frees the compiled graphs first, while its groups still exist."""
+    from plait.dist_core import context
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(), device="cpu")
+    ctx.mesh_for("dense")  # a single process builds (and owns) its default group lazily
+    assert torch.distributed.is_initialized()
+    seen: list[bool] = []
+    monkeypatch.setattr(context, "release_cuda_graphs", lambda: seen.append(torch.distributed.is_initialized()))
+    ctx.shutdown()
+    assert seen == [True] and not torch.distributed.is_initialized()
+
+
+def test_release_cuda_graphs_resets_the_graph_trees_once_cuda_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.dist_core import release_cuda_graphs
+    from torch._inductor import cudagraph_trees
+
+    resets: list[int] = []
+    monkeypatch.setattr(cudagraph_trees, "reset_cudagraph_trees", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    release_cuda_graphs()
+    assert resets == []  # no CUDA: no graphs
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    release_cuda_graphs()
+    assert resets == [1]

@@ -14,9 +14,7 @@ import torch
 from plait.dist_core import DeviceMeshParameters, DistributedContext
 from plait.dist_core.testing import run_distributed
 from plait.models import CausalLMProvider, ParallelConfig, config_from_hf
-from plait.models.common.parallel.plan import parallelize_decoder
 from pydantic import ValidationError
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 MOE = {
@@ -201,40 +199,45 @@ def test_cuda_graphs_under_fsdp_keep_the_gathered_layers_at_fixed_addresses():
         assert "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs" in msg["error"]
 
 
-def _tensor_parallel_worker() -> str:
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    provider = CausalLMProvider(
-        config_from_hf(LLAMA), parallel=ParallelConfig(compile=True, cuda_graphs=True)
-    )
+def _layout_worker(mesh: dict[str, int], expert_dispatch: str) -> str:
+    """Apply the graphs' plan (compiled lazily: nothing runs) to the small MoE over two gloo ranks."""
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**mesh), device="cpu")
+    parallel = ParallelConfig(compile=True, cuda_graphs=True, expert_dispatch=expert_dispatch)
+    provider = CausalLMProvider(config_from_hf(MOE), parallel=parallel)
     try:
-        parallelize_decoder(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
+        provider.parallelize(provider.build_stage(0, 1), ctx)
     except ValueError as e:
         return str(e)
     return "no error"
 
 
-def test_cuda_graphs_refuse_tensor_parallelism():
-    for msg in run_distributed(_tensor_parallel_worker, 2):
+def test_cuda_graphs_refuse_tensor_parallelism_and_host_synchronising_expert_dispatch():
+    for msg in run_distributed(_layout_worker, 2, {"tensor": 2}, "all_to_all"):
         assert "parallel.cuda_graphs needs one stage per process and no collective inside a layer" in msg
         assert "mesh.tensor=2" in msg
+    for msg in run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_to_all"):
+        assert "parallel.expert_dispatch='all_gather'" in msg and "'all_to_all' synchronises" in msg
+    # the all-gather dispatch keeps every size on the device: its graphs are allowed
+    assert run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_gather") == ["no error"] * 2
 
 
 def _train(
-    hf: dict, cuda_graphs: bool, microbatches: int, steps: int = 6, data_shard: int = 1
+    hf: dict, cuda_graphs: bool, microbatches: int, steps: int = 6, data_shard: int = 1, expert: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor], int, list[int]]:
     """``steps`` AdamW steps of the bf16 model on two alternating packed batches with different documents
     (FlexAttention with document masks, as the main job on a GPU), each step's gradient accumulated over
     ``microbatches`` backwards: losses, final weights, the graph launches seen in the steps after the
     first three (the graph trees' warm-up and recording), and the graph recordings seen in the first three
     steps and in the rest. ``data_shard`` > 1: FSDP over that many ranks (run on each), each rank its own
-    batches."""
+    batches; ``expert`` > 1: the experts split over that many of them (the all-gather dispatch)."""
     torch._dynamo.reset()
-    parallel = ParallelConfig(compile=True, cuda_graphs=cuda_graphs)
+    parallel = ParallelConfig(compile=True, cuda_graphs=cuda_graphs, expert_dispatch="all_gather")
     provider = CausalLMProvider(config_from_hf(hf), parallel=parallel, dtype=torch.bfloat16, seed=0)
     model = provider.build_stage(0, 1)
     ctx = None
     if data_shard > 1:
-        ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=data_shard), device="cuda")
+        mesh = DeviceMeshParameters(data_shard=data_shard, expert=expert)
+        ctx = DistributedContext.from_env(mesh, device="cuda")
     provider.parallelize(model, ctx)
     provider.materialize(model, "cuda")
     model.train()
@@ -294,13 +297,14 @@ def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
         torch.testing.assert_close(w, ref_weights[name], msg=name)
 
 
-def _fsdp_pair(hf: dict, microbatches: int) -> dict[str, object]:
-    """On each of two ranks: FSDP training with graphs against the same without them."""
+def _fsdp_pair(hf: dict, microbatches: int, expert: int) -> dict[str, object]:
+    """On each of two ranks: FSDP (and EP) training with graphs against the same without them."""
     from torch._dynamo.utils import counters
 
-    ref_losses, ref_weights, _, _ = _train(hf, cuda_graphs=False, microbatches=microbatches, data_shard=2)
+    layout = {"microbatches": microbatches, "data_shard": 2, "expert": expert}
+    ref_losses, ref_weights, _, _ = _train(hf, cuda_graphs=False, **layout)
     counters.clear()
-    losses, weights, launches, records = _train(hf, cuda_graphs=True, microbatches=microbatches, data_shard=2)
+    losses, weights, launches, records = _train(hf, cuda_graphs=True, **layout)
     return {
         "skips": counters["inductor"]["cudagraph_skips"], "launches": launches, "records": records,
         "losses": (losses, ref_losses), "weights": (weights, ref_weights),
@@ -308,11 +312,14 @@ def _fsdp_pair(hf: dict, microbatches: int) -> dict[str, object]:
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("expert", [1, 2], ids=["fsdp", "ep_x_fsdp"])
 @pytest.mark.parametrize("microbatches", [1, 2], ids=["one_backward", "accumulated"])
-def test_cuda_graph_training_under_fsdp_equals_compiled_fsdp_training(microbatches):
-    """Two GPUs, FSDP over both (each rank its own batches): the layers keep their gathered parameters at
-    fixed addresses, replay as graphs without recording again, and train as the compiled layers do."""
-    for rank in run_distributed(_fsdp_pair, 2, MOE, microbatches, backend="nccl", timeout=600):
+def test_cuda_graph_training_under_fsdp_equals_compiled_fsdp_training(microbatches, expert):
+    """Two GPUs, FSDP over both (each rank its own batches), the experts local or split over both (the
+    all-gather dispatch's collectives then run inside the graphs): the layers keep their gathered
+    parameters at fixed addresses, replay as graphs without recording again, and train as the compiled
+    layers do."""
+    for rank in run_distributed(_fsdp_pair, 2, MOE, microbatches, expert, backend="nccl", timeout=600):
         assert rank["skips"] == 0 and rank["launches"] > 0
         assert rank["records"][0] > 0 and rank["records"][1] == 0
         losses, ref_losses = rank["losses"]

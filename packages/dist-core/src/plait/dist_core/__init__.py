@@ -7,7 +7,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from plait.dist_core.collectives import all_gather_object, all_gather_uneven, gather_uneven, reduce_scalar
-from plait.dist_core.context import DistributedContext
+from plait.dist_core.context import DistributedContext, release_cuda_graphs
 from plait.dist_core.context_parallel import (
     gather_sequence,
     load_balanced_indices,
@@ -93,6 +93,7 @@ __all__ = [
     "parse_dtype",
     "reduce_scalar",
     "register_mesh_domain",
+    "release_cuda_graphs",
     "replicate",
     "replicated_reduce",
     "seed_for",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,6 +36,23 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def release_cuda_graphs() -> None:
+    """Free the CUDA graphs of ``torch.compile``'s graph trees (``mode="reduce-overhead"``) in this process.
+
+    NCCL keeps a communicator alive while any CUDA graph that captured one of its collectives exists:
+    destroying the process groups before those graphs waits forever (pytorch/pytorch#115388). Graphs of
+    layers with collectives inside (the all-gather expert dispatch) are such graphs, so the groups'
+    teardown calls this first. A graph needed again later is recorded anew. Nothing happens where the
+    graph trees were never imported or CUDA never started.
+    """
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    trees.reset_cudagraph_trees()
+    gc.collect()  # a graph held in a reference cycle (cached outputs, gradients) goes now, not later
 
 
 def _resolve(host: str | None) -> str | None:
@@ -388,6 +407,7 @@ class DistributedContext:
         if not dist.is_initialized():
             return
         if self._owns_default_group:
+            release_cuda_graphs()  # every group goes with the default one
             dist.destroy_process_group()
         elif self._owns_host_group and self._host_group is not None:
             dist.destroy_process_group(self._host_group)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from plait.dist_core.context import release_cuda_graphs
 from plait.dist_core.testing._protocol import Task, TaskResult
 from torch.utils._pytree import tree_map
 
@@ -56,6 +57,7 @@ def _run_task(task: Task) -> TaskResult:
             value = _to_cpu(fn(*args, **kwargs))
         finally:
             if dist.is_initialized():
+                release_cuda_graphs()
                 dist.destroy_process_group()
             _forget_meshes()
         try:

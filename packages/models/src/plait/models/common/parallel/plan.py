@@ -261,20 +261,28 @@ def apply_fsdp(
 
 
 def _check_cuda_graph_layout(
-    dense_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None
+    dense_mesh: DeviceMesh | None,
+    expert_mesh: DeviceMesh | None,
+    cp_mesh: DeviceMesh | None,
+    expert_dispatch: str,
 ) -> None:
-    """``ParallelConfig.cuda_graphs`` needs one stage per process and no collective inside a layer (see its
-    docstring)."""
+    """``ParallelConfig.cuda_graphs`` needs one stage per process, no collective inside a layer other than
+    the ``all_gather`` expert dispatch's, and no host synchronisation (see its docstring)."""
     sizes = {
         "mesh.pipeline": _dim_size(dense_mesh, "pp"),
         "mesh.tensor": _dim_size(dense_mesh, "tp"),
-        "mesh.expert": _dim_size(expert_mesh, "ep_shard"),
         "mesh.context": cp_mesh.size() if cp_mesh is not None else 1,
     }
     if used := [f"{name}={n}" for name, n in sizes.items() if n > 1]:
         raise ValueError(
-            "parallel.cuda_graphs needs one stage per process and no collective inside a layer "
-            f"(data parallelism only); this layout has {', '.join(used)}"
+            "parallel.cuda_graphs needs one stage per process and no collective inside a layer but the "
+            f"expert dispatch's (data and expert parallelism only); this layout has {', '.join(used)}"
+        )
+    if (ep := _dim_size(expert_mesh, "ep_shard")) > 1 and expert_dispatch != "all_gather":
+        raise ValueError(
+            f"parallel.cuda_graphs with expert parallelism (mesh.expert={ep}) needs "
+            f"parallel.expert_dispatch='all_gather' (every size on the device); "
+            f"{expert_dispatch!r} synchronises with the host inside the layer"
         )
 
 
@@ -351,8 +359,9 @@ def parallelize_decoder(
     Raises:
         ValueError: ``context_replicate > 1`` with FSDP (use ``context_shard``), context
             parallelism for a classifier stage or a stage with a :class:`SequentialMixer` layer
-            (e.g. ``linear_attention``), or ``config.cuda_graphs`` with pipeline, tensor, context or
-            expert parallelism, or with FSDP and ``reshard_after_forward=True``.
+            (e.g. ``linear_attention``), or ``config.cuda_graphs`` with pipeline, tensor or context
+            parallelism, expert parallelism by another dispatch than ``all_gather``, or FSDP and
+            ``reshard_after_forward=True``.
         ImportError: ``config.float8`` set without torchao (names ``plait-models[float8]``).
         RuntimeError: ``config.float8`` set without a float8-capable GPU (compute capability 8.9+).
     """
@@ -366,7 +375,7 @@ def parallelize_decoder(
     if cp_mesh is not None and cp_mesh.size() > 1:
         check_context_parallel(model, cp_mesh.size())  # before any plan changes the model
     if config.cuda_graphs:
-        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh)
+        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, config.expert_dispatch)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
