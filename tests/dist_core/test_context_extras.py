@@ -136,12 +136,16 @@ def test_shutdown_frees_cuda_graphs_before_it_destroys_the_groups(monkeypatch: p
     ctx.mesh_for("dense")  # a single process builds (and owns) its default group lazily
     assert torch.distributed.is_initialized()
     seen: list[bool] = []
-    monkeypatch.setattr(context, "release_cuda_graphs", lambda: seen.append(torch.distributed.is_initialized()))
+    monkeypatch.setattr(
+        context, "release_cuda_graphs", lambda: seen.append(torch.distributed.is_initialized())
+    )
     ctx.shutdown()
     assert seen == [True] and not torch.distributed.is_initialized()
 
 
-def test_release_cuda_graphs_resets_the_graph_trees_once_cuda_started(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_release_cuda_graphs_resets_the_graph_trees_once_cuda_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from plait.dist_core import release_cuda_graphs
     from torch._inductor import cudagraph_trees
 

@@ -218,7 +218,9 @@ def test_cuda_graphs_refuse_tensor_parallelism_and_host_synchronising_expert_dis
     for msg in run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_to_all"):
         assert "parallel.expert_dispatch='all_gather'" in msg and "'all_to_all' synchronises" in msg
     # the all-gather dispatch keeps every size on the device: its graphs are allowed
-    assert run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_gather") == ["no error"] * 2
+    assert (
+        run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_gather") == ["no error"] * 2
+    )
 
 
 def _train(
