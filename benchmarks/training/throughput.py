@@ -28,7 +28,7 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
                                   over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
                                   FSDP unit); skipped when fewer than n GPUs are present (``--smoke``: n CPU
                                   processes over gloo)
-  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch, as gpu2.toml; all
+  plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch: no host sync; all
                                   layers in one FSDP unit: with EP it holds only the dense weights)
   plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
   plait_step_fsdp<n>              plait_step_compiled on n GPUs: FSDP2 over n (``provider.parallelize``), once per
@@ -111,7 +111,7 @@ def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str
     n = int(m[2])
     if m[1] == "pp":  # global batch batch x n sequences in microbatches of batch // 2: 2n microbatches
         return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
-    # EP rows: gpu2.toml's dispatch (every size on the device: no host sync, one graph per layer)
+    # EP rows: the all-gather dispatch (every size on the device: no host sync, one graph per layer)
     expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather"] if m[1] == "ep" else []
     # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (8 layers): 4 with FSDP alone; with
     # EP the units hold only the small dense weights, so one unit for all layers.

@@ -450,8 +450,8 @@ def test_compiled_layers_are_priced_with_their_backward_run_whole_at_the_input_p
 
 def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> None:
     """Under CUDA graphs FSDP keeps every layer gathered (the plan of plait.models): the FSDP layouts are
-    priced as without resharding after forward, those with pipeline, tensor, context or expert ranks are refused
-    by the plan."""
+    priced as without resharding after forward, those with pipeline, tensor or context ranks, or expert ranks
+    with the (default) all-to-all dispatch, are refused by the plan."""
     graphs = plan(
         _config("--parallel.compile=true", "--parallel.cuda_graphs=true"), 2, checkpointing=("none",)
     )
@@ -471,6 +471,17 @@ def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> No
     assert any(p.memory["gathered"] > fsdp(resharded)[n].memory["gathered"] for n, p in fsdp(graphs).items())
     assert all(f.layout.pp == f.layout.tp == f.layout.cp == f.layout.ep == 1 for f in graphs.fits)
     assert any("parallel.cuda_graphs needs one stage per process" in why for why in graphs.refused)
+    assert any("parallel.expert_dispatch='all_gather'" in why for why in graphs.refused)
+    # with the all-gather dispatch (every size on the device) the expert layouts run under graphs
+    gathered = plan(
+        _config(
+            "--parallel.compile=true", "--parallel.cuda_graphs=true", "--parallel.expert_dispatch=all_gather"
+        ),
+        2,
+        checkpointing=("none",),
+    )
+    assert any(f.layout.ep == 2 for f in gathered.fits)
+    assert all(f.layout.pp == f.layout.tp == f.layout.cp == 1 for f in gathered.fits)
 
 
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:

@@ -144,19 +144,22 @@ class ParallelConfig(BaseModel):
         cuda_graphs: With ``compile``, each compiled decoder layer's forward and backward are also
             captured as CUDA graphs (inductor's CUDA-graph trees, ``mode="reduce-overhead"``) and
             replayed: a launch per graph instead of one per kernel, meant for host-bound steps. One
-            stage per process and no collective inside a layer: pipeline stages, tensor, context and
-            expert parallelism are refused; data parallelism (FSDP2/HSDP) is not: each layer then keeps its
-            gathered parameters allocated at fixed addresses (the memory of the unsharded layers, held all
-            the time; every all-gather writes them there) and from its forward to its backward
-            (``reshard_after_forward`` unset means False; True is refused), and its buffers are static
-            graph inputs. Gradients accumulate over microbatches: torch's graph trees hand the layers'
-            weight gradients out of their memory pool, which the next replay overwrites, so each training
-            forward hooks the parameters each layer holds after its forward to copy the first gradient of a
-            step out of the pool (:func:`plait.models.common.model.own_graph_gradients`). CUDA only. Off by
-            default: it pays where the step is host-bound (a 0.6B Llama trained 1.6-1.8x faster with it
-            at 2048 tokens per microbatch, alike from 8k; the one-GPU MoE main job 1.15x; the 1.14B MoE
-            Trainer row under FSDP over 2 GPUs 1.13-1.17x), but evaluation, checkpoints and resuming have not
-            been measured with it on a GPU (``benchmarks/results/cuda_graphs.md``).
+            stage per process and no host synchronisation inside a layer: pipeline stages, tensor and
+            context parallelism are refused, and expert parallelism unless ``expert_dispatch`` is
+            ``all_gather`` (its collectives are then captured in the graphs; the process groups' teardown
+            frees the graphs first: :func:`plait.dist_core.release_cuda_graphs`). Data parallelism
+            (FSDP2/HSDP) is allowed: each layer then keeps its gathered parameters allocated at fixed
+            addresses (the memory of the unsharded layers, held all the time; every all-gather writes them
+            there) and from its forward to its backward (``reshard_after_forward`` unset means False; True
+            is refused), and its buffers are static graph inputs. Gradients accumulate over microbatches:
+            torch's graph trees hand the layers' weight gradients out of their memory pool, which the next
+            replay overwrites, so each training forward hooks the parameters each layer holds after its
+            forward to copy the first gradient of a step out of the pool
+            (:func:`plait.models.common.model.own_graph_gradients`). CUDA only. Off by default; it pays
+            where the step is host-bound (a 0.6B Llama trained 1.6-1.8x faster with it at 2048 tokens per
+            microbatch, alike from 8k; the one-GPU MoE main job 1.15x; the 1.14B MoE Trainer row over 2
+            GPUs 1.13-1.23x under FSDP2 and 1.48x under EP=2 x FSDP2), and ``gpu2.toml`` ships it
+            (``benchmarks/results/cuda_graphs.md``, ``scaling.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
@@ -209,8 +212,8 @@ class ParallelConfig(BaseModel):
     cuda_graphs: bool = Field(
         default=False,
         description=(
-            "With compile: replay each layer as CUDA graphs (CUDA; one stage per process, FSDP allowed), "
-            "for host-bound steps."
+            "With compile: replay each layer as CUDA graphs (CUDA; one stage per process; FSDP, and EP with "
+            "the all_gather dispatch, allowed), for host-bound steps."
         ),
     )
     context_parallel_attention: Literal["ring", "allgather"] = Field(
