@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plait.dist_core.fsdp_state import param_groups
 from plait.dist_core.testing import run_distributed
 from plait.pipelining import fsdp_compat
 from torch import nn
@@ -32,7 +33,7 @@ def _private_names(_: int) -> dict[str, Any]:
     assert isinstance(inner, FSDPModule)
     root(torch.randn(2, 8))  # lazy init
     state = inner._get_fsdp_state()
-    groups = fsdp_compat.param_groups(inner)
+    groups = param_groups(inner)
     return {
         "_get_fsdp_state": hasattr(FSDPModule, "_get_fsdp_state"),
         "_fsdp_param_groups or _fsdp_param_group": hasattr(state, "_fsdp_param_groups")

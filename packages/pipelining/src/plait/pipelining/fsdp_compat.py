@@ -21,13 +21,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-__all__ = [
-    "PostForward",
-    "keep_unsharded_after_forward",
-    "param_groups",
-    "post_forward_settings",
-    "restore_post_forward",
-]
+__all__ = ["PostForward", "keep_unsharded_after_forward", "post_forward_settings", "restore_post_forward"]
 
 # A parameter group and where it reshards after forward (None: it keeps the unsharded parameters).
 PostForward = tuple["FSDPParamGroup", "FSDPMeshInfo | None"]
