@@ -18,7 +18,7 @@ def _grads(shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float32) ->
 @pytest.mark.parametrize(
     "shapes",
     [
-        [(8, 3), (4,), (16, 2, 5)],  # every first dim divisible: one copy per gradient
+        [(8, 3), (4,), (16, 2, 5)],  # every first dim divisible: plait's concatenation
         [(6, 3), (4,), (5, 2)],  # 5 or 6 rows over 2 / 4 ranks: torch pads, FSDP2's own copy-in runs
     ],
 )

@@ -144,12 +144,15 @@ def _rank_run(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> 
         factor = pkw["expert_buffer_factor"]
         assert all(moe.dispatcher.buffer_factor == factor for moe in model.moe_layers())
     if dshape[1] * dshape[2] > 1:  # FSDP: one parameter group (all-gather, reduce-scatter) per unit
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         layers = list(model.decoder_layers())
         groups = [fully_shard.state(layer)._fsdp_param_group for layer in layers]  # type: ignore[attr-defined]
         per_unit = pkw.get("fsdp_layers_per_unit", 1)
         assert [groups.index(g) for g in groups] == [i // per_unit * per_unit for i in range(len(layers))]
+        # the embedding and the head in units of their own, unless they share a weight (then the root's)
+        ends = (model.model.embed_tokens, model.lm_head)
+        assert [isinstance(m, FSDPModule) for m in ends] == [not tied] * 2
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()

@@ -69,11 +69,11 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _fsdp_units(stages: list[torch.nn.Module]) -> list[int]:
+def _fsdp_units(modules: list[torch.nn.Module], inner: bool = True) -> list[int]:
     """The bytes each FSDP2 unit (one per ``fully_shard`` call: modules sharded together share its state)
-    of ``stages`` all-gathers, sorted."""
-    states = {id(st): st for m in stages for sub in m.modules() if isinstance(sub, FSDPModule)
-              for st in [sub._get_fsdp_state()]}  # fmt: skip
+    of ``modules`` (and, with ``inner``, of their submodules) all-gathers, sorted."""
+    states = {id(st): st for m in modules for sub in (m.modules() if inner else [m])
+              if isinstance(sub, FSDPModule) for st in [sub._get_fsdp_state()]}  # fmt: skip
     return sorted(
         sum(
             math.prod(fp._orig_size) * fp.sharded_param.element_size()
@@ -84,10 +84,10 @@ def _fsdp_units(stages: list[torch.nn.Module]) -> list[int]:
     )
 
 
-def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, list[int], int]:
+def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int, list[int], int, int]:
     """This rank's stages built by the trainer's own functions (their bytes of parameters, gradients and
-    moments, the optimizer stepped once on zero gradients, what their FSDP2 units gather, and the gradients
-    outside the decoder layers)."""
+    moments, the optimizer stepped once on zero gradients, what their FSDP2 units gather, the gradients
+    outside the decoder layers, and what the units of the stages' roots and embeddings gather)."""
     from plait.loop.engine import build_stages, place_stages
     from plait.loop.optim.optimizers import build_optimizer
     from plait.loop.topology import Topology
@@ -120,6 +120,11 @@ def _built_states(config: dict[str, Any], layout: Layout) -> tuple[int, int, int
         moments,
         _fsdp_units(stages),
         sum(_local_bytes(p.grad) for p in outer.values()),
+        sum(
+            _fsdp_units(
+                [m for st in stages for m in (st, st.model.embed_tokens) if m is not None], inner=False
+            )
+        ),
     )
 
 
@@ -139,7 +144,8 @@ STATE_LAYOUTS = [
 def _assert_states_are_the_ranks(cfg: JobConfig, layout: Layout) -> None:
     """The planner's states of every pipeline rank of ``layout`` (parameters, gradients, moments, each
     FSDP2 unit's gathered bytes, over which FSDP2's per-unit cost is counted, and the gradients outside the
-    decoder layers, what a lone microbatch's peak holds) equal a real rank's build."""
+    decoder layers, what a lone microbatch's peak holds, and the bytes of the units whose collectives no
+    layer hides: the roots' and the embeddings') equal a real rank's build."""
     job = PlanJob(cfg)
     b = cfg.batching
     batch_plan = BatchPlan(b.global_batch_size, layout.microbatch_size, layout.dp, b.seq_len, layout.cp)
@@ -148,7 +154,7 @@ def _assert_states_are_the_ranks(cfg: JobConfig, layout: Layout) -> None:
     for p, (states, _) in enumerate(job.rank_states(layout, num_stages, placement)):
         rank = p * (layout.world // layout.pp)  # the rank of this pipeline coordinate with the others 0
         units = sorted(b for b in states.gathered if b)  # a root without parameters: 0 bytes, no FSDP2 group
-        planned = (states.params, states.grads, states.optimizer, units, states.outer_grads)
+        planned = (states.params, states.grads, states.optimizer, units, states.outer_grads, states.leading)
         assert planned == built[rank], (layout.name, p)
 
 

@@ -7,9 +7,10 @@ op builds its launch metadata on the host with one entry per 2 KiB thread block 
 1.14B MoE of two FSDP units on 2 x H200 spent 4.9 ms of its ~75 ms step there, profiled with the GPU
 idle meanwhile).
 
-:func:`install` replaces FSDP2's copy-in function with one copy per gradient, gradients whose first
-dim the world size divides: ``out[:, o : o + n] = grad.view(world, n)`` (one ``_foreach_copy_``, the
-same bytes in the same places). Anything else (uneven first dims, which ``_chunk_cat`` pads; mixed
+:func:`install` replaces FSDP2's copy-in function with one concatenation, gradients whose first dim
+the world size divides: ``torch.cat([grad.view(world, n) for grad in grads], dim=1, out=out)`` (the same
+bytes in the same places; one batched kernel, which on 2 x H200 took half the GPU time of one strided
+copy per gradient and less than ``_chunk_cat``'s). Anything else (uneven first dims, which ``_chunk_cat`` pads; mixed
 dtypes; non-contiguous gradients) goes to FSDP2's own function. ``tests/dist_core/test_fsdp_copy_in.py``
 checks the result against ``torch._chunk_cat`` and that the patched name still exists in the installed
 torch.
@@ -38,13 +39,7 @@ def copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Ten
     ):
         _ORIGINAL(unsharded_grads, reduce_scatter_input, world_size)
         return
-    dst, src, offset = [], [], 0
-    for g in unsharded_grads:
-        n = g.numel() // world_size
-        dst.append(out[:, offset : offset + n])
-        src.append(g.view(world_size, n))
-        offset += n
-    torch._foreach_copy_(dst, src)
+    torch.cat([g.view(world_size, -1) for g in unsharded_grads], dim=1, out=out)
 
 
 def install() -> None:

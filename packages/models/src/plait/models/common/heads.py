@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -90,17 +90,18 @@ class LMHead(nn.Linear):
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits ``[..., V]`` (gathered over the tensor-parallel group if sharded)."""
+        """Full-vocabulary logits ``[..., V]`` (gathered over the tensor-parallel group if sharded): the
+        module's call, so that its hooks (FSDP2's gathering) run."""
+        return cast(torch.Tensor, self(hidden))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Same as :meth:`logits`."""
         out = nn.functional.linear(hidden, local_view(self.weight))
         if self.tp_group is not None:
             parts = [torch.empty_like(out) for _ in range(dist.get_world_size(self.tp_group))]
             dist.all_gather(parts, out.contiguous(), group=self.tp_group)
             out = torch.cat(parts, dim=-1)
         return out
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Same as :meth:`logits`."""
-        return self.logits(hidden)
 
     def reset_parameters(self, std: float = 0.02) -> None:  # type: ignore[override]
         """Normal(0, std)."""

@@ -25,8 +25,8 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   third of it before recomputation. Tensor, context and expert parallelism's collectives per microbatch are
   added to the stage (they wait in the layer); the pipeline simulator composes the stages with the
   schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the
-  compute except the first unit's gather and the last unit's reduce-scatter and whatever exceeds the
-  compute; HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's
+  compute except those of the units gathered before the first layer and reduced after the last (the
+  embedding's and the root's) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's
   fixed cost (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs
   (:func:`calibrated`).
 
@@ -393,13 +393,15 @@ def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
 
 
 def _fsdp_collectives(
-    units: tuple[int, ...], fsdp: int, machine: Machine
+    units: tuple[int, ...], leading: int, fsdp: int, machine: Machine
 ) -> tuple[float, float, float, float]:
     """Seconds of FSDP2's collectives of ``units`` over ``fsdp`` ranks: all the all-gathers, all the
-    reduce-scatters, the first unit's all-gather and the last unit's reduce-scatter."""
+    reduce-scatters, and those of the ``leading`` bytes (gathered before the first layer, reduced after the
+    last: no compute hides them)."""
     gather = [machine.collective_s("all_gather", u, fsdp) for u in units]
     scatter = [machine.collective_s("reduce_scatter", u, fsdp) for u in units]
-    return sum(gather), sum(scatter), gather[0], scatter[-1]
+    lead = (machine.collective_s(c, leading, fsdp) for c in ("all_gather", "reduce_scatter"))
+    return (sum(gather), sum(scatter), *lead)
 
 
 def _resident(states: StateBytes, fsdp: bool, reshard: bool) -> tuple[float, dict[str, float]]:
@@ -524,7 +526,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     gathers = (2 * nmb if reshard else 1) if fsdp_n > 1 else 0
     fsdp_exposed = 0.0
     if fsdp_n > 1 and ranks[0][0].gathered:
-        gather, scatter, first, last = job.memo(_fsdp_collectives, ranks[0][0].gathered, fsdp_n, machine)
+        st = ranks[0][0]
+        gather, scatter, first, last = job.memo(_fsdp_collectives, st.gathered, st.leading, fsdp_n, machine)
         fsdp_exposed = first + last + max(0.0, gathers * gather + scatter - compute_s)
     replica = machine.collective_s(
         "all_reduce", states0.grads, layout.dp_replicate, inter_node=layout.world > machine.gpus_per_node

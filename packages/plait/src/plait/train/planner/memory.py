@@ -89,6 +89,9 @@ class StateBytes:
             over the FSDP dims, in their dtype; 0 for a root without parameters, e.g. a middle pipeline
             stage's), outermost unit last (stage by stage).
         outer_grads: the part of ``grads`` outside the decoder layers (embeddings, head, final norm).
+        leading: of ``gathered``, the bytes of the units the forward gathers before the stage's first decoder
+            layer and the backward reduce-scatters after its last (the embedding's and the root's): FSDP2's
+            communication no layer's compute hides.
     """
 
     params: int
@@ -96,6 +99,7 @@ class StateBytes:
     optimizer: int
     gathered: tuple[int, ...]
     outer_grads: int = 0
+    leading: int = 0
 
     @property
     def total(self) -> int:
@@ -110,7 +114,7 @@ class StateBytes:
         """The states of two stages on one rank."""
         return StateBytes(
             self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer,
-            self.gathered + other.gathered, self.outer_grads + other.outer_grads,
+            self.gathered + other.gathered, self.outer_grads + other.outer_grads, self.leading + other.leading,
         )  # fmt: skip
 
 
@@ -220,13 +224,17 @@ def state_bytes(
         held = owner.get(id(unit))
         units.append((held, held is not None and unit is layers[held], unit_bytes))
     gathered: list[int] = []
+    leading = (
+        0  # units outside the layers that come before them in the modules' order (after, innermost first)
+    )
     for i, (layer, _, unit_bytes) in enumerate(units):
         if layer is None:
             gathered.append(unit_bytes)
+            leading += unit_bytes if any(held is not None for held, _, _ in units[:i]) else 0
         elif i == 0 or units[i - 1][0] is None:  # the layers' units, last first
             gathered += _layer_units(units, list(stand_in.values()), layers_per_unit)
     params, grads, opt = (sums[None][k] + sum(sums[stand_in[j]][k] for j in stand_in) for k in range(3))
-    return StateBytes(params, grads, opt, tuple(gathered), sums[None][1])
+    return StateBytes(params, grads, opt, tuple(gathered), sums[None][1], leading)
 
 
 @dataclass(frozen=True)

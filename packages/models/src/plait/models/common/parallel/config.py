@@ -130,7 +130,8 @@ class ParallelConfig(BaseModel):
         data_parallel: ``fsdp`` shards parameters over the dense mesh's ``dp_cp_shard`` dim and
             replicates over ``dp_replicate`` (HSDP when both > 1; plain replication when only
             ``dp_replicate`` > 1); ``none`` leaves gradient synchronisation to the caller.
-        reshard_after_forward: FSDP2 ``reshard_after_forward`` (None: FSDP's default).
+        reshard_after_forward: FSDP2 ``reshard_after_forward`` (None: FSDP's default) of every unit but
+            the LM head's (kept gathered for its backward, which follows at once).
         fsdp_layers_per_unit: Consecutive decoder layers that share one FSDP2 unit (one
             all-gather, one reduce-scatter and one set of hooks per unit). 1 = a unit per layer;
             more trades peak memory (that many layers' unsharded parameters) for fewer, larger
@@ -193,7 +194,9 @@ class ParallelConfig(BaseModel):
         description="fsdp: FSDP2 (HSDP with data_replicate > 1) when data-parallel; none: the caller's.",
     )
     reshard_after_forward: bool | None = Field(
-        default=None, description="FSDP2's reshard_after_forward (None: FSDP2's default)."
+        default=None,
+        description="FSDP2's reshard_after_forward (None: FSDP2's default) of every unit but the LM head's, "
+        "which keeps its parameters gathered for its backward (it follows at once).",
     )
     fsdp_layers_per_unit: int = Field(
         default=1,

@@ -27,7 +27,7 @@ from plait.models.common.parallel.float8 import apply_float8
 from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -208,8 +208,9 @@ def apply_fsdp(
     layers_per_unit: int = 1,
     cuda_graphs: bool = False,
 ) -> None:
-    """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers and on the root, over
-    ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
+    """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers, on the token embedding, on the
+    LM head (kept gathered from its forward to its backward; both in the root's unit when tied) and on
+    the root, over ``dp_mesh`` (1-D = FSDP, 2-D = HSDP).
 
     With ``cuda_graphs`` (the layers replayed as CUDA graphs, which read their parameters at the addresses
     they were recorded with) every layer keeps its gathered parameters allocated when it reshards
@@ -254,10 +255,31 @@ def apply_fsdp(
             fully_shard(unit[0], mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
         else:
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
+    for end, reshard in _end_units(model):
+        fully_shard(end, mesh=dp_mesh, **{**kwargs, **reshard})
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, FSDPModule):
+        register_fsdp_forward_method(head, "loss")
     if cuda_graphs:
         for layer in layers:
             keep_unsharded_storage(cast(FSDPModule, layer))
+
+
+def _end_units(model: DecoderStage) -> list[tuple[nn.Module, dict[str, bool]]]:
+    """The FSDP2 units of the stage's token embedding and LM head, with their ``reshard_after_forward``
+    override (none when they share one weight: both stay in the root's unit).
+
+    In units of their own (as torchtitan shards them) the head's all-gather runs under the last layers'
+    forward and its reduce-scatter under the layers' backward; in the root's unit both would wait with
+    the embedding's at the step's two ends. The head's backward follows its forward at once, so it
+    never reshards in between (that would only gather it again)."""
+    embed = model.model.embed_tokens
+    head = getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is embed.weight:
+        return []
+    ends: list[tuple[nn.Module, dict[str, bool]]] = [] if embed is None else [(embed, {})]
+    return ends if head is None else [*ends, (head, {"reshard_after_forward": False})]
 
 
 def _check_cuda_graph_layout(
