@@ -20,6 +20,7 @@ from plait.models import (
     parallelize,
     save_hf_checkpoint,
 )
+from plait.models.common.heads import TokenEmbedding
 from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 from plait.moe import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from torch import nn
@@ -67,6 +68,14 @@ LAYOUTS = {
     "fsdp2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {}),
     # two decoder layers per FSDP unit (layers 0-1, then 2); with EP the experts stay out of the units
     "fsdp2_units2": (2, (1, 1, 2, 1, 1), (1, 2, 1), {"fsdp_layers_per_unit": 2}),
+    # the embedding's rows sharded over the FSDP ranks, no unit (with EP: the all-gather dispatch)
+    "fsdp2_rows": (2, (1, 1, 2, 1, 1), (1, 2, 1), {"shard_embedding_rows": True}),
+    "ctx_ep2_fsdp2_all_gather_rows": (
+        2,
+        (1, 1, 2, 1, 1),
+        (1, 1, 2),
+        {"expert_dispatch": "all_gather", "shard_embedding_rows": True},
+    ),
     "ctx_ep2_fsdp2_units2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"fsdp_layers_per_unit": 2}),
     "ctx_ep2_fsdp2": (2, (1, 1, 2, 1, 1), (1, 1, 2), {}),
     "ctx_ep2_fsdp2_deepep": (2, (1, 1, 2, 1, 1), (1, 1, 2), {"expert_dispatch": "deepep"}),
@@ -151,8 +160,11 @@ def _rank_run(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> 
         per_unit = pkw.get("fsdp_layers_per_unit", 1)
         assert [groups.index(g) for g in groups] == [i // per_unit * per_unit for i in range(len(layers))]
         # the embedding and the head in units of their own, unless they share a weight (then the root's)
+        # or the embedding's rows are sharded (then it is none)
+        rows = pkw.get("shard_embedding_rows", False)
         ends = (model.model.embed_tokens, model.lm_head)
-        assert [isinstance(m, FSDPModule) for m in ends] == [not tied] * 2
+        assert [isinstance(m, FSDPModule) for m in ends] == [not tied and not rows, not tied]
+        assert (model.model.embed_tokens.row_mesh is not None) == rows
     # The training path: materialise the sharded meta model and initialise it in place...
     model.to_empty(device="cpu")
     model.reset_parameters()
@@ -167,6 +179,8 @@ def _rank_run(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> 
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        elif isinstance(m, TokenEmbedding):
+            m.set_gradient_divide_factor(1.0)  # a row-sharded table reduces its own gradient
     ids, labels = _batch()
     dp_size = dshape[1] * dshape[2]
     dp_rank = dense["dp_replicate"].get_local_rank() * dshape[2] + dense["dp_cp_shard"].get_local_rank()

@@ -176,6 +176,15 @@ def test_units_of_several_layers_gather_what_the_ranks_build(layout: Layout) -> 
 
 
 @pytest.mark.parametrize(
+    "layout", [_layout(dps=2), _layout(pp=2, dps=2, sched="1f1b")], ids=lambda lay: lay.name
+)
+def test_row_sharded_embedding_is_no_unit_and_its_states_are_the_ranks(layout: Layout) -> None:
+    """``parallel.shard_embedding_rows``: the table is sharded like FSDP2's and no unit gathers it (the
+    units' bytes and what no layer hides, the root's alone, equal the real ranks')."""
+    _assert_states_are_the_ranks(_config("--parallel.shard_embedding_rows=true"), layout)
+
+
+@pytest.mark.parametrize(
     "layout", [_layout(dps=2, ep=2), _layout(tp=2), _layout(pp=2, sched="1f1b")], ids=lambda lay: lay.name
 )
 def test_state_bytes_of_layers_of_two_kinds_equal_what_the_ranks_build(layout: Layout) -> None:

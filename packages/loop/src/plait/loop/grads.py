@@ -22,8 +22,10 @@ __all__ = ["all_reduce_plain_grads", "clip_grad_norm", "prepare_fsdp_for_sum"]
 
 
 def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """Make FSDP2 reduce gradients by *sum* (divide factor 1); return the modules whose gradient
-    sync can be switched off (FSDP2 modules and plait.dist_core ``replicate``-d modules).
+    """Make FSDP2 reduce gradients by *sum* (divide factor 1), and other modules with FSDP2's
+    ``set_gradient_divide_factor`` (a row-sharded token embedding, whose gradient comes out reduced); return
+    the modules whose gradient sync can be switched off (FSDP2 modules and plait.dist_core ``replicate``-d
+    modules).
 
     The loop normalises the loss by the global token count itself, so the data-parallel reduction
     must add, not average, the ranks' gradients.
@@ -43,6 +45,8 @@ def prepare_fsdp_for_sum(modules: Sequence[nn.Module]) -> list[nn.Module]:
                 if force_sum is not None:
                     force_sum(True)
                 found.append(m)
+            elif callable(setter := getattr(m, "set_gradient_divide_factor", None)):
+                setter(1.0)  # a module reducing its own gradients (a row-sharded embedding): always synced
             elif is_replicated(m):
                 if (reduce := replicated_reduce(m)) != "sum":
                     raise ValueError(

@@ -6,20 +6,89 @@ from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from plait.kernels import linear_cross_entropy
 from plait.model_state import local_view
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = ["LMHead", "PoolingMethod", "TokenEmbedding", "pool_hidden_states"]
 
 PoolingMethod = Literal["last", "mean"]
+# torch renamed the functional collectives (``*_single``); older releases have only the ``*_tensor`` names.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = (
+    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+)
 
 
 class TokenEmbedding(nn.Embedding):
-    """Token embedding (``nn.Embedding``; the tensor-parallel plan makes it vocab-parallel)."""
+    """Token embedding (``nn.Embedding``; the tensor-parallel plan makes it vocab-parallel; under FSDP
+    :meth:`shard_rows` can keep its rows sharded over the data-parallel ranks, never gathered)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, padding_idx: int | None = None) -> None:
         super().__init__(vocab_size, hidden_size, padding_idx=padding_idx)
+        self.row_mesh: DeviceMesh | None = None
+        self.row_dtype: torch.dtype | None = None
+        self.gradient_divide_factor: float | None = None
+
+    def shard_rows(self, mesh: DeviceMesh, dtype: torch.dtype | None = None) -> None:
+        """Keep the table sharded by rows over the 1-D ``mesh`` (a ``Shard(0)`` DTensor, what FSDP2 holds) and
+        look tokens up without gathering it.
+
+        Each lookup all-gathers every rank's token ids, embeds those that fall in this rank's rows (zeros
+        for the others) and reduce-scatters the result, so each rank gets its own tokens' vectors (exact:
+        one rank contributes each). The backward all-gathers their gradients and each rank adds them into
+        its rows: the table's gradient comes out already reduced over the ranks, divided by
+        :meth:`set_gradient_divide_factor`'s factor (default: the mesh's size, FSDP2's mean). The table's
+        all-gather and reduce-scatter, which FSDP2 runs at the step's two ends where no compute hides them,
+        become exchanges of the tokens' vectors. Every rank must pass the same number of tokens (checked on
+        the device, without a host wait). ``dtype``: the vectors' dtype (FSDP2's mixed-precision
+        ``param_dtype``; None: the table's).
+
+        Raises:
+            ValueError: ``mesh`` is not 1-D, or the table is already a DTensor (tensor parallelism).
+        """
+        if mesh.ndim != 1:
+            raise ValueError(f"TokenEmbedding.shard_rows needs a 1-D mesh, got {mesh.ndim} dims")
+        if isinstance(self.weight, DTensor):
+            raise ValueError("TokenEmbedding.shard_rows: the table is already a DTensor (tensor parallel)")
+        table = distribute_tensor(self.weight.detach(), mesh, [Shard(0)], src_data_rank=None)
+        self.weight = nn.Parameter(table, requires_grad=self.weight.requires_grad)
+        self.row_mesh, self.row_dtype = mesh, dtype
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the row-sharded table's gradient by ``factor`` (1: the ranks' sum), as FSDP2's method of
+        that name does for its units."""
+        self.gradient_divide_factor = factor
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.row_mesh is None:
+            return super().forward(input_ids)
+        mesh = self.row_mesh
+        group, ranks = mesh.get_group(), mesh.size()
+        assert isinstance(self.weight, DTensor)
+        local = self.weight.to_local()  # differentiable: its gradient becomes the DTensor's, Shard(0)
+        start = mesh.get_local_rank() * -(-self.num_embeddings // ranks)  # torch.chunk's shard size
+        ids = input_ids.reshape(-1)
+        count = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
+        torch._assert_async(  # noqa: SLF001  a device-side check: no host wait
+            torch.all(_all_gather(count, 0, group) == count),
+            "TokenEmbedding.shard_rows (parallel.shard_embedding_rows): every data-parallel rank must pass "
+            "the same number of tokens",
+        )
+        every = _all_gather(ids, 0, group)
+        outside = (every < start) | (every >= start + local.shape[0])
+        pad = self.padding_idx
+        local_pad = pad - start if pad is not None and 0 <= pad - start < local.shape[0] else None
+        part = nn.functional.embedding(every.sub(start).masked_fill(outside, 0), local, local_pad)
+        part = part.masked_fill(outside.unsqueeze(-1), 0).to(self.row_dtype or part.dtype)
+        out = _reduce_scatter(part, "sum", 0, group)
+        factor = ranks if self.gradient_divide_factor is None else self.gradient_divide_factor
+        if out.requires_grad and factor != 1:
+            out.register_hook(lambda g: g / factor)
+        return out.view(*input_ids.shape, -1)
 
     def reset_parameters(self, std: float = 1.0) -> None:  # type: ignore[override]
         """Normal(0, std); the padding row (if any) is zeroed like Hugging Face's init."""

@@ -194,6 +194,7 @@ def state_bytes(
     ``layers_per_unit``: consecutive decoder layers that share one FSDP2 unit
     (``parallel.fsdp_layers_per_unit``; their gathered bytes are one unit's).
     """
+    from plait.dist_core.fsdp_state import param_groups
     from torch.distributed.fsdp import FSDPModule
 
     layers = {ly.layer_idx: ly for ly in stage.decoder_layers()}  # type: ignore[operator]
@@ -214,8 +215,8 @@ def state_bytes(
     units: list[tuple[int | None, bool, int]] = []
     owned: set[int] = set()
     for unit in reversed([m for m in stage.modules() if isinstance(m, FSDPModule)]):
-        unit_bytes = 0  # a parameter belongs to the innermost unit holding it
-        for p in unit.parameters():
+        unit_bytes = 0  # a parameter belongs to the innermost unit holding it (not the ones it ignores)
+        for p in (fp.sharded_param for group in param_groups(unit) for fp in group.fsdp_params):
             if id(p) in owned or _gather_factor(p) == 1:
                 continue
             owned.add(id(p))

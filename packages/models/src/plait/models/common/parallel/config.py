@@ -136,6 +136,13 @@ class ParallelConfig(BaseModel):
             all-gather, one reduce-scatter and one set of hooks per unit). 1 = a unit per layer;
             more trades peak memory (that many layers' unsharded parameters) for fewer, larger
             collectives and less host time per step (what small, host-bound layers need).
+        shard_embedding_rows: Under FSDP, the token embedding is no FSDP2 unit: its rows stay sharded over
+            the data-parallel ranks and each lookup exchanges the tokens' vectors instead
+            (:meth:`plait.models.common.heads.TokenEmbedding.shard_rows`): no all-gather of the table at
+            the forward's start and no reduce-scatter of its gradient at the backward's end, where no
+            compute hides them, and no gathered table in memory. Every data-parallel rank must pass the
+            same number of tokens in every forward (packed or fixed-length batches; checked on the device).
+            Needs an untied embedding, a 1-D FSDP mesh (no HSDP) and no tensor parallelism.
         param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
@@ -202,6 +209,11 @@ class ParallelConfig(BaseModel):
         default=1,
         ge=1,
         description="Consecutive decoder layers sharing one FSDP2 unit (all-gather, reduce-scatter).",
+    )
+    shard_embedding_rows: bool = Field(
+        default=False,
+        description="FSDP: keep the token embedding's rows sharded and exchange the looked-up vectors "
+        "instead of gathering the table (equal token counts on every data rank; untied, no HSDP or TP).",
     )
     param_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         default=None, description="FSDP mixed-precision compute dtype (None: the parameters' own dtype)."

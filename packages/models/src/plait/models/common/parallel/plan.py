@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
 from plait.dist_core.fsdp_state import keep_unsharded_storage
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
+from plait.models.common.heads import TokenEmbedding
 from plait.models.common.layer import DecoderLayer, SequentialMixer
 from plait.models.common.model import CausalLMStage, DecoderStage
 from plait.models.common.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -28,7 +29,7 @@ from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 __all__ = [
@@ -207,6 +208,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     layers_per_unit: int = 1,
     cuda_graphs: bool = False,
+    shard_embedding_rows: bool = False,
 ) -> None:
     """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers, on the token embedding, on the
     LM head (kept gathered from its forward to its backward; both in the root's unit when tied) and on
@@ -218,6 +220,9 @@ def apply_fsdp(
     for the memory of the unsharded layers held all the time) and from its forward to its backward
     (``reshard_after_forward`` unset means False; True, which would free nothing and only gather again in
     the backward, is refused).
+
+    With ``shard_embedding_rows`` the token embedding is no unit: its rows stay sharded over ``dp_mesh``
+    (:meth:`TokenEmbedding.shard_rows`, ``ParallelConfig.shard_embedding_rows``; a 1-D mesh, untied).
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
@@ -255,20 +260,22 @@ def apply_fsdp(
             fully_shard(unit[0], mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
         else:
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
-    for end, reshard in _end_units(model):
-        fully_shard(end, mesh=dp_mesh, **{**kwargs, **reshard})
+    ignored_all |= _shard_ends(model, dp_mesh, kwargs, shard_embedding_rows)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
     head = getattr(model, "lm_head", None)
     if isinstance(head, FSDPModule):
-        register_fsdp_forward_method(head, "loss")
+        register_fsdp_forward_method(cast(nn.Module, head), "loss")
     if cuda_graphs:
         for layer in layers:
             keep_unsharded_storage(cast(FSDPModule, layer))
 
 
-def _end_units(model: DecoderStage) -> list[tuple[nn.Module, dict[str, bool]]]:
-    """The FSDP2 units of the stage's token embedding and LM head, with their ``reshard_after_forward``
-    override (none when they share one weight: both stay in the root's unit).
+def _shard_ends(
+    model: DecoderStage, dp_mesh: DeviceMesh, kwargs: dict[str, Any], shard_embedding_rows: bool
+) -> set[nn.Parameter]:
+    """FSDP2 units of the stage's token embedding and LM head (none when they share one weight: both stay
+    in the root's unit); with ``shard_embedding_rows`` the embedding's rows are sharded instead. Returns
+    the parameters the root's unit must leave alone.
 
     In units of their own (as torchtitan shards them) the head's all-gather runs under the last layers'
     forward and its reduce-scatter under the layers' backward; in the root's unit both would wait with
@@ -276,10 +283,38 @@ def _end_units(model: DecoderStage) -> list[tuple[nn.Module, dict[str, bool]]]:
     never reshards in between (that would only gather it again)."""
     embed = model.model.embed_tokens
     head = getattr(model, "lm_head", None)
-    if embed is not None and head is not None and head.weight is embed.weight:
-        return []
-    ends: list[tuple[nn.Module, dict[str, bool]]] = [] if embed is None else [(embed, {})]
-    return ends if head is None else [*ends, (head, {"reshard_after_forward": False})]
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if tied and shard_embedding_rows:
+        raise ValueError(
+            "parallel.shard_embedding_rows needs the token embedding apart from the LM head "
+            "(tie_word_embeddings = false): a tied table is gathered for the head"
+        )
+    if tied:
+        return set()
+    if head is not None:
+        fully_shard(head, mesh=dp_mesh, **{**kwargs, "reshard_after_forward": False})
+    if embed is None:
+        return set()
+    if not shard_embedding_rows:
+        fully_shard(embed, mesh=dp_mesh, **kwargs)
+        return set()
+    _check_row_sharding(embed, dp_mesh)
+    mp = kwargs.get("mp_policy")
+    embed.shard_rows(dp_mesh, mp.param_dtype if mp is not None else None)
+    return {cast(nn.Parameter, embed.weight)}
+
+
+def _check_row_sharding(embed: TokenEmbedding, dp_mesh: DeviceMesh) -> None:
+    """``parallel.shard_embedding_rows`` needs a 1-D FSDP mesh and an embedding table of its own."""
+    if dp_mesh.ndim != 1:
+        raise ValueError(
+            "parallel.shard_embedding_rows shards the embedding over one data-parallel dim; this layout "
+            f"replicates it too (HSDP: mesh.data_replicate > 1, a {dp_mesh.ndim}-D data mesh)"
+        )
+    if isinstance(embed.weight, DTensor):
+        raise ValueError(
+            "parallel.shard_embedding_rows cannot apply under tensor parallelism (mesh.tensor > 1)"
+        )
 
 
 def _check_cuda_graph_layout(
@@ -340,6 +375,7 @@ def _apply_data_parallel(
         mp_policy=mp,
         layers_per_unit=config.fsdp_layers_per_unit,
         cuda_graphs=config.cuda_graphs,
+        shard_embedding_rows=config.shard_embedding_rows,
     )
 
 

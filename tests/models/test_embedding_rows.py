@@ -1,0 +1,80 @@
+"""A token embedding whose rows stay sharded over the data-parallel ranks (``TokenEmbedding.shard_rows``,
+``ParallelConfig.shard_embedding_rows``) against the same table in one process: each rank's vectors, the
+table's reduced gradient (mean and sum), the padding row, uneven shards, the compute dtype; unequal token
+counts stop on the device-side check. The whole model under it: ``test_parallel.py``'s ``fsdp2_rows``
+layout (losses and every gradient against one process) and ``tests/train/test_planner.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from plait.dist_core.testing import run_distributed
+from plait.models.common.heads import TokenEmbedding
+
+VOCAB, HIDDEN = 11, 4  # 11 rows over 2 ranks: shards of 6 and 5 rows
+
+
+def _ids(world: int, tokens: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (world, 2, tokens), generator=g)
+    ids[:, 0, 0] = 3  # the padding row, on every rank
+    return ids
+
+
+def _rank(padding_idx: int, divide: float | None, dtype: str | None) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    embed = TokenEmbedding(VOCAB, HIDDEN, padding_idx=padding_idx)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    embed.shard_rows(init_device_mesh("cpu", (world,)), getattr(torch, dtype) if dtype else None)
+    if divide is not None:
+        embed.set_gradient_divide_factor(divide)
+    out = embed(_ids(world, 5)[rank])
+    (out.float() * torch.arange(HIDDEN)).sum().backward()
+    return {"out": out.detach(), "grad": embed.weight.grad.full_tensor(), "table": embed.weight.full_tensor()}
+
+
+@pytest.mark.parametrize(
+    ("padding_idx", "divide", "dtype"),
+    [(3, None, None), (9, 1.0, None), (3, 1.0, "bfloat16")],
+    ids=["mean-pad-on-rank0", "sum-pad-on-rank1", "sum-bf16-vectors"],
+)
+def test_row_sharded_lookup_equals_one_process(
+    padding_idx: int, divide: float | None, dtype: str | None
+) -> None:
+    world = 2
+    results = run_distributed(_rank, world, padding_idx, divide, dtype)
+    torch.manual_seed(0)
+    ref = TokenEmbedding(VOCAB, HIDDEN, padding_idx=padding_idx)
+    torch.testing.assert_close(results[0]["table"], ref.weight.detach(), rtol=0, atol=0)
+    ids = _ids(world, 5)
+    out = ref(ids.reshape(world * 2, 5))
+    (out * torch.arange(HIDDEN)).sum().backward()
+    assert ref.weight.grad is not None
+    expected_grad = ref.weight.grad / (world if divide is None else divide)
+    for rank, r in enumerate(results):
+        want = out.detach().view(world, 2, 5, HIDDEN)[rank]
+        torch.testing.assert_close(r["out"], want.to(r["out"].dtype), rtol=0, atol=0)
+        torch.testing.assert_close(r["grad"], expected_grad, rtol=1e-6, atol=1e-6)
+    assert not results[0]["grad"][padding_idx].any()  # nn.Embedding's padding row gets no gradient
+
+
+def _unequal_counts() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    embed = TokenEmbedding(VOCAB, HIDDEN)
+    embed.shard_rows(init_device_mesh("cpu", (2,)))
+    try:
+        embed(torch.zeros(1, 4 + dist.get_rank(), dtype=torch.long))
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_unequal_token_counts_stop_naming_the_key() -> None:
+    messages = run_distributed(_unequal_counts, 2)
+    assert all("parallel.shard_embedding_rows" in m and "same number of tokens" in m for m in messages), (
+        messages
+    )
