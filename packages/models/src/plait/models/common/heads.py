@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from plait.kernels import linear_cross_entropy
 from plait.model_state import local_view
 from torch import nn
@@ -16,11 +15,30 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 __all__ = ["LMHead", "PoolingMethod", "TokenEmbedding", "pool_hidden_states"]
 
 PoolingMethod = Literal["last", "mean"]
-# torch renamed the functional collectives (``*_single``); older releases have only the ``*_tensor`` names.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = (
-    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
-)
+
+
+def _all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = t.new_empty(t.shape[0] * dist.get_world_size(group), *t.shape[1:])
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Sum ``part [P * N, H]`` over the group and keep this rank's ``N`` rows; the backward all-gathers the
+    gradient and divides it by ``factor``. Plain tensors in and out (torch's functional collectives return
+    a tensor subclass, which the compiled layers downstream would take as a new kind of input)."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: dist.ProcessGroup, factor: float) -> torch.Tensor:
+        ctx.group, ctx.factor = group, factor
+        out = part.new_empty(part.shape[0] // dist.get_world_size(group), *part.shape[1:])
+        dist.reduce_scatter_tensor(out, part.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        full = _all_gather(grad, ctx.group)
+        return (full if ctx.factor == 1 else full / ctx.factor), None, None
 
 
 class TokenEmbedding(nn.Embedding):
@@ -74,20 +92,18 @@ class TokenEmbedding(nn.Embedding):
         ids = input_ids.reshape(-1)
         count = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
         torch._assert_async(  # noqa: SLF001  a device-side check: no host wait
-            torch.all(_all_gather(count, 0, group) == count),
+            torch.all(_all_gather(count, group) == count),
             "TokenEmbedding.shard_rows (parallel.shard_embedding_rows): every data-parallel rank must pass "
             "the same number of tokens",
         )
-        every = _all_gather(ids, 0, group)
+        every = _all_gather(ids, group)
         outside = (every < start) | (every >= start + local.shape[0])
         pad = self.padding_idx
         local_pad = pad - start if pad is not None and 0 <= pad - start < local.shape[0] else None
         part = nn.functional.embedding(every.sub(start).masked_fill(outside, 0), local, local_pad)
         part = part.masked_fill(outside.unsqueeze(-1), 0).to(self.row_dtype or part.dtype)
-        out = _reduce_scatter(part, "sum", 0, group)
         factor = ranks if self.gradient_divide_factor is None else self.gradient_divide_factor
-        if out.requires_grad and factor != 1:
-            out.register_hook(lambda g: g / factor)
+        out = _ReduceScatterRows.apply(part, group, factor)
         return out.view(*input_ids.shape, -1)
 
     def reset_parameters(self, std: float = 1.0) -> None:  # type: ignore[override]
