@@ -225,9 +225,8 @@ def state_bytes(
         held = owner.get(id(unit))
         units.append((held, held is not None and unit is layers[held], unit_bytes))
     gathered: list[int] = []
-    leading = (
-        0  # units outside the layers that come before them in the modules' order (after, innermost first)
-    )
+    # units outside the layers that precede them in the modules' order (here after them: innermost first)
+    leading = 0
     for i, (layer, _, unit_bytes) in enumerate(units):
         if layer is None:
             gathered.append(unit_bytes)
