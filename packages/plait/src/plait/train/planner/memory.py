@@ -215,9 +215,10 @@ def state_bytes(
     units: list[tuple[int | None, bool, int]] = []
     owned: set[int] = set()
     for unit in reversed([m for m in stage.modules() if isinstance(m, FSDPModule)]):
-        unit_bytes = 0  # a parameter belongs to the innermost unit holding it (not the ones it ignores)
-        for p in (fp.sharded_param for group in param_groups(unit) for fp in group.fsdp_params):
-            if id(p) in owned or _gather_factor(p) == 1:
+        unit_bytes = 0  # a parameter belongs to the innermost unit holding it (not one that ignores it)
+        managed = {id(fp.sharded_param) for group in param_groups(unit) for fp in group.fsdp_params}
+        for p in unit.parameters():
+            if id(p) in owned or id(p) not in managed or _gather_factor(p) == 1:
                 continue
             owned.add(id(p))
             local = _local(p)
