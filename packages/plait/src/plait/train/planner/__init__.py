@@ -400,8 +400,8 @@ def _fsdp_collectives(
     last: no compute hides them)."""
     gather = [machine.collective_s("all_gather", u, fsdp) for u in units]
     scatter = [machine.collective_s("reduce_scatter", u, fsdp) for u in units]
-    lead = (machine.collective_s(c, leading, fsdp) for c in ("all_gather", "reduce_scatter"))
-    return (sum(gather), sum(scatter), *lead)
+    lead_gather = machine.collective_s("all_gather", leading, fsdp)
+    return sum(gather), sum(scatter), lead_gather, machine.collective_s("reduce_scatter", leading, fsdp)
 
 
 def _resident(states: StateBytes, fsdp: bool, reshard: bool) -> tuple[float, dict[str, float]]:
