@@ -83,3 +83,19 @@ def test_replicated_modules_are_found_and_must_sum() -> None:
     assert run_distributed(_prepare, 1, "sum") == ["found ['Linear']"]
     (msg,) = run_distributed(_prepare, 1, "mean")
     assert "replicated with reduce='mean'" in msg
+
+
+def _prepare_rows() -> tuple[float | None, list[str]]:
+    from plait.models.common.heads import TokenEmbedding
+    from torch.distributed.device_mesh import init_device_mesh
+
+    embed = TokenEmbedding(8, 2)
+    embed.shard_rows(init_device_mesh("cpu", (1,)))
+    found = prepare_fsdp_for_sum([nn.Sequential(embed)])
+    return embed.gradient_divide_factor, [type(m).__name__ for m in found]
+
+
+def test_a_row_sharded_embedding_sums_and_is_always_synced() -> None:
+    """``parallel.shard_embedding_rows``'s table reduces its own gradient in the backward: the loop makes it a
+    sum like FSDP2's, and it is no module whose gradient sync the loop switches off."""
+    assert run_distributed(_prepare_rows, 1) == [(1.0, [])]

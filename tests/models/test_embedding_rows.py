@@ -1,10 +1,12 @@
 """A token embedding whose rows stay sharded over the data-parallel ranks (``TokenEmbedding.shard_rows``,
 ``ParallelConfig.shard_embedding_rows``) against the same table in one process: each rank's vectors, the
 table's reduced gradient (mean and sum), the padding row, uneven shards, the compute dtype, a plain tensor out;
-unequal token counts stop on the device-side check. The whole model under it: ``test_parallel.py``'s ``fsdp2_rows``
+unequal token counts stop on the device-side check; tied, HSDP and tensor-parallel layouts are refused. The whole model under it: ``test_parallel.py``'s ``fsdp2_rows``
 layout (losses and every gradient against one process) and ``tests/train/test_planner.py``."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -81,3 +83,40 @@ def test_unequal_token_counts_stop_naming_the_key() -> None:
     assert all("parallel.shard_embedding_rows" in m and "same number of tokens" in m for m in messages), (
         messages
     )
+
+
+def _refusal(dense: tuple[int, ...], tied: bool) -> str:
+    from plait.models import ParallelConfig, parallelize
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.models.test_parallel import DENSE, EXPERT, _model
+
+    with torch.device("meta"):
+        model = _model("qwen3_moe", tied)
+    world = dist.get_world_size()
+    try:
+        parallelize(
+            model,
+            dense_mesh=init_device_mesh("cpu", dense, mesh_dim_names=DENSE),
+            expert_mesh=init_device_mesh("cpu", (1, world, 1), mesh_dim_names=EXPERT),
+            config=ParallelConfig(shard_embedding_rows=True),
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("dense", "tied", "expected"),
+    [
+        ((1, 1, 2, 1, 1), True, "tie_word_embeddings = false"),
+        ((1, 2, 2, 1, 1), False, "HSDP: mesh.data_replicate > 1"),
+        ((1, 1, 2, 1, 2), False, "tensor parallelism (mesh.tensor > 1)"),
+    ],
+    ids=["tied", "hsdp", "tp"],
+)
+def test_layouts_it_cannot_apply_to_are_refused_naming_the_key(
+    dense: tuple[int, ...], tied: bool, expected: str
+) -> None:
+    for msg in run_distributed(_refusal, math.prod(dense), dense, tied):
+        assert "parallel.shard_embedding_rows" in msg and expected in msg, msg

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from plait.kernels import linear_cross_entropy
 from plait.model_state import local_view
+from plait.models.common.attention.context.allgather import gather_stacked
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -15,12 +16,6 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 __all__ = ["LMHead", "PoolingMethod", "TokenEmbedding", "pool_hidden_states"]
 
 PoolingMethod = Literal["last", "mean"]
-
-
-def _all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = t.new_empty(t.shape[0] * dist.get_world_size(group), *t.shape[1:])
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
 
 
 class _ReduceScatterRows(torch.autograd.Function):
@@ -37,7 +32,7 @@ class _ReduceScatterRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        full = _all_gather(grad, ctx.group)
+        full = gather_stacked(grad, ctx.group).flatten(0, 1)
         return (full if ctx.factor == 1 else full / ctx.factor), None, None
 
 
@@ -66,12 +61,19 @@ class TokenEmbedding(nn.Embedding):
         ``param_dtype``; None: the table's).
 
         Raises:
-            ValueError: ``mesh`` is not 1-D, or the table is already a DTensor (tensor parallelism).
+            ValueError: ``mesh`` is not 1-D (HSDP), or the table is already a DTensor (tensor parallelism).
         """
         if mesh.ndim != 1:
-            raise ValueError(f"TokenEmbedding.shard_rows needs a 1-D mesh, got {mesh.ndim} dims")
+            raise ValueError(
+                "parallel.shard_embedding_rows (TokenEmbedding.shard_rows) shards the table over one "
+                f"data-parallel dim; this layout replicates it too (HSDP: mesh.data_replicate > 1, a "
+                f"{mesh.ndim}-D data mesh)"
+            )
         if isinstance(self.weight, DTensor):
-            raise ValueError("TokenEmbedding.shard_rows: the table is already a DTensor (tensor parallel)")
+            raise ValueError(
+                "parallel.shard_embedding_rows (TokenEmbedding.shard_rows) cannot apply under tensor "
+                "parallelism (mesh.tensor > 1): the table is already sharded by vocabulary"
+            )
         table = distribute_tensor(self.weight.detach(), mesh, [Shard(0)], src_data_rank=None)
         self.weight = nn.Parameter(table, requires_grad=self.weight.requires_grad)
         self.row_mesh, self.row_dtype = mesh, dtype
@@ -92,11 +94,11 @@ class TokenEmbedding(nn.Embedding):
         ids = input_ids.reshape(-1)
         count = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
         torch._assert_async(  # noqa: SLF001  a device-side check: no host wait
-            torch.all(_all_gather(count, group) == count),
+            torch.all(gather_stacked(count, group) == count),
             "TokenEmbedding.shard_rows (parallel.shard_embedding_rows): every data-parallel rank must pass "
             "the same number of tokens",
         )
-        every = _all_gather(ids, group)
+        every = gather_stacked(ids, group).flatten()
         outside = (every < start) | (every >= start + local.shape[0])
         pad = self.padding_idx
         local_pad = pad - start if pad is not None and 0 <= pad - start < local.shape[0] else None

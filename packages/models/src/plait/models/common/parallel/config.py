@@ -166,7 +166,8 @@ class ParallelConfig(BaseModel):
             (:func:`plait.models.common.model.own_graph_gradients`). CUDA only. Off by default; it pays
             where the step is host-bound (a 0.6B Llama trained 1.6-1.8x faster with it at 2048 tokens per
             microbatch, alike from 8k; the one-GPU MoE main job 1.15x; the 1.14B MoE Trainer row over 2
-            GPUs 1.13-1.23x under FSDP2 and 1.48x under EP=2 x FSDP2), and ``gpu2.toml`` ships it
+            GPUs 1.19-1.48x under EP=2 x FSDP2, and under FSDP2 1.13-1.23x while the LM head shared the
+            root's FSDP unit, no change since it has its own), and ``gpu2.toml`` ships it
             (``benchmarks/results/cuda_graphs.md``, ``scaling.md``).
         context_parallel_attention: How attention crosses the context group when the sequence is
             sharded (context parallelism): ``allgather`` (all-gather K/V, one fused attention call)

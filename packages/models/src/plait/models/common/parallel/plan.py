@@ -19,7 +19,6 @@ from typing import Any, Literal, cast
 from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
 from plait.dist_core.fsdp_state import keep_unsharded_storage
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
-from plait.models.common.heads import TokenEmbedding
 from plait.models.common.layer import DecoderLayer, SequentialMixer
 from plait.models.common.model import CausalLMStage, DecoderStage
 from plait.models.common.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -29,7 +28,7 @@ from plait.moe import MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 __all__ = [
@@ -262,9 +261,6 @@ def apply_fsdp(
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     ignored_all |= _shard_ends(model, dp_mesh, kwargs, shard_embedding_rows)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, FSDPModule):
-        register_fsdp_forward_method(cast(nn.Module, head), "loss")
     if cuda_graphs:
         for layer in layers:
             keep_unsharded_storage(cast(FSDPModule, layer))
@@ -293,28 +289,15 @@ def _shard_ends(
         return set()
     if head is not None:
         fully_shard(head, mesh=dp_mesh, **{**kwargs, "reshard_after_forward": False})
+        register_fsdp_forward_method(head, "loss")  # the stage calls its loss, not its forward
     if embed is None:
         return set()
     if not shard_embedding_rows:
         fully_shard(embed, mesh=dp_mesh, **kwargs)
         return set()
-    _check_row_sharding(embed, dp_mesh)
     mp = kwargs.get("mp_policy")
     embed.shard_rows(dp_mesh, mp.param_dtype if mp is not None else None)
     return {cast(nn.Parameter, embed.weight)}
-
-
-def _check_row_sharding(embed: TokenEmbedding, dp_mesh: DeviceMesh) -> None:
-    """``parallel.shard_embedding_rows`` needs a 1-D FSDP mesh and an embedding table of its own."""
-    if dp_mesh.ndim != 1:
-        raise ValueError(
-            "parallel.shard_embedding_rows shards the embedding over one data-parallel dim; this layout "
-            f"replicates it too (HSDP: mesh.data_replicate > 1, a {dp_mesh.ndim}-D data mesh)"
-        )
-    if isinstance(embed.weight, DTensor):
-        raise ValueError(
-            "parallel.shard_embedding_rows cannot apply under tensor parallelism (mesh.tensor > 1)"
-        )
 
 
 def _check_cuda_graph_layout(
