@@ -6,8 +6,8 @@
 
 Workloads (``workloads.py``), equal tokens per GPU in every row:
   dense  Qwen3-1.7B shapes, 2 x 4096 per GPU, every block compiled. plait: the model from
-         ``CausalLMProvider`` sharded by ``provider.parallelize`` (FSDP2 over ``data_shard`` = n, the
-         shipped ``ParallelConfig`` defaults), StochasticAdamW with bf16 moments. torchtitan: its Qwen3 model,
+         ``CausalLMProvider`` sharded by ``provider.parallelize`` (FSDP2 over ``data_shard`` = n, ``DENSE``'s
+         ``ParallelConfig``), StochasticAdamW with bf16 moments. torchtitan: its Qwen3 model,
          blocks compiled, then torchtitan 0.2.2's own ``apply_fsdp`` (embeddings, each block, norm + output,
          the root; bf16 gradient reduction like plait's), fused torch AdamW.
   moe    the 1.14B Qwen3-MoE, 4 x 2048 per GPU: the main job's Trainer (``plait train``
@@ -40,10 +40,12 @@ import torch
 from benchmarks.training import throughput
 
 RESULTS = throughput.ROOT / "benchmarks" / "results" / "scaling.md"
-# The ParallelConfig of plait's dense rows over several GPUs (the table's "default" variant), as gpu4.toml
-# ships it: parameters stay gathered from forward to backward (one all-gather per unit and step instead of
-# two), for the unsharded layers' memory (still below torchtitan's peak).
-DENSE = {"reshard_after_forward": False}
+# The ParallelConfig of plait's dense rows over several GPUs (the table's "default" variant): parameters stay
+# gathered from forward to backward (one all-gather per unit and step instead of two), for the unsharded
+# layers' memory (still below torchtitan's peak); two layers per FSDP2 unit and the embedding's rows kept
+# sharded (its 151k x 2048 table never gathered), +1.9% on 2 x H200 over one layer per unit and a gathered
+# table (results/scaling.md).
+DENSE = {"reshard_after_forward": False, "fsdp_layers_per_unit": 2, "shard_embedding_rows": True}
 # the row at n GPUs -> the row at 1 GPU
 ROWS = {
     "dense.plait_step_fsdp{n}": "dense.plait_step_compiled",
