@@ -24,21 +24,22 @@ def _ids(world: int, tokens: int) -> torch.Tensor:
     return ids
 
 
-def _rank(padding_idx: int, divide: float | None, dtype: str | None) -> dict[str, torch.Tensor]:
+def _rank(padding_idx: int, divide: float | None, dtype: str | None, device: str) -> dict[str, torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    embed = TokenEmbedding(VOCAB, HIDDEN, padding_idx=padding_idx)
+    embed = TokenEmbedding(VOCAB, HIDDEN, padding_idx=padding_idx).to(device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    embed.shard_rows(init_device_mesh("cpu", (world,)), getattr(torch, dtype) if dtype else None)
+    embed.shard_rows(init_device_mesh(device, (world,)), getattr(torch, dtype) if dtype else None)
     if divide is not None:
         embed.set_gradient_divide_factor(divide)
-    out = embed(_ids(world, 5)[rank])
+    out = embed(_ids(world, 5)[rank].to(device))
     # a plain tensor: a subclass (torch's functional collectives' AsyncCollectiveTensor) is a new kind of input
     # to the compiled layers downstream (with CUDA graphs, a 1.14B MoE's step ran 2.3x slower on 2 x H200)
     assert type(out) is torch.Tensor, type(out)
-    (out.float() * torch.arange(HIDDEN)).sum().backward()
-    return {"out": out.detach(), "grad": embed.weight.grad.full_tensor(), "table": embed.weight.full_tensor()}
+    (out.float() * torch.arange(HIDDEN, device=device)).sum().backward()
+    grad, table = embed.weight.grad.full_tensor(), embed.weight.full_tensor()
+    return {"out": out.detach().cpu(), "grad": grad.cpu(), "table": table.detach().cpu()}
 
 
 @pytest.mark.parametrize(
@@ -46,11 +47,15 @@ def _rank(padding_idx: int, divide: float | None, dtype: str | None) -> dict[str
     [(3, None, None), (9, 1.0, None), (3, 1.0, "bfloat16")],
     ids=["mean-pad-on-rank0", "sum-pad-on-rank1", "sum-bf16-vectors"],
 )
+@pytest.mark.parametrize(
+    "backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu)], ids=["gloo", "nccl"]
+)
 def test_row_sharded_lookup_equals_one_process(
-    padding_idx: int, divide: float | None, dtype: str | None
+    padding_idx: int, divide: float | None, dtype: str | None, backend: str
 ) -> None:
     world = 2
-    results = run_distributed(_rank, world, padding_idx, divide, dtype)
+    device = "cuda" if backend == "nccl" else "cpu"
+    results = run_distributed(_rank, world, padding_idx, divide, dtype, device, backend=backend)
     torch.manual_seed(0)
     ref = TokenEmbedding(VOCAB, HIDDEN, padding_idx=padding_idx)
     torch.testing.assert_close(results[0]["table"], ref.weight.detach(), rtol=0, atol=0)
