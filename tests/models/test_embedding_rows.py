@@ -1,9 +1,9 @@
 """A token embedding whose rows stay sharded over the data-parallel ranks (``TokenEmbedding.shard_rows``,
-``ParallelConfig.shard_embedding_rows``) against the same table in one process (on gloo, and on NCCL with
-two GPUs): each rank's vectors, the
-table's reduced gradient (mean and sum), the padding row, uneven shards, the compute dtype, a plain tensor out;
-unequal token counts stop on the device-side check; tied, HSDP and tensor-parallel layouts are refused. The whole model under it: ``test_parallel.py``'s ``fsdp2_rows``
-layout (losses and every gradient against one process) and ``tests/train/test_planner.py``."""
+``ParallelConfig.shard_embedding_rows``) against the same table in one process (on gloo, and on NCCL with two
+GPUs): each rank's vectors, the table's reduced gradient (mean and sum), the padding row, uneven shards, the
+compute dtype, a plain tensor out; unequal token counts stop on the device-side check; tied, HSDP and
+tensor-parallel layouts are refused. The whole model under it: ``test_parallel.py``'s ``fsdp2_rows`` layout
+(losses and every gradient against one process) and ``tests/train/test_planner.py``."""
 
 from __future__ import annotations
 
