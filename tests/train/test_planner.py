@@ -175,13 +175,16 @@ def test_units_of_several_layers_gather_what_the_ranks_build(layout: Layout) -> 
     _assert_states_are_the_ranks(_with_model(TINY_DEEPSEEK, "--parallel.fsdp_layers_per_unit=2"), layout)
 
 
+@pytest.mark.parametrize("units", [1, 2], ids=["one-layer-per-unit", "two-layers-per-unit"])
 @pytest.mark.parametrize(
     "layout", [_layout(dps=2), _layout(pp=2, dps=2, sched="1f1b")], ids=lambda lay: lay.name
 )
-def test_row_sharded_embedding_is_no_unit_and_its_states_are_the_ranks(layout: Layout) -> None:
+def test_row_sharded_embedding_is_no_unit_and_its_states_are_the_ranks(layout: Layout, units: int) -> None:
     """``parallel.shard_embedding_rows``: the table is sharded like FSDP2's and no unit gathers it (the
-    units' bytes and what no layer hides, the root's alone, equal the real ranks')."""
-    _assert_states_are_the_ranks(_config("--parallel.shard_embedding_rows=true"), layout)
+    units' bytes and what no layer hides, the root's alone, equal the real ranks'); also with two layers per
+    unit, the scaling benchmark's dense setting."""
+    overrides = ("--parallel.shard_embedding_rows=true", f"--parallel.fsdp_layers_per_unit={units}")
+    _assert_states_are_the_ranks(_config(*overrides), layout)
 
 
 @pytest.mark.parametrize(
