@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from plait.loop.grads import prepare_fsdp_for_sum
 from plait.models import (
     ActivationCheckpointing,
     ParallelConfig,
@@ -20,7 +21,6 @@ from plait.models import (
     parallelize,
     save_hf_checkpoint,
 )
-from plait.models.common.heads import TokenEmbedding
 from plait.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeConfig
 from plait.moe import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from torch import nn
@@ -173,14 +173,7 @@ def _rank_run(layout: str, ckpt: str, tied: bool, family: str = "qwen3_moe") -> 
         assert torch.isfinite(local).all(), name
     # ...then overwrite it with the checkpoint, each rank reading only its shards.
     load_hf_checkpoint(model, ckpt)
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)  # sum, like plait.loop
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        elif isinstance(m, TokenEmbedding):
-            m.set_gradient_divide_factor(1.0)  # a row-sharded table reduces its own gradient
+    prepare_fsdp_for_sum([model])  # sum, as plait.loop reduces (a plain SUM: gloo has no PREMUL_SUM)
     ids, labels = _batch()
     dp_size = dshape[1] * dshape[2]
     dp_rank = dense["dp_replicate"].get_local_rank() * dshape[2] + dense["dp_cp_shard"].get_local_rank()

@@ -10,8 +10,8 @@ idle meanwhile).
 :func:`install` replaces FSDP2's copy-in function with one concatenation, gradients whose first dim
 the world size divides: ``torch.cat([grad.view(world, n) for grad in grads], dim=1, out=out)`` (the same
 bytes in the same places; one batched kernel, which on 2 x H200 took half the GPU time of one strided
-copy per gradient and less than ``_chunk_cat``'s). Anything else (uneven first dims, which ``_chunk_cat`` pads; mixed
-dtypes; non-contiguous gradients) goes to FSDP2's own function. ``tests/dist_core/test_fsdp_copy_in.py``
+copy per gradient and less than ``_chunk_cat``'s). Anything else (uneven first dims, which
+``_chunk_cat`` pads; mixed dtypes; non-contiguous gradients) goes to FSDP2's own function. ``tests/dist_core/test_fsdp_copy_in.py``
 checks the result against ``torch._chunk_cat`` and that the patched name still exists in the installed
 torch.
 """

@@ -27,8 +27,8 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the
   compute except those of the units gathered before the first layer and reduced after the last (the
   embedding's and the root's) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer
-  step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs
-  (:func:`calibrated`).
+  step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow.
+  ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``

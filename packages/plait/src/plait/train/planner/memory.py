@@ -227,13 +227,15 @@ def state_bytes(
         units.append((held, held is not None and unit is layers[held], unit_bytes))
     gathered: list[int] = []
     # units outside the layers that precede them in the modules' order (here after them: innermost first)
-    leading = 0
+    leading, after_layers = 0, False
     for i, (layer, _, unit_bytes) in enumerate(units):
         if layer is None:
             gathered.append(unit_bytes)
-            leading += unit_bytes if any(held is not None for held, _, _ in units[:i]) else 0
-        elif i == 0 or units[i - 1][0] is None:  # the layers' units, last first
+            leading += unit_bytes if after_layers else 0
+            continue
+        if i == 0 or units[i - 1][0] is None:  # the layers' units, last first
             gathered += _layer_units(units, list(stand_in.values()), layers_per_unit)
+        after_layers = True
     params, grads, opt = (sums[None][k] + sum(sums[stand_in[j]][k] for j in stand_in) for k in range(3))
     return StateBytes(params, grads, opt, tuple(gathered), sums[None][1], leading)
 
