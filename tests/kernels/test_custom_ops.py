@@ -33,11 +33,14 @@ def _op_cases():
         (ops.rms_norm, (x, None, None, 1e-6, 0.0)),
         (ops.swiglu, (gu, None, pw)),
         (ops.swiglu, (x, r, None)),
+        (ops.swiglu, (gu, None, pw, torch.tensor([6]))),
         (ops.gmm, (x, we, tpe, True, "loop")),
         (ops.gmm_host, (x.detach(), we.detach(), tpe, True, "loop")),
         (ops.gmm_weight_grad, (torch.randn(6, 8), x.detach(), we.detach(), tpe, True, "loop")),
         (ops.permute_rows, (x, src, dst)),
         (ops.unpermute_rows, (torch.randn(7, 16, requires_grad=True), src, dst, wk, wr)),
+        (ops.permute_rows, (x, src, dst, torch.tensor([7]))),
+        (ops.unpermute_rows, (torch.randn(7, 16, requires_grad=True), src, dst, wk, wr, torch.tensor([7]))),
         (ops.linear_cross_entropy, (hid, head, tgt, -100, 1e-3, None, None, 3, 4)),
         (ops.linear_cross_entropy_fused, (hid, head, tgt, -100, 1e-3, 2.0, 2, 4, True, True)),
         (ops.linear_cross_entropy_fused, (hid, head, tgt, -100, 0.0, None, 3, 16, False, True)),
@@ -65,7 +68,7 @@ def test_opcheck(run):
 def _chain(x, res, norm_w, w1, w2, head, idx, probs, targets, grad_in_forward):
     h, _ = rms_norm(x, norm_w, residual=res)
     rows, row_w, row_map, tpe = permute(h, idx, w1.shape[0], probs, align=2)
-    a = swiglu_fused(gmm(rows, w1, tpe, trans_w=True), row_w)
+    a = swiglu_fused(gmm(rows, w1, tpe, trans_w=True), row_w, num_rows=tpe.sum())
     y = unpermute(gmm(a, w2, tpe, trans_w=True), row_map)
     return linear_cross_entropy(
         y, head, targets, chunk_tokens=4, chunk_vocab=5, grad_in_forward=grad_in_forward

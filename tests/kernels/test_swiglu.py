@@ -70,6 +70,43 @@ def test_swiglu_fused_layout(run, dtype):
     assert run(check_swiglu_fused, dtype) == (run.path == "triton")
 
 
+def check_swiglu_num_rows(dtype, rows, cols, used, compiled, device="cpu"):
+    """Rows ``< used`` equal float64 whatever the rows past them hold (NaN here) and whichever of
+    their gradients come back; the Triton path does not read those rows at all."""
+    torch.manual_seed(2)
+    gu = torch.randn(rows, 2 * cols, dtype=dtype, device=device)
+    gu[used:] = float("nan")
+    gu.requires_grad_()
+    w = torch.rand(rows, device=device, requires_grad=True)
+    n = torch.tensor([used], device=device)
+    fn = torch.compile(swiglu_fused, fullgraph=True, backend="aot_eager") if compiled else swiglu_fused
+    y = fn(gu, w, num_rows=n)
+    dy = torch.randn_like(y)
+    dy[used:] = float("nan")
+    y.backward(dy)
+    gu64, w64 = to64(gu[:used], w[:used])
+    g, u = gu64.chunk(2, -1)
+    y64 = _ref(g, u, w64)
+    y64.backward(dy[:used].double())
+    torch.testing.assert_close(y[:used].double(), y64, **TOL[dtype])
+    torch.testing.assert_close(gu.grad[:used].double(), gu64.grad, **TOL[dtype])
+    torch.testing.assert_close(
+        w.grad[:used].double(), w64.grad, atol=0.2 if dtype == torch.bfloat16 else 1e-4, rtol=2e-2
+    )
+    if use_triton(gu):  # what was never read stays out of every computed row
+        assert torch.isfinite(y[:used]).all() and torch.isfinite(gu.grad[:used]).all()
+    return use_triton(gu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 3 of 20 rows of 19 columns (several rows per program); 0 rows; all rows; 2 of 5 rows of 2100
+# columns (two column blocks with the row weight's gradient)
+@pytest.mark.parametrize("rows,cols,used", [(20, 19, 3), (20, 19, 0), (20, 19, 20), (5, 2100, 2)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_swiglu_num_rows_computes_the_first_rows(run, dtype, rows, cols, used, compiled):
+    assert run(check_swiglu_num_rows, dtype, rows, cols, used, compiled) == (run.path == "triton")
+
+
 def test_swiglu_bad_input():
     with pytest.raises(ValueError, match="same shape"):
         swiglu(torch.randn(2, 3), torch.randn(2, 4))
@@ -77,6 +114,10 @@ def test_swiglu_bad_input():
         swiglu(torch.randn(2, 3), torch.randn(2, 3), torch.randn(3))
     with pytest.raises(ValueError, match="even"):
         swiglu_fused(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="num_rows"):
+        swiglu_fused(torch.randn(2, 4), num_rows=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="num_rows"):
+        swiglu_fused(torch.randn(2, 4), num_rows=torch.tensor([1, 2]))
 
 
 @pytest.mark.gpu
@@ -85,3 +126,4 @@ def test_swiglu_gpu_real_shapes(dtype):
     assert check_swiglu(dtype, (4096, 8192 // 4), True, "cuda")
     assert check_swiglu(dtype, (3, 1000, 768), False, "cuda")
     assert check_swiglu_fused(dtype, "cuda")
+    assert check_swiglu_num_rows(dtype, 4096, 512, 1500, False, "cuda")

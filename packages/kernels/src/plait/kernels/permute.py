@@ -5,8 +5,9 @@
 multiple of ``align`` (grouped-GEMM kernels like 8/16/128-row aligned groups). Choices outside
 ``[0, num_experts)`` (the dropped-slot sentinel of capacity limits, or another rank's experts) are
 skipped. The output has a size known from the shapes alone, ``T * k + E * (align - 1)`` rows: the
-groups come first and the rows after them are zero padding. So nothing is read on the host and
-``torch.compile`` sees static shapes. ``unpermute`` sums each token's copies back, optionally
+groups come first, the rows after them are not written (unspecified; the PyTorch path zeroes
+them), and their count is known on the device (``RowIdMap.rows``): the kernels that follow skip
+them. So nothing is read on the host and ``torch.compile`` sees static shapes. ``unpermute`` sums each token's copies back, optionally
 weighted by the routing probabilities.
 
 ``max_rows`` caps the buffer below that bound (a caller that knows its groups are usually much
@@ -41,10 +42,14 @@ class RowIdMap:
     Attributes:
         src: ``[M]`` int64 source token of each permuted row, ``-1`` for padding rows.
         dst: ``[T, k]`` int64 permuted row of each of a token's copies, ``-1`` for skipped choices.
+        rows: ``[1]`` int64, the rows the groups occupy (their padding included), or None (every
+            row): the rows at or past it are neither written by :func:`permute` nor given a gradient
+            by :func:`unpermute` (unspecified values; nothing reads them).
     """
 
     src: torch.Tensor
     dst: torch.Tensor
+    rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +65,7 @@ def permuted_rows(num_tokens: int, top_k: int, num_experts: int, align: int = 1)
 
 
 def _gather_torch(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
+    # Every row, past ``num_rows`` too (zeros there): the bound only saves the Triton path's traffic.
     if x.shape[0] == 0:  # every row is padding
         return x.new_zeros((src.shape[0], x.shape[1]))
     rows = x.index_select(0, src.clamp(min=0))
@@ -86,11 +92,13 @@ def _row_dots_torch(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> tor
     return torch.where(dst >= 0, dots, 0.0)
 
 
-def _gather(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
-    if use_triton(x, src):
+def _gather(
+    x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None, num_rows: torch.Tensor | None
+) -> torch.Tensor:
+    if use_triton(*(t for t in (x, src, num_rows) if t is not None)):
         from plait.kernels._triton.permute import gather_rows
 
-        return gather_rows(x, src, w_rows)
+        return gather_rows(x, src, w_rows, num_rows)
     return _gather_torch(x, src, w_rows)
 
 
@@ -103,24 +111,35 @@ def _combine(x: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None) -> torc
 
 
 @torch.library.triton_op(
-    "plait::permute_rows", mutates_args=(), schema="(Tensor x, Tensor src, Tensor dst) -> Tensor"
+    "plait::permute_rows",
+    mutates_args=(),
+    schema="(Tensor x, Tensor src, Tensor dst, Tensor? num_rows=None) -> Tensor",
 )
-def _permute_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """``out[m] = x[src[m]]`` (0 where ``src[m] < 0``); ``dst`` is the inverse map, for the backward."""
-    return _gather(x, src, None)
+def _permute_rows(
+    x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[m] = x[src[m]]`` (0 where ``src[m] < 0``) for ``m < num_rows`` (unspecified past it on
+    the Triton path); ``dst`` is the inverse map, for the backward."""
+    return _gather(x, src, None, num_rows)
 
 
 @torch.library.triton_op(
     "plait::unpermute_rows",
     mutates_args=(),
-    schema="(Tensor x, Tensor src, Tensor dst, Tensor? w, Tensor? w_rows) -> Tensor",
+    schema="(Tensor x, Tensor src, Tensor dst, Tensor? w, Tensor? w_rows, Tensor? num_rows=None) -> Tensor",
 )
 def _unpermute_rows(
-    x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, w: torch.Tensor | None, w_rows: torch.Tensor | None
+    x: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    w: torch.Tensor | None,
+    w_rows: torch.Tensor | None,
+    num_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_j w[t, j] * x[dst[t, j]]`` over ``dst >= 0`` (fp32 accumulation).
 
-    ``src`` and ``w_rows`` (each row's weight, 0 on padding) serve the backward.
+    ``src``, ``w_rows`` (each row's weight, 0 on padding) and ``num_rows`` (the rows given a
+    gradient) serve the backward.
     """
     return _combine(x, dst, w)
 
@@ -138,11 +157,16 @@ def _row_dots(dy: torch.Tensor, x: torch.Tensor, dst: torch.Tensor) -> torch.Ten
 
 
 @torch.library.triton_op(
-    "plait::gather_rows", mutates_args=(), schema="(Tensor x, Tensor src, Tensor? w_rows) -> Tensor"
+    "plait::gather_rows",
+    mutates_args=(),
+    schema="(Tensor x, Tensor src, Tensor? w_rows, Tensor? num_rows=None) -> Tensor",
 )
-def _gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
-    """``out[m] = x[src[m]] * w_rows[m]`` (0 where ``src[m] < 0``); the backward of a combine."""
-    return _gather(x, src, w_rows)
+def _gather_rows(
+    x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None, num_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[m] = x[src[m]] * w_rows[m]`` (0 where ``src[m] < 0``) for ``m < num_rows``; the backward
+    of a combine."""
+    return _gather(x, src, w_rows, num_rows)
 
 
 @torch.library.triton_op("plait::combine_rows", mutates_args=(), schema="(Tensor x, Tensor dst) -> Tensor")
@@ -152,29 +176,29 @@ def _combine_rows(x: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def _permute_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    _x, _src, dst = inputs
+    _x, _src, dst, _num_rows = inputs
     ctx.save_for_backward(dst)
 
 
 def _permute_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     (dst,) = ctx.saved_tensors
-    return _combine_rows(dy.contiguous(), dst), None, None
+    return _combine_rows(dy.contiguous(), dst), None, None, None
 
 
 def _unpermute_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    x, src, dst, w, w_rows = inputs
-    ctx.save_for_backward(x if w is not None else None, src, dst, w_rows)
+    x, src, dst, w, w_rows, num_rows = inputs
+    ctx.save_for_backward(x if w is not None else None, src, dst, w_rows, num_rows)
     ctx.has_w = w is not None
 
 
 def _unpermute_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-    x, src, dst, w_rows = ctx.saved_tensors
+    x, src, dst, w_rows, num_rows = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = _gather_rows(dy, src, w_rows) if ctx.needs_input_grad[0] else None
+    dx = _gather_rows(dy, src, w_rows, num_rows) if ctx.needs_input_grad[0] else None
     dw = None
     if ctx.has_w and ctx.needs_input_grad[3]:
         dw = _row_dots(dy, x.contiguous(), dst)
-    return dx, None, None, dw, None
+    return dx, None, None, dw, None, None
 
 
 _permute_rows.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -210,9 +234,11 @@ def permute(
         ``(permuted [M, H], permuted_probs [M] | None, row_id_map, tokens_per_expert [E] int64)``
         with ``M = min(permuted_rows(T, k, E, align), max_rows)``. ``tokens_per_expert`` counts each
         expert's rows *including* alignment padding (what :func:`plait.kernels.gmm` needs). Without
-        overflow it sums to at most ``M``: the rows after the groups, and the padding rows, are zero
-        with ``permuted_probs == 0``. It is never truncated: a sum above ``M`` means the buffer
+        overflow it sums to at most ``M``. It is never truncated: a sum above ``M`` means the buffer
         overflowed (detect it on the device; clamp the groups to ``M`` rows before a grouped GEMM).
+        The padding rows inside the groups are zero with ``permuted_probs == 0``; the rows after
+        the groups (``row_id_map.rows`` on) are not written on the Triton path (unspecified; a
+        buffer sized by a static bound, e.g. the all-gather dispatch's, is mostly such rows there).
 
     Raises:
         ValueError: malformed shapes or dtypes, ``num_experts < 1``, ``align < 1``, ``max_rows < 0``.
@@ -258,7 +284,8 @@ def permute(
     used = choice_of_row >= 0
     src = torch.where(used, choice_of_row // k, -1)
     dst = torch.where(row_of_choice < m, row_of_choice, -1).view(t, k)
-    row_map = RowIdMap(src=src, dst=dst)
+    used_rows = padded.sum(0, keepdim=True)
+    row_map = RowIdMap(src=src, dst=dst, rows=used_rows)
     permuted_probs = None
     if probs is not None:
         # Scattered by each choice's row (the skipped ones into the scratch row m, cut off), not
@@ -266,7 +293,7 @@ def permute(
         # accumulate every unused row into one element, one at a time on CUDA (the sort-based
         # index_put): 5.6 ms a step for the all-gather dispatch's mostly unused P*T*k rows on an H200.
         permuted_probs = probs.new_zeros(m + 1).scatter(0, row_of_choice, probs.reshape(-1))[:m]
-    permuted = _permute_rows(tokens, src, dst)
+    permuted = _permute_rows(tokens, src, dst, used_rows)
     return permuted, permuted_probs, row_map, padded
 
 
@@ -275,7 +302,8 @@ def unpermute(
 ) -> torch.Tensor:
     """Sum each token's expert outputs back into token order, optionally weighted.
 
-    Rows that no copy maps to (padding, the tail of :func:`permute`'s buffer) are never read.
+    Rows that no copy maps to (padding, the tail of :func:`permute`'s buffer) are never read, and
+    the tail (``row_id_map.rows`` on) gets no gradient written on the Triton path (unspecified).
 
     Args:
         permuted: ``[M, H]`` rows in the order produced by :func:`permute`.
@@ -314,4 +342,4 @@ def unpermute(
                 f"unpermute: probs {tuple(probs.shape)} must be [M={src.shape[0]}] (permuted order) or "
                 f"[T, k]={tuple(dst.shape)}"
             )
-    return _unpermute_rows(permuted, src, dst, w, w_rows)  # type: ignore[no-any-return]
+    return _unpermute_rows(permuted, src, dst, w, w_rows, row_id_map.rows)  # type: ignore[no-any-return]

@@ -201,7 +201,9 @@ class GroupedExperts(nn.Module):
         if isinstance(act, ClampedSwiGLU):
             a = clamped_swiglu(h, act.alpha, act.limit, row_weight)
         else:
-            a = swiglu_fused(h, row_weight)
+            # Only the rows of the groups: a buffer sized by a static bound (the all-gather
+            # dispatch's, P times what balanced routing fills) is not read or written past them.
+            a = swiglu_fused(h, row_weight, num_rows=tokens_per_expert.sum())
         out = self.grouped_mm(a, w2, tokens_per_expert, trans_w=True)
         if "down_proj" in adapters:
             out = adapters["down_proj"](out, a, tokens_per_expert, gmm=gmm)

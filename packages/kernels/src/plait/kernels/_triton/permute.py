@@ -12,10 +12,15 @@ from torch.library import wrap_triton
 
 
 @triton.jit
-def _gather_rows(x_ptr, src_ptr, w_ptr, out_ptr, n_cols, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_rows(
+    x_ptr, src_ptr, w_ptr, n_ptr, out_ptr, n_cols,
+    HAS_W: tl.constexpr, HAS_N: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if HAS_N:  # rows at or past *n_ptr are neither read nor written
+        mask = mask & ((cols * 0 + row) < tl.load(n_ptr))
     s = tl.load(src_ptr + row)
     v = tl.load(x_ptr + s * n_cols + cols, mask=mask & ((cols * 0 + s) >= 0), other=0.0)
     if HAS_W:
@@ -61,8 +66,11 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None) -> torch.Tensor:
-    """``out[m] = x[src[m]] * w_rows[m]`` (``0`` where ``src[m] < 0``)."""
+def gather_rows(
+    x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None, n: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[m] = x[src[m]] * w_rows[m]`` (``0`` where ``src[m] < 0``) for ``m < n`` (a one-element
+    integer tensor; every row without it); the rows at or past ``n`` are not written."""
     x, src = x.contiguous(), src.contiguous()
     w_rows = w_rows.contiguous() if w_rows is not None else None
     m, h = src.shape[0], x.shape[1]
@@ -73,9 +81,11 @@ def gather_rows(x: torch.Tensor, src: torch.Tensor, w_rows: torch.Tensor | None)
             x,
             src,
             w_rows if w_rows is not None else x,
+            n if n is not None else src,
             out,
             h,
             HAS_W=w_rows is not None,
+            HAS_N=n is not None,
             BLOCK=b,
             num_warps=_warps(b),
         )
