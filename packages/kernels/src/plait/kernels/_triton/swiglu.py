@@ -22,35 +22,37 @@ def _live_rows(n_ptr, n_rows, ROWS: tl.constexpr, HAS_N: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd(
-    g_ptr, u_ptr, w_ptr, n_ptr, y_ptr, n_rows, n_cols, in_stride, out_stride,
+    a_ptr, b_ptr, w_ptr, n_ptr, y_ptr, n_rows, n_cols, in_stride, up_offset,
     HAS_W: tl.constexpr, HAS_N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # gate at a_ptr, up at b_ptr (the same tensor up_offset columns on when fused): base pointers, no
+    # views, so that torch.compile sees each tensor once (a view of a mutated output is cloned).
     rows, live = _live_rows(n_ptr, n_rows, ROWS, HAS_N)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = live[:, None] & (cols < n_cols)[None, :]
     at = rows[:, None] * in_stride + cols[None, :]
-    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(b_ptr + at + up_offset, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
     if HAS_W:
         y = y * tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + rows[:, None] * out_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd(
-    dy_ptr, g_ptr, u_ptr, w_ptr, n_ptr, dg_ptr, du_ptr, dwp_ptr, n_rows, n_cols, in_stride, dy_stride,
-    n_col_blocks, HAS_W: tl.constexpr, NEED_DW: tl.constexpr, HAS_N: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    dy_ptr, a_ptr, b_ptr, w_ptr, n_ptr, da_ptr, db_ptr, dwp_ptr, n_rows, n_cols, in_stride, up_offset,
+    n_col_blocks, FUSED: tl.constexpr, HAS_W: tl.constexpr, NEED_DW: tl.constexpr, HAS_N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     rows, live = _live_rows(n_ptr, n_rows, ROWS, HAS_N)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     mask = live[:, None] & (cols < n_cols)[None, :]
     at = rows[:, None] * in_stride + cols[None, :]
-    dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(b_ptr + at + up_offset, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
     if NEED_DW:
@@ -60,8 +62,11 @@ def _swiglu_bwd(
         dy = dy * tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
     dg = dy * u * s * (1.0 + g * (1.0 - s))
     du = dy * silu
-    tl.store(dg_ptr + at, dg.to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + at, du.to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(da_ptr + at, dg.to(da_ptr.dtype.element_ty), mask=mask)
+    if FUSED:  # both halves into the one [rows, 2I] gradient
+        tl.store(da_ptr + at + up_offset, du.to(da_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(db_ptr + at, du.to(db_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(n_cols: int) -> int:
@@ -85,26 +90,18 @@ def swiglu_forward(
     """Triton SwiGLU; ``b is None`` means ``a`` is the fused ``[..., 2I]`` tensor; rows at or past ``n``
     (a one-element integer tensor) are not computed."""
     a = a.contiguous()
-    if b is None:
-        cols = a.shape[-1] // 2
-        a2 = a.view(-1, 2 * cols)
-        gate, up = a2, a2[:, cols:]
-        in_stride = 2 * cols
-    else:
-        b = b.contiguous()
-        cols = a.shape[-1]
-        gate, up = a.view(-1, cols), b.view(-1, cols)
-        in_stride = cols
-    rows = gate.shape[0]
+    b = b.contiguous() if b is not None else None
+    cols = a.shape[-1] // 2 if b is None else a.shape[-1]
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
     y = torch.empty((*a.shape[:-1], cols), dtype=a.dtype, device=a.device)
-    wf = w.contiguous().view(-1) if w is not None else None
+    wf = w.contiguous() if w is not None else None
     block = _block(cols)
     per = _rows(block, 4096)
     if rows and cols:
         wrap_triton(_swiglu_fwd)[(triton.cdiv(rows, per), triton.cdiv(cols, block))](
-            gate, up, wf if wf is not None else gate, n if n is not None else gate, y, rows, cols,
-            in_stride, cols, HAS_W=wf is not None, HAS_N=n is not None, ROWS=per, BLOCK=block,
-            num_warps=_warps(block),
+            a, a if b is None else b, a if wf is None else wf, a if n is None else n, y, rows, cols,
+            a.shape[-1], cols if b is None else 0,
+            HAS_W=wf is not None, HAS_N=n is not None, ROWS=per, BLOCK=block, num_warps=_warps(block),
         )  # fmt: skip
     return y
 
@@ -119,26 +116,14 @@ def swiglu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(da, db, dw)``: ``db`` is None when fused, ``dw`` None unless ``need_dw`` and ``w`` is given;
     rows at or past ``n`` get unspecified gradients."""
-    a = a.contiguous()
+    a, dy = a.contiguous(), dy.contiguous()
     fused = b is None
+    b = b.contiguous() if b is not None else None
     cols = a.shape[-1] // 2 if fused else a.shape[-1]
-    dy = dy.contiguous().view(-1, cols)
-    dgb = None
-    if b is None:
-        a2 = a.view(-1, 2 * cols)
-        gate, up = a2, a2[:, cols:]
-        dga = torch.empty_like(a)
-        d2 = dga.view(-1, 2 * cols)
-        dgate, dup = d2, d2[:, cols:]
-        in_stride = 2 * cols
-    else:
-        b = b.contiguous()
-        gate, up = a.view(-1, cols), b.view(-1, cols)
-        dga, dgb = torch.empty_like(a), torch.empty_like(b)
-        dgate, dup = dga.view(-1, cols), dgb.view(-1, cols)
-        in_stride = cols
-    rows = gate.shape[0]
-    wf = w.contiguous().view(-1) if w is not None else None
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    da = torch.empty_like(a)
+    db = torch.empty_like(b) if b is not None else None
+    wf = w.contiguous() if w is not None else None
     need_dw = need_dw and wf is not None
     # With the row-weight gradient, column blocks of 2048 on 4 warps and a torch sum of the partials
     # beat whole rows (on an H100 at 16384 x 8192: 0.468 against 0.502 ms, the sum included).
@@ -148,15 +133,18 @@ def swiglu_backward(
     ncb = triton.cdiv(cols, block) if cols else 1
     dwp = torch.empty((rows, ncb), dtype=torch.float32, device=a.device) if need_dw else None
     if rows and cols:
+        # Pointers that a launch does not use get ``dy`` (never written): each mutated tensor is
+        # passed once.
         wrap_triton(_swiglu_bwd)[(triton.cdiv(rows, per), ncb)](
-            dy, gate, up, wf if wf is not None else gate, n if n is not None else gate, dgate, dup,
-            dwp if dwp is not None else dy, rows, cols, in_stride, cols, ncb,
-            HAS_W=wf is not None, NEED_DW=need_dw, HAS_N=n is not None, ROWS=per, BLOCK=block,
-            num_warps=warps,
+            dy, a, a if b is None else b, dy if wf is None else wf, dy if n is None else n, da,
+            dy if db is None else db, dy if dwp is None else dwp, rows, cols, a.shape[-1],
+            cols if fused else 0, ncb,
+            FUSED=fused, HAS_W=wf is not None, NEED_DW=need_dw, HAS_N=n is not None, ROWS=per,
+            BLOCK=block, num_warps=warps,
         )  # fmt: skip
     dw = None
     if need_dw:
         assert dwp is not None and w is not None
         # one column block (I <= 2048): the partials are the sums, no reduction kernel
         dw = (dwp[:, 0] if ncb == 1 else dwp.sum(1)).view(w.shape).to(w.dtype)
-    return dga, dgb, dw
+    return da, db, dw
