@@ -1,23 +1,25 @@
-"""Triton SwiGLU forward/backward: tiles of whole rows (several per program when rows are short), fp32
+"""Triton SwiGLU forward/backward: tiles of whole rows (several per tile when rows are short), fp32
 math, silu recomputed in backward. With a row count on the device (``n``), rows at or past it are
-neither read nor written. Launched through ``wrap_triton`` (the ops calling them are ``triton_op``s)."""
+neither read nor written, and the programs loop over the live tiles only
+(:func:`~plait.kernels._triton.row_bounded_programs`). Launched through ``wrap_triton`` (the ops
+calling them are ``triton_op``s)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from plait.kernels._triton import row_bounded_programs
 from torch.library import wrap_triton
 
 
 @triton.jit
-def _live_rows(n_ptr, n_rows, ROWS: tl.constexpr, HAS_N: tl.constexpr):
-    """This program's rows and which of them are computed (inside the tensor, and below ``*n_ptr``)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = rows < n_rows
+def _row_limit(n_ptr, n_rows, HAS_N: tl.constexpr):
+    """The rows computed: all ``n_rows``, or the first ``*n_ptr`` of them."""
+    limit = n_rows
     if HAS_N:
-        live = live & (rows < tl.load(n_ptr))
-    return rows, live
+        limit = tl.minimum(tl.load(n_ptr), n_rows)
+    return limit
 
 
 @triton.jit
@@ -27,16 +29,19 @@ def _swiglu_fwd(
 ):  # fmt: skip
     # gate at a_ptr, up at b_ptr (the same tensor up_offset columns on when fused): base pointers, no
     # views, so that torch.compile sees each tensor once (a view of a mutated output is cloned).
-    rows, live = _live_rows(n_ptr, n_rows, ROWS, HAS_N)
+    limit = _row_limit(n_ptr, n_rows, HAS_N)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = live[:, None] & (cols < n_cols)[None, :]
-    at = rows[:, None] * in_stride + cols[None, :]
-    g = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(b_ptr + at + up_offset, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
-    if HAS_W:
-        y = y * tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    for tile in range(tl.program_id(0), tl.cdiv(limit, ROWS), tl.num_programs(0)):
+        rows = tl.arange(0, ROWS).to(tl.int64) + tile * ROWS
+        live = rows < limit
+        mask = live[:, None] & (cols < n_cols)[None, :]
+        at = rows[:, None] * in_stride + cols[None, :]
+        g = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(b_ptr + at + up_offset, mask=mask, other=0.0).to(tl.float32)
+        y = g * tl.sigmoid(g) * u
+        if HAS_W:
+            y = y * tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -45,28 +50,31 @@ def _swiglu_bwd(
     n_col_blocks, FUSED: tl.constexpr, HAS_W: tl.constexpr, NEED_DW: tl.constexpr, HAS_N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    rows, live = _live_rows(n_ptr, n_rows, ROWS, HAS_N)
+    limit = _row_limit(n_ptr, n_rows, HAS_N)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
-    mask = live[:, None] & (cols < n_cols)[None, :]
-    at = rows[:, None] * in_stride + cols[None, :]
-    dy = tl.load(dy_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(b_ptr + at + up_offset, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    if NEED_DW:
-        # d row_weight = sum_cols dy * silu * up; one partial per column block, summed by torch.
-        tl.store(dwp_ptr + rows * n_col_blocks + cb, tl.sum(dy * silu * u, axis=1), mask=live)
-    if HAS_W:
-        dy = dy * tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
-    dg = dy * u * s * (1.0 + g * (1.0 - s))
-    du = dy * silu
-    tl.store(da_ptr + at, dg.to(da_ptr.dtype.element_ty), mask=mask)
-    if FUSED:  # both halves into the one [rows, 2I] gradient
-        tl.store(da_ptr + at + up_offset, du.to(da_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(db_ptr + at, du.to(db_ptr.dtype.element_ty), mask=mask)
+    for tile in range(tl.program_id(0), tl.cdiv(limit, ROWS), tl.num_programs(0)):
+        rows = tl.arange(0, ROWS).to(tl.int64) + tile * ROWS
+        live = rows < limit
+        mask = live[:, None] & (cols < n_cols)[None, :]
+        at = rows[:, None] * in_stride + cols[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(a_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(b_ptr + at + up_offset, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        silu = g * s
+        if NEED_DW:
+            # d row_weight = sum_cols dy * silu * up; one partial per column block, summed by torch.
+            tl.store(dwp_ptr + rows * n_col_blocks + cb, tl.sum(dy * silu * u, axis=1), mask=live)
+        if HAS_W:
+            dy = dy * tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
+        dg = dy * u * s * (1.0 + g * (1.0 - s))
+        du = dy * silu
+        tl.store(da_ptr + at, dg.to(da_ptr.dtype.element_ty), mask=mask)
+        if FUSED:  # both halves into the one [rows, 2I] gradient
+            tl.store(da_ptr + at + up_offset, du.to(da_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(db_ptr + at, du.to(db_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(n_cols: int) -> int:
@@ -98,7 +106,8 @@ def swiglu_forward(
     block = _block(cols)
     per = _rows(block, 4096)
     if rows and cols:
-        wrap_triton(_swiglu_fwd)[(triton.cdiv(rows, per), triton.cdiv(cols, block))](
+        programs = row_bounded_programs(triton.cdiv(rows, per), a.device, n is not None)
+        wrap_triton(_swiglu_fwd)[(programs, triton.cdiv(cols, block))](
             a, a if b is None else b, a if wf is None else wf, a if n is None else n, y, rows, cols,
             a.shape[-1], cols if b is None else 0,
             HAS_W=wf is not None, HAS_N=n is not None, ROWS=per, BLOCK=block, num_warps=_warps(block),
@@ -135,7 +144,8 @@ def swiglu_backward(
     if rows and cols:
         # Pointers that a launch does not use get ``dy`` (never written): each mutated tensor is
         # passed once.
-        wrap_triton(_swiglu_bwd)[(triton.cdiv(rows, per), ncb)](
+        programs = row_bounded_programs(triton.cdiv(rows, per), a.device, n is not None)
+        wrap_triton(_swiglu_bwd)[(programs, ncb)](
             dy, a, a if b is None else b, dy if wf is None else wf, dy if n is None else n, da,
             dy if db is None else db, dy if dwp is None else dwp, rows, cols, a.shape[-1],
             cols if fused else 0, ncb,
