@@ -1,15 +1,14 @@
 """Triton SwiGLU forward/backward: tiles of whole rows (several per tile when rows are short), fp32
 math, silu recomputed in backward. With a row count on the device (``n``), rows at or past it are
-neither read nor written, and the programs loop over the live tiles only
-(:func:`~plait.kernels._triton.row_bounded_programs`). Launched through ``wrap_triton`` (the ops
-calling them are ``triton_op``s)."""
+neither read nor written: a program whose tile lies past it returns at once, so a launch over a
+buffer that a static bound sizes at ``P`` times its use costs about what one over the used part
+does. Launched through ``wrap_triton`` (the ops calling them are ``triton_op``s)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from plait.kernels._triton import row_bounded_programs
 from torch.library import wrap_triton
 
 
@@ -31,7 +30,8 @@ def _swiglu_fwd(
     # views, so that torch.compile sees each tensor once (a view of a mutated output is cloned).
     limit = _row_limit(n_ptr, n_rows, HAS_N)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    for tile in range(tl.program_id(0), tl.cdiv(limit, ROWS), tl.num_programs(0)):
+    tile = tl.program_id(0)
+    if tile * ROWS < limit:  # a tile wholly past the bound does nothing
         rows = tl.arange(0, ROWS).to(tl.int64) + tile * ROWS
         live = rows < limit
         mask = live[:, None] & (cols < n_cols)[None, :]
@@ -53,7 +53,8 @@ def _swiglu_bwd(
     limit = _row_limit(n_ptr, n_rows, HAS_N)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
-    for tile in range(tl.program_id(0), tl.cdiv(limit, ROWS), tl.num_programs(0)):
+    tile = tl.program_id(0)
+    if tile * ROWS < limit:  # a tile wholly past the bound does nothing
         rows = tl.arange(0, ROWS).to(tl.int64) + tile * ROWS
         live = rows < limit
         mask = live[:, None] & (cols < n_cols)[None, :]
@@ -106,8 +107,7 @@ def swiglu_forward(
     block = _block(cols)
     per = _rows(block, 4096)
     if rows and cols:
-        programs = row_bounded_programs(triton.cdiv(rows, per), a.device, n is not None)
-        wrap_triton(_swiglu_fwd)[(programs, triton.cdiv(cols, block))](
+        wrap_triton(_swiglu_fwd)[(triton.cdiv(rows, per), triton.cdiv(cols, block))](
             a, a if b is None else b, a if wf is None else wf, a if n is None else n, y, rows, cols,
             a.shape[-1], cols if b is None else 0,
             HAS_W=wf is not None, HAS_N=n is not None, ROWS=per, BLOCK=block, num_warps=_warps(block),
@@ -144,8 +144,7 @@ def swiglu_backward(
     if rows and cols:
         # Pointers that a launch does not use get ``dy`` (never written): each mutated tensor is
         # passed once.
-        programs = row_bounded_programs(triton.cdiv(rows, per), a.device, n is not None)
-        wrap_triton(_swiglu_bwd)[(programs, ncb)](
+        wrap_triton(_swiglu_bwd)[(triton.cdiv(rows, per), ncb)](
             dy, a, a if b is None else b, dy if wf is None else wf, dy if n is None else n, da,
             dy if db is None else db, dy if dwp is None else dwp, rows, cols, a.shape[-1],
             cols if fused else 0, ncb,
