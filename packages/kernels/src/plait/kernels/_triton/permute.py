@@ -8,21 +8,24 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from plait.kernels._triton import row_bounded_programs
 from torch.library import wrap_triton
 
 
 @triton.jit
 def _gather_rows(
-    x_ptr, src_ptr, w_ptr, n_ptr, out_ptr, n_cols,
+    x_ptr, src_ptr, w_ptr, n_ptr, out_ptr, n_rows, n_cols,
     HAS_W: tl.constexpr, HAS_N: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    live = True
-    if HAS_N:  # a row at or past *n_ptr is neither read nor written (its program returns at once)
-        live = row < tl.load(n_ptr)
-    if live:
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
+    # Rows loop grid-stride up to n_rows, or up to *n_ptr (rows at or past it are neither read nor
+    # written, and cost no program: row_bounded_programs).
+    limit = n_rows
+    if HAS_N:
+        limit = tl.minimum(tl.load(n_ptr), n_rows)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    for r in range(tl.program_id(0), limit, tl.num_programs(0)):
+        row = r + tl.zeros((), tl.int64)
         s = tl.load(src_ptr + row)
         v = tl.load(x_ptr + s * n_cols + cols, mask=mask & ((cols * 0 + s) >= 0), other=0.0)
         if HAS_W:
@@ -79,12 +82,13 @@ def gather_rows(
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     if m and h:
         b = _block(h)
-        wrap_triton(_gather_rows)[(m, triton.cdiv(h, b))](
+        wrap_triton(_gather_rows)[(row_bounded_programs(m, x.device, n is not None), triton.cdiv(h, b))](
             x,
             src,
             w_rows if w_rows is not None else x,
             n if n is not None else src,
             out,
+            m,
             h,
             HAS_W=w_rows is not None,
             HAS_N=n is not None,
