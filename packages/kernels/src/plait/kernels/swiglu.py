@@ -90,7 +90,10 @@ def _forward_impl(
     schema="(Tensor a, Tensor? b, Tensor? row_weight, Tensor? num_rows=None) -> Tensor",
 )
 def _swiglu_op(
-    a: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor | None, num_rows: torch.Tensor | None = None
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    row_weight: torch.Tensor | None,
+    num_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu(gate) * up (* row_weight)``; ``b is None`` means ``a`` is the fused ``[..., 2I]`` tensor;
     rows at or past ``num_rows`` are not computed on the Triton path."""

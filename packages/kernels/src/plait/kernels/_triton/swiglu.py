@@ -3,7 +3,8 @@ math, silu recomputed in backward. With a row count on the device (``n``), rows 
 neither read nor written: a program whose tile lies past it returns at once, so a launch over a
 buffer that a static bound sizes at ``P`` times its use costs about what one over the used part
 does (on an H200, the all-gather dispatch's backward over twice its used rows: 0.103 against 0.093 ms
-per layer; a grid-stride loop over the live tiles, as the row gathers use, took 0.118 for both).
+per layer; a grid-stride loop over the live tiles, as the row gathers use, took 0.118 with or
+without expert parallelism).
 Launched through ``wrap_triton`` (the ops calling them are ``triton_op``s)."""
 
 from __future__ import annotations
