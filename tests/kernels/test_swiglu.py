@@ -71,8 +71,8 @@ def test_swiglu_fused_layout(run, dtype):
 
 
 def check_swiglu_num_rows(dtype, rows, cols, used, compiled, device="cpu"):
-    """Rows ``< used`` equal float64 whatever the rows past them hold (NaN here) and whichever of
-    their gradients come back; the Triton path does not read those rows at all."""
+    """Rows ``< used`` equal float64, forward and backward, whatever the rows past them hold (NaN here,
+    in the input and in the output gradient); eager and compiled (the op with ``num_rows`` in the graph)."""
     torch.manual_seed(2)
     gu = torch.randn(rows, 2 * cols, dtype=dtype, device=device)
     gu[used:] = float("nan")
@@ -93,8 +93,6 @@ def check_swiglu_num_rows(dtype, rows, cols, used, compiled, device="cpu"):
     torch.testing.assert_close(
         w.grad[:used].double(), w64.grad, atol=0.2 if dtype == torch.bfloat16 else 1e-4, rtol=2e-2
     )
-    if use_triton(gu):  # what was never read stays out of every computed row
-        assert torch.isfinite(y[:used]).all() and torch.isfinite(gu.grad[:used]).all()
     return use_triton(gu)
 
 

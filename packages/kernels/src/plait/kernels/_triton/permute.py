@@ -24,7 +24,7 @@ def _gather_rows(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     for r in range(tl.program_id(0), limit, tl.num_programs(0)):
-        row = r + tl.zeros((), tl.int64)
+        row = r + tl.zeros((), tl.int64)  # int64 offsets (the interpreter's loop index is a Python int)
         s = tl.load(src_ptr + row)
         v = tl.load(x_ptr + s * n_cols + cols, mask=mask & ((cols * 0 + s) >= 0), other=0.0)
         if HAS_W:
