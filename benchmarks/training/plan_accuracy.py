@@ -18,7 +18,9 @@ not of the fullest).
 Prints and writes (``--out``) one row per layout: predicted, measured, the error of each, and whether the
 planner's first pick is within 5% of the fastest measured layout. ``--only`` runs the named layouts (as
 ``plait plan`` names them) instead; ``--set section.key=value`` changes the job for the planner and every run
-alike (e.g. FSDP's unit size, which the planner prices but does not choose).
+alike (e.g. FSDP's unit size, which the planner prices but does not choose). ``--save-machine F`` writes the
+planner's machine (calibrated or not) and ``--machine F`` starts from one, so a later run on the same machine
+can skip ``--calibrate``.
 """
 
 from __future__ import annotations
@@ -50,17 +52,18 @@ def main() -> None:
     ap.add_argument(
         "--save-machine", type=Path, help="the planner's machine (as calibrated) as JSON, for --machine"
     )
+    ap.add_argument("--machine", type=Path, help="start from a saved machine (JSON) instead of the defaults")
     args = ap.parse_args()
 
     from plait.loop import load_config
     from plait.train.config import JobConfig
-    from plait.train.planner import Machine, PlanJob, calibrated, plan
-    from plait.train.planner.timing import run_job
+    from plait.train.planner import PlanJob, calibrated, plan
+    from plait.train.planner.timing import load_machine, run_job
 
     overrides = [f"--{o}" for o in args.set]
     config = load_config(args.config, overrides, cls=JobConfig)
     job = PlanJob(config)
-    machine = dataclasses.replace(Machine(), gpus_per_node=args.gpus)
+    machine = dataclasses.replace(load_machine(args.machine, None), gpus_per_node=args.gpus)
     if torch.cuda.is_available():
         machine = dataclasses.replace(
             machine, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30

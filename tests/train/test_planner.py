@@ -552,13 +552,15 @@ def _whole_model_activations(job: PlanJob, mode: str) -> ActivationProfile:
     return activation_profile(forward, mode, range(m.num_hidden_layers))
 
 
-def test_activations_equal_what_a_real_forward_saves() -> None:
-    """The meta count (attention as the fused kernels save it) equals, byte for byte and per layer, what a
-    forward of the materialised model saves on this CPU, where SDPA runs its flash kernel."""
-    job = PlanJob(_config("--batching.seq_len=64"))
-    planned = job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, 1, "none"))
+def _saved_by_a_real_forward(config: dict[str, Any], layout: Layout | None) -> dict[int, list[int]]:
+    """Per decoder layer (-1 before them, -2 after), the bytes a forward of one sample of the job's model,
+    built, parallelised as ``layout``'s rank does (None: one process) and materialised on this CPU, saves
+    for its backward: ``[tensors whose last dim is the hidden size, the others]``."""
+    cfg = JobConfig.model_validate(config)
+    job = PlanJob(cfg)
     provider = job.provider(compile=False)
-    model = provider.parallelize(provider.build_stage(0, 1), None)
+    ctx = DistributedContext.from_env(layout.mesh(), "cpu") if layout is not None else None
+    model = provider.parallelize(provider.build_stage(0, 1), ctx)
     provider.materialize(model, torch.device("cpu"))
     saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     storages: dict[int, torch.UntypedStorage] = {}
@@ -573,11 +575,40 @@ def test_activations_equal_what_a_real_forward_saves() -> None:
             saved[where[0]][0 if t.dim() and t.shape[-1] == job.model.hidden_size else 1] += t.nbytes
         return t
 
-    ids = torch.randint(0, 256, (1, 64))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (1, cfg.batching.seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids)
-    assert planned.layers == tuple(tuple(saved[i]) for i in range(job.model.num_hidden_layers))
-    assert planned.ends == (tuple(saved[-1]), tuple(saved[-2]))
+    return dict(saved)
+
+
+def test_activations_equal_what_a_real_forward_saves() -> None:
+    """The meta count (attention as the fused kernels save it) equals, byte for byte and per layer, what a
+    forward of the materialised model saves on this CPU, where SDPA runs its flash kernel."""
+    cfg = _config("--batching.seq_len=64")
+    job = PlanJob(cfg)
+    planned = job.activation(Layout(1, 1, 1, 1, 1, 1, None, 1, 1, "none"))
+    saved = _saved_by_a_real_forward(cfg.model_dump(mode="json"), None)
+    assert planned.layers == tuple(tuple(saved.get(i, [0, 0])) for i in range(job.model.num_hidden_layers))
+    assert planned.ends == (tuple(saved.get(-1, [0, 0])), tuple(saved.get(-2, [0, 0])))
+
+
+@pytest.mark.parametrize("factor", [None, 1.5], ids=["exact", "buffer_factor"])
+def test_activations_of_the_all_gather_dispatch_equal_what_its_ranks_save(factor: float | None) -> None:
+    """With expert parallelism by all-gather the experts' buffers hold every EP rank's tokens (or the
+    buffer factor's share of them): the planner's activations of an EP=2 x FSDP=2 rank equal, per layer,
+    what each of two real gloo ranks of that layout saves in a forward, and exceed one process's."""
+    extra = [f"--parallel.expert_buffer_factor={factor}"] if factor else []
+    cfg = _config("--batching.seq_len=64", "--parallel.expert_dispatch=all_gather", *extra)
+    job = PlanJob(cfg)
+    layout = _layout(dps=2, ep=2)
+    planned = job.activation(layout)
+    ranks = run_distributed(_saved_by_a_real_forward, 2, cfg.model_dump(mode="json"), layout)
+    layers = range(job.model.num_hidden_layers)
+    for saved in ranks:
+        assert planned.layers == tuple(tuple(saved.get(i, [0, 0])) for i in layers)
+    one_gpu = job.activation(_layout())
+    assert all(sum(ep) > sum(one) for ep, one in zip(planned.layers, one_gpu.layers, strict=True))
 
 
 @pytest.mark.parametrize(

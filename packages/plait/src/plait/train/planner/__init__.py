@@ -39,6 +39,7 @@ runs it: larger microbatches would be as fast per microbatch) or ``compute``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 from plait.loop import BatchPlan, ConfigError, load_config, split_cli_overrides
 from plait.models import stage_layer_ids
+from plait.moe import MoELayer, expert_parallel
 from plait.pipelining import ActionCosts, build_program, lower, simulate
 from plait.train.config import JobConfig, StartupError, split_backward_refusal
 from plait.train.planner.layouts import CHECKPOINTING, Layout, candidate_layouts
@@ -75,6 +77,7 @@ from plait.train.planner.timing import (
     optimizer_step,
     run_job,
 )
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["Layout", "Machine", "Plan", "PlanJob", "Prediction", "main", "plan"]
 
@@ -178,7 +181,7 @@ class PlanJob:
         self.prototypes: dict[tuple[int, int], tuple[torch.nn.Module, dict[int, int]]] = {}
         self.stages: dict[tuple[Any, ...], tuple[StateBytes, list[int]] | _Refused] = {}
         self.ranks: dict[tuple[Any, ...], RankStates] = {}
-        self.forwards: dict[tuple[int, str], tuple[SavedBytes, SavedBytes]] = {}
+        self.forwards: dict[tuple[int, str, int], tuple[SavedBytes, SavedBytes]] = {}
         self.activations: dict[tuple[Any, ...], ActivationProfile] = {}
         self.stage_acts: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self.memos: dict[tuple[Any, ...], Any] = {}
@@ -327,38 +330,60 @@ class PlanJob:
             }  # fmt: skip
         return self._inventory
 
-    def saved(self, seq: int, mode: str) -> tuple[SavedBytes, SavedBytes]:
+    def saved(self, seq: int, mode: str, ep: int = 1) -> tuple[SavedBytes, SavedBytes]:
         """:func:`~plait.train.planner.memory.saved_bytes` of one sample of ``seq`` tokens through the job's
         unsharded model built with the layers' stand-ins, checkpointed by ``mode`` (``none``: with the
-        outputs of the selective policy's ops; ``full``)."""
-        if (seq, mode) not in self.forwards:
+        outputs of the selective policy's ops; ``full``); with ``ep > 1`` its MoE layers dispatch by
+        all-gather over ``ep`` ranks of a fake group (:meth:`expert_buffer_ranks`)."""
+        if (seq, mode, ep) not in self.forwards:
             ac = self.config.parallel.activation_checkpointing
             provider = self.provider(
                 compile=False, activation_checkpointing=ac.model_copy(update={"mode": mode, "every": 1})
             )
             stage, _ = self.stage(0, 1)
             sac_ops = frozenset(ac.save_ops) if mode == "none" else None
-            self.forwards[seq, mode] = saved_bytes(
-                provider.parallelize(stage, None), seq, self.model.hidden_size, sac_ops
-            )
-        return self.forwards[seq, mode]
+            with fake_world(ep, 0) if ep > 1 else contextlib.nullcontext():
+                stage = provider.parallelize(stage, None)
+                if ep > 1:
+                    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep_shard",))
+                    factor = self.config.parallel.expert_buffer_factor
+                    for layer in stage.decoder_layers():
+                        if isinstance(layer.mlp, MoELayer):
+                            expert_parallel(layer.mlp, mesh, backend="all_gather", buffer_factor=factor)
+                self.forwards[seq, mode, ep] = saved_bytes(stage, seq, self.model.hidden_size, sac_ops)
+        return self.forwards[seq, mode, ep]
+
+    def expert_buffer_ranks(self, layout: Layout) -> int:
+        """The expert-parallel degree whose dispatch sizes the layers' activations: ``layout.ep`` for the
+        ``all_gather`` dispatch, whose expert buffers hold every EP rank's tokens (``P * T * k`` rows, or
+        ``parallel.expert_buffer_factor`` times the balanced share: up to ``P`` times one GPU's expert
+        activations), else 1 (the all-to-all's buffers follow the routing: balanced, one GPU's)."""
+        return layout.ep if self.config.parallel.expert_dispatch == "all_gather" else 1
 
     def activation(self, layout: Layout, *, exact: bool = True) -> ActivationProfile:
         """One sample's activations on a rank of ``layout`` (the first pass scales the whole sequence's by the
         context-parallel degree instead of measuring each shard length)."""
         measured = layout.cp if exact else 1  # the context-parallel degree whose shard is measured
-        key = (layout.cp, measured, layout.checkpointing)
+        ep = self.expert_buffer_ranks(layout)
+        key = (layout.cp, measured, layout.checkpointing, ep)
         if key not in self.activations:
             seq = self.config.batching.seq_len // measured
             profile = activation_profile(
-                lambda mode: self.saved(seq, mode), layout.checkpointing, list(self.stand_in.values())
+                lambda mode: self.saved(seq, mode, ep), layout.checkpointing, list(self.stand_in.values())
             )
             self.activations[key] = profile if measured == layout.cp else profile.scaled(1 / layout.cp)
         return self.activations[key]
 
     def stage_activations(self, layout: Layout, num_stages: int, *, exact: bool = True) -> tuple[int, ...]:
         """One sample's activations on each of ``num_stages`` stages of ``layout`` (:meth:`activation`)."""
-        key = (layout.cp, exact, layout.checkpointing, layout.tp, num_stages)
+        key = (
+            layout.cp,
+            exact,
+            layout.checkpointing,
+            layout.tp,
+            num_stages,
+            self.expert_buffer_ranks(layout),
+        )
         if key not in self.stage_acts:
             acts, n = self.activation(layout, exact=exact), self.model.num_hidden_layers
             self.stage_acts[key] = tuple(
