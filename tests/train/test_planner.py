@@ -64,8 +64,12 @@ def _layout(
     return Layout(pp, dpr, dps, cp, tp, ep, sched, spr, 2, "none")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
@@ -570,7 +574,10 @@ def _saved_by_a_real_forward(config: dict[str, Any], layout: Layout | None) -> d
         layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -2))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if id(t.untyped_storage()) not in storages and not isinstance(t, torch.nn.Parameter):
+        # a saved weight, or a view of one (a transpose, a DTensor's local shard), holds no memory of its
+        # own; the parameters are read now: FSDP2 swaps in the gathered ones around a unit's forward
+        weights = {id(_local(p).untyped_storage()) for p in model.parameters()}
+        if id(t.untyped_storage()) not in storages and id(t.untyped_storage()) not in weights:
             storages[id(t.untyped_storage())] = t.untyped_storage()
             saved[where[0]][0 if t.dim() and t.shape[-1] == job.model.hidden_size else 1] += t.nbytes
         return t

@@ -10,7 +10,9 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   optimizer moments as built (exact); the FSDP2 units gathered at once (all of a stage's units with
   ``reshard_after_forward = false``, else the two largest and the root's); the activations of one
   microbatch per stage (one sample's, :func:`~plait.train.planner.memory.activation_profile`, times the
-  microbatch size) times the microbatches the schedule holds in flight (the pipeline simulator's peak);
+  microbatch size; with the ``all_gather`` expert dispatch measured through that dispatch over a fake group
+  of the layout's EP ranks, whose expert buffers hold every EP rank's tokens: :meth:`PlanJob.saved`) times
+  the microbatches the schedule holds in flight (the pipeline simulator's peak);
   what the backward holds above them at its peak (a checkpointed layer recomputed, its temporaries: the
   largest layer's activations times the machine's ``backward_scale``); the unsharded gradients and
   reduce-scatter buffer of the largest unit; the allocator's slack (reserved above allocated bytes, in

@@ -349,12 +349,18 @@ def fused_attention(sac: _OpOutputs | None) -> Iterator[None]:
 def saved_bytes(
     model: nn.Module, seq: int, hidden: int, sac_ops: frozenset[str] | None = None
 ) -> tuple[SavedBytes, SavedBytes]:
-    """One meta forward of ``model`` on one sample of ``seq`` tokens: saved bytes per layer index, and the
-    bytes of ``sac_ops``' outputs per layer."""
+    """One meta forward of ``model`` on one sample of ``seq`` tokens: saved bytes per layer index (each storage
+    once; the parameters' storages, which saved weights and views of them share, not at all), and the bytes of
+    ``sac_ops``' outputs per layer."""
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     where = [-1]
     saved: SavedBytes = defaultdict(lambda: [0, 0])
-    storages: dict[int, torch.UntypedStorage] = {}  # held: a freed storage's id would be reused
+    # held: a freed storage's id would be reused. The parameters' own storages are in it from the start:
+    # a saved view of a weight (a DTensor's local shard, a plain tensor under some torch versions) is no
+    # activation.
+    storages: dict[int, torch.UntypedStorage] = {
+        id(st): st for p in model.parameters() for st in [_local(p).untyped_storage()]
+    }
     handles = []
     for layer in model.decoder_layers():  # type: ignore[operator]
         handles.append(
@@ -364,7 +370,7 @@ def saved_bytes(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if id(storage) not in storages and not isinstance(t, nn.Parameter):
+        if id(storage) not in storages:
             storages[id(storage)] = storage
             _add(saved[where[0]], t, hidden)
         return t
