@@ -12,15 +12,23 @@ from torch.library import wrap_triton
 
 
 @triton.jit
+def row_limit(n_ptr, n_rows, HAS_N: tl.constexpr):
+    """The rows a row-bounded kernel computes: all ``n_rows``, or the first ``*n_ptr`` of them (a row
+    count on the device, e.g. ``RowIdMap.rows``)."""
+    limit = n_rows
+    if HAS_N:
+        limit = tl.minimum(tl.load(n_ptr), n_rows)
+    return limit
+
+
+@triton.jit
 def _gather_rows(
     x_ptr, src_ptr, w_ptr, n_ptr, out_ptr, n_rows, n_cols,
     HAS_W: tl.constexpr, HAS_N: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Rows loop grid-stride up to n_rows, or up to *n_ptr (rows at or past it are neither read nor
-    # written, and cost no program: _programs).
-    limit = n_rows
-    if HAS_N:
-        limit = tl.minimum(tl.load(n_ptr), n_rows)
+    # Rows loop grid-stride up to the bound (rows at or past it are neither read nor written, and cost
+    # no program: _programs).
+    limit = row_limit(n_ptr, n_rows, HAS_N)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     for r in range(tl.program_id(0), limit, tl.num_programs(0)):

@@ -12,16 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from plait.kernels._triton.permute import row_limit
 from torch.library import wrap_triton
-
-
-@triton.jit
-def _row_limit(n_ptr, n_rows, HAS_N: tl.constexpr):
-    """The rows computed: all ``n_rows``, or the first ``*n_ptr`` of them."""
-    limit = n_rows
-    if HAS_N:
-        limit = tl.minimum(tl.load(n_ptr), n_rows)
-    return limit
 
 
 @triton.jit
@@ -31,7 +23,7 @@ def _swiglu_fwd(
 ):  # fmt: skip
     # gate at a_ptr, up at b_ptr (the same tensor up_offset columns on when fused): base pointers, no
     # views, so that torch.compile sees each tensor once (a view of a mutated output is cloned).
-    limit = _row_limit(n_ptr, n_rows, HAS_N)
+    limit = row_limit(n_ptr, n_rows, HAS_N)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     tile = tl.program_id(0)
     if tile * ROWS < limit:  # a tile wholly past the bound does nothing
@@ -53,7 +45,7 @@ def _swiglu_bwd(
     n_col_blocks, FUSED: tl.constexpr, HAS_W: tl.constexpr, NEED_DW: tl.constexpr, HAS_N: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    limit = _row_limit(n_ptr, n_rows, HAS_N)
+    limit = row_limit(n_ptr, n_rows, HAS_N)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     tile = tl.program_id(0)
