@@ -69,7 +69,7 @@ def main() -> None:
             machine, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30
         )
     if args.calibrate:
-        machine = calibrated(job, machine)
+        machine = calibrated(job, machine, modes=tuple(args.checkpointing.split(",")), gpus=args.gpus)
         print("calibrated: " + machine.measured(), flush=True)
     if args.save_machine:
         args.save_machine.write_text(machine.to_json() + "\n")

@@ -3,7 +3,7 @@ valid layouts are those that build (with checkpointed layers: those that run a s
 and a model that fits nowhere is refused with what would fit; its activations measured on one or two layers of each kind equal those of the whole model and what
 a real forward saves, and a model far larger than the machine is planned from two layers of each kind;
 ``--calibrate`` measures the job on this device (a real ``plait train`` run, the optimizer's bytes as the
-planner counts them) and the plan prices what it measures.
+planner counts them; expert parallelism on P ranks) and the plan prices what it measures.
 
 The references are real gloo ranks building the job's stages the way the trainer does (the stages of the
 rank's pipeline coordinate, parallelised and materialised, the job's optimizer stepped once), never the
@@ -409,7 +409,8 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
 
     measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
-                       allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, gpus_per_node=4)  # fmt: skip
+                       allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, gpus_per_node=4,
+                       expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
     path = tmp_path / "machine.json"
     path.write_text(measured.to_json())
     assert figures(load_machine(path, None)) == figures(measured)
@@ -422,6 +423,10 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
         ({"flops": 0}, "flops must be a number > 0, got 0"),
         ({"busbw": {"all_gather": "fast"}}, "busbw must be an object of names to numbers > 0"),
         ({"host_s": [0.1]}, "host_s must be an object of names to numbers >= 0"),
+        (
+            {"expert_token_s": {"all_gather:2": -1}},
+            "expert_token_s must be an object of names to numbers >= 0",
+        ),
         ({"gpus_per_node": 0}, "gpus_per_node must be an integer >= 1"),
         ({"fragmentation": 1.05}, r"unknown fields \['fragmentation'\]"),
         ([1], "a JSON object of Machine fields, got list"),
@@ -654,3 +659,54 @@ def test_a_model_far_larger_than_the_machine_is_planned_from_two_layers_of_each_
     assert sum(states.params for states, _ in ranks) == 2 * estimate_num_parameters(cfg.model)
     built = [len(list(stage.decoder_layers())) for stage, _ in job.prototypes.values()]
     assert built and max(built) <= 4, built
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallelism_is_measured_on_its_ranks_and_priced_on_the_moe_layers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The probe ``--calibrate`` runs on P GPUs (here two gloo ranks of this CPU) times the model with its
+    experts sharded and whole and gives non-negative host and GPU figures; a probe that fails is an error
+    naming it. Measured figures replace the exchanges' bytes at the bandwidth: an EP2 layout's step grows by
+    the GPU figure times its tokens, MoE layers (the DeepSeek's two dense layers pay nothing), microbatches
+    and the mode's recompute factor when the GPU bounds it, by the host figure times the MoE layers,
+    microbatches and the mode's host floor over none's when the host does; computed here from the layout."""
+    from plait.train.planner.timing import expert_parallel_s
+
+    cfg = _with_model(TINY_DEEPSEEK, "--batching.seq_len=32", "--parallel.expert_dispatch=all_gather")
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(cfg.model_dump(mode="json")))
+    host, per_token = expert_parallel_s(config, 2, 2, 32, 4)
+    assert 0 <= host < 60 and 0 <= per_token < 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(
+        json.dumps(_with_model(TINY_DEEPSEEK | {"n_routed_experts": 3, "n_group": 1}).model_dump(mode="json"))
+    )
+    with pytest.raises(
+        RuntimeError, match=r"the expert-parallel probe exited with 1: .*num_experts \(3\) is not divisible"
+    ):
+        expert_parallel_s(bad, 2, 2, 32, 4)
+
+    fast = dict(busbw=tuple((k, 1e30) for k, _ in Machine().busbw), latency_s=0.0)  # no FSDP time to hide
+    host_bound = dict(flops=1e30, host_s=(("none", 0.01), ("full", 0.025)))
+    moe_layers = cfg.model.num_hidden_layers - 2  # type: ignore[union-attr]
+    for bound, figures, machine in [("gpu", (0.0, 3e-7), fast), ("host", (0.004, 0.0), fast | host_bound)]:
+        zero, measured = (
+            Machine(**machine, expert_host_s=(("all_gather:2", f * figures[0]),),  # type: ignore[arg-type]
+                    expert_token_s=(("all_gather:2", f * figures[1]),))
+            for f in (0, 1)
+        )  # fmt: skip
+        for mode in ("none", "full"):
+            ep2 = Layout(1, 1, 2, 1, 1, 2, None, 1, 2, mode)
+            before, after = (
+                next(p for p in plan(cfg, 2, m, checkpointing=(mode,)).fits if p.layout == ep2)
+                for m in (zero, measured)
+            )
+            microbatches = cfg.batching.global_batch_size // 2 // ep2.microbatch_size
+            if bound == "gpu":
+                tokens = ep2.microbatch_size * cfg.batching.seq_len
+                each = figures[1] * tokens * Machine().of_mode("recompute", mode)
+            else:
+                each = figures[0] * dict(host_bound["host_s"])[mode] / 0.01  # type: ignore[arg-type]
+            assert after.step_s - before.step_s == pytest.approx(each * moe_layers * microbatches), (
+                bound,
+                mode,
+            )

@@ -22,11 +22,15 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   activations gone, whichever is more.
 - **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
   (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's time
-  per unit). The GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the
-  machine's FLOP/s, divided by the tensor-parallel degree, times the mode's recompute factor; a forward is a
-  third of it before recomputation. Tensor, context and expert parallelism's collectives per microbatch are
-  added to the stage (they wait in the layer); the pipeline simulator composes the stages with the
-  schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the
+  per unit, plus what expert parallelism adds per MoE layer). The GPU work is the training FLOPs of its
+  layers (and of the LM head on the last stage) at the machine's FLOP/s, divided by the tensor-parallel
+  degree, times the mode's recompute factor, plus expert parallelism's per token and MoE layer; a forward is
+  a third of it before recomputation. Expert parallelism's figures are measured by ``--calibrate`` on the
+  machine's GPUs for the job's dispatch (its exchanges, their waits for the other ranks' experts, its own
+  kernels and launches: :func:`~plait.train.planner.timing.expert_parallel_s`); without them its exchanges'
+  bytes are priced at the bandwidth. Tensor and context parallelism's collectives per microbatch (and
+  unmeasured expert parallelism's) are added to the stage (they wait in the layer); the pipeline simulator
+  composes the stages with the schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the
   compute except those of the units gathered before the first layer and reduced after the last (the
   embedding's and the root's) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer
   step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow.
@@ -74,6 +78,7 @@ from plait.train.planner.memory import (
 from plait.train.planner.timing import (
     Machine,
     activation_bytes,
+    expert_parallel_s,
     forward_backward_s,
     load_machine,
     optimizer_step,
@@ -395,9 +400,10 @@ class PlanJob:
         return self.stage_acts[key]
 
 
-def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
-    """Tensor, context and expert parallelism's collectives of one microbatch in one layer (forward and
-    backward): they wait inside the layers."""
+def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float]:
+    """Seconds of one microbatch's forward and backward that wait inside the layers: ``(every layer's: tensor
+    and context parallelism's collectives, a MoE layer's more: expert parallelism's exchanges priced from
+    their bytes)``; 0 for expert parallelism that the machine measured (:func:`_expert_parallel`)."""
     m, b = job.model, job.config.batching
     tokens = layout.microbatch_size * b.seq_len // layout.cp
     act = tokens * m.hidden_size * 2  # bf16 activations
@@ -407,16 +413,29 @@ def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
     if layout.cp > 1:  # keys and values gathered in the forward, their gradients reduce-scattered back
         kv = 2 * layout.microbatch_size * b.seq_len * m.kv_heads * m.resolved_head_dim * 2 // layout.tp
         s += 2 * machine.collective_s("all_gather", kv, layout.cp)
-    experts = getattr(m, "num_experts", None)
-    if layout.ep > 1 and experts:
-        k = getattr(m, "num_experts_per_tok", 1)
-        if job.config.parallel.expert_dispatch == "all_gather":
-            each = 2 * (machine.collective_s("all_gather", act * layout.ep, layout.ep)
-                        + machine.collective_s("reduce_scatter", act * layout.ep, layout.ep))  # fmt: skip
-        else:
-            each = 4 * machine.collective_s("all_to_all", act * k, layout.ep)
-        s += each
-    return s
+    dispatch = job.config.parallel.expert_dispatch
+    if layout.ep == 1 or not getattr(m, "num_experts", None) or machine.expert_s(dispatch, layout.ep):
+        return s, 0.0
+    if dispatch == "all_gather":
+        return s, 2 * (machine.collective_s("all_gather", act * layout.ep, layout.ep)
+                       + machine.collective_s("reduce_scatter", act * layout.ep, layout.ep))  # fmt: skip
+    return s, 4 * machine.collective_s("all_to_all", act * getattr(m, "num_experts_per_tok", 1), layout.ep)
+
+
+def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float]:
+    """``(host seconds, GPU seconds)`` that expert parallelism adds to one MoE layer's microbatch, as the
+    machine measured it for the layout's dispatch and degree (the host's by the checkpointing mode's host
+    floor over none's, the GPU's by its recompute factor: a checkpointed layer dispatches again); 0 when
+    not measured."""
+    measured = machine.expert_s(job.config.parallel.expert_dispatch, layout.ep) if layout.ep > 1 else None
+    if measured is None or not getattr(job.model, "num_experts", None):
+        return 0.0, 0.0
+    host, per_token = measured
+    mode = layout.checkpointing
+    floor = machine.of_mode("host_s", "none")
+    tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp
+    return (host * (machine.of_mode("host_s", mode) / floor if floor else 1.0),
+            per_token * tokens * machine.of_mode("recompute", mode))  # fmt: skip
 
 
 def _fsdp_collectives(
@@ -493,38 +512,41 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     recompute = machine.of_mode("recompute", layout.checkpointing)
     host_s = machine.of_mode("host_s", layout.checkpointing)
     idle_s = machine.of_mode("idle_s", layout.checkpointing)
-    comm_layer = _comm_per_layer(job, layout, machine)
+    comm_layer, comm_moe = _comm_per_layer(job, layout, machine)
+    ep_host, ep_gpu = _expert_parallel(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
     # FSDP2's own time per microbatch on a stage: its units' share of the rank's
     fsdp_stage = machine.fsdp_unit_s * states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
     host_bound = False
 
-    def stage_costs(layers: int, last: bool) -> tuple[float, float]:
+    def stage_costs(layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
         """A microbatch's forward and backward through the stage: the GPU's work, or the host's floor when
-        longer, plus the collectives that wait inside the layers."""
+        longer, plus what waits inside the layers (collectives, expert parallelism)."""
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
-        gpu += idle_s * layers / m.num_hidden_layers
-        host = host_s * layers / m.num_hidden_layers + fsdp_stage
+        gpu += idle_s * layers / m.num_hidden_layers + ep_gpu * moe_layers
+        host = host_s * layers / m.num_hidden_layers + fsdp_stage + ep_host * moe_layers
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
-        comm = comm_layer * layers
+        comm = comm_layer * layers + comm_moe * moe_layers
         return fwd + comm / 2, t - fwd + comm / 2
 
     mb = layout.microbatch_size
     scale = machine.of_mode("activation_scale", layout.checkpointing)
-    cost_of: dict[tuple[int, bool], tuple[float, float]] = {}  # by (layers, last)
+    cost_of: dict[tuple[int, int, bool], tuple[float, float]] = {}  # by (layers, MoE layers, last)
     costs, act_bytes = {}, {}
     for _, by_stage in ranks:
         for s, ly in by_stage.items():
-            shape = (len(ly), s == num_stages - 1)
+            moe = sum(map(m.is_moe_layer, ly)) if comm_moe or ep_gpu or ep_host else 0
+            shape = (len(ly), moe, s == num_stages - 1)
             if shape not in cost_of:
                 cost_of[shape] = stage_costs(*shape)
             costs[s] = cost_of[shape]
             act_bytes[s] = float(mb * stage_acts[s]) * scale  # per sample
-    tp_comm = comm_layer * m.num_hidden_layers * nmb / layout.pp
+    moe_total = sum(map(m.is_moe_layer, range(m.num_hidden_layers))) if comm_moe or ep_gpu or ep_host else 0
+    tp_comm = (comm_layer * m.num_hidden_layers + comm_moe * moe_total) * nmb / layout.pp
     p2p = machine.collective_s("send_recv", tokens_mb * m.hidden_size * 2, 2) if layout.pp > 1 else 0.0
     if layout.pp == 1:
         f, b = costs[0]
@@ -591,7 +613,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     else:
         limit = "compute"
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
-             "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage, "replica_all_reduce": replica,
+             "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage,
+             "ep_host_per_microbatch": ep_host * moe_total, "ep_gpu_per_microbatch": ep_gpu * moe_total,
+             "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
     return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages, sum(first.values()))
 
@@ -749,7 +773,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.calibrate:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         try:
-            machine = calibrated(job, machine, modes=modes)
+            machine = calibrated(job, machine, modes=modes, gpus=args.gpus)
         except RuntimeError as e:  # the job's run failed, or the model does not fit (OutOfMemoryError)
             raise SystemExit(
                 f"plait plan: error: --calibrate runs the job's model on one device ({device}) and that failed: "
@@ -789,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def calibrated(
-    job: PlanJob, machine: Machine, *, modes: tuple[str, ...] = CHECKPOINTING, steps: int = 6
+    job: PlanJob, machine: Machine, *, modes: tuple[str, ...] = CHECKPOINTING, steps: int = 6, gpus: int = 1
 ) -> Machine:
     """``machine`` with the job measured on this device (a GPU if there is one), one microbatch at a time.
 
@@ -807,6 +831,10 @@ def calibrated(
       less the model's forward and backward (wall time) and the optimizer step.
     - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps, over the
       largest layer's activations of their microbatch.
+    - ``expert_host_s`` and ``expert_token_s`` (a MoE model, for each expert-parallel degree P of ``gpus``
+      that divides the experts and that this machine has the GPUs for): the model with its experts sharded
+      over P GPUs against the same model whole on each, the wall times of one sample and of two microbatches
+      in one (:func:`expert_parallel_s`).
     """
     from plait.loop.optim import build_optimizer
 
@@ -823,6 +851,14 @@ def calibrated(
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
+        experts = getattr(job.model, "num_experts", None) or 0
+        visible = torch.cuda.device_count()
+        moe_layers = sum(map(job.model.is_moe_layer, range(job.model.num_hidden_layers)))
+        measured = {
+            f"{par.expert_dispatch}:{p}": expert_parallel_s(config_file, p, 2 * mb, seq, moe_layers)
+            for p in range(2, min(gpus, visible) + 1)
+            if gpus % p == 0 and experts % p == 0
+        }
     host, busy, idle, scale, backward = {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
@@ -863,6 +899,12 @@ def calibrated(
         fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         allocator_slack=(reserved - allocated) * GIB / layer_bytes if allocated else machine.allocator_slack,
+        expert_host_s=tuple(
+            {**dict(machine.expert_host_s), **{k: v[0] for k, v in measured.items()}}.items()
+        ),
+        expert_token_s=tuple(
+            {**dict(machine.expert_token_s), **{k: v[1] for k, v in measured.items()}}.items()
+        ),
         host_overlaps=device.type == "cuda",
     )
 

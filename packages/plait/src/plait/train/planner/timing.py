@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Machine", "forward_backward_s", "load_machine", "optimizer_step", "run_job"]
+__all__ = ["Machine", "expert_parallel_s", "forward_backward_s", "load_machine", "optimizer_step", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class Machine:
             hooks, copies in and out, the launches): measured on a one-rank FSDP2 model.
         step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
             optimizer step (the data, the loss's bookkeeping, the trainer): a few steps of the job measured.
+        expert_host_s, expert_token_s: what expert parallelism adds to one MoE layer, by ``"{dispatch}:{P}"``
+            (``parallel.expert_dispatch`` over P EP ranks): seconds of the host's floor per microbatch (the
+            dispatch's ops issued), and seconds of GPU work per token of a microbatch on one rank (the
+            exchanges' kernels with their waits for the other ranks' experts, the dispatch's own kernels).
+            ``--calibrate`` on a machine of P GPUs or more measures them (:func:`expert_parallel_s`); a layout
+            without them prices the exchanges' bytes at ``busbw``.
     """
 
     flops: float = 400e12
@@ -87,6 +94,8 @@ class Machine:
     backward_scale: tuple[tuple[str, float], ...] = (("none", 0.0),)
     fsdp_unit_s: float = 0.0
     step_s: float = 0.0
+    expert_host_s: tuple[tuple[str, float], ...] = ()
+    expert_token_s: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> str:
         """The machine as JSON, what ``--machine`` reads back (the per-name figures as objects)."""
@@ -114,7 +123,16 @@ class Machine:
                 f"{modes('activation_scale', '{:.2f}x') or '1'}; backward's peak over one layer's activations "
                 f"{modes('backward_scale', '{:.2f}x')}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
                 f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; {self.step_s * 1e3:.1f} ms "
-                f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations")  # fmt: skip
+                f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations"
+                + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
+                          f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s))  # fmt: skip
+
+    def expert_s(self, dispatch: str, ranks: int) -> tuple[float, float] | None:
+        """``(host seconds per MoE layer and microbatch, GPU seconds per token and MoE layer)`` that expert
+        parallelism over ``ranks`` by ``dispatch`` adds, as measured, or None if not measured."""
+        key = f"{dispatch}:{ranks}"
+        per_token = dict(self.expert_token_s).get(key)
+        return None if per_token is None else (dict(self.expert_host_s).get(key, 0.0), per_token)
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
@@ -129,7 +147,16 @@ class Machine:
         return self.latency_s + nbytes * factor / bw
 
 
-_NAMED = ("busbw", "host_s", "idle_s", "recompute", "activation_scale", "backward_scale")  # figures by name
+_NAMED = (
+    "busbw",
+    "host_s",
+    "idle_s",
+    "recompute",
+    "activation_scale",
+    "backward_scale",
+    "expert_host_s",
+    "expert_token_s",
+)  # figures by name
 
 
 def _check_figure(path: Path, key: str, value: object) -> None:
@@ -244,6 +271,14 @@ def optimizer_step(optimizer: torch.optim.Optimizer, device: torch.device) -> tu
     return step_s, moved
 
 
+def _why(proc: subprocess.CompletedProcess[str]) -> str:
+    """A failed run's reason: under torchrun the last error a rank raised (torchrun's own summary follows
+    it), else the run's last line."""
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    raised = [x for x in lines if re.match(r"\[rank\d+\]: \w*(Error|Exception): ", x)]
+    return (raised or lines or [""])[-1].strip()[:200]
+
+
 def run_job(
     config: Path, gpus: int, overrides: Sequence[str], steps: int, cwd: Path | None = None
 ) -> tuple[float, float, float]:
@@ -263,16 +298,38 @@ def run_job(
                f"--logging.interval={max(1, steps // 2)}", *overrides]  # fmt: skip
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            lines = (proc.stderr or proc.stdout).strip().splitlines()
-            raise RuntimeError(
-                f"plait train exited with {proc.returncode}: {lines[-1][:200] if lines else ''}"
-            )
+            raise RuntimeError(f"plait train exited with {proc.returncode}: {_why(proc)}")
         records = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "tokens_per_s" in r]
     if not timed:
         raise RuntimeError("plait train logged no throughput")
     peak = [max(r.get(key) or 0.0 for r in timed) for key in ("mem_allocated_gib", "mem_reserved_gib")]
     return timed[-1]["tokens_per_s"] / gpus, peak[0], peak[1]
+
+
+def expert_parallel_s(
+    config: Path, ranks: int, samples: int, seq: int, moe_layers: int
+) -> tuple[float, float]:
+    """What expert parallelism over ``ranks`` GPUs (this machine's) by ``config``'s dispatch adds to each of
+    its model's ``moe_layers``: ``(host seconds per microbatch, GPU seconds per token)``, each the slowest
+    rank's with the experts sharded less that with all of them on every rank
+    (:mod:`~plait.train.planner.expert_probe`): the wall time of a forward and backward of one sample of
+    ``seq`` tokens (the host bounds it), of one of ``samples`` (the GPU bounds it); neither below 0.
+
+    Raises:
+        RuntimeError: the probe failed (its exit status and the error it named).
+    """
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "times.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+               "plait.train.planner.expert_probe", "--config", str(config), "--samples", str(samples),
+               "--out", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the expert-parallel probe exited with {proc.returncode}: {_why(proc)}")
+        times = json.loads(out.read_text())
+    (one, ep_one), (many, ep_many) = times["one"], times["many"]
+    return max(0.0, ep_one - one) / moe_layers, max(0.0, ep_many - many) / (samples * seq) / moe_layers
 
 
 def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> tuple[int, int]:
