@@ -857,7 +857,7 @@ def calibrated(
         measured = {
             f"{par.expert_dispatch}:{p}": expert_parallel_s(config_file, p, 2 * mb, seq, moe_layers)
             for p in range(2, min(gpus, visible) + 1)
-            if gpus % p == 0 and experts % p == 0
+            if moe_layers and gpus % p == 0 and experts % p == 0
         }
     host, busy, idle, scale, backward = {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
