@@ -400,42 +400,42 @@ class PlanJob:
         return self.stage_acts[key]
 
 
-def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float]:
-    """Seconds of one microbatch's forward and backward that wait inside the layers: ``(every layer's: tensor
-    and context parallelism's collectives, a MoE layer's more: expert parallelism's exchanges priced from
-    their bytes)``; 0 for expert parallelism that the machine measured (:func:`_expert_parallel`)."""
+def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
+    """Tensor and context parallelism's collectives of one microbatch in one layer (forward and backward):
+    they wait inside the layers."""
     m, b = job.model, job.config.batching
-    tokens = layout.microbatch_size * b.seq_len // layout.cp
-    act = tokens * m.hidden_size * 2  # bf16 activations
+    act = layout.microbatch_size * b.seq_len // layout.cp * m.hidden_size * 2  # bf16 activations
     s = 0.0
     if layout.tp > 1:  # two all-reduces per layer forward, two in the backward
         s += 4 * machine.collective_s("all_reduce", act, layout.tp)
     if layout.cp > 1:  # keys and values gathered in the forward, their gradients reduce-scattered back
         kv = 2 * layout.microbatch_size * b.seq_len * m.kv_heads * m.resolved_head_dim * 2 // layout.tp
         s += 2 * machine.collective_s("all_gather", kv, layout.cp)
+    return s
+
+
+def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float, float]:
+    """``(host seconds, GPU seconds, waiting seconds)`` that expert parallelism adds to one MoE layer's
+    microbatch: as the machine measured it for the layout's dispatch and degree (the host's by the
+    checkpointing mode's host floor over none's, the GPU's by its recompute factor: a checkpointed layer
+    dispatches again), else its exchanges' bytes at the bandwidth, waited on inside the layer."""
+    if layout.ep == 1:
+        return 0.0, 0.0, 0.0
+    m, mode = job.model, layout.checkpointing
     dispatch = job.config.parallel.expert_dispatch
-    if layout.ep == 1 or not getattr(m, "num_experts", None) or machine.expert_s(dispatch, layout.ep):
-        return s, 0.0
-    if dispatch == "all_gather":
-        return s, 2 * (machine.collective_s("all_gather", act * layout.ep, layout.ep)
-                       + machine.collective_s("reduce_scatter", act * layout.ep, layout.ep))  # fmt: skip
-    return s, 4 * machine.collective_s("all_to_all", act * getattr(m, "num_experts_per_tok", 1), layout.ep)
-
-
-def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float]:
-    """``(host seconds, GPU seconds)`` that expert parallelism adds to one MoE layer's microbatch, as the
-    machine measured it for the layout's dispatch and degree (the host's by the checkpointing mode's host
-    floor over none's, the GPU's by its recompute factor: a checkpointed layer dispatches again); 0 when
-    not measured."""
-    measured = machine.expert_s(job.config.parallel.expert_dispatch, layout.ep) if layout.ep > 1 else None
-    if measured is None or not getattr(job.model, "num_experts", None):
-        return 0.0, 0.0
-    host, per_token = measured
-    mode = layout.checkpointing
-    floor = machine.of_mode("host_s", "none")
     tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp
-    return (host * (machine.of_mode("host_s", mode) / floor if floor else 1.0),
-            per_token * tokens * machine.of_mode("recompute", mode))  # fmt: skip
+    if (measured := machine.expert_s(dispatch, layout.ep)) is not None:
+        host, per_token = measured
+        floor = machine.of_mode("host_s", "none")
+        return (host * (machine.of_mode("host_s", mode) / floor if floor else 1.0),
+                per_token * tokens * machine.of_mode("recompute", mode), 0.0)  # fmt: skip
+    act = tokens * m.hidden_size * 2  # bf16 activations
+    if dispatch == "all_gather":
+        wait = 2 * (machine.collective_s("all_gather", act * layout.ep, layout.ep)
+                    + machine.collective_s("reduce_scatter", act * layout.ep, layout.ep))  # fmt: skip
+    else:
+        wait = 4 * machine.collective_s("all_to_all", act * getattr(m, "num_experts_per_tok", 1), layout.ep)
+    return 0.0, 0.0, wait
 
 
 def _fsdp_collectives(
@@ -512,8 +512,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     recompute = machine.of_mode("recompute", layout.checkpointing)
     host_s = machine.of_mode("host_s", layout.checkpointing)
     idle_s = machine.of_mode("idle_s", layout.checkpointing)
-    comm_layer, comm_moe = _comm_per_layer(job, layout, machine)
-    ep_host, ep_gpu = _expert_parallel(job, layout, machine)
+    comm_layer = _comm_per_layer(job, layout, machine)
+    ep_host, ep_gpu, comm_moe = _expert_parallel(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
     # FSDP2's own time per microbatch on a stage: its units' share of the rank's
@@ -539,13 +539,12 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     costs, act_bytes = {}, {}
     for _, by_stage in ranks:
         for s, ly in by_stage.items():
-            moe = sum(map(m.is_moe_layer, ly)) if comm_moe or ep_gpu or ep_host else 0
-            shape = (len(ly), moe, s == num_stages - 1)
+            shape = (len(ly), sum(map(m.is_moe_layer, ly)), s == num_stages - 1)
             if shape not in cost_of:
                 cost_of[shape] = stage_costs(*shape)
             costs[s] = cost_of[shape]
             act_bytes[s] = float(mb * stage_acts[s]) * scale  # per sample
-    moe_total = sum(map(m.is_moe_layer, range(m.num_hidden_layers))) if comm_moe or ep_gpu or ep_host else 0
+    moe_total = sum(map(m.is_moe_layer, range(m.num_hidden_layers)))
     tp_comm = (comm_layer * m.num_hidden_layers + comm_moe * moe_total) * nmb / layout.pp
     p2p = machine.collective_s("send_recv", tokens_mb * m.hidden_size * 2, 2) if layout.pp > 1 else 0.0
     if layout.pp == 1:
