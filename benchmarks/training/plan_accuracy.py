@@ -114,7 +114,8 @@ def main() -> None:
         "",
         f"**device:** {args.gpus} x {device}, torch {torch.__version__}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; planner"
-        f"{' (calibrated)' if args.calibrate else ' (default)'}: {machine.measured()}",
+        f" ({'calibrated' if args.calibrate else f'from {args.machine}' if args.machine else 'default'}): "
+        f"{machine.measured()}",
         "",
         f"**command:** `python3 -m benchmarks.training.plan_accuracy {shlex.join(sys.argv[1:])}`",
         "",
