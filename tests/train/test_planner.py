@@ -369,8 +369,9 @@ def test_the_optimizer_calibration_moves_the_planned_state_bytes() -> None:
 
 @pytest.mark.timeout(300)
 def test_calibration_measures_the_job_on_this_device() -> None:
-    """``--calibrate`` on this CPU: the job run for two steps (a real ``plait train``), its model timed
-    without and with full checkpointing, FSDP2 on a one-rank gloo group; every figure is a positive, finite
+    """``--calibrate`` on this CPU for two GPUs: the job run for two steps (a real ``plait train``), its model
+    timed without and with full checkpointing, FSDP2 on a one-rank gloo group (a CPU's FSDP2 time is the
+    host's: no GPU figure); every figure is a positive, finite
     measurement (their sizes are the GPU's business: on a shared CPU a few milliseconds are noise) and the
     plan prices them.
     A job that cannot run is an error naming the run's failure (``plait plan`` exits with it)."""
@@ -379,9 +380,9 @@ def test_calibration_measures_the_job_on_this_device() -> None:
 
     cfg = _config("--batching.seq_len=128", "--batching.global_batch_size=4", "--batching.microbatch_size=2",
                   "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
-    machine = calibrated(PlanJob(cfg), Machine(), modes=("full",), steps=2)
+    machine = calibrated(PlanJob(cfg), Machine(fsdp_unit_gpu_s=1.0), modes=("full",), steps=2, gpus=2)
     assert 0 < machine.flops < float("inf") and 0 < machine.optimizer_bytes_per_s < float("inf")
-    assert machine.fsdp_unit_s >= 0 and machine.step_s >= 0
+    assert machine.fsdp_unit_s >= 0 and machine.fsdp_unit_gpu_s == 0 and machine.step_s >= 0
     assert [m for m, _ in machine.host_s] == ["none", "full"] and all(t >= 0 for _, t in machine.host_s)
     assert not machine.host_overlaps  # a CPU runs the ops as they are issued
     assert dict(machine.recompute)["none"] == 1 and 0 < dict(machine.recompute)["full"] < float("inf")
@@ -409,7 +410,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
 
     measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
-                       allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, gpus_per_node=4,
+                       allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003, gpus_per_node=4,
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
     path = tmp_path / "machine.json"
     path.write_text(measured.to_json())
@@ -662,28 +663,35 @@ def test_a_model_far_larger_than_the_machine_is_planned_from_two_layers_of_each_
 
 
 @pytest.mark.timeout(300)
-def test_expert_parallelism_is_measured_on_its_ranks_and_priced_on_the_moe_layers(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The probe ``--calibrate`` runs on P GPUs (here two gloo ranks of this CPU) times the model with its
-    experts sharded and whole and gives non-negative host and GPU figures; a probe that fails is an error
-    naming it. Measured figures replace the exchanges' bytes at the bandwidth: an EP2 layout's step grows by
-    the GPU figure times its tokens, MoE layers (the DeepSeek's two dense layers pay nothing), microbatches
-    and the mode's recompute factor when the GPU bounds it, by the host figure times the MoE layers,
-    microbatches and the mode's host floor over none's when the host does; computed here from the layout."""
-    from plait.train.planner.timing import expert_parallel_s
+def test_fsdp_and_expert_parallelism_are_measured_on_their_ranks_and_priced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The probe ``--calibrate`` runs on P GPUs (here two gloo ranks of this CPU) times the model whole, with
+    its experts sharded and under FSDP2 (as many units as the planner counts on the rank) and gives
+    non-negative host and GPU figures; a probe that fails is an error naming it. Measured figures replace the
+    exchanges' bytes at the bandwidth: an EP2 layout's step grows by the GPU figure times its tokens, MoE
+    layers (the DeepSeek's two dense layers pay nothing), microbatches and the mode's recompute factor when
+    the GPU bounds it, by the host figure times the MoE layers, microbatches and the mode's host floor over
+    none's when the host does; an FSDP2 layout's by FSDP2's GPU figure times its units and microbatches;
+    computed here from the layout."""
+    from plait.train.planner.timing import expert_parallel_s, fsdp_s, probe_ranks
 
     cfg = _with_model(TINY_DEEPSEEK, "--batching.seq_len=32", "--parallel.expert_dispatch=all_gather")
     config = tmp_path / "job.json"
     config.write_text(json.dumps(cfg.model_dump(mode="json")))
-    host, per_token = expert_parallel_s(config, 2, 2, 32, 4)
+    times = probe_ranks(config, 2, expert_samples=2, fsdp_samples=2)
+    host, per_token = expert_parallel_s(times, 2, 32, 4)
     assert 0 <= host < 60 and 0 <= per_token < 1
+    assert all(0 <= f < 60 for f in fsdp_s(times, 2))
+    fsdp2 = Layout(1, 1, 2, 1, 1, 1, None, 1, 2, "none")
+    ((states, _),) = PlanJob(cfg).rank_states(fsdp2, 1, ((0,),))
+    assert times["fsdp_units"] == states.units > cfg.model.num_hidden_layers  # type: ignore[union-attr]
     bad = tmp_path / "bad.json"
     bad.write_text(
         json.dumps(_with_model(TINY_DEEPSEEK | {"n_routed_experts": 3, "n_group": 1}).model_dump(mode="json"))
     )
     with pytest.raises(
-        RuntimeError, match=r"the expert-parallel probe exited with 1: .*num_experts \(3\) is not divisible"
+        RuntimeError, match=r"the 2-rank probe exited with 1: .*num_experts \(3\) is not divisible"
     ):
-        expert_parallel_s(bad, 2, 2, 32, 4)
+        probe_ranks(bad, 2, expert_samples=2)
 
     fast = dict(busbw=tuple((k, 1e30) for k, _ in Machine().busbw), latency_s=0.0)  # no FSDP time to hide
     host_bound = dict(flops=1e30, host_s=(("none", 0.01), ("full", 0.025)))
@@ -710,3 +718,9 @@ def test_expert_parallelism_is_measured_on_its_ranks_and_priced_on_the_moe_layer
                 bound,
                 mode,
             )
+    before, after = (
+        next(p for p in plan(cfg, 2, m, checkpointing=("none",)).fits if p.layout == fsdp2)
+        for m in (Machine(**fast), Machine(**fast, fsdp_unit_gpu_s=0.002))  # type: ignore[arg-type]
+    )
+    microbatches = cfg.batching.global_batch_size // 2 // fsdp2.microbatch_size
+    assert after.step_s - before.step_s == pytest.approx(0.002 * states.units * microbatches)

@@ -80,8 +80,10 @@ from plait.train.planner.timing import (
     activation_bytes,
     expert_parallel_s,
     forward_backward_s,
+    fsdp_s,
     load_machine,
     optimizer_step,
+    probe_ranks,
     run_job,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -516,8 +518,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     ep_host, ep_gpu, comm_moe = _expert_parallel(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
-    # FSDP2's own time per microbatch on a stage: its units' share of the rank's
-    fsdp_stage = machine.fsdp_unit_s * states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
+    # FSDP2's own time per microbatch on a stage (host and GPU): its units' share of the rank's
+    units = states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
+    fsdp_host, fsdp_gpu = machine.fsdp_unit_s * units, machine.fsdp_unit_gpu_s * units
     host_bound = False
 
     def stage_costs(layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
@@ -525,8 +528,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         longer, plus what waits inside the layers (collectives, expert parallelism)."""
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
-        gpu += idle_s * layers / m.num_hidden_layers + ep_gpu * moe_layers
-        host = host_s * layers / m.num_hidden_layers + fsdp_stage + ep_host * moe_layers
+        gpu += idle_s * layers / m.num_hidden_layers + fsdp_gpu + ep_gpu * moe_layers
+        host = host_s * layers / m.num_hidden_layers + fsdp_host + ep_host * moe_layers
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
@@ -576,7 +579,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     if fsdp_n > 1 and ranks[0][0].gathered:
         st = ranks[0][0]
         gather, scatter, first, last = job.memo(_fsdp_collectives, st.gathered, st.leading, fsdp_n, machine)
-        fsdp_exposed = first + last + max(0.0, gathers * gather + scatter - compute_s)
+        # a measured GPU figure holds the first gather and the last reduce-scatter (the probe's microbatch)
+        ends = 0.0 if machine.fsdp_unit_gpu_s else first + last
+        fsdp_exposed = ends + max(0.0, gathers * gather + scatter - compute_s)
     replica = machine.collective_s(
         "all_reduce", states0.grads, layout.dp_replicate, inter_node=layout.world > machine.gpus_per_node
     )
@@ -612,7 +617,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     else:
         limit = "compute"
     times = {"compute_and_pipeline": compute_s, "bubble_fraction": bubble, "tp_cp_ep_comm": tp_comm,
-             "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_stage,
+             "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_host,
+             "fsdp_gpu_per_microbatch": fsdp_gpu,
              "ep_host_per_microbatch": ep_host * moe_total, "ep_gpu_per_microbatch": ep_gpu * moe_total,
              "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
@@ -824,8 +830,10 @@ def calibrated(
       the planner's count, and ``backward_scale``: the backward's peak above them over the count of the
       largest layer's unchecked activations.
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
-    - ``fsdp_unit_s``: the model again under FSDP2 on a one-rank group (``parallel``'s units and resharding),
-      one sample: the extra time per unit.
+    - ``fsdp_unit_s`` and ``fsdp_unit_gpu_s`` (planning for more than one GPU): the model under FSDP2
+      (``parallel``'s units, resharding and mixed precision) over as many of this machine's GPUs as planned
+      for (one gloo rank without CUDA) against the same model without it, at one sample and at the
+      microbatch: the host's and the GPU's extra time per unit (:func:`fsdp_s`).
     - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
       less the model's forward and backward (wall time) and the optimizer step.
     - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps, over the
@@ -853,11 +861,19 @@ def calibrated(
         experts = getattr(job.model, "num_experts", None) or 0
         visible = torch.cuda.device_count()
         moe_layers = sum(map(job.model.is_moe_layer, range(job.model.num_hidden_layers)))
+        ep_ranks = [
+            p for p in range(2, min(gpus, visible) + 1) if moe_layers and gpus % p == 0 and experts % p == 0
+        ]
+        fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0  # a CPU: one gloo rank
+        probes = {}
+        for p in sorted({*ep_ranks, fsdp_ranks} - {0}):
+            ep_samples, fsdp_samples = 2 * mb if p in ep_ranks else 0, mb if p == fsdp_ranks else 0
+            probes[p] = probe_ranks(config_file, p, expert_samples=ep_samples, fsdp_samples=fsdp_samples)
         measured = {
-            f"{par.expert_dispatch}:{p}": expert_parallel_s(config_file, p, 2 * mb, seq, moe_layers)
-            for p in range(2, min(gpus, visible) + 1)
-            if moe_layers and gpus % p == 0 and experts % p == 0
+            f"{par.expert_dispatch}:{p}": expert_parallel_s(probes[p], 2 * mb, seq, moe_layers)
+            for p in ep_ranks
         }
+        fsdp_host, fsdp_gpu = fsdp_s(probes[fsdp_ranks], mb) if fsdp_ranks else (0.0, 0.0)
     host, busy, idle, scale, backward = {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
@@ -883,7 +899,7 @@ def calibrated(
                 fixed = 0.0
             wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
         if mode == job_mode:
-            t_one_sample, t_microbatch = one_sample, wall
+            t_microbatch = wall
             t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
         del model
     return dataclasses.replace(
@@ -895,7 +911,11 @@ def calibrated(
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         backward_scale=tuple(backward.items()) or machine.backward_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
-        fsdp_unit_s=_fsdp_unit_s(job, device, t_one_sample),
+        # without GPUs to plan for, the machine's; a CPU's FSDP2 time is all the host's (no overlap)
+        fsdp_unit_s=fsdp_host if fsdp_ranks else machine.fsdp_unit_s,
+        fsdp_unit_gpu_s=(fsdp_gpu if device.type == "cuda" else 0.0)
+        if fsdp_ranks
+        else machine.fsdp_unit_gpu_s,
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         allocator_slack=(reserved - allocated) * GIB / layer_bytes if allocated else machine.allocator_slack,
         expert_host_s=tuple(
@@ -906,33 +926,3 @@ def calibrated(
         ),
         host_overlaps=device.type == "cuda",
     )
-
-
-def _fsdp_unit_s(job: PlanJob, device: torch.device, t_plain: float) -> float:
-    """Seconds FSDP2 adds per unit to a forward and backward of one sample: the job's model with its units
-    (``parallel.fsdp_layers_per_unit``, ``reshard_after_forward``) on a one-rank group, against ``t_plain``
-    without FSDP. The collectives' transfer time is priced apart from bandwidth; what stays is the host's
-    time in the hooks, the copies and the launches."""
-    import torch.distributed as dist
-    from plait.models.common.parallel import apply_fsdp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-
-    owned = not dist.is_initialized()
-    if owned:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        par = job.config.parallel
-        provider = job.provider()
-        model = provider.parallelize(provider.build_stage(0, 1), None)
-        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_cp_shard",))
-        apply_fsdp(model, mesh, reshard_after_forward=par.reshard_after_forward,
-                   layers_per_unit=par.fsdp_layers_per_unit, cuda_graphs=par.cuda_graphs)  # fmt: skip
-        provider.materialize(model, device)
-        units = sum(isinstance(m, FSDPModule) for m in model.modules())
-        t_fsdp = forward_backward_s(model, 1, job.config.batching.seq_len, device)
-    finally:
-        if owned:
-            dist.destroy_process_group()
-    return max(0.0, (t_fsdp - t_plain) / units)

@@ -19,10 +19,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
-__all__ = ["Machine", "expert_parallel_s", "forward_backward_s", "load_machine", "optimizer_step", "run_job"]
+__all__ = [
+    "Machine",
+    "expert_parallel_s",
+    "forward_backward_s",
+    "fsdp_s",
+    "load_machine",
+    "optimizer_step",
+    "probe_ranks",
+    "run_job",
+]
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,12 @@ class Machine:
             checkpointed layer recomputed, the backward's temporaries) over the count of the largest layer's
             unchecked activations (``--calibrate`` on a GPU measures it); default: none 0, else 1 (one layer
             recomputed as counted).
-        fsdp_unit_s: seconds FSDP2 adds per unit and microbatch besides its collectives' transfer time (its
-            hooks, copies in and out, the launches): measured on a one-rank FSDP2 model.
+        fsdp_unit_s, fsdp_unit_gpu_s: seconds FSDP2 adds per unit to a microbatch: to the host's floor (its
+            hooks, copies in and out, the launches) and to the GPU's work (the collectives' kernels beside the
+            compute, the waits for a gather or for the other ranks). ``--calibrate`` measures them with the
+            job's model under FSDP2 over the GPUs it plans for (as many as the machine has;
+            :func:`fsdp_s`); with the GPU's figure measured, the collectives of the units gathered before the
+            first layer and reduced after the last are in it, not priced again at ``busbw``.
         step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
             optimizer step (the data, the loss's bookkeeping, the trainer): a few steps of the job measured.
         expert_host_s, expert_token_s: what expert parallelism adds to one MoE layer, by ``"{dispatch}:{P}"``
@@ -93,6 +107,7 @@ class Machine:
     activation_scale: tuple[tuple[str, float], ...] = ()
     backward_scale: tuple[tuple[str, float], ...] = (("none", 0.0),)
     fsdp_unit_s: float = 0.0
+    fsdp_unit_gpu_s: float = 0.0
     step_s: float = 0.0
     expert_host_s: tuple[tuple[str, float], ...] = ()
     expert_token_s: tuple[tuple[str, float], ...] = ()
@@ -122,7 +137,8 @@ class Machine:
                 f"over no checkpointing {modes('recompute', '{:.2f}x')}; activations over the count "
                 f"{modes('activation_scale', '{:.2f}x') or '1'}; backward's peak over one layer's activations "
                 f"{modes('backward_scale', '{:.2f}x')}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
-                f"GB/s; FSDP2 {self.fsdp_unit_s * 1e3:.2f} ms per unit and microbatch; {self.step_s * 1e3:.1f} ms "
+                f"GB/s; FSDP2 per unit and microbatch: host {self.fsdp_unit_s * 1e3:.2f} ms, GPU "
+                f"{self.fsdp_unit_gpu_s * 1e3:.2f} ms; {self.step_s * 1e3:.1f} ms "
                 f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
                           f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s))  # fmt: skip
@@ -307,14 +323,13 @@ def run_job(
     return timed[-1]["tokens_per_s"] / gpus, peak[0], peak[1]
 
 
-def expert_parallel_s(
-    config: Path, ranks: int, samples: int, seq: int, moe_layers: int
-) -> tuple[float, float]:
-    """What expert parallelism over ``ranks`` GPUs (this machine's) by ``config``'s dispatch adds to each of
-    its model's ``moe_layers``: ``(host seconds per microbatch, GPU seconds per token)``, each the slowest
-    rank's with the experts sharded less that with all of them on every rank
-    (:mod:`~plait.train.planner.expert_probe`): the wall time of a forward and backward of one sample of
-    ``seq`` tokens (the host bounds it), of one of ``samples`` (the GPU bounds it); neither below 0.
+def probe_ranks(
+    config: Path, ranks: int, *, expert_samples: int = 0, fsdp_samples: int = 0
+) -> dict[str, Any]:
+    """The job's model (``config``) timed on ``ranks`` of this machine's GPUs (gloo ranks of the CPU without
+    CUDA) by :mod:`~plait.train.planner.rank_probe`: the slowest rank's seconds of a forward and backward,
+    ``{"plain": {samples: s}, "experts": {...}, "fsdp": {...}, "fsdp_units": n}``, with the experts sharded
+    when ``expert_samples`` and under FSDP2 when ``fsdp_samples`` (string keys: the JSON's).
 
     Raises:
         RuntimeError: the probe failed (its exit status and the error it named).
@@ -322,14 +337,37 @@ def expert_parallel_s(
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "times.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-               "plait.train.planner.expert_probe", "--config", str(config), "--samples", str(samples),
-               "--out", str(out)]  # fmt: skip
+               "plait.train.planner.rank_probe", "--config", str(config), "--expert-samples", str(expert_samples),
+               "--fsdp-samples", str(fsdp_samples), "--out", str(out)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            raise RuntimeError(f"the expert-parallel probe exited with {proc.returncode}: {_why(proc)}")
-        times = json.loads(out.read_text())
-    (one, ep_one), (many, ep_many) = times["one"], times["many"]
-    return max(0.0, ep_one - one) / moe_layers, max(0.0, ep_many - many) / (samples * seq) / moe_layers
+            raise RuntimeError(f"the {ranks}-rank probe exited with {proc.returncode}: {_why(proc)}")
+        return cast(dict[str, Any], json.loads(out.read_text()))
+
+
+def _extra(times: dict[str, Any], variant: str, samples: int) -> float:
+    """What ``variant`` adds to the plain model's wall time at ``samples`` (not below 0)."""
+    return max(0.0, times[variant][str(samples)] - times["plain"][str(samples)])
+
+
+def expert_parallel_s(times: dict[str, Any], samples: int, seq: int, moe_layers: int) -> tuple[float, float]:
+    """What expert parallelism adds to each of the model's ``moe_layers``, from :func:`probe_ranks`'
+    ``times`` (``expert_samples=samples``): ``(host seconds per microbatch, GPU seconds per token)``, the
+    experts sharded less the plain model at one sample of ``seq`` tokens (the host bounds it) and at
+    ``samples`` (the GPU bounds it)."""
+    return _extra(times, "experts", 1) / moe_layers, _extra(times, "experts", samples) / (
+        samples * seq
+    ) / moe_layers
+
+
+def fsdp_s(times: dict[str, Any], samples: int) -> tuple[float, float]:
+    """What FSDP2 adds per unit to a microbatch, from :func:`probe_ranks`' ``times``
+    (``fsdp_samples=samples``): ``(host seconds, GPU seconds)``, FSDP2 less the plain model at one sample
+    (the host bounds it: the hooks, the copies in and out, the launches) and at ``samples`` (the job's
+    microbatch: the collectives' kernels beside the compute, the waits for a gather not yet done or for
+    the other ranks)."""
+    units = times["fsdp_units"]
+    return _extra(times, "fsdp", 1) / units, _extra(times, "fsdp", samples) / units
 
 
 def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from plait.models.common.parallel.float8 import (
 from plait.models.common.parallel.plan import (
     LayerTensorParallel,
     apply_context_parallel,
+    apply_data_parallel,
     apply_expert_parallel,
     apply_fsdp,
     apply_tensor_parallel,
@@ -29,6 +30,7 @@ __all__ = [
     "ParallelConfig",
     "apply_activation_checkpointing",
     "apply_context_parallel",
+    "apply_data_parallel",
     "apply_expert_parallel",
     "apply_float8",
     "apply_fsdp",

@@ -326,14 +326,17 @@ def _check_cuda_graph_layout(
         )
 
 
-def _apply_data_parallel(
+def apply_data_parallel(
     model: DecoderStage,
     dense_mesh: DeviceMesh,
-    expert_mesh: DeviceMesh | None,
     config: ParallelConfig,
-    experts_sharded: bool,
+    *,
+    expert_mesh: DeviceMesh | None = None,
+    experts_sharded: bool = False,
 ) -> None:
-    """FSDP2 (HSDP with ``dp_replicate`` > 1) over the dense mesh's data ranks, as ``config`` says."""
+    """FSDP2 (HSDP with ``dp_replicate`` > 1) over the dense mesh's data ranks (its ``dp_cp_shard`` dim, of
+    any size: one rank too), as ``config`` says (units, resharding, mixed precision); the last step of
+    :func:`parallelize_decoder`."""
     if _dim_size(dense_mesh, "dp_replicate") > 1:
         # HSDP; with dp_cp_shard of size 1 this is plain replication (DDP semantics).
         dp_mesh = dense_mesh["dp_replicate", "dp_cp_shard"]
@@ -447,5 +450,7 @@ def parallelize_decoder(
         model.model.kernels.static_captures = config.cuda_graphs
     if fsdp:
         assert dense_mesh is not None
-        _apply_data_parallel(model, dense_mesh, expert_mesh, config, experts_sharded)
+        apply_data_parallel(
+            model, dense_mesh, config, expert_mesh=expert_mesh, experts_sharded=experts_sharded
+        )
     return model

@@ -1,0 +1,99 @@
+"""What FSDP2 and expert parallelism over P GPUs add to the job's model, measured on those GPUs
+(``plait plan --calibrate``).
+
+Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-per-node=P``: every rank builds
+the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
+checkpointing) and times a forward and backward on its own random tokens (the ranks' routings differ as the
+job's do), of one sample (the host's floor, as ``calibrated`` measures it on one GPU) and of more (enough for
+the GPU to bound the model: the collectives, their waits for the other ranks and their kernels beside the
+compute show in the wall time; a profiler's busy time would count a collective's kernel waiting on its
+stream beside the compute). The variants:
+
+- ``plain``: every parameter and expert on every rank, at one sample and at each count below;
+- ``experts`` (``--expert-samples N``): the experts sharded over the P ranks, at one sample and at N;
+- ``fsdp`` (``--fsdp-samples M``): FSDP2 over the P ranks with the job's units and resharding, at one
+  sample and at M.
+
+Rank 0 writes the slowest rank's seconds, ``{"plain": {"1": s, "M": s, "N": s}, "experts": {...},
+"fsdp": {...}, "fsdp_units": units}``.
+
+    torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
+        [--expert-samples N] [--fsdp-samples M] --out F.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from plait.dist_core.fsdp_state import param_groups
+from plait.loop import load_config
+from plait.models import parallelize
+from plait.models.common.parallel import apply_data_parallel
+from plait.train.config import JobConfig
+from plait.train.job import build_provider
+from plait.train.planner.timing import forward_backward_s
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The probe on this rank (the command line above)."""
+    ap = argparse.ArgumentParser(prog="python -m plait.train.planner.rank_probe")
+    ap.add_argument("--config", type=Path, required=True, help="the job's config (JSON or TOML)")
+    ap.add_argument(
+        "--expert-samples", type=int, default=0, help="time the experts sharded at this many samples"
+    )
+    ap.add_argument("--fsdp-samples", type=int, default=0, help="time FSDP2 at this many samples")
+    ap.add_argument("--out", type=Path, required=True, help="rank 0 writes the times here (JSON)")
+    args = ap.parse_args(argv)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:  # the CPU's gloo ranks: the tests
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        config = load_config(args.config, [], cls=JobConfig)
+        par = config.parallel  # without checkpointing: the planner scales the time by each mode's recompute
+        ac = par.activation_checkpointing.model_copy(update={"mode": "none"})
+        config = config.model_copy(
+            update={"parallel": par.model_copy(update={"activation_checkpointing": ac})}
+        )
+        ranks, seq = dist.get_world_size(), config.batching.seq_len
+        times: dict[str, object] = {}
+
+        def timed(variant: str, stage: torch.nn.Module, counts: list[int]) -> None:
+            provider.materialize(stage, device)
+            for samples in counts:
+                slowest = torch.tensor(forward_backward_s(stage, samples, seq, device), device=device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                times.setdefault(variant, {})[str(samples)] = slowest.item()  # type: ignore[index, union-attr]
+
+        provider = build_provider(config)
+        plain = [1, *sorted({n for n in (args.expert_samples, args.fsdp_samples) if n > 1})]
+        timed("plain", parallelize(provider.build_stage(0, 1), config=provider.parallel), plain)
+        if args.expert_samples:
+            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
+            stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)
+            timed("experts", stage, [1, args.expert_samples])
+        if args.fsdp_samples:  # FSDP2 as the job applies it, over a mesh of any size (one rank too)
+            stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
+            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
+            apply_data_parallel(stage, mesh, provider.parallel)
+            units = [m for m in stage.modules() if isinstance(m, FSDPModule)]  # those that gather, as the plan's
+            times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
+            timed("fsdp", stage, [1, args.fsdp_samples])
+        if dist.get_rank() == 0:
+            args.out.write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
