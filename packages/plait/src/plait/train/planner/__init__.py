@@ -21,18 +21,20 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   the activations are freed: the peak holds those outside the decoder layers, or all of them with the
   activations gone, whichever is more.
 - **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
-  (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's time
-  per unit, plus what expert parallelism adds per MoE layer). The GPU work is the training FLOPs of its
+  (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's host
+  time per unit, plus what expert parallelism adds per MoE layer). The GPU work is the training FLOPs of its
   layers (and of the LM head on the last stage) at the machine's FLOP/s, divided by the tensor-parallel
-  degree, times the mode's recompute factor, plus expert parallelism's per token and MoE layer; a forward is
-  a third of it before recomputation. Expert parallelism's figures are measured by ``--calibrate`` on the
-  machine's GPUs for the job's dispatch (its exchanges, their waits for the other ranks' experts, its own
-  kernels and launches: :func:`~plait.train.planner.timing.expert_parallel_s`); without them its exchanges'
-  bytes are priced at the bandwidth. Tensor and context parallelism's collectives per microbatch (and
+  degree, times the mode's recompute factor, plus FSDP2's GPU time per unit and expert parallelism's per
+  token and MoE layer; a forward is a third of it before recomputation. FSDP2's and expert parallelism's
+  figures are measured by ``--calibrate`` on the machine's GPUs (the job's model with and without them:
+  their collectives, the waits for the other ranks, their own kernels and launches;
+  :func:`~plait.train.planner.timing.fsdp_s`, :func:`~plait.train.planner.timing.expert_parallel_s`);
+  without them expert parallelism's exchanges' bytes are priced at the bandwidth. Tensor and context parallelism's collectives per microbatch (and
   unmeasured expert parallelism's) are added to the stage (they wait in the layer); the pipeline simulator
-  composes the stages with the schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the
-  compute except those of the units gathered before the first layer and reduced after the last (the
-  embedding's and the root's) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer
+  composes the stages with the schedule's program and the send/recv time; FSDP2's all-gathers and
+  reduce-scatters hide behind the compute except those of the units gathered before the first layer and
+  reduced after the last (the embedding's and the root's; in the measured GPU time when there is one) and
+  whatever exceeds the compute; HSDP's replica all-reduce, the optimizer
   step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow.
   ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
 

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
             stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
             apply_data_parallel(stage, mesh, provider.parallel)
-            units = [m for m in stage.modules() if isinstance(m, FSDPModule)]  # those that gather, as the plan's
+            # the units that gather parameters, as the plan counts them
+            units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
             times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
             timed("fsdp", stage, [1, args.fsdp_samples])
         if dist.get_rank() == 0:
