@@ -29,13 +29,13 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   figures are measured by ``--calibrate`` on the machine's GPUs (the job's model with and without them:
   their collectives, the waits for the other ranks, their own kernels and launches;
   :func:`~plait.train.planner.timing.fsdp_s`, :func:`~plait.train.planner.timing.expert_parallel_s`);
-  without them expert parallelism's exchanges' bytes are priced at the bandwidth. Tensor and context parallelism's collectives per microbatch (and
-  unmeasured expert parallelism's) are added to the stage (they wait in the layer); the pipeline simulator
-  composes the stages with the schedule's program and the send/recv time; FSDP2's all-gathers and
-  reduce-scatters hide behind the compute except those of the units gathered before the first layer and
-  reduced after the last (the embedding's and the root's; in the measured GPU time when there is one) and
-  whatever exceeds the compute; HSDP's replica all-reduce, the optimizer
-  step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow.
+  without them expert parallelism's exchanges' bytes are priced at the bandwidth. Tensor and context
+  parallelism's collectives per microbatch (and unmeasured expert parallelism's) are added to the stage (they
+  wait in the layer); the pipeline simulator composes the stages with the schedule's program and the
+  send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the compute except those of the units
+  gathered before the first layer and reduced after the last (the embedding's and the root's; in the
+  measured GPU time when there is one) and whatever exceeds the compute; HSDP's replica all-reduce, the
+  optimizer step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow.
   ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
@@ -875,7 +875,11 @@ def calibrated(
             f"{par.expert_dispatch}:{p}": expert_parallel_s(probes[p], 2 * mb, seq, moe_layers)
             for p in ep_ranks
         }
-        fsdp_host, fsdp_gpu = fsdp_s(probes[fsdp_ranks], mb) if fsdp_ranks else (0.0, 0.0)
+        if fsdp_ranks:
+            fsdp_host, fsdp_gpu = fsdp_s(probes[fsdp_ranks], mb)
+            fsdp_gpu = fsdp_gpu if visible else 0.0  # a CPU runs each op as issued: all of it is the host's
+        else:  # planning for one GPU: no FSDP2 to measure
+            fsdp_host, fsdp_gpu = machine.fsdp_unit_s, machine.fsdp_unit_gpu_s
     host, busy, idle, scale, backward = {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
@@ -913,11 +917,8 @@ def calibrated(
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         backward_scale=tuple(backward.items()) or machine.backward_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
-        # without GPUs to plan for, the machine's; a CPU's FSDP2 time is all the host's (no overlap)
-        fsdp_unit_s=fsdp_host if fsdp_ranks else machine.fsdp_unit_s,
-        fsdp_unit_gpu_s=(fsdp_gpu if device.type == "cuda" else 0.0)
-        if fsdp_ranks
-        else machine.fsdp_unit_gpu_s,
+        fsdp_unit_s=fsdp_host,
+        fsdp_unit_gpu_s=fsdp_gpu,
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         allocator_slack=(reserved - allocated) * GIB / layer_bytes if allocated else machine.allocator_slack,
         expert_host_s=tuple(
