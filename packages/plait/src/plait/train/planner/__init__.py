@@ -860,26 +860,7 @@ def calibrated(
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
-        experts = getattr(job.model, "num_experts", None) or 0
-        visible = torch.cuda.device_count()
-        moe_layers = sum(map(job.model.is_moe_layer, range(job.model.num_hidden_layers)))
-        ep_ranks = [
-            p for p in range(2, min(gpus, visible) + 1) if moe_layers and gpus % p == 0 and experts % p == 0
-        ]
-        fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0  # a CPU: one gloo rank
-        probes = {}
-        for p in sorted({*ep_ranks, fsdp_ranks} - {0}):
-            ep_samples, fsdp_samples = 2 * mb if p in ep_ranks else 0, mb if p == fsdp_ranks else 0
-            probes[p] = probe_ranks(config_file, p, expert_samples=ep_samples, fsdp_samples=fsdp_samples)
-        measured = {
-            f"{par.expert_dispatch}:{p}": expert_parallel_s(probes[p], 2 * mb, seq, moe_layers)
-            for p in ep_ranks
-        }
-        if fsdp_ranks:
-            fsdp_host, fsdp_gpu = fsdp_s(probes[fsdp_ranks], mb)
-            fsdp_gpu = fsdp_gpu if visible else 0.0  # a CPU runs each op as issued: all of it is the host's
-        else:  # planning for one GPU: no FSDP2 to measure
-            fsdp_host, fsdp_gpu = machine.fsdp_unit_s, machine.fsdp_unit_gpu_s
+        on_ranks = _rank_figures(job, machine, config_file, gpus)
     host, busy, idle, scale, backward = {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
@@ -917,15 +898,40 @@ def calibrated(
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         backward_scale=tuple(backward.items()) or machine.backward_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
-        fsdp_unit_s=fsdp_host,
-        fsdp_unit_gpu_s=fsdp_gpu,
         step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
         allocator_slack=(reserved - allocated) * GIB / layer_bytes if allocated else machine.allocator_slack,
-        expert_host_s=tuple(
-            {**dict(machine.expert_host_s), **{k: v[0] for k, v in measured.items()}}.items()
-        ),
-        expert_token_s=tuple(
-            {**dict(machine.expert_token_s), **{k: v[1] for k, v in measured.items()}}.items()
-        ),
         host_overlaps=device.type == "cuda",
+        **on_ranks,
     )
+
+
+def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) -> dict[str, Any]:
+    """FSDP2's and expert parallelism's figures of ``machine``, measured by :func:`probe_ranks` on this
+    machine's GPUs for a plan of ``gpus`` (one torchrun launch per degree): FSDP2 over min(``gpus``, the
+    GPUs) ranks (one gloo rank without CUDA, whose FSDP2 time is all the host's: a CPU runs each op as
+    issued), expert parallelism for each degree P that divides ``gpus`` and the experts; the machine's own
+    for what is not measured (FSDP2 when planning for one GPU)."""
+    m, mb = job.model, job.config.batching.microbatch_size
+    visible = torch.cuda.device_count()
+    moe_layers = sum(map(m.is_moe_layer, range(m.num_hidden_layers)))
+    experts = getattr(m, "num_experts", None) or 0
+    ep_ranks = [
+        p for p in range(2, min(gpus, visible) + 1) if moe_layers and gpus % p == 0 and experts % p == 0
+    ]
+    fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
+    fsdp_samples = mb if visible else 1  # the microbatch's time is the GPU's figure
+    fsdp = machine.fsdp_unit_s, machine.fsdp_unit_gpu_s
+    ep_host, ep_token = dict(machine.expert_host_s), dict(machine.expert_token_s)
+    for p in sorted({*ep_ranks, fsdp_ranks} - {0}):
+        times = probe_ranks(config_file, p, expert_samples=2 * mb if p in ep_ranks else 0,
+                            fsdp_samples=fsdp_samples if p == fsdp_ranks else 0)  # fmt: skip
+        if p in ep_ranks:
+            key = f"{job.config.parallel.expert_dispatch}:{p}"
+            ep_host[key], ep_token[key] = expert_parallel_s(
+                times, 2 * mb, job.config.batching.seq_len, moe_layers
+            )
+        if p == fsdp_ranks:
+            host, gpu = fsdp_s(times, fsdp_samples)
+            fsdp = host, gpu if visible else 0.0
+    return {"fsdp_unit_s": fsdp[0], "fsdp_unit_gpu_s": fsdp[1],
+            "expert_host_s": tuple(ep_host.items()), "expert_token_s": tuple(ep_token.items())}  # fmt: skip

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,22 +67,22 @@ def main(argv: list[str] | None = None) -> None:
             update={"parallel": par.model_copy(update={"activation_checkpointing": ac})}
         )
         ranks, seq = dist.get_world_size(), config.batching.seq_len
-        times: dict[str, object] = {}
+        times: dict[str, Any] = {}
 
-        def timed(variant: str, stage: torch.nn.Module, counts: list[int]) -> None:
+        def timed(variant: str, stage: torch.nn.Module, *counts: int) -> None:
             provider.materialize(stage, device)
-            for samples in counts:
+            for samples in sorted({1, *counts}):  # one sample always: the host's floor
                 slowest = torch.tensor(forward_backward_s(stage, samples, seq, device), device=device)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                times.setdefault(variant, {})[str(samples)] = slowest.item()  # type: ignore[index, union-attr]
+                times.setdefault(variant, {})[str(samples)] = slowest.item()
 
         provider = build_provider(config)
-        plain = [1, *sorted({n for n in (args.expert_samples, args.fsdp_samples) if n > 1})]
-        timed("plain", parallelize(provider.build_stage(0, 1), config=provider.parallel), plain)
+        stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
+        timed("plain", stage, *(n for n in (args.expert_samples, args.fsdp_samples) if n))
         if args.expert_samples:
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
             stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)
-            timed("experts", stage, [1, args.expert_samples])
+            timed("experts", stage, args.expert_samples)
         if args.fsdp_samples:  # FSDP2 as the job applies it, over a mesh of any size (one rank too)
             stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             # the units that gather parameters, as the plan counts them
             units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
             times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
-            timed("fsdp", stage, [1, args.fsdp_samples])
+            timed("fsdp", stage, args.fsdp_samples)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(times))
     finally:

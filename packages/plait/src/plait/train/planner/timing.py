@@ -355,9 +355,8 @@ def expert_parallel_s(times: dict[str, Any], samples: int, seq: int, moe_layers:
     ``times`` (``expert_samples=samples``): ``(host seconds per microbatch, GPU seconds per token)``, the
     experts sharded less the plain model at one sample of ``seq`` tokens (the host bounds it) and at
     ``samples`` (the GPU bounds it)."""
-    return _extra(times, "experts", 1) / moe_layers, _extra(times, "experts", samples) / (
-        samples * seq
-    ) / moe_layers
+    host, gpu = _extra(times, "experts", 1), _extra(times, "experts", samples)
+    return host / moe_layers, gpu / (samples * seq) / moe_layers
 
 
 def fsdp_s(times: dict[str, Any], samples: int) -> tuple[float, float]:
