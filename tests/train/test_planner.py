@@ -382,16 +382,21 @@ def test_calibration_measures_the_job_on_this_device() -> None:
                   "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
     machine = calibrated(PlanJob(cfg), Machine(fsdp_unit_gpu_s=1.0), modes=("full",), steps=2, gpus=2)
     assert 0 < machine.flops < float("inf") and 0 < machine.optimizer_bytes_per_s < float("inf")
-    assert machine.fsdp_unit_s >= 0 and machine.fsdp_unit_gpu_s == 0 and machine.step_s >= 0
+    assert machine.fsdp_unit_s >= 0 and machine.fsdp_accumulate_s >= 0 and machine.step_s >= 0
+    assert machine.fsdp_unit_gpu_s == machine.fsdp_accumulate_gpu_s == machine.fsdp_slack_bytes == 0
     assert [m for m, _ in machine.host_s] == ["none", "full"] and all(t >= 0 for _, t in machine.host_s)
     assert not machine.host_overlaps  # a CPU runs the ops as they are issued
     assert dict(machine.recompute)["none"] == 1 and 0 < dict(machine.recompute)["full"] < float("inf")
-    # FSDP2's time per unit is priced on every unit of the rank, the step's fixed cost on every step
-    priced = dataclasses.replace(machine, fsdp_unit_s=0.01, step_s=0.5)
+    # FSDP2's time per unit is priced on every unit of the rank (the step's last microbatch's and those
+    # before it, a mean), the step's fixed cost on every step
+    priced = dataclasses.replace(machine, fsdp_unit_s=0.01, fsdp_accumulate_s=0.004, step_s=0.5)
     fits = plan(cfg, 2, priced, checkpointing=("none",)).fits
-    fsdp = next(p for p in fits if p.layout.dp_shard == 2)
-    ((states, _),) = PlanJob(cfg).rank_states(fsdp.layout, 1, ((0,),))
-    assert fsdp.time["fsdp_host_per_microbatch"] == pytest.approx(0.01 * states.units)
+    for fsdp in (p for p in fits if p.layout.dp_shard == 2):
+        ((states, _),) = PlanJob(cfg).rank_states(fsdp.layout, 1, ((0,),))
+        n = cfg.batching.global_batch_size // 2 // fsdp.layout.microbatch_size
+        assert fsdp.time["fsdp_host_per_microbatch"] == pytest.approx(
+            (0.01 + (n - 1) * 0.004) / n * states.units
+        )
     assert fits[0].time["step_fixed"] == 0.5
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)
@@ -411,6 +416,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
     measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
                        allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003, gpus_per_node=4,
+                       fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
     path = tmp_path / "machine.json"
     path.write_text(measured.to_json())
@@ -680,7 +686,10 @@ def test_fsdp_and_expert_parallelism_are_measured_on_their_ranks_and_priced(tmp_
     times = probe_ranks(config, 2, expert_samples=2, fsdp_samples=2)
     host, per_token = expert_parallel_s(times, 2, 32, 4)
     assert 0 <= host < 60 and 0 <= per_token < 1
-    assert all(0 <= f < 60 for f in fsdp_s(times, 2))
+    figures = fsdp_s(times, 2)
+    assert figures.keys() == {"fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s", "fsdp_accumulate_gpu_s",
+                              "fsdp_slack_bytes"} and all(0 <= f < 60 for f in figures.values())  # fmt: skip
+    assert figures["fsdp_slack_bytes"] == 0  # no GPU, no allocator to read
     fsdp2 = Layout(1, 1, 2, 1, 1, 1, None, 1, 2, "none")
     ((states, _),) = PlanJob(cfg).rank_states(fsdp2, 1, ((0,),))
     assert times["fsdp_units"] == states.units > cfg.model.num_hidden_layers  # type: ignore[union-attr]
@@ -718,9 +727,18 @@ def test_fsdp_and_expert_parallelism_are_measured_on_their_ranks_and_priced(tmp_
                 bound,
                 mode,
             )
-    before, after = (
-        next(p for p in plan(cfg, 2, m, checkpointing=("none",)).fits if p.layout == fsdp2)
-        for m in (Machine(**fast), Machine(**fast, fsdp_unit_gpu_s=0.002))  # type: ignore[arg-type]
-    )
     microbatches = cfg.batching.global_batch_size // 2 // fsdp2.microbatch_size
-    assert after.step_s - before.step_s == pytest.approx(0.002 * states.units * microbatches)
+    assert microbatches > 1
+    gpu = dict(fsdp_unit_gpu_s=0.002, fsdp_accumulate_gpu_s=0.0005)
+    slack = dict(fsdp_slack_bytes=3 * 2**30)
+    before, after, floor = (
+        {p.layout: p for p in plan(cfg, 2, m, checkpointing=("none",)).fits}
+        for m in (Machine(**fast), Machine(**fast, **gpu), Machine(**fast, **slack))  # type: ignore[arg-type]
+    )
+    # the step's last microbatch reduces (0.002 per unit), those before it accumulate (0.0005)
+    each = 0.002 + (microbatches - 1) * 0.0005
+    assert after[fsdp2].step_s - before[fsdp2].step_s == pytest.approx(each * states.units)
+    # the allocator's slack under FSDP2 is at least the machine's floor; without FSDP2 it is not
+    assert floor[fsdp2].memory["allocator_slack"] == 3 * 2**30
+    assert all(p.memory["allocator_slack"] == before[p.layout].memory["allocator_slack"]
+               for p in floor.values() if p.layout.dp_shard * p.layout.cp == 1)  # fmt: skip

@@ -6,37 +6,38 @@ promising (the batch plan, the pipeline schedule's program, the model built and 
 a fake process group of N ranks, one or two layers of each kind standing for the others:
 :mod:`~plait.train.planner.memory`), and prices each valid one:
 
-- **memory per GPU** (the largest over the pipeline ranks): the sharded parameters, gradients and
-  optimizer moments as built (exact); the FSDP2 units gathered at once (all of a stage's units with
-  ``reshard_after_forward = false``, else the two largest and the root's); the activations of one
-  microbatch per stage (one sample's, :func:`~plait.train.planner.memory.activation_profile`, times the
-  microbatch size; with the ``all_gather`` expert dispatch measured through that dispatch over a fake group
-  of the layout's EP ranks, whose expert buffers hold every EP rank's tokens: :meth:`PlanJob.saved`) times
-  the microbatches the schedule holds in flight (the pipeline simulator's peak);
-  what the backward holds above them at its peak (a checkpointed layer recomputed, its temporaries: the
-  largest layer's activations times the machine's ``backward_scale``); the unsharded gradients and
-  reduce-scatter buffer of the largest unit; the allocator's slack (reserved above allocated bytes, in
-  proportion to the largest layer's activations of a microbatch; :class:`~plait.train.planner.timing.Machine`).
-  With one microbatch per step the gradients, set to None after each step, are created by the backward as
-  the activations are freed: the peak holds those outside the decoder layers, or all of them with the
-  activations gone, whichever is more.
-- **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it
-  (the machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's host
-  time per unit, plus what expert parallelism adds per MoE layer). The GPU work is the training FLOPs of its
+- **memory per GPU** (the largest over the pipeline ranks): the sharded parameters, gradients and optimizer
+  moments as built (exact); the FSDP2 units gathered at once (all of a stage's units with
+  ``reshard_after_forward = false`` or ``fsdp.gather_once_per_step``, else the two largest and the root's);
+  the activations of one microbatch per stage (one sample's,
+  :func:`~plait.train.planner.memory.activation_profile`, times the microbatch size; with the ``all_gather``
+  expert dispatch measured through that dispatch over a fake group of the layout's EP ranks, whose expert
+  buffers hold every EP rank's tokens: :meth:`PlanJob.saved`) times the microbatches the schedule holds in
+  flight (the pipeline simulator's peak); what the backward holds above them at its peak (a checkpointed layer
+  recomputed, its temporaries: the largest layer's activations times the machine's ``backward_scale``); the
+  unsharded gradients and reduce-scatter buffer of the largest unit; the allocator's slack (reserved above
+  allocated bytes, in proportion to the largest layer's activations of a microbatch, under FSDP2 at least the
+  machine's ``fsdp_slack_bytes``; :class:`~plait.train.planner.timing.Machine`). With one microbatch per step
+  the gradients, set to None after each step, are created by the backward as the activations are freed: the
+  peak holds those outside the decoder layers, or all of them with the activations gone, whichever is more.
+- **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it (the
+  machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's host time per
+  unit, the mean of the step's last microbatch, which reduces the gradients, and those before it, which
+  accumulate them, plus what expert parallelism adds per MoE layer). The GPU work is the training FLOPs of its
   layers (and of the LM head on the last stage) at the machine's FLOP/s, divided by the tensor-parallel
-  degree, times the mode's recompute factor, plus FSDP2's GPU time per unit and expert parallelism's per
-  token and MoE layer; a forward is a third of it before recomputation. FSDP2's and expert parallelism's
-  figures are measured by ``--calibrate`` on the machine's GPUs (the job's model with and without them:
-  their collectives, the waits for the other ranks, their own kernels and launches;
-  :func:`~plait.train.planner.timing.fsdp_s`, :func:`~plait.train.planner.timing.expert_parallel_s`);
-  without them expert parallelism's exchanges' bytes are priced at the bandwidth. Tensor and context
-  parallelism's collectives per microbatch (and unmeasured expert parallelism's) are added to the stage (they
-  wait in the layer); the pipeline simulator composes the stages with the schedule's program and the
-  send/recv time; FSDP2's all-gathers and reduce-scatters hide behind the compute except those of the units
-  gathered before the first layer and reduced after the last (the embedding's and the root's; in the
-  measured GPU time when there is one) and whatever exceeds the compute; HSDP's replica all-reduce, the
-  optimizer step (bytes moved at the machine's rate) and the step's fixed cost (data, trainer) follow.
-  ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
+  degree, times the mode's recompute factor, plus FSDP2's GPU time per unit (the same mean) and expert
+  parallelism's per token and MoE layer; a forward is a third of it before recomputation. FSDP2's and expert
+  parallelism's figures are measured by ``--calibrate`` on the machine's GPUs (the job's model with and
+  without them: their collectives, the waits for the other ranks, their own kernels and launches;
+  :func:`~plait.train.planner.timing.fsdp_s`, :func:`~plait.train.planner.timing.expert_parallel_s`); without
+  them expert parallelism's exchanges' bytes are priced at the bandwidth. Tensor and context parallelism's
+  collectives per microbatch (and unmeasured expert parallelism's) are added to the stage (they wait in the
+  layer); the pipeline simulator composes the stages with the schedule's program and the send/recv time;
+  FSDP2's all-gathers and reduce-scatters hide behind the compute except those of the units gathered before
+  the first layer and reduced after the last (the embedding's and the root's; in the measured GPU time when
+  there is one) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer step (bytes moved
+  at the machine's rate) and the step's fixed cost (data, trainer) follow. ``--calibrate`` measures the rates,
+  floors and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``
@@ -520,9 +521,11 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     ep_host, ep_gpu, comm_moe = _expert_parallel(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
-    # FSDP2's own time per microbatch on a stage (host and GPU): its units' share of the rank's
-    units = states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
-    fsdp_host, fsdp_gpu = machine.fsdp_unit_s * units, machine.fsdp_unit_gpu_s * units
+    # FSDP2's own time per microbatch on a stage (host and GPU), its units' share of the rank's: the step's
+    # last microbatch reduces the gradients, those before it accumulate them; their mean
+    units = states0.units / len(ranks[0][1]) / nmb if fsdp_n > 1 else 0.0
+    fsdp_host = (machine.fsdp_unit_s + (nmb - 1) * machine.fsdp_accumulate_s) * units
+    fsdp_gpu = (machine.fsdp_unit_gpu_s + (nmb - 1) * machine.fsdp_accumulate_gpu_s) * units
     host_bound = False
 
     def stage_costs(layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
@@ -573,10 +576,12 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         })  # fmt: skip
         compute_s, bubble, peak_acts = result.step_time, result.bubble_fraction, list(result.peak_activations)
 
-    # FSDP2: gathers per microbatch unless parameters stay gathered (always under CUDA graphs, which also
-    # keep every unit's gathered memory); one reduce-scatter per step
-    reshard = cfg.parallel.reshard_after_forward is not False and not cfg.parallel.cuda_graphs
-    gathers = (2 * nmb if reshard else 1) if fsdp_n > 1 else 0
+    # FSDP2: every microbatch's forward gathers, and its backward too when resharded after the forward, unless
+    # the parameters stay gathered over the step (fsdp.gather_once_per_step; always under CUDA graphs), which
+    # keeps every unit's gathered memory; one reduce-scatter per step
+    kept = cfg.fsdp.gather_once_per_step or cfg.parallel.cuda_graphs
+    reshard = cfg.parallel.reshard_after_forward is not False and not kept
+    gathers = (1 if kept else (2 if reshard else 1) * nmb) if fsdp_n > 1 else 0
     fsdp_exposed = 0.0
     if fsdp_n > 1 and ranks[0][0].gathered:
         st = ranks[0][0]
@@ -599,7 +604,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     layer_acts = float(mb * acts.split(acts.transient, layout.tp))  # the largest layer's, unchecked
     backward = layer_acts * machine.of_mode("backward_scale", layout.checkpointing)
 
-    slack = layer_acts * machine.allocator_slack
+    slack = max(layer_acts * machine.allocator_slack, machine.fsdp_slack_bytes if fsdp_n > 1 else 0.0)
     best = _rank_memory(job, ranks[fullest][0], peak_acts[fullest], fsdp_n > 1, reshard, nmb, backward, slack)
     peak = sum(best.values())
     first = (
@@ -832,10 +837,12 @@ def calibrated(
       the planner's count, and ``backward_scale``: the backward's peak above them over the count of the
       largest layer's unchecked activations.
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
-    - ``fsdp_unit_s`` and ``fsdp_unit_gpu_s`` (planning for more than one GPU): the model under FSDP2
-      (``parallel``'s units, resharding and mixed precision) over as many of this machine's GPUs as planned
-      for (one gloo rank without CUDA) against the same model without it, at one sample and at the
-      microbatch: the host's and the GPU's extra time per unit (:func:`fsdp_s`).
+    - FSDP2's figures (planning for more than one GPU): the model under FSDP2 (``parallel``'s units, resharding
+      and mixed precision) over as many of this machine's GPUs as planned for (one gloo rank without CUDA)
+      against the same model without it, at one sample and at the microbatch, reducing its gradients and
+      accumulating them: the host's and the GPU's extra time per unit of each (``fsdp_unit_s``,
+      ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``), and on a GPU the allocator's slack
+      under FSDP2 (``fsdp_slack_bytes``; :func:`fsdp_s`).
     - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
       less the model's forward and backward (wall time) and the optimizer step.
     - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps, over the
@@ -920,7 +927,8 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     ]
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
     fsdp_samples = mb if visible else 1  # the microbatch's time is the GPU's figure
-    fsdp = machine.fsdp_unit_s, machine.fsdp_unit_gpu_s
+    fsdp = {k: getattr(machine, k) for k in ("fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s",
+                                             "fsdp_accumulate_gpu_s", "fsdp_slack_bytes")}  # fmt: skip
     ep_host, ep_token = dict(machine.expert_host_s), dict(machine.expert_token_s)
     for p in sorted({*ep_ranks, fsdp_ranks} - {0}):
         times = probe_ranks(config_file, p, expert_samples=2 * mb if p in ep_ranks else 0,
@@ -930,8 +938,8 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
             ep_host[key], ep_token[key] = expert_parallel_s(
                 times, 2 * mb, job.config.batching.seq_len, moe_layers
             )
-        if p == fsdp_ranks:
-            host, gpu = fsdp_s(times, fsdp_samples)
-            fsdp = host, gpu if visible else 0.0
-    return {"fsdp_unit_s": fsdp[0], "fsdp_unit_gpu_s": fsdp[1],
-            "expert_host_s": tuple(ep_host.items()), "expert_token_s": tuple(ep_token.items())}  # fmt: skip
+        if p == fsdp_ranks:  # a CPU's time is all the host's
+            fsdp = {
+                k: v if visible or "gpu" not in k else 0.0 for k, v in fsdp_s(times, fsdp_samples).items()
+            }
+    return {**fsdp, "expert_host_s": tuple(ep_host.items()), "expert_token_s": tuple(ep_token.items())}

@@ -12,10 +12,15 @@ stream beside the compute). The variants:
 - ``plain``: every parameter and expert on every rank, at one sample and at each count below;
 - ``experts`` (``--expert-samples N``): the experts sharded over the P ranks, at one sample and at N;
 - ``fsdp`` (``--fsdp-samples M``): FSDP2 over the P ranks with the job's units and resharding, at one
-  sample and at M.
+  sample and at M: a microbatch that reduces its gradients (a step's last);
+- ``fsdp_accumulating``: the same at one sample and at M, as the job runs the microbatches before a step's
+  last (:class:`~plait.pipelining.GradientSync` of the offline executor: gradients accumulated unreduced,
+  ``fsdp.gather_once_per_step`` honoured).
 
 Rank 0 writes the slowest rank's seconds, ``{"plain": {"1": s, "M": s, "N": s}, "experts": {...},
-"fsdp": {...}, "fsdp_units": units}``.
+"fsdp": {...}, "fsdp_accumulating": {...}, "fsdp_units": units, "slack": {variant: bytes}}``; ``slack``: on a
+GPU, the largest bytes a rank's allocator held reserved above the allocated ones over a variant at one
+sample (its own floor: a sample's activations are small), after its cache was emptied.
 
     torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
         [--expert-samples N] [--fsdp-samples M] --out F.json
@@ -35,6 +40,7 @@ from plait.dist_core.fsdp_state import param_groups
 from plait.loop import load_config
 from plait.models import parallelize
 from plait.models.common.parallel import apply_data_parallel
+from plait.pipelining import GradientSync
 from plait.train.config import JobConfig
 from plait.train.job import build_provider
 from plait.train.planner.timing import forward_backward_s
@@ -69,12 +75,24 @@ def main(argv: list[str] | None = None) -> None:
         ranks, seq = dist.get_world_size(), config.batching.seq_len
         times: dict[str, Any] = {}
 
-        def timed(variant: str, stage: torch.nn.Module, *counts: int) -> None:
-            provider.materialize(stage, device)
-            for samples in sorted({1, *counts}):  # one sample always: the host's floor
-                slowest = torch.tensor(forward_backward_s(stage, samples, seq, device), device=device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                times.setdefault(variant, {})[str(samples)] = slowest.item()
+        def slowest(value: float) -> float:
+            t = torch.tensor(value, dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.item()
+
+        def timed(variant: str, stage: torch.nn.Module, *counts: int, fresh: bool = True) -> None:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            if fresh:
+                provider.materialize(stage, device)
+            for samples in sorted({1, *counts}):  # one sample first, always: the host's floor
+                times.setdefault(variant, {})[str(samples)] = slowest(
+                    forward_backward_s(stage, samples, seq, device)
+                )
+                if samples == 1 and device.type == "cuda":
+                    held = torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+                    times.setdefault("slack", {})[variant] = slowest(held)
 
         provider = build_provider(config)
         stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
@@ -91,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
             units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
             times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
             timed("fsdp", stage, args.fsdp_samples)
+            sync = GradientSync({0: stage}, has_backward=True, splits_backward=False, schedule="offline",
+                                finalize=False, gather_once=config.fsdp.gather_once_per_step)  # fmt: skip
+            sync.start()  # every microbatch now one before the step's last: none reduces
+            timed("fsdp_accumulating", stage, args.fsdp_samples, fresh=False)
+            sync.finish()
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(times))
     finally:

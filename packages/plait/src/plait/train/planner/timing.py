@@ -70,12 +70,18 @@ class Machine:
             checkpointed layer recomputed, the backward's temporaries) over the count of the largest layer's
             unchecked activations (``--calibrate`` on a GPU measures it); default: none 0, else 1 (one layer
             recomputed as counted).
-        fsdp_unit_s, fsdp_unit_gpu_s: seconds FSDP2 adds per unit to a microbatch: to the host's floor (its
-            hooks, copies in and out, the launches) and to the GPU's work (the collectives' kernels beside the
-            compute, the waits for a gather or for the other ranks). ``--calibrate`` measures them with the
-            job's model under FSDP2 over the GPUs it plans for (as many as the machine has;
-            :func:`fsdp_s`); with the GPU's figure measured, the collectives of the units gathered before the
-            first layer and reduced after the last are in it, not priced again at ``busbw``.
+        fsdp_unit_s, fsdp_unit_gpu_s: seconds FSDP2 adds per unit to a microbatch that reduces its gradients
+            (a step's last): to the host's floor (its hooks, copies in and out, the launches) and to the GPU's
+            work (the collectives' kernels beside the compute, the waits for a gather or for the other ranks).
+            ``--calibrate`` measures them with the job's model under FSDP2 over the GPUs it plans for (as many
+            as the machine has; :func:`fsdp_s`); with the GPU's figure measured, the collectives of the units
+            gathered before the first layer and reduced after the last are in it, not priced again at
+            ``busbw``.
+        fsdp_accumulate_s, fsdp_accumulate_gpu_s: the same for each microbatch before a step's last, whose
+            gradients accumulate unreduced (measured with them); unmeasured, 0.
+        fsdp_slack_bytes: the bytes the allocator holds reserved above the allocated ones under FSDP2 whatever
+            the microbatch (its gathers' and reductions' buffers of many sizes): an FSDP2 layout's slack is
+            at least this (``--calibrate`` on the GPUs measures it at one sample).
         step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
             optimizer step (the data, the loss's bookkeeping, the trainer): a few steps of the job measured.
         expert_host_s, expert_token_s: what expert parallelism adds to one MoE layer, by ``"{dispatch}:{P}"``
@@ -108,6 +114,9 @@ class Machine:
     backward_scale: tuple[tuple[str, float], ...] = (("none", 0.0),)
     fsdp_unit_s: float = 0.0
     fsdp_unit_gpu_s: float = 0.0
+    fsdp_accumulate_s: float = 0.0
+    fsdp_accumulate_gpu_s: float = 0.0
+    fsdp_slack_bytes: float = 0.0
     step_s: float = 0.0
     expert_host_s: tuple[tuple[str, float], ...] = ()
     expert_token_s: tuple[tuple[str, float], ...] = ()
@@ -138,7 +147,9 @@ class Machine:
                 f"{modes('activation_scale', '{:.2f}x') or '1'}; backward's peak over one layer's activations "
                 f"{modes('backward_scale', '{:.2f}x')}; optimizer {self.optimizer_bytes_per_s / 1e9:.0f} "
                 f"GB/s; FSDP2 per unit and microbatch: host {self.fsdp_unit_s * 1e3:.2f} ms, GPU "
-                f"{self.fsdp_unit_gpu_s * 1e3:.2f} ms; {self.step_s * 1e3:.1f} ms "
+                f"{self.fsdp_unit_gpu_s * 1e3:.2f} ms (accumulating: {self.fsdp_accumulate_s * 1e3:.2f} ms, "
+                f"{self.fsdp_accumulate_gpu_s * 1e3:.2f} ms), allocator slack at least "
+                f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms "
                 f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
                           f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s))  # fmt: skip
@@ -359,14 +370,22 @@ def expert_parallel_s(times: dict[str, Any], samples: int, seq: int, moe_layers:
     return host / moe_layers, gpu / (samples * seq) / moe_layers
 
 
-def fsdp_s(times: dict[str, Any], samples: int) -> tuple[float, float]:
+def fsdp_s(times: dict[str, Any], samples: int) -> dict[str, float]:
     """What FSDP2 adds per unit to a microbatch, from :func:`probe_ranks`' ``times``
-    (``fsdp_samples=samples``): ``(host seconds, GPU seconds)``, FSDP2 less the plain model at one sample
-    (the host bounds it: the hooks, the copies in and out, the launches) and at ``samples`` (the job's
-    microbatch: the collectives' kernels beside the compute, the waits for a gather not yet done or for
-    the other ranks)."""
+    (``fsdp_samples=samples``), as :class:`Machine`'s ``fsdp_*`` figures: FSDP2 less the plain model at one
+    sample (the host's: the hooks, the copies in and out, the launches) and at ``samples`` (the job's
+    microbatch, the GPU's: the collectives' kernels beside the compute, the waits for a gather not yet done or
+    for the other ranks), for a microbatch that reduces its gradients and for one that accumulates them; and
+    the allocator's slack under FSDP2 at one sample (0 without a GPU's measurement)."""
     units = times["fsdp_units"]
-    return _extra(times, "fsdp", 1) / units, _extra(times, "fsdp", samples) / units
+
+    def per_unit(variant: str, n: int) -> float:
+        return _extra(times, variant, n) / units
+
+    return {"fsdp_unit_s": per_unit("fsdp", 1), "fsdp_unit_gpu_s": per_unit("fsdp", samples),
+            "fsdp_accumulate_s": per_unit("fsdp_accumulating", 1),
+            "fsdp_accumulate_gpu_s": per_unit("fsdp_accumulating", samples),
+            "fsdp_slack_bytes": float(times.get("slack", {}).get("fsdp", 0.0))}  # fmt: skip
 
 
 def activation_bytes(model: torch.nn.Module, samples: int, seq: int, device: torch.device) -> tuple[int, int]:
