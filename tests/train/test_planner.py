@@ -384,6 +384,8 @@ def test_calibration_measures_the_job_on_this_device() -> None:
     assert 0 < machine.flops < float("inf") and 0 < machine.optimizer_bytes_per_s < float("inf")
     assert machine.fsdp_unit_s >= 0 and machine.fsdp_accumulate_s >= 0 and machine.step_s >= 0
     assert machine.fsdp_unit_gpu_s == machine.fsdp_accumulate_gpu_s == machine.fsdp_slack_bytes == 0
+    # tensor parallelism over two gloo ranks: a host figure only
+    assert dict(machine.tensor_host_s)["2"] >= 0 and dict(machine.tensor_token_s) == {"2": 0.0}
     assert [m for m, _ in machine.host_s] == ["none", "full"] and all(t >= 0 for _, t in machine.host_s)
     assert not machine.host_overlaps  # a CPU runs the ops as they are issued
     assert dict(machine.recompute)["none"] == 1 and 0 < dict(machine.recompute)["full"] < float("inf")
@@ -417,6 +419,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
                        allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003, gpus_per_node=4,
                        fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
+                       tensor_host_s=(("2", 0.0003),), tensor_token_s=(("2", 2e-9),),
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
     path = tmp_path / "machine.json"
     path.write_text(measured.to_json())
@@ -669,23 +672,24 @@ def test_a_model_far_larger_than_the_machine_is_planned_from_two_layers_of_each_
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_and_expert_parallelism_are_measured_on_their_ranks_and_priced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fsdp_expert_and_tensor_parallelism_are_measured_on_their_ranks_and_priced(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The probe ``--calibrate`` runs on P GPUs (here two gloo ranks of this CPU) times the model whole, with
-    its experts sharded and under FSDP2 (as many units as the planner counts on the rank) and gives
-    non-negative host and GPU figures; a probe that fails is an error naming it. Measured figures replace the
-    exchanges' bytes at the bandwidth: an EP2 layout's step grows by the GPU figure times its tokens, MoE
-    layers (the DeepSeek's two dense layers pay nothing), microbatches and the mode's recompute factor when
-    the GPU bounds it, by the host figure times the MoE layers, microbatches and the mode's host floor over
-    none's when the host does; an FSDP2 layout's by FSDP2's GPU figure times its units and microbatches;
-    computed here from the layout."""
-    from plait.train.planner.timing import expert_parallel_s, fsdp_s, probe_ranks
+    its experts sharded, tensor-parallel and under FSDP2 (as many units as the planner counts on the rank)
+    and gives non-negative host and GPU figures; a probe that fails is an error naming it. Measured figures
+    replace the collectives' bytes at the bandwidth: an EP2 (TP2) layout's step grows by the GPU figure times
+    its tokens, MoE layers (every layer; the DeepSeek's two dense layers pay no EP), microbatches and the
+    mode's recompute factor when the GPU bounds it, by the host figure times those layers, microbatches and
+    the mode's host floor over none's when the host does; an FSDP2 layout's by FSDP2's GPU figures times its
+    units: the step's last microbatch's and the accumulating one's for each before it; an FSDP2 layout's
+    allocator slack is at least the machine's FSDP2 floor; computed here from the layout."""
+    from plait.train.planner.timing import expert_parallel_s, fsdp_s, probe_ranks, tensor_parallel_s
 
     cfg = _with_model(TINY_DEEPSEEK, "--batching.seq_len=32", "--parallel.expert_dispatch=all_gather")
     config = tmp_path / "job.json"
     config.write_text(json.dumps(cfg.model_dump(mode="json")))
-    times = probe_ranks(config, 2, expert_samples=2, fsdp_samples=2)
-    host, per_token = expert_parallel_s(times, 2, 32, 4)
-    assert 0 <= host < 60 and 0 <= per_token < 1
+    times = probe_ranks(config, 2, expert_samples=2, fsdp_samples=2, tensor_samples=2)
+    for host, per_token in (expert_parallel_s(times, 2, 32, 4), tensor_parallel_s(times, 2, 32, 6)):
+        assert 0 <= host < 60 and 0 <= per_token < 1
     figures = fsdp_s(times, 2)
     assert figures.keys() == {"fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s", "fsdp_accumulate_gpu_s",
                               "fsdp_slack_bytes"} and all(0 <= f < 60 for f in figures.values())  # fmt: skip
@@ -705,28 +709,37 @@ def test_fsdp_and_expert_parallelism_are_measured_on_their_ranks_and_priced(tmp_
     fast = dict(busbw=tuple((k, 1e30) for k, _ in Machine().busbw), latency_s=0.0)  # no FSDP time to hide
     host_bound = dict(flops=1e30, host_s=(("none", 0.01), ("full", 0.025)))
     moe_layers = cfg.model.num_hidden_layers - 2  # type: ignore[union-attr]
-    for bound, figures, machine in [("gpu", (0.0, 3e-7), fast), ("host", (0.004, 0.0), fast | host_bound)]:
-        zero, measured = (
-            Machine(**machine, expert_host_s=(("all_gather:2", f * figures[0]),),  # type: ignore[arg-type]
-                    expert_token_s=(("all_gather:2", f * figures[1]),))
-            for f in (0, 1)
-        )  # fmt: skip
-        for mode in ("none", "full"):
-            ep2 = Layout(1, 1, 2, 1, 1, 2, None, 1, 2, mode)
-            before, after = (
-                next(p for p in plan(cfg, 2, m, checkpointing=(mode,)).fits if p.layout == ep2)
-                for m in (zero, measured)
-            )
-            microbatches = cfg.batching.global_batch_size // 2 // ep2.microbatch_size
-            if bound == "gpu":
-                tokens = ep2.microbatch_size * cfg.batching.seq_len
-                each = figures[1] * tokens * Machine().of_mode("recompute", mode)
-            else:
-                each = figures[0] * dict(host_bound["host_s"])[mode] / 0.01  # type: ignore[arg-type]
-            assert after.step_s - before.step_s == pytest.approx(each * moe_layers * microbatches), (
-                bound,
-                mode,
-            )
+    # expert parallelism on the MoE layers (the DeepSeek's two dense layers pay nothing), tensor parallelism on
+    # every layer; the unmeasured TP is priced at an infinite bandwidth: no time
+    for kind, key, layers in [
+        ("expert", "all_gather:2", moe_layers),
+        ("tensor", "2", cfg.model.num_hidden_layers),
+    ]:  # type: ignore[union-attr]
+        for bound, figures, machine in [
+            ("gpu", (0.0, 3e-7), fast),
+            ("host", (0.004, 0.0), fast | host_bound),
+        ]:
+            zero, measured = (
+                Machine(**machine, **{f"{kind}_host_s": ((key, f * figures[0]),),  # type: ignore[arg-type]
+                                      f"{kind}_token_s": ((key, f * figures[1]),)})
+                for f in (0, 1)
+            )  # fmt: skip
+            for mode in ("none", "full"):
+                layout = Layout(1, 1, 2, 1, 1, 2, None, 1, 2, mode) if kind == "expert" else (
+                    Layout(1, 1, 1, 1, 2, 1, None, 1, 2, mode))  # fmt: skip
+                before, after = (
+                    next(p for p in plan(cfg, 2, m, checkpointing=(mode,)).fits if p.layout == layout)
+                    for m in (zero if kind == "expert" else Machine(**machine), measured)
+                )
+                microbatches = cfg.batching.global_batch_size // layout.dp // layout.microbatch_size
+                if bound == "gpu":
+                    tokens = layout.microbatch_size * cfg.batching.seq_len
+                    each = figures[1] * tokens * Machine().of_mode("recompute", mode)
+                else:
+                    each = figures[0] * dict(host_bound["host_s"])[mode] / 0.01  # type: ignore[arg-type]
+                assert after.step_s - before.step_s == pytest.approx(each * layers * microbatches), (
+                    kind, bound, mode,
+                )  # fmt: skip
     microbatches = cfg.batching.global_batch_size // 2 // fsdp2.microbatch_size
     assert microbatches > 1
     gpu = dict(fsdp_unit_gpu_s=0.002, fsdp_accumulate_gpu_s=0.0005)

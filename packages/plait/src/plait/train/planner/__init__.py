@@ -88,6 +88,7 @@ from plait.train.planner.timing import (
     optimizer_step,
     probe_ranks,
     run_job,
+    tensor_parallel_s,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -407,11 +408,13 @@ class PlanJob:
 
 def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
     """Tensor and context parallelism's collectives of one microbatch in one layer (forward and backward):
-    they wait inside the layers."""
+    they wait inside the layers (tensor parallelism's only when the machine has not measured it)."""
     m, b = job.model, job.config.batching
     act = layout.microbatch_size * b.seq_len // layout.cp * m.hidden_size * 2  # bf16 activations
     s = 0.0
-    if layout.tp > 1:  # two all-reduces per layer forward, two in the backward
+    if (
+        layout.tp > 1 and machine.tensor_s(layout.tp) is None
+    ):  # two all-reduces per layer forward, two backward
         s += 4 * machine.collective_s("all_reduce", act, layout.tp)
     if layout.cp > 1:  # keys and values gathered in the forward, their gradients reduce-scattered back
         kv = 2 * layout.microbatch_size * b.seq_len * m.kv_heads * m.resolved_head_dim * 2 // layout.tp
@@ -419,21 +422,41 @@ def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
     return s
 
 
+def _measured(
+    figures: tuple[float, float], layout: Layout, machine: Machine, tokens: int
+) -> tuple[float, float]:
+    """A parallelism's measured ``(host seconds per layer and microbatch, GPU seconds per token and layer)`` as
+    ``(host seconds, GPU seconds)`` of one layer's microbatch of ``tokens`` under the layout's checkpointing:
+    the host's by the mode's host floor over none's, the GPU's by its recompute factor (a checkpointed layer
+    runs its forward again)."""
+    host, per_token = figures
+    mode, floor = layout.checkpointing, machine.of_mode("host_s", "none")
+    return (host * (machine.of_mode("host_s", mode) / floor if floor else 1.0),
+            per_token * tokens * machine.of_mode("recompute", mode))  # fmt: skip
+
+
+def _tensor_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float]:
+    """``(host seconds, GPU seconds)`` that tensor parallelism adds to one layer's microbatch, as the machine
+    measured it for the layout's degree (else 0: :func:`_comm_per_layer` prices its collectives)."""
+    measured = machine.tensor_s(layout.tp) if layout.tp > 1 else None
+    if measured is None:
+        return 0.0, 0.0
+    return _measured(
+        measured, layout, machine, layout.microbatch_size * job.config.batching.seq_len // layout.cp
+    )
+
+
 def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float, float]:
     """``(host seconds, GPU seconds, waiting seconds)`` that expert parallelism adds to one MoE layer's
-    microbatch: as the machine measured it for the layout's dispatch and degree (the host's by the
-    checkpointing mode's host floor over none's, the GPU's by its recompute factor: a checkpointed layer
-    dispatches again), else its exchanges' bytes at the bandwidth, waited on inside the layer."""
+    microbatch: as the machine measured it for the layout's dispatch and degree (:func:`_measured`), else its
+    exchanges' bytes at the bandwidth, waited on inside the layer."""
     if layout.ep == 1:
         return 0.0, 0.0, 0.0
-    m, mode = job.model, layout.checkpointing
+    m = job.model
     dispatch = job.config.parallel.expert_dispatch
     tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp
     if (measured := machine.expert_s(dispatch, layout.ep)) is not None:
-        host, per_token = measured
-        floor = machine.of_mode("host_s", "none")
-        return (host * (machine.of_mode("host_s", mode) / floor if floor else 1.0),
-                per_token * tokens * machine.of_mode("recompute", mode), 0.0)  # fmt: skip
+        return (*_measured(measured, layout, machine, tokens), 0.0)
     act = tokens * m.hidden_size * 2  # bf16 activations
     if dispatch == "all_gather":
         wait = 2 * (machine.collective_s("all_gather", act * layout.ep, layout.ep)
@@ -519,6 +542,7 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     idle_s = machine.of_mode("idle_s", layout.checkpointing)
     comm_layer = _comm_per_layer(job, layout, machine)
     ep_host, ep_gpu, comm_moe = _expert_parallel(job, layout, machine)
+    tp_host, tp_gpu = _tensor_parallel(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
     # FSDP2's own time per microbatch on a stage (host and GPU), its units' share of the rank's: the step's
@@ -533,8 +557,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         longer, plus what waits inside the layers (collectives, expert parallelism)."""
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
-        gpu += idle_s * layers / m.num_hidden_layers + fsdp_gpu + ep_gpu * moe_layers
-        host = host_s * layers / m.num_hidden_layers + fsdp_host + ep_host * moe_layers
+        gpu += idle_s * layers / m.num_hidden_layers + fsdp_gpu + ep_gpu * moe_layers + tp_gpu * layers
+        host = host_s * layers / m.num_hidden_layers + fsdp_host + ep_host * moe_layers + tp_host * layers
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
@@ -627,6 +651,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
              "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_host,
              "fsdp_gpu_per_microbatch": fsdp_gpu,
              "ep_host_per_microbatch": ep_host * moe_total, "ep_gpu_per_microbatch": ep_gpu * moe_total,
+             "tp_host_per_microbatch": tp_host * m.num_hidden_layers,
+             "tp_gpu_per_microbatch": tp_gpu * m.num_hidden_layers,
              "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
     return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages, sum(first.values()))
@@ -851,6 +877,10 @@ def calibrated(
       that divides the experts and that this machine has the GPUs for): the model with its experts sharded
       over P GPUs against the same model whole on each, the wall times of one sample and of two microbatches
       in one (:func:`expert_parallel_s`).
+    - ``tensor_host_s`` and ``tensor_token_s`` (for each tensor-parallel degree P of ``gpus`` that fits in a
+      node, the job accepts and this machine has the GPUs for; two gloo ranks without CUDA, a host figure
+      only): the model tensor-parallel over P GPUs against the same model whole, at one sample and at the
+      microbatch (:func:`tensor_parallel_s`).
     """
     from plait.loop.optim import build_optimizer
 
@@ -913,33 +943,49 @@ def calibrated(
 
 
 def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) -> dict[str, Any]:
-    """FSDP2's and expert parallelism's figures of ``machine``, measured by :func:`probe_ranks` on this
-    machine's GPUs for a plan of ``gpus`` (one torchrun launch per degree): FSDP2 over min(``gpus``, the
-    GPUs) ranks (one gloo rank without CUDA, whose FSDP2 time is all the host's: a CPU runs each op as
-    issued), expert parallelism for each degree P that divides ``gpus`` and the experts; the machine's own
+    """FSDP2's, expert and tensor parallelism's figures of ``machine``, measured by :func:`probe_ranks` on this
+    machine's GPUs for a plan of ``gpus`` (one torchrun launch per degree): FSDP2 over min(``gpus``, the GPUs)
+    ranks (one gloo rank without CUDA, whose time is all the host's: a CPU runs each op as issued), expert
+    parallelism for each degree P that divides ``gpus`` and the experts, tensor parallelism for each degree P
+    that divides ``gpus``, fits in a node and the job accepts (without CUDA, two gloo ranks); the machine's own
     for what is not measured (FSDP2 when planning for one GPU)."""
-    m, mb = job.model, job.config.batching.microbatch_size
+    m, mb, seq = job.model, job.config.batching.microbatch_size, job.config.batching.seq_len
     visible = torch.cuda.device_count()
     moe_layers = sum(map(m.is_moe_layer, range(m.num_hidden_layers)))
     experts = getattr(m, "num_experts", None) or 0
     ep_ranks = [
         p for p in range(2, min(gpus, visible) + 1) if moe_layers and gpus % p == 0 and experts % p == 0
     ]
+    tp_ranks = [p for p in range(2, min(gpus, visible or 2, machine.gpus_per_node) + 1)
+                if gpus % p == 0 and _accepts(job, Layout(1, 1, 1, 1, p, 1, None, 1, mb, "none"))]  # fmt: skip
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
-    fsdp_samples = mb if visible else 1  # the microbatch's time is the GPU's figure
-    fsdp = {k: getattr(machine, k) for k in ("fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s",
-                                             "fsdp_accumulate_gpu_s", "fsdp_slack_bytes")}  # fmt: skip
+    samples = mb if visible else 1  # the microbatch's time is the GPU's figure
+    figures: dict[str, Any] = {k: getattr(machine, k) for k in ("fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s",
+                               "fsdp_accumulate_gpu_s", "fsdp_slack_bytes")}  # fmt: skip
     ep_host, ep_token = dict(machine.expert_host_s), dict(machine.expert_token_s)
-    for p in sorted({*ep_ranks, fsdp_ranks} - {0}):
+    tp_host, tp_token = dict(machine.tensor_host_s), dict(machine.tensor_token_s)
+    for p in sorted({*ep_ranks, *tp_ranks, fsdp_ranks} - {0}):
         times = probe_ranks(config_file, p, expert_samples=2 * mb if p in ep_ranks else 0,
-                            fsdp_samples=fsdp_samples if p == fsdp_ranks else 0)  # fmt: skip
+                            fsdp_samples=samples if p == fsdp_ranks else 0,
+                            tensor_samples=samples if p in tp_ranks else 0)  # fmt: skip
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"
-            ep_host[key], ep_token[key] = expert_parallel_s(
-                times, 2 * mb, job.config.batching.seq_len, moe_layers
+            ep_host[key], ep_token[key] = expert_parallel_s(times, 2 * mb, seq, moe_layers)
+        if p in tp_ranks:  # a CPU's time is all the host's
+            tp_host[str(p)], gpu = tensor_parallel_s(times, samples, seq, m.num_hidden_layers)
+            tp_token[str(p)] = gpu if visible else 0.0
+        if p == fsdp_ranks:
+            figures.update(
+                (k, v if visible or "gpu" not in k else 0.0) for k, v in fsdp_s(times, samples).items()
             )
-        if p == fsdp_ranks:  # a CPU's time is all the host's
-            fsdp = {
-                k: v if visible or "gpu" not in k else 0.0 for k, v in fsdp_s(times, fsdp_samples).items()
-            }
-    return {**fsdp, "expert_host_s": tuple(ep_host.items()), "expert_token_s": tuple(ep_token.items())}
+    return {**figures, "expert_host_s": tuple(ep_host.items()), "expert_token_s": tuple(ep_token.items()),
+            "tensor_host_s": tuple(tp_host.items()), "tensor_token_s": tuple(tp_token.items())}  # fmt: skip
+
+
+def _accepts(job: PlanJob, layout: Layout) -> bool:
+    """Whether the job builds ``layout`` (its model parallelised on meta under a fake group)."""
+    try:
+        job.rank_states(layout, 1, ((0,),))
+    except _REFUSALS:
+        return False
+    return True

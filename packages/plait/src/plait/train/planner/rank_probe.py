@@ -15,15 +15,17 @@ stream beside the compute). The variants:
   sample and at M: a microbatch that reduces its gradients (a step's last);
 - ``fsdp_accumulating``: the same at one sample and at M, as the job runs the microbatches before a step's
   last (:class:`~plait.pipelining.GradientSync` of the offline executor: gradients accumulated unreduced,
-  ``fsdp.gather_once_per_step`` honoured).
+  ``fsdp.gather_once_per_step`` honoured);
+- ``tensor`` (``--tensor-samples K``): tensor parallelism over the P ranks (every rank on the same tokens, as
+  a tensor-parallel group's are), at one sample and at K.
 
-Rank 0 writes the slowest rank's seconds, ``{"plain": {"1": s, "M": s, "N": s}, "experts": {...},
-"fsdp": {...}, "fsdp_accumulating": {...}, "fsdp_units": units, "slack": {variant: bytes}}``; ``slack``: on a
+Rank 0 writes the slowest rank's seconds, ``{"ranks": P, "plain": {"1": s, "M": s, "N": s}, "experts": {...},
+"fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "fsdp_units": units, "slack": {variant: bytes}}``; ``slack``: on a
 GPU, the largest bytes a rank's allocator held reserved above the allocated ones over a variant at one
 sample (its own floor: a sample's activations are small), after its cache was emptied.
 
     torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
-        [--expert-samples N] [--fsdp-samples M] --out F.json
+        [--expert-samples N] [--fsdp-samples M] [--tensor-samples K] --out F.json
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         "--expert-samples", type=int, default=0, help="time the experts sharded at this many samples"
     )
     ap.add_argument("--fsdp-samples", type=int, default=0, help="time FSDP2 at this many samples")
+    ap.add_argument(
+        "--tensor-samples", type=int, default=0, help="time tensor parallelism at this many samples"
+    )
     ap.add_argument("--out", type=Path, required=True, help="rank 0 writes the times here (JSON)")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             update={"parallel": par.model_copy(update={"activation_checkpointing": ac})}
         )
         ranks, seq = dist.get_world_size(), config.batching.seq_len
-        times: dict[str, Any] = {}
+        times: dict[str, Any] = {"ranks": ranks}
 
         def slowest(value: float) -> float:
             t = torch.tensor(value, dtype=torch.float64, device=device)
@@ -86,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             if fresh:
                 provider.materialize(stage, device)
+            torch.manual_seed(
+                0 if variant == "tensor" else dist.get_rank()
+            )  # the tokens: a rank's own, or the group's
             for samples in sorted({1, *counts}):  # one sample first, always: the host's floor
                 times.setdefault(variant, {})[str(samples)] = slowest(
                     forward_backward_s(stage, samples, seq, device)
@@ -96,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
 
         provider = build_provider(config)
         stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
-        timed("plain", stage, *(n for n in (args.expert_samples, args.fsdp_samples) if n))
+        timed(
+            "plain", stage, *(n for n in (args.expert_samples, args.fsdp_samples, args.tensor_samples) if n)
+        )
         if args.expert_samples:
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
             stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)
@@ -114,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
             sync.start()  # every microbatch now one before the step's last: none reduces
             timed("fsdp_accumulating", stage, args.fsdp_samples, fresh=False)
             sync.finish()
+        if args.tensor_samples:
+            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("tp",))
+            stage = parallelize(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
+            timed("tensor", stage, args.tensor_samples)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(times))
     finally:

@@ -32,6 +32,7 @@ __all__ = [
     "optimizer_step",
     "probe_ranks",
     "run_job",
+    "tensor_parallel_s",
 ]
 
 
@@ -90,6 +91,12 @@ class Machine:
             exchanges' kernels with their waits for the other ranks' experts, the dispatch's own kernels).
             ``--calibrate`` on a machine of P GPUs or more measures them (:func:`expert_parallel_s`); a layout
             without them prices the exchanges' bytes at ``busbw``.
+        tensor_host_s, tensor_token_s: what tensor parallelism over P ranks (by ``"P"``) adds to one decoder
+            layer: seconds of the host's floor per microbatch (the sharded tensors' dispatch, the collectives
+            issued), and seconds of GPU work per token of a microbatch over the layer's compute split P ways
+            (the collectives waited on inside the layer, the narrower matmuls' lost efficiency).
+            ``--calibrate`` measures them (:func:`tensor_parallel_s`); a layout without them prices the
+            collectives' bytes at ``busbw``.
     """
 
     flops: float = 400e12
@@ -120,6 +127,8 @@ class Machine:
     step_s: float = 0.0
     expert_host_s: tuple[tuple[str, float], ...] = ()
     expert_token_s: tuple[tuple[str, float], ...] = ()
+    tensor_host_s: tuple[tuple[str, float], ...] = ()
+    tensor_token_s: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> str:
         """The machine as JSON, what ``--machine`` reads back (the per-name figures as objects)."""
@@ -152,7 +161,9 @@ class Machine:
                 f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms "
                 f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
-                          f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s))  # fmt: skip
+                          f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s)
+                + "".join(f"; TP {k}: host {dict(self.tensor_host_s).get(k, 0.0) * 1e3:.2f} ms per layer and "
+                          f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.tensor_token_s))  # fmt: skip
 
     def expert_s(self, dispatch: str, ranks: int) -> tuple[float, float] | None:
         """``(host seconds per MoE layer and microbatch, GPU seconds per token and MoE layer)`` that expert
@@ -160,6 +171,12 @@ class Machine:
         key = f"{dispatch}:{ranks}"
         per_token = dict(self.expert_token_s).get(key)
         return None if per_token is None else (dict(self.expert_host_s).get(key, 0.0), per_token)
+
+    def tensor_s(self, ranks: int) -> tuple[float, float] | None:
+        """``(host seconds per layer and microbatch, GPU seconds per token and layer)`` that tensor parallelism
+        over ``ranks`` adds, as measured, or None if not measured."""
+        per_token = dict(self.tensor_token_s).get(str(ranks))
+        return None if per_token is None else (dict(self.tensor_host_s).get(str(ranks), 0.0), per_token)
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
@@ -183,6 +200,8 @@ _NAMED = (
     "backward_scale",
     "expert_host_s",
     "expert_token_s",
+    "tensor_host_s",
+    "tensor_token_s",
 )  # figures by name
 
 
@@ -335,12 +354,13 @@ def run_job(
 
 
 def probe_ranks(
-    config: Path, ranks: int, *, expert_samples: int = 0, fsdp_samples: int = 0
+    config: Path, ranks: int, *, expert_samples: int = 0, fsdp_samples: int = 0, tensor_samples: int = 0
 ) -> dict[str, Any]:
     """The job's model (``config``) timed on ``ranks`` of this machine's GPUs (gloo ranks of the CPU without
     CUDA) by :mod:`~plait.train.planner.rank_probe`: the slowest rank's seconds of a forward and backward,
-    ``{"plain": {samples: s}, "experts": {...}, "fsdp": {...}, "fsdp_units": n}``, with the experts sharded
-    when ``expert_samples`` and under FSDP2 when ``fsdp_samples`` (string keys: the JSON's).
+    ``{"plain": {samples: s}, "experts": {...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...},
+    "fsdp_units": n, "slack": {variant: bytes}}``, with the experts sharded when ``expert_samples``, under
+    FSDP2 when ``fsdp_samples`` and tensor-parallel when ``tensor_samples`` (string keys: the JSON's).
 
     Raises:
         RuntimeError: the probe failed (its exit status and the error it named).
@@ -349,7 +369,8 @@ def probe_ranks(
         out = Path(d) / "times.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
                "plait.train.planner.rank_probe", "--config", str(config), "--expert-samples", str(expert_samples),
-               "--fsdp-samples", str(fsdp_samples), "--out", str(out)]  # fmt: skip
+               "--fsdp-samples", str(fsdp_samples), "--tensor-samples", str(tensor_samples),
+               "--out", str(out)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"the {ranks}-rank probe exited with {proc.returncode}: {_why(proc)}")
@@ -368,6 +389,17 @@ def expert_parallel_s(times: dict[str, Any], samples: int, seq: int, moe_layers:
     ``samples`` (the GPU bounds it)."""
     host, gpu = _extra(times, "experts", 1), _extra(times, "experts", samples)
     return host / moe_layers, gpu / (samples * seq) / moe_layers
+
+
+def tensor_parallel_s(times: dict[str, Any], samples: int, seq: int, layers: int) -> tuple[float, float]:
+    """What tensor parallelism over the probe's P ranks adds to each of the model's ``layers``, from
+    :func:`probe_ranks`' ``times`` (``tensor_samples=samples``): ``(host seconds per microbatch, GPU seconds
+    per token)``, tensor-parallel less the plain model at one sample (the host bounds it) and at ``samples``
+    less the plain model's time split P ways (the GPU bounds it; not below 0)."""
+    ranks = int(times["ranks"])
+    host = _extra(times, "tensor", 1)
+    gpu = max(0.0, times["tensor"][str(samples)] - times["plain"][str(samples)] / ranks)
+    return host / layers, gpu / (samples * seq) / layers
 
 
 def fsdp_s(times: dict[str, Any], samples: int) -> dict[str, float]:
