@@ -400,6 +400,14 @@ def test_calibration_measures_the_job_on_this_device() -> None:
             (0.01 + (n - 1) * 0.004) / n * states.units
         )
     assert fits[0].time["step_fixed"] == 0.5
+    # the job's own host time per microbatch: on this CPU, which runs each op as issued, every microbatch's
+    assert machine.microbatch_s >= 0
+    plain = {p.layout: p.step_s for p in plan(cfg, 2, machine, checkpointing=("none",)).fits}
+    slower = dataclasses.replace(machine, microbatch_s=machine.microbatch_s + 0.05)
+    for p in plan(cfg, 2, slower, checkpointing=("none",)).fits:
+        if p.layout.pp == 1:
+            n = cfg.batching.global_batch_size // p.layout.dp // p.layout.microbatch_size
+            assert p.step_s - plain[p.layout] == pytest.approx(0.05 * n), p.layout.name
     with pytest.raises(RuntimeError, match=r"plait train exited with 2: .*seq_len"):
         run_job(DEFAULT_CONFIG, 1, ["--batching.seq_len=0"], 2)
     missing = "--data.source=/nonexistent/corpus"  # the planner does not read the data; the run does
@@ -417,7 +425,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
 
     measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
-                       allocator_slack=0.6, step_s=0.002, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003, gpus_per_node=4,
+                       allocator_slack=0.6, step_s=0.002, microbatch_s=0.004, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003, gpus_per_node=4,
                        fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
                        tensor_host_s=(("2", 0.0003),), tensor_token_s=(("2", 2e-9),),
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip

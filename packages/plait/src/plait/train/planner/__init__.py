@@ -21,23 +21,23 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   the gradients, set to None after each step, are created by the backward as the activations are freed: the
   peak holds those outside the decoder layers, or all of them with the activations gone, whichever is more.
 - **step time**: each stage's microbatch takes its GPU work or, when longer, the host's time to issue it (the
-  machine's host floor of the checkpointing mode, the stage's share of the layers, plus FSDP2's host time per
-  unit, the mean of the step's last microbatch, which reduces the gradients, and those before it, which
-  accumulate them, plus what expert parallelism adds per MoE layer). The GPU work is the training FLOPs of its
-  layers (and of the LM head on the last stage) at the machine's FLOP/s, divided by the tensor-parallel
-  degree, times the mode's recompute factor, plus FSDP2's GPU time per unit (the same mean) and expert
-  parallelism's per token and MoE layer; a forward is a third of it before recomputation. FSDP2's and expert
-  parallelism's figures are measured by ``--calibrate`` on the machine's GPUs (the job's model with and
-  without them: their collectives, the waits for the other ranks, their own kernels and launches;
-  :func:`~plait.train.planner.timing.fsdp_s`, :func:`~plait.train.planner.timing.expert_parallel_s`); without
-  them expert parallelism's exchanges' bytes are priced at the bandwidth. Tensor and context parallelism's
-  collectives per microbatch (and unmeasured expert parallelism's) are added to the stage (they wait in the
-  layer); the pipeline simulator composes the stages with the schedule's program and the send/recv time;
-  FSDP2's all-gathers and reduce-scatters hide behind the compute except those of the units gathered before
-  the first layer and reduced after the last (the embedding's and the root's; in the measured GPU time when
-  there is one) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer step (bytes moved
-  at the machine's rate) and the step's fixed cost (data, trainer) follow. ``--calibrate`` measures the rates,
-  floors and fixed costs (:func:`calibrated`).
+  machine's host floor of the checkpointing mode and the job's own per microbatch, the stage's share of the
+  layers, plus FSDP2's host time per unit, the mean of the step's last microbatch, which reduces the
+  gradients, and those before it, which accumulate them, plus what expert parallelism adds per MoE layer). The
+  GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the machine's FLOP/s,
+  divided by the tensor-parallel degree, times the mode's recompute factor, plus FSDP2's GPU time per unit
+  (the same mean) and expert parallelism's per token and MoE layer; a forward is a third of it before
+  recomputation. FSDP2's and expert parallelism's figures are measured by ``--calibrate`` on the machine's
+  GPUs (the job's model with and without them: their collectives, the waits for the other ranks, their own
+  kernels and launches; :func:`~plait.train.planner.timing.fsdp_s`,
+  :func:`~plait.train.planner.timing.expert_parallel_s`); without them expert parallelism's exchanges' bytes
+  are priced at the bandwidth. Tensor and context parallelism's collectives per microbatch (and unmeasured
+  expert parallelism's) are added to the stage (they wait in the layer); the pipeline simulator composes the
+  stages with the schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide
+  behind the compute except those of the units gathered before the first layer and reduced after the last (the
+  embedding's and the root's; in the measured GPU time when there is one) and whatever exceeds the compute;
+  HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's fixed cost
+  (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``
@@ -558,7 +558,10 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
         gpu += idle_s * layers / m.num_hidden_layers + fsdp_gpu + ep_gpu * moe_layers + tp_gpu * layers
-        host = host_s * layers / m.num_hidden_layers + fsdp_host + ep_host * moe_layers + tp_host * layers
+        host = (
+            (host_s + machine.microbatch_s) * layers / m.num_hidden_layers + fsdp_host + ep_host * moe_layers
+        )
+        host += tp_host * layers
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
@@ -870,7 +873,9 @@ def calibrated(
       ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``), and on a GPU the allocator's slack
       under FSDP2 (``fsdp_slack_bytes``; :func:`fsdp_s`).
     - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
-      less the model's forward and backward (wall time) and the optimizer step.
+      less the model's forward and backward (wall time) and the optimizer step; ``microbatch_s``: the job run
+      again with four microbatches of one sample per step (the host bounds them), each less the model's
+      forward and backward of one sample.
     - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps, over the
       largest layer's activations of their microbatch.
     - ``expert_host_s`` and ``expert_token_s`` (a MoE model, for each expert-parallel degree P of ``gpus``
@@ -897,28 +902,37 @@ def calibrated(
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
+        # microbatches of one sample, where the host bounds the job: what it adds to each beyond the model
+        few = dataclasses.replace(one_gpu(job_mode), microbatch_size=1).overrides()
+        few_tok_s = run_job(config_file, 1, [*few, f"--batching.global_batch_size={_FEW}"], steps)[0]
         on_ranks = _rank_figures(job, machine, config_file, gpus)
-    host, busy, idle, scale, backward = {}, {}, {}, {}, {}
+    host, busy, idle, scale, backward, one_sample = {}, {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
         provider = job.provider(activation_checkpointing=ac)
         model = provider.parallelize(provider.build_stage(0, 1), None)
         provider.materialize(model, device)
-        one_sample = forward_backward_s(model, 1, seq, device)
+        one_sample[mode] = forward_backward_s(model, 1, seq, device)
         busy[mode] = forward_backward_s(
             model, mb, seq, device, busy=True
         )  # elsewhere than CUDA: the wall time
-        host[mode] = one_sample
+        host[mode] = one_sample[mode]
         if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
             wall = forward_backward_s(model, mb, seq, device)
-            idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one_sample else 0.0  # GPU-bound only
+            idle[mode] = (
+                max(0.0, wall - busy[mode]) if busy[mode] > one_sample[mode] else 0.0
+            )  # GPU-bound only
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             kept, peak = activation_bytes(model, mb, seq, device)
             scale[mode] = kept / counted
             backward[mode] = (peak - kept) / layer_bytes
         else:  # ops run as issued: a fixed time per microbatch, the rest per sample
-            fixed = min(max((mb * one_sample - busy[mode]) / (mb - 1), 0.0), one_sample) if mb > 1 else 0.0
+            fixed = (
+                min(max((mb * one_sample[mode] - busy[mode]) / (mb - 1), 0.0), one_sample[mode])
+                if mb > 1
+                else 0.0
+            )
             if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
                 fixed = 0.0
             wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
@@ -926,6 +940,8 @@ def calibrated(
             t_microbatch = wall
             t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
         del model
+    step_s = max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer)
+    per_microbatch = (_FEW * seq / few_tok_s - t_optimizer - step_s) / _FEW
     return dataclasses.replace(
         machine,
         flops=provider.flops_per_token(seq) * seq * mb / busy["none"],
@@ -935,11 +951,15 @@ def calibrated(
         activation_scale=tuple(scale.items()) or machine.activation_scale,
         backward_scale=tuple(backward.items()) or machine.backward_scale,
         optimizer_bytes_per_s=moved / t_optimizer,
-        step_s=max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer),
+        step_s=step_s,
+        microbatch_s=max(0.0, per_microbatch - one_sample[job_mode]),
         allocator_slack=(reserved - allocated) * GIB / layer_bytes if allocated else machine.allocator_slack,
         host_overlaps=device.type == "cuda",
         **on_ranks,
     )
+
+
+_FEW = 4  # microbatches of one sample in a step that measures the job's own time per microbatch
 
 
 def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) -> dict[str, Any]:

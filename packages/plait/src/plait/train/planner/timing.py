@@ -85,6 +85,9 @@ class Machine:
             at least this (``--calibrate`` on the GPUs measures it at one sample).
         step_s: fixed seconds of a training step outside the microbatches' forward and backward and the
             optimizer step (the data, the loss's bookkeeping, the trainer): a few steps of the job measured.
+        microbatch_s: host seconds the job adds to each microbatch beyond its model's forward and backward
+            (the executor, the loss and its statistics, the microbatch's inputs), on the host's floor:
+            ``--calibrate`` runs the job at one sample per microbatch, where the host bounds it.
         expert_host_s, expert_token_s: what expert parallelism adds to one MoE layer, by ``"{dispatch}:{P}"``
             (``parallel.expert_dispatch`` over P EP ranks): seconds of the host's floor per microbatch (the
             dispatch's ops issued), and seconds of GPU work per token of a microbatch on one rank (the
@@ -125,6 +128,7 @@ class Machine:
     fsdp_accumulate_gpu_s: float = 0.0
     fsdp_slack_bytes: float = 0.0
     step_s: float = 0.0
+    microbatch_s: float = 0.0
     expert_host_s: tuple[tuple[str, float], ...] = ()
     expert_token_s: tuple[tuple[str, float], ...] = ()
     tensor_host_s: tuple[tuple[str, float], ...] = ()
@@ -159,7 +163,7 @@ class Machine:
                 f"{self.fsdp_unit_gpu_s * 1e3:.2f} ms (accumulating: {self.fsdp_accumulate_s * 1e3:.2f} ms, "
                 f"{self.fsdp_accumulate_gpu_s * 1e3:.2f} ms), allocator slack at least "
                 f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms "
-                f"fixed per step; allocator slack {self.allocator_slack:.2f}x a layer's activations"
+                f"fixed per step, the job's {self.microbatch_s * 1e3:.1f} ms per microbatch; allocator slack {self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
                           f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s)
                 + "".join(f"; TP {k}: host {dict(self.tensor_host_s).get(k, 0.0) * 1e3:.2f} ms per layer and "
@@ -252,16 +256,21 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
     return replace(machine, memory_gib=memory_gib) if memory_gib is not None else machine
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3, rounds: int = 3) -> float:
+    """Seconds of one ``fn()``: the mean of ``repeats`` calls in the fastest of ``rounds`` (whatever else
+    the host runs only slows a round), after a warm-up."""
     fn()  # warm-up: twice, the first call of a process runs slower beyond its compile (an H200: 48 ms, then 35)
     fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / repeats
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
 
 
 def packed_batch(samples: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
