@@ -437,6 +437,10 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
     assert figures(load_machine(tmp_path / "again.json", None)) == figures(
         dataclasses.replace(measured, gpus_per_node=1)
     )
+    # a file from before the accumulating microbatches were measured prices them as the reducing one
+    path.write_text(json.dumps({"fsdp_unit_s": 0.002, "fsdp_unit_gpu_s": 0.001}))
+    older = load_machine(path, None)
+    assert (older.fsdp_accumulate_s, older.fsdp_accumulate_gpu_s) == (0.002, 0.001)
     for bad, message in [
         ({"flops": 0}, "flops must be a number > 0, got 0"),
         ({"busbw": {"all_gather": "fast"}}, "busbw must be an object of names to numbers > 0"),

@@ -1,10 +1,10 @@
-"""What FSDP2 and expert parallelism over P GPUs add to the job's model, measured on those GPUs
+"""What FSDP2, expert and tensor parallelism over P GPUs add to the job's model, measured on those GPUs
 (``plait plan --calibrate``).
 
 Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-per-node=P``: every rank builds
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
 checkpointing) and times a forward and backward on its own random tokens (the ranks' routings differ as the
-job's do), of one sample (the host's floor, as ``calibrated`` measures it on one GPU) and of more (enough for
+job's do; a tensor-parallel group's ranks share theirs), of one sample (the host's floor, as ``calibrated`` measures it on one GPU) and of more (enough for
 the GPU to bound the model: the collectives, their waits for the other ranks and their kernels beside the
 compute show in the wall time; a profiler's busy time would count a collective's kernel waiting on its
 stream beside the compute). The variants:

@@ -79,7 +79,8 @@ class Machine:
             gathered before the first layer and reduced after the last are in it, not priced again at
             ``busbw``.
         fsdp_accumulate_s, fsdp_accumulate_gpu_s: the same for each microbatch before a step's last, whose
-            gradients accumulate unreduced (measured with them); unmeasured, 0.
+            gradients accumulate unreduced (measured with them; a ``--machine`` file without them: the reducing
+            microbatch's).
         fsdp_slack_bytes: the bytes the allocator holds reserved above the allocated ones under FSDP2 whatever
             the microbatch (its gathers' and reductions' buffers of many sizes): an FSDP2 layout's slack is
             at least this (``--calibrate`` on the GPUs measures it at one sample).
@@ -252,6 +253,9 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
         for key in _NAMED:
             if key in data:
                 data[key] = tuple({**dict(getattr(machine, key)), **data[key]}.items())  # over the defaults
+        for key in ("fsdp_accumulate_s", "fsdp_accumulate_gpu_s"):  # a file from before these were measured:
+            if key not in data and (unit := key.replace("accumulate", "unit")) in data:  # as the reducing one
+                data[key] = data[unit]
         machine = replace(machine, **data)
     return replace(machine, memory_gib=memory_gib) if memory_gib is not None else machine
 
