@@ -425,8 +425,8 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
 
     measured = Machine(flops=123e12, host_s=(("none", 0.03), ("full", 0.05)), idle_s=(("none", 0.004),),
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
-                       allocator_slack=0.6, step_s=0.002, microbatch_s=0.004, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003, gpus_per_node=4,
-                       fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
+                       allocator_slack=0.6, step_s=0.002, microbatch_s=0.004, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003,
+                       gpus_per_node=4, fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
                        tensor_host_s=(("2", 0.0003),), tensor_token_s=(("2", 2e-9),),
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
     path = tmp_path / "machine.json"
@@ -723,10 +723,8 @@ def test_fsdp_expert_and_tensor_parallelism_are_measured_on_their_ranks_and_pric
     moe_layers = cfg.model.num_hidden_layers - 2  # type: ignore[union-attr]
     # expert parallelism on the MoE layers (the DeepSeek's two dense layers pay nothing), tensor parallelism on
     # every layer; the unmeasured TP is priced at an infinite bandwidth: no time
-    for kind, key, layers in [
-        ("expert", "all_gather:2", moe_layers),
-        ("tensor", "2", cfg.model.num_hidden_layers),
-    ]:  # type: ignore[union-attr]
+    all_layers = cfg.model.num_hidden_layers  # type: ignore[union-attr]
+    for kind, key, layers in [("expert", "all_gather:2", moe_layers), ("tensor", "2", all_layers)]:
         for bound, figures, machine in [
             ("gpu", (0.0, 3e-7), fast),
             ("host", (0.004, 0.0), fast | host_bound),

@@ -412,10 +412,8 @@ def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
     m, b = job.model, job.config.batching
     act = layout.microbatch_size * b.seq_len // layout.cp * m.hidden_size * 2  # bf16 activations
     s = 0.0
-    if (
-        layout.tp > 1 and machine.tensor_s(layout.tp) is None
-    ):  # two all-reduces per layer forward, two backward
-        s += 4 * machine.collective_s("all_reduce", act, layout.tp)
+    if layout.tp > 1 and machine.tensor_s(layout.tp) is None:
+        s += 4 * machine.collective_s("all_reduce", act, layout.tp)  # two all-reduces forward, two backward
     if layout.cp > 1:  # keys and values gathered in the forward, their gradients reduce-scattered back
         kv = 2 * layout.microbatch_size * b.seq_len * m.kv_heads * m.resolved_head_dim * 2 // layout.tp
         s += 2 * machine.collective_s("all_gather", kv, layout.cp)
@@ -439,11 +437,8 @@ def _tensor_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[fl
     """``(host seconds, GPU seconds)`` that tensor parallelism adds to one layer's microbatch, as the machine
     measured it for the layout's degree (else 0: :func:`_comm_per_layer` prices its collectives)."""
     measured = machine.tensor_s(layout.tp) if layout.tp > 1 else None
-    if measured is None:
-        return 0.0, 0.0
-    return _measured(
-        measured, layout, machine, layout.microbatch_size * job.config.batching.seq_len // layout.cp
-    )
+    tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp
+    return (0.0, 0.0) if measured is None else _measured(measured, layout, machine, tokens)
 
 
 def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float, float]:
@@ -557,11 +552,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         longer, plus what waits inside the layers (collectives, expert parallelism)."""
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
-        gpu += idle_s * layers / m.num_hidden_layers + fsdp_gpu + ep_gpu * moe_layers + tp_gpu * layers
-        host = (
-            (host_s + machine.microbatch_s) * layers / m.num_hidden_layers + fsdp_host + ep_host * moe_layers
-        )
-        host += tp_host * layers
+        share = layers / m.num_hidden_layers
+        gpu += idle_s * share + fsdp_gpu + ep_gpu * moe_layers + tp_gpu * layers
+        host = (host_s + machine.microbatch_s) * share + fsdp_host + ep_host * moe_layers + tp_host * layers
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
@@ -913,26 +906,18 @@ def calibrated(
         provider = job.provider(activation_checkpointing=ac)
         model = provider.parallelize(provider.build_stage(0, 1), None)
         provider.materialize(model, device)
-        one_sample[mode] = forward_backward_s(model, 1, seq, device)
-        busy[mode] = forward_backward_s(
-            model, mb, seq, device, busy=True
-        )  # elsewhere than CUDA: the wall time
-        host[mode] = one_sample[mode]
+        one = one_sample[mode] = host[mode] = forward_backward_s(model, 1, seq, device)
+        # the GPU's busy time at the microbatch (elsewhere than CUDA: the wall time)
+        busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
         if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
             wall = forward_backward_s(model, mb, seq, device)
-            idle[mode] = (
-                max(0.0, wall - busy[mode]) if busy[mode] > one_sample[mode] else 0.0
-            )  # GPU-bound only
+            idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
             kept, peak = activation_bytes(model, mb, seq, device)
             scale[mode] = kept / counted
             backward[mode] = (peak - kept) / layer_bytes
         else:  # ops run as issued: a fixed time per microbatch, the rest per sample
-            fixed = (
-                min(max((mb * one_sample[mode] - busy[mode]) / (mb - 1), 0.0), one_sample[mode])
-                if mb > 1
-                else 0.0
-            )
+            fixed = min(max((mb * one - busy[mode]) / (mb - 1), 0.0), one) if mb > 1 else 0.0
             if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
                 fixed = 0.0
             wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed

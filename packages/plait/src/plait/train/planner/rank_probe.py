@@ -4,10 +4,10 @@
 Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-per-node=P``: every rank builds
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
 checkpointing) and times a forward and backward on its own random tokens (the ranks' routings differ as the
-job's do; a tensor-parallel group's ranks share theirs), of one sample (the host's floor, as ``calibrated`` measures it on one GPU) and of more (enough for
-the GPU to bound the model: the collectives, their waits for the other ranks and their kernels beside the
-compute show in the wall time; a profiler's busy time would count a collective's kernel waiting on its
-stream beside the compute). The variants:
+job's do; a tensor-parallel group's ranks share theirs), of one sample (the host's floor, as ``calibrated``
+measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives, their waits for
+the other ranks and their kernels beside the compute show in the wall time; a profiler's busy time would
+count a collective's kernel waiting on its stream beside the compute). The variants:
 
 - ``plain``: every parameter and expert on every rank, at one sample and at each count below;
 - ``experts`` (``--expert-samples N``): the experts sharded over the P ranks, at one sample and at N;
@@ -19,10 +19,10 @@ stream beside the compute). The variants:
 - ``tensor`` (``--tensor-samples K``): tensor parallelism over the P ranks (every rank on the same tokens, as
   a tensor-parallel group's are), at one sample and at K.
 
-Rank 0 writes the slowest rank's seconds, ``{"ranks": P, "plain": {"1": s, "M": s, "N": s}, "experts": {...},
-"fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "fsdp_units": units, "slack": {variant: bytes}}``; ``slack``: on a
-GPU, the largest bytes a rank's allocator held reserved above the allocated ones over a variant at one
-sample (its own floor: a sample's activations are small), after its cache was emptied.
+Rank 0 writes the slowest rank's seconds, ``{"ranks": P, "plain": {"1": s, "M": s, "N": s}, "experts":
+{...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "fsdp_units": units, "slack": {variant:
+bytes}}``; ``slack``: on a GPU, the largest bytes a rank's allocator held reserved above the allocated ones
+over a variant at one sample (its own floor: a sample's activations are small), after its cache was emptied.
 
     torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
         [--expert-samples N] [--fsdp-samples M] [--tensor-samples K] --out F.json
@@ -91,9 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             if fresh:
                 provider.materialize(stage, device)
-            torch.manual_seed(
-                0 if variant == "tensor" else dist.get_rank()
-            )  # the tokens: a rank's own, or the group's
+            # the tokens: a rank's own, or under tensor parallelism the group's
+            torch.manual_seed(0 if variant == "tensor" else dist.get_rank())
             for samples in sorted({1, *counts}):  # one sample first, always: the host's floor
                 times.setdefault(variant, {})[str(samples)] = slowest(
                     forward_backward_s(stage, samples, seq, device)
@@ -104,9 +103,8 @@ def main(argv: list[str] | None = None) -> None:
 
         provider = build_provider(config)
         stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
-        timed(
-            "plain", stage, *(n for n in (args.expert_samples, args.fsdp_samples, args.tensor_samples) if n)
-        )
+        counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples)
+        timed("plain", stage, *(n for n in counts if n))
         if args.expert_samples:
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
             stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)

@@ -163,8 +163,9 @@ class Machine:
                 f"GB/s; FSDP2 per unit and microbatch: host {self.fsdp_unit_s * 1e3:.2f} ms, GPU "
                 f"{self.fsdp_unit_gpu_s * 1e3:.2f} ms (accumulating: {self.fsdp_accumulate_s * 1e3:.2f} ms, "
                 f"{self.fsdp_accumulate_gpu_s * 1e3:.2f} ms), allocator slack at least "
-                f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms "
-                f"fixed per step, the job's {self.microbatch_s * 1e3:.1f} ms per microbatch; allocator slack {self.allocator_slack:.2f}x a layer's activations"
+                f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms fixed per step, the "
+                f"job's {self.microbatch_s * 1e3:.1f} ms per microbatch; allocator slack "
+                f"{self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
                           f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s)
                 + "".join(f"; TP {k}: host {dict(self.tensor_host_s).get(k, 0.0) * 1e3:.2f} ms per layer and "
