@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -413,6 +414,36 @@ def test_calibration_measures_the_job_on_this_device() -> None:
     missing = "--data.source=/nonexistent/corpus"  # the planner does not read the data; the run does
     with pytest.raises(SystemExit, match=r"--calibrate runs the job's model on one device .*data.source"):
         main(["--gpus", "1", "--calibrate", missing])
+
+
+def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_the_bandwidth(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A model the job accepts tensor-parallel but whose probe fails (here a stand-in probe that raises)
+    leaves its tensor-parallel figures unmeasured, with a warning naming the probe's error; the other
+    figures of the calibration stand."""
+    from plait.train import planner
+
+    calls = []
+
+    def probe(config: Path, ranks: int, *, expert_samples: int = 0, fsdp_samples: int = 0,
+              tensor_samples: int = 0) -> dict[str, Any]:  # fmt: skip
+        calls.append((ranks, expert_samples, fsdp_samples, tensor_samples))
+        if tensor_samples:
+            raise RuntimeError(f"the {ranks}-rank probe exited with 1: boom")
+        return {"ranks": ranks, "plain": {"1": 0.01}, "fsdp": {"1": 0.03}, "fsdp_accumulating": {"1": 0.02},
+                "fsdp_units": 2}  # fmt: skip
+
+    monkeypatch.setattr(planner, "probe_ranks", probe)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on the CPU: FSDP2 on one gloo rank
+    with pytest.warns(UserWarning, match=r"tensor parallelism over 2 GPUs was not measured \(the 2-rank probe exited "
+                      r"with 1: boom\): its layouts price its collectives' bytes at the bandwidth"):  # fmt: skip
+        figures = planner._rank_figures(
+            PlanJob(_config()), Machine(gpus_per_node=2), tmp_path / "job.json", 2
+        )
+    assert calls == [(1, 0, 1, 0), (2, 0, 0, 1)]
+    assert figures["tensor_host_s"] == figures["tensor_token_s"] == ()
+    assert (figures["fsdp_unit_s"], figures["fsdp_accumulate_s"]) == pytest.approx((0.01, 0.005))
 
 
 def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -53,6 +53,7 @@ import copy
 import dataclasses
 import json
 import tempfile
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -878,7 +879,7 @@ def calibrated(
     - ``tensor_host_s`` and ``tensor_token_s`` (for each tensor-parallel degree P of ``gpus`` that fits in a
       node, the job accepts and this machine has the GPUs for; two gloo ranks without CUDA, a host figure
       only): the model tensor-parallel over P GPUs against the same model whole, at one sample and at the
-      microbatch (:func:`tensor_parallel_s`).
+      microbatch (:func:`tensor_parallel_s`); a probe that fails leaves them unmeasured, with a warning.
     """
     from plait.loop.optim import build_optimizer
 
@@ -970,9 +971,20 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     ep_host, ep_token = dict(machine.expert_host_s), dict(machine.expert_token_s)
     tp_host, tp_token = dict(machine.tensor_host_s), dict(machine.tensor_token_s)
     for p in sorted({*ep_ranks, *tp_ranks, fsdp_ranks} - {0}):
-        times = probe_ranks(config_file, p, expert_samples=2 * mb if p in ep_ranks else 0,
-                            fsdp_samples=samples if p == fsdp_ranks else 0,
-                            tensor_samples=samples if p in tp_ranks else 0)  # fmt: skip
+        others = {
+            "expert_samples": 2 * mb if p in ep_ranks else 0,
+            "fsdp_samples": samples if p == fsdp_ranks else 0,
+        }
+        try:
+            times = probe_ranks(config_file, p, **others, tensor_samples=samples if p in tp_ranks else 0)
+        except RuntimeError as e:
+            if p not in tp_ranks:
+                raise
+            # a model the job accepts tensor-parallel but the probe could not run so: priced without the figure
+            warnings.warn(f"tensor parallelism over {p} GPUs was not measured ({e}): its layouts price its "
+                          "collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
+            tp_ranks.remove(p)
+            times = probe_ranks(config_file, p, **others) if any(others.values()) else {}
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"
             ep_host[key], ep_token[key] = expert_parallel_s(times, 2 * mb, seq, moe_layers)
