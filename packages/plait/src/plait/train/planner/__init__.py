@@ -541,11 +541,11 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     tp_host, tp_gpu = _tensor_parallel(job, layout, machine)
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
-    # FSDP2's own time per microbatch on a stage (host and GPU), its units' share of the rank's: the step's
-    # last microbatch reduces the gradients, those before it accumulate them; their mean
-    units = states0.units / len(ranks[0][1]) / nmb if fsdp_n > 1 else 0.0
-    fsdp_host = (machine.fsdp_unit_s + (nmb - 1) * machine.fsdp_accumulate_s) * units
-    fsdp_gpu = (machine.fsdp_unit_gpu_s + (nmb - 1) * machine.fsdp_accumulate_gpu_s) * units
+    # FSDP2's own time per microbatch on a stage (host and GPU), its units' share of the rank's: the mean of
+    # the step's last microbatch, which reduces the gradients, and those before it, which accumulate them
+    units = states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
+    fsdp_host = (machine.fsdp_unit_s + (nmb - 1) * machine.fsdp_accumulate_s) / nmb * units
+    fsdp_gpu = (machine.fsdp_unit_gpu_s + (nmb - 1) * machine.fsdp_accumulate_gpu_s) / nmb * units
     host_bound = False
 
     def stage_costs(layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
@@ -949,7 +949,7 @@ _FEW = 4  # microbatches of one sample in a step that measures the job's own tim
 
 
 def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) -> dict[str, Any]:
-    """FSDP2's, expert and tensor parallelism's figures of ``machine``, measured by :func:`probe_ranks` on this
+    """FSDP2's, expert and tensor parallelism's figures of ``machine`` (the fields to replace), measured by :func:`probe_ranks` on this
     machine's GPUs for a plan of ``gpus`` (one torchrun launch per degree): FSDP2 over min(``gpus``, the GPUs)
     ranks (one gloo rank without CUDA, whose time is all the host's: a CPU runs each op as issued), expert
     parallelism for each degree P that divides ``gpus`` and the experts, tensor parallelism for each degree P
@@ -966,8 +966,7 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
                 if gpus % p == 0 and _accepts(job, Layout(1, 1, 1, 1, p, 1, None, 1, mb, "none"))]  # fmt: skip
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
     samples = mb if visible else 1  # the microbatch's time is the GPU's figure
-    figures: dict[str, Any] = {k: getattr(machine, k) for k in ("fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s",
-                               "fsdp_accumulate_gpu_s", "fsdp_slack_bytes")}  # fmt: skip
+    figures: dict[str, Any] = {}  # what is not measured here keeps the machine's figure (dataclasses.replace)
     ep_host, ep_token = dict(machine.expert_host_s), dict(machine.expert_token_s)
     tp_host, tp_token = dict(machine.tensor_host_s), dict(machine.tensor_token_s)
     for p in sorted({*ep_ranks, *tp_ranks, fsdp_ranks} - {0}):

@@ -20,9 +20,10 @@ count a collective's kernel waiting on its stream beside the compute). The varia
   a tensor-parallel group's are), at one sample and at K.
 
 Rank 0 writes the slowest rank's seconds, ``{"ranks": P, "plain": {"1": s, "M": s, "N": s}, "experts":
-{...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "fsdp_units": units, "slack": {variant:
-bytes}}``; ``slack``: on a GPU, the largest bytes a rank's allocator held reserved above the allocated ones
-over a variant at one sample (its own floor: a sample's activations are small), after its cache was emptied.
+{...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "fsdp_units": units, "slack": {"fsdp":
+bytes}}`` (``fsdp_units``: the units that gather parameters, as the planner counts them; ``slack``: on a GPU,
+the largest bytes a rank's allocator held reserved above the allocated ones under FSDP2 at one sample, its own
+floor: a sample's activations are small).
 
     torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
         [--expert-samples N] [--fsdp-samples M] [--tensor-samples K] --out F.json
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                 times.setdefault(variant, {})[str(samples)] = slowest(
                     forward_backward_s(stage, samples, seq, device)
                 )
-                if samples == 1 and device.type == "cuda":
+                if samples == 1 and device.type == "cuda" and variant == "fsdp":
                     held = torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
                     times.setdefault("slack", {})[variant] = slowest(held)
 
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
             apply_data_parallel(stage, mesh, provider.parallel)
-            # the units that gather parameters, as the plan counts them
+            # the units that gather parameters, as the plan counts them (on one rank too, where the plan's
+            # state_bytes sees nothing to gather)
             units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
             times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
             timed("fsdp", stage, args.fsdp_samples)

@@ -166,23 +166,26 @@ class Machine:
                 f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms fixed per step, the "
                 f"job's {self.microbatch_s * 1e3:.1f} ms per microbatch; allocator slack "
                 f"{self.allocator_slack:.2f}x a layer's activations"
-                + "".join(f"; EP {k}: host {dict(self.expert_host_s).get(k, 0.0) * 1e3:.2f} ms per MoE layer and "
-                          f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.expert_token_s)
-                + "".join(f"; TP {k}: host {dict(self.tensor_host_s).get(k, 0.0) * 1e3:.2f} ms per layer and "
-                          f"microbatch, GPU {v * 1e9:.1f} ns per token" for k, v in self.tensor_token_s))  # fmt: skip
+                + "".join(f"; {name} {k}: host {host * 1e3:.2f} ms per {layer} and microbatch, GPU "
+                          f"{token * 1e9:.1f} ns per token"
+                          for kind, name, layer in (("expert", "EP", "MoE layer"), ("tensor", "TP", "layer"))
+                          for k, (host, token) in self._figures(kind).items()))  # fmt: skip
+
+    def _figures(self, kind: str) -> dict[str, tuple[float, float]]:
+        """``kind``'s (``expert`` or ``tensor``) measured figures by key: ``(host seconds, GPU seconds per
+        token)``."""
+        host = dict(getattr(self, f"{kind}_host_s"))
+        return {k: (host.get(k, 0.0), v) for k, v in getattr(self, f"{kind}_token_s")}
 
     def expert_s(self, dispatch: str, ranks: int) -> tuple[float, float] | None:
         """``(host seconds per MoE layer and microbatch, GPU seconds per token and MoE layer)`` that expert
         parallelism over ``ranks`` by ``dispatch`` adds, as measured, or None if not measured."""
-        key = f"{dispatch}:{ranks}"
-        per_token = dict(self.expert_token_s).get(key)
-        return None if per_token is None else (dict(self.expert_host_s).get(key, 0.0), per_token)
+        return self._figures("expert").get(f"{dispatch}:{ranks}")
 
     def tensor_s(self, ranks: int) -> tuple[float, float] | None:
         """``(host seconds per layer and microbatch, GPU seconds per token and layer)`` that tensor parallelism
         over ``ranks`` adds, as measured, or None if not measured."""
-        per_token = dict(self.tensor_token_s).get(str(ranks))
-        return None if per_token is None else (dict(self.tensor_host_s).get(str(ranks), 0.0), per_token)
+        return self._figures("tensor").get(str(ranks))
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
