@@ -385,8 +385,10 @@ def test_calibration_measures_the_job_on_this_device() -> None:
     assert 0 < machine.flops < float("inf") and 0 < machine.optimizer_bytes_per_s < float("inf")
     assert machine.fsdp_unit_s >= 0 and machine.fsdp_accumulate_s >= 0 and machine.step_s >= 0
     assert machine.fsdp_unit_gpu_s == machine.fsdp_accumulate_gpu_s == machine.fsdp_slack_bytes == 0
-    # tensor parallelism over two gloo ranks: a host figure only
-    assert dict(machine.tensor_host_s)["2"] >= 0 and dict(machine.tensor_token_s) == {"2": 0.0}
+    # tensor and context parallelism over two gloo ranks: a host figure only
+    for kind in ("tensor", "context"):
+        assert dict(getattr(machine, f"{kind}_host_s"))["2"] >= 0
+        assert dict(getattr(machine, f"{kind}_token_s")) == {"2": 0.0}
     assert [m for m, _ in machine.host_s] == ["none", "full"] and all(t >= 0 for _, t in machine.host_s)
     assert not machine.host_overlaps  # a CPU runs the ops as they are issued
     assert dict(machine.recompute)["none"] == 1 and 0 < dict(machine.recompute)["full"] < float("inf")
@@ -420,17 +422,20 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A model the job accepts tensor-parallel but whose probe fails (here a stand-in probe that raises)
-    leaves its tensor-parallel figures unmeasured, with a warning naming the probe's error; the other
-    figures of the calibration stand."""
+    leaves its tensor-parallel figures unmeasured, with a warning naming the probe's error; the launch is run
+    again with context parallelism alone, whose figures stand (against the plain model of their own launch),
+    as do the calibration's others."""
     from plait.train import planner
 
     calls = []
 
     def probe(config: Path, ranks: int, *, expert_samples: int = 0, fsdp_samples: int = 0,
-              tensor_samples: int = 0) -> dict[str, Any]:  # fmt: skip
-        calls.append((ranks, expert_samples, fsdp_samples, tensor_samples))
+              tensor_samples: int = 0, context_samples: int = 0) -> dict[str, Any]:  # fmt: skip
+        calls.append((ranks, expert_samples, fsdp_samples, tensor_samples, context_samples))
         if tensor_samples:
             raise RuntimeError(f"the {ranks}-rank probe exited with 1: boom")
+        if context_samples:
+            return {"ranks": ranks, "plain": {"1": 0.04}, "context": {"1": 0.1}}
         return {"ranks": ranks, "plain": {"1": 0.01}, "fsdp": {"1": 0.03}, "fsdp_accumulating": {"1": 0.02},
                 "fsdp_units": 2}  # fmt: skip
 
@@ -441,8 +446,11 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
         figures = planner._rank_figures(
             PlanJob(_config()), Machine(gpus_per_node=2), tmp_path / "job.json", 2
         )
-    assert calls == [(1, 0, 1, 0), (2, 0, 0, 1)]
+    assert calls == [(1, 0, 1, 0, 0), (2, 0, 0, 1, 1), (2, 0, 0, 1, 0), (2, 0, 0, 0, 1)]
     assert figures["tensor_host_s"] == figures["tensor_token_s"] == ()
+    layers = _config().model.num_hidden_layers  # type: ignore[union-attr]
+    assert dict(figures["context_host_s"]) == pytest.approx({"2": 0.06 / layers})
+    assert dict(figures["context_token_s"]) == {"2": 0.0}  # no GPU
     assert (figures["fsdp_unit_s"], figures["fsdp_accumulate_s"]) == pytest.approx((0.01, 0.005))
 
 
@@ -459,6 +467,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
                        allocator_slack=0.6, step_s=0.002, microbatch_s=0.004, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003,
                        gpus_per_node=4, fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
                        tensor_host_s=(("2", 0.0003),), tensor_token_s=(("2", 2e-9),),
+                       context_host_s=(("2", 0.0001),), context_token_s=(("2", 3e-9),),
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
     path = tmp_path / "machine.json"
     path.write_text(measured.to_json())
@@ -715,23 +724,24 @@ def test_a_model_far_larger_than_the_machine_is_planned_from_two_layers_of_each_
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_expert_and_tensor_parallelism_are_measured_on_their_ranks_and_priced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fsdp_expert_tensor_and_context_parallelism_are_measured_on_their_ranks_and_priced(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The probe ``--calibrate`` runs on P GPUs (here two gloo ranks of this CPU) times the model whole, with
-    its experts sharded, tensor-parallel and under FSDP2 (as many units as the planner counts on the rank)
-    and gives non-negative host and GPU figures; a probe that fails is an error naming it. Measured figures
-    replace the collectives' bytes at the bandwidth: an EP2 (TP2) layout's step grows by the GPU figure times
-    its tokens, MoE layers (every layer; the DeepSeek's two dense layers pay no EP), microbatches and the
+    its experts sharded, tensor-parallel, context-parallel and under FSDP2 (as many units as the planner counts
+    on the rank) and gives non-negative host and GPU figures; a probe that fails is an error naming it. Measured
+    figures replace the collectives' bytes at the bandwidth: an EP2 (TP2, CP2) layout's step grows by the GPU
+    figure times a rank's tokens, MoE layers (every layer; the DeepSeek's two dense layers pay no EP), microbatches and the
     mode's recompute factor when the GPU bounds it, by the host figure times those layers, microbatches and
     the mode's host floor over none's when the host does; an FSDP2 layout's by FSDP2's GPU figures times its
     units: the step's last microbatch's and the accumulating one's for each before it; an FSDP2 layout's
     allocator slack is at least the machine's FSDP2 floor; computed here from the layout."""
-    from plait.train.planner.timing import expert_parallel_s, fsdp_s, probe_ranks, tensor_parallel_s
+    from plait.train.planner.timing import expert_parallel_s, fsdp_s, probe_ranks, split_parallel_s
 
     cfg = _with_model(TINY_DEEPSEEK, "--batching.seq_len=32", "--parallel.expert_dispatch=all_gather")
     config = tmp_path / "job.json"
     config.write_text(json.dumps(cfg.model_dump(mode="json")))
-    times = probe_ranks(config, 2, expert_samples=2, fsdp_samples=2, tensor_samples=2)
-    for host, per_token in (expert_parallel_s(times, 2, 32, 4), tensor_parallel_s(times, 2, 32, 6)):
+    times = probe_ranks(config, 2, expert_samples=2, fsdp_samples=2, tensor_samples=2, context_samples=2)
+    for host, per_token in (expert_parallel_s(times, 2, 32, 4), split_parallel_s(times, "tensor", 2, 32, 6),
+                            split_parallel_s(times, "context", 2, 32, 6)):  # fmt: skip
         assert 0 <= host < 60 and 0 <= per_token < 1
     figures = fsdp_s(times, 2)
     assert figures.keys() == {"fsdp_unit_s", "fsdp_unit_gpu_s", "fsdp_accumulate_s", "fsdp_accumulate_gpu_s",
@@ -755,7 +765,8 @@ def test_fsdp_expert_and_tensor_parallelism_are_measured_on_their_ranks_and_pric
     # expert parallelism on the MoE layers (the DeepSeek's two dense layers pay nothing), tensor parallelism on
     # every layer; the unmeasured TP is priced at an infinite bandwidth: no time
     all_layers = cfg.model.num_hidden_layers  # type: ignore[union-attr]
-    for kind, key, layers in [("expert", "all_gather:2", moe_layers), ("tensor", "2", all_layers)]:
+    for kind, key, layers in [("expert", "all_gather:2", moe_layers), ("tensor", "2", all_layers),
+                              ("context", "2", all_layers)]:  # fmt: skip
         for bound, figures, machine in [
             ("gpu", (0.0, 3e-7), fast),
             ("host", (0.004, 0.0), fast | host_bound),
@@ -766,15 +777,16 @@ def test_fsdp_expert_and_tensor_parallelism_are_measured_on_their_ranks_and_pric
                 for f in (0, 1)
             )  # fmt: skip
             for mode in ("none", "full"):
-                layout = Layout(1, 1, 2, 1, 1, 2, None, 1, 2, mode) if kind == "expert" else (
-                    Layout(1, 1, 1, 1, 2, 1, None, 1, 2, mode))  # fmt: skip
+                layout = {"expert": Layout(1, 1, 2, 1, 1, 2, None, 1, 2, mode),
+                          "tensor": Layout(1, 1, 1, 1, 2, 1, None, 1, 2, mode),
+                          "context": Layout(1, 1, 1, 2, 1, 1, None, 1, 2, mode)}[kind]  # fmt: skip
                 before, after = (
                     next(p for p in plan(cfg, 2, m, checkpointing=(mode,)).fits if p.layout == layout)
                     for m in (zero if kind == "expert" else Machine(**machine), measured)
                 )
                 microbatches = cfg.batching.global_batch_size // layout.dp // layout.microbatch_size
                 if bound == "gpu":
-                    tokens = layout.microbatch_size * cfg.batching.seq_len
+                    tokens = layout.microbatch_size * cfg.batching.seq_len // layout.cp  # a rank's
                     each = figures[1] * tokens * Machine().of_mode("recompute", mode)
                 else:
                     each = figures[0] * dict(host_bound["host_s"])[mode] / 0.01  # type: ignore[arg-type]

@@ -31,13 +31,14 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   GPUs (the job's model with and without them: their collectives, the waits for the other ranks, their own
   kernels and launches; :func:`~plait.train.planner.timing.fsdp_s`,
   :func:`~plait.train.planner.timing.expert_parallel_s`); without them expert parallelism's exchanges' bytes
-  are priced at the bandwidth. Tensor and context parallelism's collectives per microbatch (and unmeasured
-  expert parallelism's) are added to the stage (they wait in the layer); the pipeline simulator composes the
-  stages with the schedule's program and the send/recv time; FSDP2's all-gathers and reduce-scatters hide
-  behind the compute except those of the units gathered before the first layer and reduced after the last (the
-  embedding's and the root's; in the measured GPU time when there is one) and whatever exceeds the compute;
-  HSDP's replica all-reduce, the optimizer step (bytes moved at the machine's rate) and the step's fixed cost
-  (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
+  are priced at the bandwidth. Tensor and context parallelism are measured the same way (what they add to a
+  layer's host and GPU time; :func:`~plait.train.planner.timing.split_parallel_s`); without the figures their
+  collectives per microbatch (and unmeasured expert parallelism's) are added to the stage (they wait in the
+  layer); the pipeline simulator composes the stages with the schedule's program and the send/recv time;
+  FSDP2's all-gathers and reduce-scatters hide behind the compute except those of the units gathered before
+  the first layer and reduced after the last (the embedding's and the root's; in the measured GPU time when
+  there is one) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer step (bytes moved
+  at the machine's rate) and the step's fixed cost (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``
@@ -89,7 +90,7 @@ from plait.train.planner.timing import (
     optimizer_step,
     probe_ranks,
     run_job,
-    tensor_parallel_s,
+    split_parallel_s,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -409,13 +410,14 @@ class PlanJob:
 
 def _comm_per_layer(job: PlanJob, layout: Layout, machine: Machine) -> float:
     """Tensor and context parallelism's collectives of one microbatch in one layer (forward and backward):
-    they wait inside the layers (tensor parallelism's only when the machine has not measured it)."""
+    they wait inside the layers (each only when the machine has not measured it)."""
     m, b = job.model, job.config.batching
     act = layout.microbatch_size * b.seq_len // layout.cp * m.hidden_size * 2  # bf16 activations
     s = 0.0
-    if layout.tp > 1 and machine.tensor_s(layout.tp) is None:
+    if layout.tp > 1 and machine.split_s("tensor", layout.tp) is None:
         s += 4 * machine.collective_s("all_reduce", act, layout.tp)  # two all-reduces forward, two backward
-    if layout.cp > 1:  # keys and values gathered in the forward, their gradients reduce-scattered back
+    if layout.cp > 1 and machine.split_s("context", layout.cp) is None:
+        # keys and values gathered in the forward, their gradients reduce-scattered back
         kv = 2 * layout.microbatch_size * b.seq_len * m.kv_heads * m.resolved_head_dim * 2 // layout.tp
         s += 2 * machine.collective_s("all_gather", kv, layout.cp)
     return s
@@ -434,12 +436,16 @@ def _measured(
             per_token * tokens * machine.of_mode("recompute", mode))  # fmt: skip
 
 
-def _tensor_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float]:
-    """``(host seconds, GPU seconds)`` that tensor parallelism adds to one layer's microbatch, as the machine
-    measured it for the layout's degree (else 0: :func:`_comm_per_layer` prices its collectives)."""
-    measured = machine.tensor_s(layout.tp) if layout.tp > 1 else None
-    tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp
-    return (0.0, 0.0) if measured is None else _measured(measured, layout, machine, tokens)
+def _split_parallel(job: PlanJob, layout: Layout, machine: Machine) -> dict[str, tuple[float, float]]:
+    """``{"tp": (host seconds, GPU seconds), "cp": ...}`` that tensor and context parallelism add to one layer's
+    microbatch, as the machine measured them for the layout's degrees (else 0: :func:`_comm_per_layer` prices
+    their collectives)."""
+    tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp  # a rank's
+    split = {}
+    for name, kind, degree in (("tp", "tensor", layout.tp), ("cp", "context", layout.cp)):
+        measured = machine.split_s(kind, degree) if degree > 1 else None
+        split[name] = (0.0, 0.0) if measured is None else _measured(measured, layout, machine, tokens)
+    return split
 
 
 def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[float, float, float]:
@@ -538,7 +544,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     idle_s = machine.of_mode("idle_s", layout.checkpointing)
     comm_layer = _comm_per_layer(job, layout, machine)
     ep_host, ep_gpu, comm_moe = _expert_parallel(job, layout, machine)
-    tp_host, tp_gpu = _tensor_parallel(job, layout, machine)
+    split = _split_parallel(job, layout, machine)
+    split_host, split_gpu = (sum(f[i] for f in split.values()) for i in (0, 1))
     fsdp_n = layout.dp_shard * layout.cp
     states0 = ranks[0][0]
     # FSDP2's own time per microbatch on a stage (host and GPU), its units' share of the rank's: the mean of
@@ -554,8 +561,9 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
         nonlocal host_bound
         gpu = (layer_flops * layers + head_flops * last) * tokens_mb / layout.tp / machine.flops * recompute
         share = layers / m.num_hidden_layers
-        gpu += idle_s * share + fsdp_gpu + ep_gpu * moe_layers + tp_gpu * layers
-        host = (host_s + machine.microbatch_s) * share + fsdp_host + ep_host * moe_layers + tp_host * layers
+        gpu += idle_s * share + fsdp_gpu + ep_gpu * moe_layers + split_gpu * layers
+        host = (host_s + machine.microbatch_s) * share + fsdp_host + ep_host * moe_layers
+        host += split_host * layers
         host_bound |= host > gpu
         t = max(gpu, host) if machine.host_overlaps else gpu + host
         fwd = t / (3 * recompute)
@@ -648,8 +656,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
              "fsdp_exposed": fsdp_exposed, "fsdp_host_per_microbatch": fsdp_host,
              "fsdp_gpu_per_microbatch": fsdp_gpu,
              "ep_host_per_microbatch": ep_host * moe_total, "ep_gpu_per_microbatch": ep_gpu * moe_total,
-             "tp_host_per_microbatch": tp_host * m.num_hidden_layers,
-             "tp_gpu_per_microbatch": tp_gpu * m.num_hidden_layers,
+             **{f"{name}_{part}_per_microbatch": f[i] * m.num_hidden_layers
+                for name, f in split.items() for i, part in enumerate(("host", "gpu"))},
              "replica_all_reduce": replica,
              "optimizer": optimizer_s, "step_fixed": machine.step_s}  # fmt: skip
     return Prediction(layout, step, tok_s, peak, limit, best, times, num_stages, sum(first.values()))
@@ -879,7 +887,9 @@ def calibrated(
     - ``tensor_host_s`` and ``tensor_token_s`` (for each tensor-parallel degree P of ``gpus`` that fits in a
       node, the job accepts and this machine has the GPUs for; two gloo ranks without CUDA, a host figure
       only): the model tensor-parallel over P GPUs against the same model whole, at one sample and at the
-      microbatch (:func:`tensor_parallel_s`); a probe that fails leaves them unmeasured, with a warning.
+      microbatch (:func:`split_parallel_s`); a probe that fails leaves them unmeasured, with a warning.
+    - ``context_host_s`` and ``context_token_s``: the same for context parallelism over P GPUs (each on its
+      shard of the same sequences), for each degree P of ``gpus`` the job accepts.
     """
     from plait.loop.optim import build_optimizer
 
@@ -949,12 +959,14 @@ _FEW = 4  # microbatches of one sample in a step that measures the job's own tim
 
 
 def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) -> dict[str, Any]:
-    """FSDP2's, expert and tensor parallelism's figures of ``machine`` (the fields to replace), measured by :func:`probe_ranks` on this
-    machine's GPUs for a plan of ``gpus`` (one torchrun launch per degree): FSDP2 over min(``gpus``, the GPUs)
-    ranks (one gloo rank without CUDA, whose time is all the host's: a CPU runs each op as issued), expert
-    parallelism for each degree P that divides ``gpus`` and the experts, tensor parallelism for each degree P
-    that divides ``gpus``, fits in a node and the job accepts (without CUDA, two gloo ranks); the machine's own
-    for what is not measured (FSDP2 when planning for one GPU)."""
+    """FSDP2's, expert, tensor and context parallelism's figures of ``machine`` (the fields to replace),
+    measured by :func:`probe_ranks` on this machine's GPUs for a plan of ``gpus`` (one torchrun launch per
+    degree): FSDP2 over min(``gpus``, the GPUs) ranks (one gloo rank without CUDA, whose time is all the
+    host's: a CPU runs each op as issued), expert parallelism for each degree P that divides ``gpus`` and the
+    experts, tensor and context parallelism for each degree P that divides ``gpus`` and the job accepts (tensor
+    parallelism within a node; without CUDA, two gloo ranks); the machine's own for what is not measured
+    (FSDP2 when planning for one GPU). A launch that fails with tensor or context parallelism in it is run again
+    without them, then with each alone: one that still fails leaves its figures unmeasured, with a warning."""
     m, mb, seq = job.model, job.config.batching.microbatch_size, job.config.batching.seq_len
     visible = torch.cuda.device_count()
     moe_layers = sum(map(m.is_moe_layer, range(m.num_hidden_layers)))
@@ -962,40 +974,54 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     ep_ranks = [
         p for p in range(2, min(gpus, visible) + 1) if moe_layers and gpus % p == 0 and experts % p == 0
     ]
-    tp_ranks = [p for p in range(2, min(gpus, visible or 2, machine.gpus_per_node) + 1)
-                if gpus % p == 0 and _accepts(job, Layout(1, 1, 1, 1, p, 1, None, 1, mb, "none"))]  # fmt: skip
+
+    def split(p: int, kind: str) -> Layout:  # a layout of P ranks tensor- or context-parallel
+        return Layout(1, 1, 1, *((1, p) if kind == "tensor" else (p, 1)), 1, None, 1, mb, "none")
+
+    split_ranks = {  # tensor parallelism within a node
+        kind: [p for p in range(2, min(gpus, visible or 2, machine.gpus_per_node if kind == "tensor" else gpus) + 1)
+               if gpus % p == 0 and _accepts(job, split(p, kind))]
+        for kind in ("tensor", "context")
+    }  # fmt: skip
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
     samples = mb if visible else 1  # the microbatch's time is the GPU's figure
     figures: dict[str, Any] = {}  # what is not measured here keeps the machine's figure (dataclasses.replace)
-    ep_host, ep_token = dict(machine.expert_host_s), dict(machine.expert_token_s)
-    tp_host, tp_token = dict(machine.tensor_host_s), dict(machine.tensor_token_s)
-    for p in sorted({*ep_ranks, *tp_ranks, fsdp_ranks} - {0}):
+    named = {f"{kind}_{part}": dict(getattr(machine, f"{kind}_{part}"))
+             for kind in ("expert", "tensor", "context") for part in ("host_s", "token_s")}  # fmt: skip
+    for p in sorted({*ep_ranks, *split_ranks["tensor"], *split_ranks["context"], fsdp_ranks} - {0}):
         others = {
             "expert_samples": 2 * mb if p in ep_ranks else 0,
             "fsdp_samples": samples if p == fsdp_ranks else 0,
         }
+        optional = [kind for kind, ranks in split_ranks.items() if p in ranks]
         try:
-            times = probe_ranks(config_file, p, **others, tensor_samples=samples if p in tp_ranks else 0)
-        except RuntimeError as e:
-            if p not in tp_ranks:
+            runs = [probe_ranks(config_file, p, **others, **{f"{k}_samples": samples for k in optional})]
+        except RuntimeError:
+            if not optional:
                 raise
-            # a model the job accepts tensor-parallel but the probe could not run so: priced without the figure
-            warnings.warn(f"tensor parallelism over {p} GPUs was not measured ({e}): its layouts price its "
-                          "collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
-            tp_ranks.remove(p)
-            times = probe_ranks(config_file, p, **others) if any(others.values()) else {}
+            runs = [probe_ranks(config_file, p, **others)] if any(others.values()) else []
+            for kind in optional:
+                try:
+                    runs.append(probe_ranks(config_file, p, **{f"{kind}_samples": samples}))
+                except RuntimeError as e:  # a model the job accepts so but the probe could not run
+                    warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts price "
+                                  "its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
+        times = runs[0] if runs else {}  # the expert and FSDP2 figures' run, when there are any
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"
-            ep_host[key], ep_token[key] = expert_parallel_s(times, 2 * mb, seq, moe_layers)
-        if p in tp_ranks:  # a CPU's time is all the host's
-            tp_host[str(p)], gpu = tensor_parallel_s(times, samples, seq, m.num_hidden_layers)
-            tp_token[str(p)] = gpu if visible else 0.0
+            named["expert_host_s"][key], named["expert_token_s"][key] = expert_parallel_s(
+                times, 2 * mb, seq, moe_layers
+            )
+        for kind in optional:
+            if run := next((r for r in runs if kind in r), None):  # against the plain model of its own run
+                host, gpu = split_parallel_s(run, kind, samples, seq, m.num_hidden_layers)
+                named[f"{kind}_host_s"][str(p)] = host
+                named[f"{kind}_token_s"][str(p)] = gpu if visible else 0.0  # a CPU's time is all the host's
         if p == fsdp_ranks:
             figures.update(
                 (k, v if visible or "gpu" not in k else 0.0) for k, v in fsdp_s(times, samples).items()
             )
-    return {**figures, "expert_host_s": tuple(ep_host.items()), "expert_token_s": tuple(ep_token.items()),
-            "tensor_host_s": tuple(tp_host.items()), "tensor_token_s": tuple(tp_token.items())}  # fmt: skip
+    return {**figures, **{k: tuple(v.items()) for k, v in named.items()}}
 
 
 def _accepts(job: PlanJob, layout: Layout) -> bool:

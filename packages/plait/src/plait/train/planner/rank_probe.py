@@ -1,11 +1,11 @@
-"""What FSDP2, expert and tensor parallelism over P GPUs add to the job's model, measured on those GPUs
-(``plait plan --calibrate``).
+"""What FSDP2, expert, tensor and context parallelism over P GPUs add to the job's model, measured on those
+GPUs (``plait plan --calibrate``).
 
 Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-per-node=P``: every rank builds
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
 checkpointing) and times a forward and backward on its own random tokens (the ranks' routings differ as the
-job's do; a tensor-parallel group's ranks share theirs), of one sample (the host's floor, as ``calibrated``
-measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives, their waits for
+job's do; a tensor- or context-parallel group's ranks share theirs), of one sample (the host's floor, as
+``calibrated`` measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives, their waits for
 the other ranks and their kernels beside the compute show in the wall time; a profiler's busy time would
 count a collective's kernel waiting on its stream beside the compute). The variants:
 
@@ -17,16 +17,18 @@ count a collective's kernel waiting on its stream beside the compute). The varia
   last (:class:`~plait.pipelining.GradientSync` of the offline executor: gradients accumulated unreduced,
   ``fsdp.gather_once_per_step`` honoured);
 - ``tensor`` (``--tensor-samples K``): tensor parallelism over the P ranks (every rank on the same tokens, as
-  a tensor-parallel group's are), at one sample and at K.
+  a tensor-parallel group's are), at one sample and at K;
+- ``context`` (``--context-samples C``): context parallelism over the P ranks (every rank on its shard of the
+  same sequences, in the load-balanced layout the job feeds it), at one sample and at C.
 
 Rank 0 writes the slowest rank's seconds, ``{"ranks": P, "plain": {"1": s, "M": s, "N": s}, "experts":
-{...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "fsdp_units": units, "slack": {"fsdp":
-bytes}}`` (``fsdp_units``: the units that gather parameters, as the planner counts them; ``slack``: on a GPU,
+{...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "context": {...}, "fsdp_units": units,
+"slack": {"fsdp": bytes}}`` (``fsdp_units``: the units that gather parameters, as the planner counts them; ``slack``: on a GPU,
 the largest bytes a rank's allocator held reserved above the allocated ones under FSDP2 at one sample, its own
 floor: a sample's activations are small).
 
     torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
-        [--expert-samples N] [--fsdp-samples M] [--tensor-samples K] --out F.json
+        [--expert-samples N] [--fsdp-samples M] [--tensor-samples K] [--context-samples C] --out F.json
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--tensor-samples", type=int, default=0, help="time tensor parallelism at this many samples"
     )
+    ap.add_argument(
+        "--context-samples", type=int, default=0, help="time context parallelism at this many samples"
+    )
     ap.add_argument("--out", type=Path, required=True, help="rank 0 writes the times here (JSON)")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
@@ -92,11 +97,12 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             if fresh:
                 provider.materialize(stage, device)
-            # the tokens: a rank's own, or under tensor parallelism the group's
-            torch.manual_seed(0 if variant == "tensor" else dist.get_rank())
+            # the tokens: a rank's own, or under tensor and context parallelism the group's
+            torch.manual_seed(0 if variant in ("tensor", "context") else dist.get_rank())
+            shard = (ranks, dist.get_rank()) if variant == "context" else None
             for samples in sorted({1, *counts}):  # one sample first, always: the host's floor
                 times.setdefault(variant, {})[str(samples)] = slowest(
-                    forward_backward_s(stage, samples, seq, device)
+                    forward_backward_s(stage, samples, seq, device, context=shard)
                 )
                 if samples == 1 and device.type == "cuda" and variant == "fsdp":
                     held = torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
         provider = build_provider(config)
         stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
-        counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples)
+        counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples, args.context_samples)
         timed("plain", stage, *(n for n in counts if n))
         if args.expert_samples:
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
@@ -128,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
             mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("tp",))
             stage = parallelize(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
             timed("tensor", stage, args.tensor_samples)
+        if args.context_samples:
+            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("cp",))
+            stage = parallelize(provider.build_stage(0, 1), cp_mesh=mesh, config=provider.parallel)
+            timed("context", stage, args.context_samples)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(times))
     finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from plait.dist_core import shard_batch
 
 __all__ = [
     "Machine",
@@ -32,7 +33,7 @@ __all__ = [
     "optimizer_step",
     "probe_ranks",
     "run_job",
-    "tensor_parallel_s",
+    "split_parallel_s",
 ]
 
 
@@ -99,8 +100,13 @@ class Machine:
             layer: seconds of the host's floor per microbatch (the sharded tensors' dispatch, the collectives
             issued), and seconds of GPU work per token of a microbatch over the layer's compute split P ways
             (the collectives waited on inside the layer, the narrower matmuls' lost efficiency).
-            ``--calibrate`` measures them (:func:`tensor_parallel_s`); a layout without them prices the
+            ``--calibrate`` measures them (:func:`split_parallel_s`); a layout without them prices the
             collectives' bytes at ``busbw``.
+        context_host_s, context_token_s: the same for context parallelism over P ranks (by ``"P"``): per token
+            of a rank's sequence shard, over the layer's compute split P ways (the keys' and values' gathers
+            and their gradients' reductions waited on, attention over the gathered keys, the shorter
+            sequences' lost efficiency). ``--calibrate`` measures them; a layout without them prices the
+            gathers' bytes at ``busbw``.
     """
 
     flops: float = 400e12
@@ -134,6 +140,8 @@ class Machine:
     expert_token_s: tuple[tuple[str, float], ...] = ()
     tensor_host_s: tuple[tuple[str, float], ...] = ()
     tensor_token_s: tuple[tuple[str, float], ...] = ()
+    context_host_s: tuple[tuple[str, float], ...] = ()
+    context_token_s: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> str:
         """The machine as JSON, what ``--machine`` reads back (the per-name figures as objects)."""
@@ -168,11 +176,12 @@ class Machine:
                 f"{self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; {name} {k}: host {host * 1e3:.2f} ms per {layer} and microbatch, GPU "
                           f"{token * 1e9:.1f} ns per token"
-                          for kind, name, layer in (("expert", "EP", "MoE layer"), ("tensor", "TP", "layer"))
+                          for kind, name, layer in (("expert", "EP", "MoE layer"), ("tensor", "TP", "layer"),
+                                                    ("context", "CP", "layer"))
                           for k, (host, token) in self._figures(kind).items()))  # fmt: skip
 
     def _figures(self, kind: str) -> dict[str, tuple[float, float]]:
-        """``kind``'s (``expert`` or ``tensor``) measured figures by key: ``(host seconds, GPU seconds per
+        """``kind``'s (``expert``, ``tensor`` or ``context``) measured figures by key: ``(host seconds, GPU seconds per
         token)``."""
         host = dict(getattr(self, f"{kind}_host_s"))
         return {k: (host.get(k, 0.0), v) for k, v in getattr(self, f"{kind}_token_s")}
@@ -182,10 +191,11 @@ class Machine:
         parallelism over ``ranks`` by ``dispatch`` adds, as measured, or None if not measured."""
         return self._figures("expert").get(f"{dispatch}:{ranks}")
 
-    def tensor_s(self, ranks: int) -> tuple[float, float] | None:
-        """``(host seconds per layer and microbatch, GPU seconds per token and layer)`` that tensor parallelism
-        over ``ranks`` adds, as measured, or None if not measured."""
-        return self._figures("tensor").get(str(ranks))
+    def split_s(self, kind: str, ranks: int) -> tuple[float, float] | None:
+        """``(host seconds per layer and microbatch, GPU seconds per token of a rank and layer)`` that tensor
+        (``kind="tensor"``) or context parallelism (``"context"``) over ``ranks`` adds, as measured, or None if
+        not measured."""
+        return self._figures(kind).get(str(ranks))
 
     def bandwidth(self, collective: str) -> float:
         return self._bandwidths[collective]
@@ -211,6 +221,8 @@ _NAMED = (
     "expert_token_s",
     "tensor_host_s",
     "tensor_token_s",
+    "context_host_s",
+    "context_token_s",
 )  # figures by name
 
 
@@ -292,13 +304,22 @@ def packed_batch(samples: int, seq: int, device: torch.device) -> dict[str, torc
 
 
 def forward_backward_s(
-    model: torch.nn.Module, samples: int, seq: int, device: torch.device, *, busy: bool = False
+    model: torch.nn.Module,
+    samples: int,
+    seq: int,
+    device: torch.device,
+    *,
+    busy: bool = False,
+    context: tuple[int, int] | None = None,
 ) -> float:
     """Seconds of one forward and backward of ``model`` on ``samples`` x ``seq`` random tokens
-    (:func:`packed_batch`), after a warm-up:
+    (:func:`packed_batch`; with ``context=(P, rank)`` that rank's shard of them, as the job feeds a model
+    context-parallel over P ranks), after a warm-up:
     the wall time (device synchronised), or with ``busy`` the time the device spends in its kernels and copies
     (CUDA: summed from the profiler's device records; elsewhere the wall time: the CPU runs them as it goes)."""
     batch = packed_batch(samples, seq, device)
+    if context is not None:
+        batch = shard_batch(batch, *context)
 
     def step() -> None:
         out = model(**batch)
@@ -371,13 +392,20 @@ def run_job(
 
 
 def probe_ranks(
-    config: Path, ranks: int, *, expert_samples: int = 0, fsdp_samples: int = 0, tensor_samples: int = 0
+    config: Path,
+    ranks: int,
+    *,
+    expert_samples: int = 0,
+    fsdp_samples: int = 0,
+    tensor_samples: int = 0,
+    context_samples: int = 0,
 ) -> dict[str, Any]:
     """The job's model (``config``) timed on ``ranks`` of this machine's GPUs (gloo ranks of the CPU without
     CUDA) by :mod:`~plait.train.planner.rank_probe`: the slowest rank's seconds of a forward and backward,
     ``{"plain": {samples: s}, "experts": {...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...},
-    "fsdp_units": n, "slack": {variant: bytes}}``, with the experts sharded when ``expert_samples``, under
-    FSDP2 when ``fsdp_samples`` and tensor-parallel when ``tensor_samples`` (string keys: the JSON's).
+    "context": {...}, "fsdp_units": n, "slack": {variant: bytes}}``, with the experts sharded when
+    ``expert_samples``, under FSDP2 when ``fsdp_samples``, tensor-parallel when ``tensor_samples`` and
+    context-parallel when ``context_samples`` (string keys: the JSON's).
 
     Raises:
         RuntimeError: the probe failed (its exit status and the error it named).
@@ -387,7 +415,7 @@ def probe_ranks(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
                "plait.train.planner.rank_probe", "--config", str(config), "--expert-samples", str(expert_samples),
                "--fsdp-samples", str(fsdp_samples), "--tensor-samples", str(tensor_samples),
-               "--out", str(out)]  # fmt: skip
+               "--context-samples", str(context_samples), "--out", str(out)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"the {ranks}-rank probe exited with {proc.returncode}: {_why(proc)}")
@@ -408,15 +436,20 @@ def expert_parallel_s(times: dict[str, Any], samples: int, seq: int, moe_layers:
     return host / moe_layers, gpu / (samples * seq) / moe_layers
 
 
-def tensor_parallel_s(times: dict[str, Any], samples: int, seq: int, layers: int) -> tuple[float, float]:
-    """What tensor parallelism over the probe's P ranks adds to each of the model's ``layers``, from
-    :func:`probe_ranks`' ``times`` (``tensor_samples=samples``): ``(host seconds per microbatch, GPU seconds
-    per token)``, tensor-parallel less the plain model at one sample (the host bounds it) and at ``samples``
-    less the plain model's time split P ways (the GPU bounds it; not below 0)."""
+def split_parallel_s(
+    times: dict[str, Any], kind: str, samples: int, seq: int, layers: int
+) -> tuple[float, float]:
+    """What tensor (``kind="tensor"``) or context parallelism (``"context"``) over the probe's P ranks adds to
+    each of the model's ``layers``, from :func:`probe_ranks`' ``times`` (``tensor_samples=samples`` or
+    ``context_samples=samples``): ``(host seconds per microbatch, GPU seconds per token of a rank)``, the
+    split model less the plain one at one sample (the host bounds it) and at ``samples`` less the plain
+    model's time split P ways (the GPU bounds it; not below 0). A rank's tokens: all ``samples x seq`` under
+    tensor parallelism, its ``1/P`` shard of them under context parallelism."""
     ranks = int(times["ranks"])
-    host = _extra(times, "tensor", 1)
-    gpu = max(0.0, times["tensor"][str(samples)] - times["plain"][str(samples)] / ranks)
-    return host / layers, gpu / (samples * seq) / layers
+    host = _extra(times, kind, 1)
+    gpu = max(0.0, times[kind][str(samples)] - times["plain"][str(samples)] / ranks)
+    tokens = samples * seq // (ranks if kind == "context" else 1)
+    return host / layers, gpu / tokens / layers
 
 
 def fsdp_s(times: dict[str, Any], samples: int) -> dict[str, float]:
