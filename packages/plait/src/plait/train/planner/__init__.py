@@ -886,8 +886,9 @@ def calibrated(
       in one (:func:`expert_parallel_s`).
     - ``tensor_host_s`` and ``tensor_token_s`` (for each tensor-parallel degree P of ``gpus`` that fits in a
       node, the job accepts and this machine has the GPUs for; two gloo ranks without CUDA, a host figure
-      only): the model tensor-parallel over P GPUs against the same model whole, at one sample and at the
-      microbatch (:func:`split_parallel_s`); a probe that fails leaves them unmeasured, with a warning.
+      only): the model tensor-parallel over P GPUs against the same model whole, at one sample and at two
+      microbatches in one (:func:`split_parallel_s`); a probe that fails leaves them unmeasured, with a
+      warning.
     - ``context_host_s`` and ``context_token_s``: the same for context parallelism over P GPUs (each on its
       shard of the same sequences), for each degree P of ``gpus`` the job accepts.
     """
@@ -985,6 +986,10 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     }  # fmt: skip
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
     samples = mb if visible else 1  # the microbatch's time is the GPU's figure
+    # tensor and context parallelism's at two microbatches in one, as expert parallelism's: their collectives
+    # and host time can keep a microbatch host-bound (an H200, a 0.6B Llama context-parallel over two: 88 ms at
+    # 8 samples against the model's 46 on its share, 113 ms at 16 against 91)
+    split_samples = 2 * samples
     figures: dict[str, Any] = {}  # what is not measured here keeps the machine's figure (dataclasses.replace)
     named = {f"{kind}_{part}": dict(getattr(machine, f"{kind}_{part}"))
              for kind in ("expert", "tensor", "context") for part in ("host_s", "token_s")}  # fmt: skip
@@ -995,14 +1000,16 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
         }
         optional = [kind for kind, ranks in split_ranks.items() if p in ranks]
         try:
-            runs = [probe_ranks(config_file, p, **others, **{f"{k}_samples": samples for k in optional})]
+            runs = [
+                probe_ranks(config_file, p, **others, **{f"{k}_samples": split_samples for k in optional})
+            ]
         except RuntimeError:
             if not optional:
                 raise
             runs = [probe_ranks(config_file, p, **others)] if any(others.values()) else []
             for kind in optional:
                 try:
-                    runs.append(probe_ranks(config_file, p, **{f"{kind}_samples": samples}))
+                    runs.append(probe_ranks(config_file, p, **{f"{kind}_samples": split_samples}))
                 except RuntimeError as e:  # a model the job accepts so but the probe could not run
                     warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts price "
                                   "its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
@@ -1014,7 +1021,7 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
             )
         for kind in optional:
             if run := next((r for r in runs if kind in r), None):  # against the plain model of its own run
-                host, gpu = split_parallel_s(run, kind, samples, seq, m.num_hidden_layers)
+                host, gpu = split_parallel_s(run, kind, split_samples, seq, m.num_hidden_layers)
                 named[f"{kind}_host_s"][str(p)] = host
                 named[f"{kind}_token_s"][str(p)] = gpu if visible else 0.0  # a CPU's time is all the host's
         if p == fsdp_ranks:
