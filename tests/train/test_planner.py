@@ -435,7 +435,7 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
         if tensor_samples:
             raise RuntimeError(f"the {ranks}-rank probe exited with 1: boom")
         if context_samples:
-            return {"ranks": ranks, "plain": {"1": 0.04}, "context": {"1": 0.1}}
+            return {"ranks": ranks, "plain": {"1": 0.04, "2": 0.05}, "context": {"1": 0.1, "2": 0.12}}
         return {"ranks": ranks, "plain": {"1": 0.01}, "fsdp": {"1": 0.03}, "fsdp_accumulating": {"1": 0.02},
                 "fsdp_units": 2}  # fmt: skip
 
@@ -446,7 +446,8 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
         figures = planner._rank_figures(
             PlanJob(_config()), Machine(gpus_per_node=2), tmp_path / "job.json", 2
         )
-    assert calls == [(1, 0, 1, 0, 0), (2, 0, 0, 1, 1), (2, 0, 0, 1, 0), (2, 0, 0, 0, 1)]
+    # tensor and context parallelism at two microbatches in one (a CPU's microbatch: one sample)
+    assert calls == [(1, 0, 1, 0, 0), (2, 0, 0, 2, 2), (2, 0, 0, 2, 0), (2, 0, 0, 0, 2)]
     assert figures["tensor_host_s"] == figures["tensor_token_s"] == ()
     layers = _config().model.num_hidden_layers  # type: ignore[union-attr]
     assert dict(figures["context_host_s"]) == pytest.approx({"2": 0.06 / layers})
@@ -724,16 +725,17 @@ def test_a_model_far_larger_than_the_machine_is_planned_from_two_layers_of_each_
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_expert_tensor_and_context_parallelism_are_measured_on_their_ranks_and_priced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_parallelisms_are_measured_on_their_ranks_and_priced(tmp_path: Path) -> None:
     """The probe ``--calibrate`` runs on P GPUs (here two gloo ranks of this CPU) times the model whole, with
-    its experts sharded, tensor-parallel, context-parallel and under FSDP2 (as many units as the planner counts
-    on the rank) and gives non-negative host and GPU figures; a probe that fails is an error naming it. Measured
-    figures replace the collectives' bytes at the bandwidth: an EP2 (TP2, CP2) layout's step grows by the GPU
-    figure times a rank's tokens, MoE layers (every layer; the DeepSeek's two dense layers pay no EP), microbatches and the
-    mode's recompute factor when the GPU bounds it, by the host figure times those layers, microbatches and
-    the mode's host floor over none's when the host does; an FSDP2 layout's by FSDP2's GPU figures times its
-    units: the step's last microbatch's and the accumulating one's for each before it; an FSDP2 layout's
-    allocator slack is at least the machine's FSDP2 floor; computed here from the layout."""
+    its experts sharded, tensor-parallel, context-parallel and under FSDP2 (as many units as the planner
+    counts on the rank) and gives non-negative host and GPU figures; a probe that fails is an error naming
+    it. Measured figures replace the collectives' bytes at the bandwidth: an EP2 (TP2, CP2) layout's step
+    grows by the GPU figure times a rank's tokens, MoE layers (every layer; the DeepSeek's two dense layers
+    pay no EP), microbatches and the mode's recompute factor when the GPU bounds it, by the host figure times
+    those layers, microbatches and the mode's host floor over none's when the host does; an FSDP2 layout's by
+    FSDP2's GPU figures times its units: the step's last microbatch's and the accumulating one's for each
+    before it; an FSDP2 layout's allocator slack is at least the machine's FSDP2 floor; computed here from the
+    layout."""
     from plait.train.planner.timing import expert_parallel_s, fsdp_s, probe_ranks, split_parallel_s
 
     cfg = _with_model(TINY_DEEPSEEK, "--batching.seq_len=32", "--parallel.expert_dispatch=all_gather")

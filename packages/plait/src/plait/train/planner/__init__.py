@@ -38,7 +38,8 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   FSDP2's all-gathers and reduce-scatters hide behind the compute except those of the units gathered before
   the first layer and reduced after the last (the embedding's and the root's; in the measured GPU time when
   there is one) and whatever exceeds the compute; HSDP's replica all-reduce, the optimizer step (bytes moved
-  at the machine's rate) and the step's fixed cost (data, trainer) follow. ``--calibrate`` measures the rates, floors and fixed costs (:func:`calibrated`).
+  at the machine's rate) and the step's fixed cost (data, trainer) follow. ``--calibrate`` measures the rates,
+  floors and fixed costs (:func:`calibrated`).
 
 The table ranks the layouts that fit by predicted tokens per second per GPU and says what limits each:
 ``memory`` (within 10% of the GPU), ``bubble`` (the simulator's idle share above 15%), ``communication``
@@ -437,9 +438,9 @@ def _measured(
 
 
 def _split_parallel(job: PlanJob, layout: Layout, machine: Machine) -> dict[str, tuple[float, float]]:
-    """``{"tp": (host seconds, GPU seconds), "cp": ...}`` that tensor and context parallelism add to one layer's
-    microbatch, as the machine measured them for the layout's degrees (else 0: :func:`_comm_per_layer` prices
-    their collectives)."""
+    """``{"tp": (host seconds, GPU seconds), "cp": ...}`` that tensor and context parallelism add to one
+    layer's microbatch, as the machine measured them for the layout's degrees (else 0: :func:`_comm_per_layer`
+    prices their collectives)."""
     tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp  # a rank's
     split = {}
     for name, kind, degree in (("tp", "tensor", layout.tp), ("cp", "context", layout.cp)):
@@ -964,10 +965,11 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     measured by :func:`probe_ranks` on this machine's GPUs for a plan of ``gpus`` (one torchrun launch per
     degree): FSDP2 over min(``gpus``, the GPUs) ranks (one gloo rank without CUDA, whose time is all the
     host's: a CPU runs each op as issued), expert parallelism for each degree P that divides ``gpus`` and the
-    experts, tensor and context parallelism for each degree P that divides ``gpus`` and the job accepts (tensor
-    parallelism within a node; without CUDA, two gloo ranks); the machine's own for what is not measured
-    (FSDP2 when planning for one GPU). A launch that fails with tensor or context parallelism in it is run again
-    without them, then with each alone: one that still fails leaves its figures unmeasured, with a warning."""
+    experts, tensor and context parallelism for each degree P that divides ``gpus`` and the job accepts
+    (tensor parallelism within a node; without CUDA, two gloo ranks); the machine's own for what is not
+    measured (FSDP2 when planning for one GPU). A launch that fails with tensor or context parallelism in it
+    is run again without them, then with each alone: one that still fails leaves its figures unmeasured, with
+    a warning."""
     m, mb, seq = job.model, job.config.batching.microbatch_size, job.config.batching.seq_len
     visible = torch.cuda.device_count()
     moe_layers = sum(map(m.is_moe_layer, range(m.num_hidden_layers)))
@@ -977,18 +979,20 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     ]
 
     def split(p: int, kind: str) -> Layout:  # a layout of P ranks tensor- or context-parallel
-        return Layout(1, 1, 1, *((1, p) if kind == "tensor" else (p, 1)), 1, None, 1, mb, "none")
+        tp = p if kind == "tensor" else 1
+        return Layout(1, 1, 1, p // tp, tp, 1, None, 1, mb, "none")
 
-    split_ranks = {  # tensor parallelism within a node
-        kind: [p for p in range(2, min(gpus, visible or 2, machine.gpus_per_node if kind == "tensor" else gpus) + 1)
+    within = {"tensor": machine.gpus_per_node, "context": gpus}  # tensor parallelism within a node
+    split_ranks = {
+        kind: [p for p in range(2, min(gpus, visible or 2, within[kind]) + 1)
                if gpus % p == 0 and _accepts(job, split(p, kind))]
-        for kind in ("tensor", "context")
+        for kind in within
     }  # fmt: skip
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
     samples = mb if visible else 1  # the microbatch's time is the GPU's figure
     # tensor and context parallelism's at two microbatches in one, as expert parallelism's: their collectives
-    # and host time can keep a microbatch host-bound (an H200, a 0.6B Llama context-parallel over two: 88 ms at
-    # 8 samples against the model's 46 on its share, 113 ms at 16 against 91)
+    # and host time can keep a microbatch host-bound (an H200, a 0.6B Llama context-parallel over two: 88 ms
+    # at 8 samples against the model's 46 on its share, 113 ms at 16 against 91)
     split_samples = 2 * samples
     figures: dict[str, Any] = {}  # what is not measured here keeps the machine's figure (dataclasses.replace)
     named = {f"{kind}_{part}": dict(getattr(machine, f"{kind}_{part}"))
@@ -1011,8 +1015,8 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
                 try:
                     runs.append(probe_ranks(config_file, p, **{f"{kind}_samples": split_samples}))
                 except RuntimeError as e:  # a model the job accepts so but the probe could not run
-                    warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts price "
-                                  "its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
+                    warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts "
+                                  "price its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
         times = runs[0] if runs else {}  # the expert and FSDP2 figures' run, when there are any
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"

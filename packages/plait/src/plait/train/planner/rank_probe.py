@@ -5,9 +5,9 @@ Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
 checkpointing) and times a forward and backward on its own random tokens (the ranks' routings differ as the
 job's do; a tensor- or context-parallel group's ranks share theirs), of one sample (the host's floor, as
-``calibrated`` measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives, their waits for
-the other ranks and their kernels beside the compute show in the wall time; a profiler's busy time would
-count a collective's kernel waiting on its stream beside the compute). The variants:
+``calibrated`` measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives,
+their waits for the other ranks and their kernels beside the compute show in the wall time; a profiler's busy
+time would count a collective's kernel waiting on its stream beside the compute). The variants:
 
 - ``plain``: every parameter and expert on every rank, at one sample and at each count below;
 - ``experts`` (``--expert-samples N``): the experts sharded over the P ranks, at one sample and at N;
@@ -23,9 +23,9 @@ count a collective's kernel waiting on its stream beside the compute). The varia
 
 Rank 0 writes the slowest rank's seconds, ``{"ranks": P, "plain": {"1": s, "M": s, "N": s}, "experts":
 {...}, "fsdp": {...}, "fsdp_accumulating": {...}, "tensor": {...}, "context": {...}, "fsdp_units": units,
-"slack": {"fsdp": bytes}}`` (``fsdp_units``: the units that gather parameters, as the planner counts them; ``slack``: on a GPU,
-the largest bytes a rank's allocator held reserved above the allocated ones under FSDP2 at one sample, its own
-floor: a sample's activations are small).
+"slack": {"fsdp": bytes}}`` (``fsdp_units``: the units that gather parameters, as the planner counts them;
+``slack``: on a GPU, the largest bytes a rank's allocator held reserved above the allocated ones under FSDP2
+at one sample, its own floor: a sample's activations are small).
 
     torchrun --nproc-per-node=P -m plait.train.planner.rank_probe --config JOB.json
         [--expert-samples N] [--fsdp-samples M] [--tensor-samples K] [--context-samples C] --out F.json

@@ -181,8 +181,8 @@ class Machine:
                           for k, (host, token) in self._figures(kind).items()))  # fmt: skip
 
     def _figures(self, kind: str) -> dict[str, tuple[float, float]]:
-        """``kind``'s (``expert``, ``tensor`` or ``context``) measured figures by key: ``(host seconds, GPU seconds per
-        token)``."""
+        """``kind``'s (``expert``, ``tensor`` or ``context``) measured figures by key: ``(host seconds, GPU
+        seconds per token)``."""
         host = dict(getattr(self, f"{kind}_host_s"))
         return {k: (host.get(k, 0.0), v) for k, v in getattr(self, f"{kind}_token_s")}
 
@@ -193,8 +193,8 @@ class Machine:
 
     def split_s(self, kind: str, ranks: int) -> tuple[float, float] | None:
         """``(host seconds per layer and microbatch, GPU seconds per token of a rank and layer)`` that tensor
-        (``kind="tensor"``) or context parallelism (``"context"``) over ``ranks`` adds, as measured, or None if
-        not measured."""
+        (``kind="tensor"``) or context parallelism (``"context"``) over ``ranks`` adds, as measured, or None
+        if not measured."""
         return self._figures(kind).get(str(ranks))
 
     def bandwidth(self, collective: str) -> float:
