@@ -402,6 +402,8 @@ def test_calibration_measures_the_job_on_this_device() -> None:
         assert fsdp.time["fsdp_host_per_microbatch"] == pytest.approx(
             (0.01 + (n - 1) * 0.004) / n * states.units
         )
+        if fsdp.layout.ep == 1:  # the units measured: each gathers its parameters whole, as these do
+            assert machine.fsdp_unit_bytes == pytest.approx(sum(states.gathered) / states.units)
     assert fits[0].time["step_fixed"] == 0.5
     # the job's own host time per microbatch: on this CPU, which runs each op as issued, every microbatch's
     assert machine.microbatch_s >= 0
@@ -806,6 +808,18 @@ def test_parallelisms_are_measured_on_their_ranks_and_priced(tmp_path: Path) -> 
     # the step's last microbatch reduces (0.002 per unit), those before it accumulate (0.0005)
     each = 0.002 + (microbatches - 1) * 0.0005
     assert after[fsdp2].step_s - before[fsdp2].step_s == pytest.approx(each * states.units)
+    # measured on units of another size, the GPU's figure scales by a layout's units' mean gathered bytes:
+    # expert parallelism keeps the experts out of FSDP2's gathers
+    mean = sum(states.gathered) / states.units
+    ep2 = Layout(1, 1, 2, 1, 1, 2, None, 1, 2, "none")
+    ((ep_states, _),) = PlanJob(cfg).rank_states(ep2, 1, ((0,),))
+    ratio = sum(ep_states.gathered) / ep_states.units / mean
+    assert ratio < 0.5
+    for unit_bytes, fsdp2_scale, ep2_scale in [(mean, 1.0, ratio), (mean / 2, 2.0, 2 * ratio)]:
+        sized = Machine(**fast, **gpu, fsdp_unit_bytes=unit_bytes)  # type: ignore[arg-type]
+        got = {p.layout: p for p in plan(cfg, 2, sized, checkpointing=("none",)).fits}
+        for layout, scale, st in ((fsdp2, fsdp2_scale, states), (ep2, ep2_scale, ep_states)):
+            assert got[layout].step_s - before[layout].step_s == pytest.approx(each * st.units * scale)
     # the allocator's slack under FSDP2 is at least the machine's floor; without FSDP2 it is not
     assert floor[fsdp2].memory["allocator_slack"] == 3 * 2**30
     assert all(p.memory["allocator_slack"] == before[p.layout].memory["allocator_slack"]

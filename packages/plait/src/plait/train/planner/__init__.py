@@ -26,7 +26,7 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   gradients, and those before it, which accumulate them, plus what expert parallelism adds per MoE layer). The
   GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the machine's FLOP/s,
   divided by the tensor-parallel degree, times the mode's recompute factor, plus FSDP2's GPU time per unit
-  (the same mean) and expert parallelism's per token and MoE layer; a forward is a third of it before
+  (the same mean, for units of the layout's mean gathered bytes) and expert parallelism's per token and MoE layer; a forward is a third of it before
   recomputation. FSDP2's and expert parallelism's figures are measured by ``--calibrate`` on the machine's
   GPUs (the job's model with and without them: their collectives, the waits for the other ranks, their own
   kernels and launches; :func:`~plait.train.planner.timing.fsdp_s`,
@@ -554,6 +554,8 @@ def predict(job: PlanJob, layout: Layout, machine: Machine, *, exact: bool = Tru
     units = states0.units / len(ranks[0][1]) if fsdp_n > 1 else 0.0
     fsdp_host = (machine.fsdp_unit_s + (nmb - 1) * machine.fsdp_accumulate_s) / nmb * units
     fsdp_gpu = (machine.fsdp_unit_gpu_s + (nmb - 1) * machine.fsdp_accumulate_gpu_s) / nmb * units
+    if machine.fsdp_unit_bytes and states0.units:  # the GPU's part for units of this layout's size
+        fsdp_gpu *= sum(states0.gathered) / states0.units / machine.fsdp_unit_bytes
     host_bound = False
 
     def stage_costs(layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
@@ -873,8 +875,9 @@ def calibrated(
       and mixed precision) over as many of this machine's GPUs as planned for (one gloo rank without CUDA)
       against the same model without it, at one sample and at the microbatch, reducing its gradients and
       accumulating them: the host's and the GPU's extra time per unit of each (``fsdp_unit_s``,
-      ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``), and on a GPU the allocator's slack
-      under FSDP2 (``fsdp_slack_bytes``; :func:`fsdp_s`).
+      ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``) for units of the mean gathered
+      bytes ``fsdp_unit_bytes``, and on a GPU the allocator's slack under FSDP2 (``fsdp_slack_bytes``;
+      :func:`fsdp_s`).
     - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
       less the model's forward and backward (wall time) and the optimizer step; ``microbatch_s``: the job run
       again with four microbatches of one sample per step (the host bounds them), each less the model's
@@ -1032,6 +1035,9 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
             figures.update(
                 (k, v if visible or "gpu" not in k else 0.0) for k, v in fsdp_s(times, samples).items()
             )
+            # the size of the units measured: each gathers its parameters whole, over any number of ranks
+            probed = job.rank_states(Layout(1, 1, gpus, 1, 1, 1, None, 1, mb, "none"), 1, ((0,),))[0][0]
+            figures["fsdp_unit_bytes"] = sum(probed.gathered) / max(1, probed.units)
     return {**figures, **{k: tuple(v.items()) for k, v in named.items()}}
 
 

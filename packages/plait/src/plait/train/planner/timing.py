@@ -82,6 +82,10 @@ class Machine:
         fsdp_accumulate_s, fsdp_accumulate_gpu_s: the same for each microbatch before a step's last, whose
             gradients accumulate unreduced (measured with them; a ``--machine`` file without them: the reducing
             microbatch's).
+        fsdp_unit_bytes: the mean bytes one unit of that measurement gathers (its parameters unsharded, as
+            the planner counts them): the GPU's figures are for units of this size, and a layout's units scale
+            them by their own mean (expert parallelism keeps the experts out of the FSDP2 units' gathers,
+            tensor parallelism shrinks them); 0: not scaled.
         fsdp_slack_bytes: the bytes the allocator holds reserved above the allocated ones under FSDP2 whatever
             the microbatch (its gathers' and reductions' buffers of many sizes): an FSDP2 layout's slack is
             at least this (``--calibrate`` on the GPUs measures it at one sample).
@@ -133,6 +137,7 @@ class Machine:
     fsdp_unit_gpu_s: float = 0.0
     fsdp_accumulate_s: float = 0.0
     fsdp_accumulate_gpu_s: float = 0.0
+    fsdp_unit_bytes: float = 0.0
     fsdp_slack_bytes: float = 0.0
     step_s: float = 0.0
     microbatch_s: float = 0.0
