@@ -92,6 +92,7 @@ from plait.train.planner.timing import (
     probe_ranks,
     run_job,
     split_parallel_s,
+    static_shapes,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -873,7 +874,7 @@ def calibrated(
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - FSDP2's figures (planning for more than one GPU): the model under FSDP2 (``parallel``'s units, resharding
       and mixed precision) over as many of this machine's GPUs as planned for (one gloo rank without CUDA)
-      against the same model without it, at one sample and at the microbatch, reducing its gradients and
+      against the same model without it, at one sample and at two microbatches in one, reducing its gradients and
       accumulating them: the host's and the GPU's extra time per unit of each (``fsdp_unit_s``,
       ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``) for units of the mean gathered
       bytes ``fsdp_unit_bytes``, and on a GPU the allocator's slack under FSDP2 (``fsdp_slack_bytes``;
@@ -917,30 +918,32 @@ def calibrated(
         on_ranks = _rank_figures(job, machine, config_file, gpus)
     host, busy, idle, scale, backward, one_sample = {}, {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
-    for mode in dict.fromkeys(("none", *modes, job_mode)):
-        ac = par.activation_checkpointing.model_copy(update={"mode": mode})
-        provider = job.provider(activation_checkpointing=ac)
-        model = provider.parallelize(provider.build_stage(0, 1), None)
-        provider.materialize(model, device)
-        one = one_sample[mode] = host[mode] = forward_backward_s(model, 1, seq, device)
-        # the GPU's busy time at the microbatch (elsewhere than CUDA: the wall time)
-        busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
-        if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
-            wall = forward_backward_s(model, mb, seq, device)
-            idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
-            counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
-            kept, peak = activation_bytes(model, mb, seq, device)
-            scale[mode] = kept / counted
-            backward[mode] = (peak - kept) / layer_bytes
-        else:  # ops run as issued: a fixed time per microbatch, the rest per sample
-            fixed = min(max((mb * one - busy[mode]) / (mb - 1), 0.0), one) if mb > 1 else 0.0
-            if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
-                fixed = 0.0
-            wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
-        if mode == job_mode:
-            t_microbatch = wall
-            t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
-        del model
+    with static_shapes():
+        for mode in dict.fromkeys(("none", *modes, job_mode)):
+            ac = par.activation_checkpointing.model_copy(update={"mode": mode})
+            provider = job.provider(activation_checkpointing=ac)
+            model = provider.parallelize(provider.build_stage(0, 1), None)
+            provider.materialize(model, device)
+            torch.compiler.reset()  # the mode's own graphs, each shape's static (static_shapes)
+            one = one_sample[mode] = host[mode] = forward_backward_s(model, 1, seq, device)
+            # the GPU's busy time at the microbatch (elsewhere than CUDA: the wall time)
+            busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
+            if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
+                wall = forward_backward_s(model, mb, seq, device)
+                idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
+                counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
+                kept, peak = activation_bytes(model, mb, seq, device)
+                scale[mode] = kept / counted
+                backward[mode] = (peak - kept) / layer_bytes
+            else:  # ops run as issued: a fixed time per microbatch, the rest per sample
+                fixed = min(max((mb * one - busy[mode]) / (mb - 1), 0.0), one) if mb > 1 else 0.0
+                if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
+                    fixed = 0.0
+                wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
+            if mode == job_mode:
+                t_microbatch = wall
+                t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
+            del model
     step_s = max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer)
     per_microbatch = (_FEW * seq / few_tok_s - t_optimizer - step_s) / _FEW
     return dataclasses.replace(
@@ -992,31 +995,30 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
         for kind in within
     }  # fmt: skip
     fsdp_ranks = max(1, min(gpus, visible)) if gpus > 1 else 0
-    samples = mb if visible else 1  # the microbatch's time is the GPU's figure
-    # tensor and context parallelism's at two microbatches in one, as expert parallelism's: their collectives
-    # and host time can keep a microbatch host-bound (an H200, a 0.6B Llama context-parallel over two: 88 ms
-    # at 8 samples against the model's 46 on its share, 113 ms at 16 against 91)
-    split_samples = 2 * samples
+    # Every GPU figure at two microbatches in one: what FSDP2, tensor or context parallelism add to the host
+    # can keep one microbatch host-bound, and the difference would be priced as GPU work (H200s: a 0.6B Llama
+    # context-parallel over two, 88 ms at 8 samples against the model's 46 on its share, 113 ms at 16 against
+    # 91; a 0.9B Qwen3-MoE under FSDP2 over two, 15 units at one microbatch: 40 ms of "GPU" time where the
+    # job's layout shows ~7)
+    samples = 2 * mb if visible else 2
     figures: dict[str, Any] = {}  # what is not measured here keeps the machine's figure (dataclasses.replace)
     named = {f"{kind}_{part}": dict(getattr(machine, f"{kind}_{part}"))
              for kind in ("expert", "tensor", "context") for part in ("host_s", "token_s")}  # fmt: skip
     for p in sorted({*ep_ranks, *split_ranks["tensor"], *split_ranks["context"], fsdp_ranks} - {0}):
         others = {
-            "expert_samples": 2 * mb if p in ep_ranks else 0,
+            "expert_samples": samples if p in ep_ranks else 0,
             "fsdp_samples": samples if p == fsdp_ranks else 0,
         }
         optional = [kind for kind, ranks in split_ranks.items() if p in ranks]
         try:
-            runs = [
-                probe_ranks(config_file, p, **others, **{f"{k}_samples": split_samples for k in optional})
-            ]
+            runs = [probe_ranks(config_file, p, **others, **{f"{k}_samples": samples for k in optional})]
         except RuntimeError:
             if not optional:
                 raise
             runs = [probe_ranks(config_file, p, **others)] if any(others.values()) else []
             for kind in optional:
                 try:
-                    runs.append(probe_ranks(config_file, p, **{f"{kind}_samples": split_samples}))
+                    runs.append(probe_ranks(config_file, p, **{f"{kind}_samples": samples}))
                 except RuntimeError as e:  # a model the job accepts so but the probe could not run
                     warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts "
                                   "price its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
@@ -1024,11 +1026,11 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"
             named["expert_host_s"][key], named["expert_token_s"][key] = expert_parallel_s(
-                times, 2 * mb, seq, moe_layers
+                times, samples, seq, moe_layers
             )
         for kind in optional:
             if run := next((r for r in runs if kind in r), None):  # against the plain model of its own run
-                host, gpu = split_parallel_s(run, kind, split_samples, seq, m.num_hidden_layers)
+                host, gpu = split_parallel_s(run, kind, samples, seq, m.num_hidden_layers)
                 named[f"{kind}_host_s"][str(p)] = host
                 named[f"{kind}_token_s"][str(p)] = gpu if visible else 0.0  # a CPU's time is all the host's
         if p == fsdp_ranks:

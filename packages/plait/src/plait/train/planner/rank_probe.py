@@ -3,7 +3,8 @@ GPUs (``plait plan --calibrate``).
 
 Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-per-node=P``: every rank builds
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
-checkpointing) and times a forward and backward on its own random tokens (the ranks' routings differ as the
+checkpointing; each variant compiled afresh, one static graph per batch size as the job's:
+:func:`~plait.train.planner.timing.static_shapes`) and times a forward and backward on its own random tokens (the ranks' routings differ as the
 job's do; a tensor- or context-parallel group's ranks share theirs), of one sample (the host's floor, as
 ``calibrated`` measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives,
 their waits for the other ranks and their kernels beside the compute show in the wall time; a profiler's busy
@@ -48,7 +49,7 @@ from plait.models.common.parallel import apply_data_parallel
 from plait.pipelining import GradientSync
 from plait.train.config import JobConfig
 from plait.train.job import build_provider
-from plait.train.planner.timing import forward_backward_s
+from plait.train.planner.timing import forward_backward_s, static_shapes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
@@ -77,71 +78,76 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        config = load_config(args.config, [], cls=JobConfig)
-        par = config.parallel  # without checkpointing: the planner scales the time by each mode's recompute
-        ac = par.activation_checkpointing.model_copy(update={"mode": "none"})
-        config = config.model_copy(
-            update={"parallel": par.model_copy(update={"activation_checkpointing": ac})}
-        )
-        ranks, seq = dist.get_world_size(), config.batching.seq_len
-        times: dict[str, Any] = {"ranks": ranks}
-
-        def slowest(value: float) -> float:
-            t = torch.tensor(value, dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.item()
-
-        def timed(variant: str, stage: torch.nn.Module, *counts: int, fresh: bool = True) -> None:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            if fresh:
-                provider.materialize(stage, device)
-            # the tokens: a rank's own, or under tensor and context parallelism the group's
-            torch.manual_seed(0 if variant in ("tensor", "context") else dist.get_rank())
-            shard = (ranks, dist.get_rank()) if variant == "context" else None
-            for samples in sorted({1, *counts}):  # one sample first, always: the host's floor
-                times.setdefault(variant, {})[str(samples)] = slowest(
-                    forward_backward_s(stage, samples, seq, device, context=shard)
-                )
-                if samples == 1 and device.type == "cuda" and variant == "fsdp":
-                    held = torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
-                    times.setdefault("slack", {})[variant] = slowest(held)
-
-        provider = build_provider(config)
-        stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
-        counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples, args.context_samples)
-        timed("plain", stage, *(n for n in counts if n))
-        if args.expert_samples:
-            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
-            stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)
-            timed("experts", stage, args.expert_samples)
-        if args.fsdp_samples:  # FSDP2 as the job applies it, over a mesh of any size (one rank too)
-            stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
-            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
-            apply_data_parallel(stage, mesh, provider.parallel)
-            # the units that gather parameters, as the plan counts them (on one rank too, where the plan's
-            # state_bytes sees nothing to gather)
-            units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
-            times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
-            timed("fsdp", stage, args.fsdp_samples)
-            sync = GradientSync({0: stage}, has_backward=True, splits_backward=False, schedule="offline",
-                                finalize=False, gather_once=config.fsdp.gather_once_per_step)  # fmt: skip
-            sync.start()  # every microbatch now one before the step's last: none reduces
-            timed("fsdp_accumulating", stage, args.fsdp_samples, fresh=False)
-            sync.finish()
-        if args.tensor_samples:
-            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("tp",))
-            stage = parallelize(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
-            timed("tensor", stage, args.tensor_samples)
-        if args.context_samples:
-            mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("cp",))
-            stage = parallelize(provider.build_stage(0, 1), cp_mesh=mesh, config=provider.parallel)
-            timed("context", stage, args.context_samples)
-        if dist.get_rank() == 0:
-            args.out.write_text(json.dumps(times))
+        with static_shapes():
+            _probe(args, device)
     finally:
         dist.destroy_process_group()
+
+
+def _probe(args: argparse.Namespace, device: torch.device) -> None:
+    """Every variant the command line asks for, timed; rank 0 writes the times."""
+    config = load_config(args.config, [], cls=JobConfig)
+    par = config.parallel  # without checkpointing: the planner scales the time by each mode's recompute
+    ac = par.activation_checkpointing.model_copy(update={"mode": "none"})
+    config = config.model_copy(update={"parallel": par.model_copy(update={"activation_checkpointing": ac})})
+    ranks, seq = dist.get_world_size(), config.batching.seq_len
+    times: dict[str, Any] = {"ranks": ranks}
+
+    def slowest(value: float) -> float:
+        t = torch.tensor(value, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def timed(variant: str, stage: torch.nn.Module, *counts: int, fresh: bool = True) -> None:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        if fresh:
+            provider.materialize(stage, device)
+            torch.compiler.reset()  # the variant's own graphs (static_shapes)
+        # the tokens: a rank's own, or under tensor and context parallelism the group's
+        torch.manual_seed(0 if variant in ("tensor", "context") else dist.get_rank())
+        shard = (ranks, dist.get_rank()) if variant == "context" else None
+        for samples in sorted({1, *counts}):  # one sample first, always: the host's floor
+            times.setdefault(variant, {})[str(samples)] = slowest(
+                forward_backward_s(stage, samples, seq, device, context=shard)
+            )
+            if samples == 1 and device.type == "cuda" and variant == "fsdp":
+                held = torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+                times.setdefault("slack", {})[variant] = slowest(held)
+
+    provider = build_provider(config)
+    stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
+    counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples, args.context_samples)
+    timed("plain", stage, *(n for n in counts if n))
+    if args.expert_samples:
+        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
+        stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)
+        timed("experts", stage, args.expert_samples)
+    if args.fsdp_samples:  # FSDP2 as the job applies it, over a mesh of any size (one rank too)
+        stage = parallelize(provider.build_stage(0, 1), config=provider.parallel)
+        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
+        apply_data_parallel(stage, mesh, provider.parallel)
+        # the units that gather parameters, as the plan counts them (on one rank too, where the plan's
+        # state_bytes sees nothing to gather)
+        units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
+        times["fsdp_units"] = sum(any(g.fsdp_params for g in param_groups(m)) for m in units)
+        timed("fsdp", stage, args.fsdp_samples)
+        sync = GradientSync({0: stage}, has_backward=True, splits_backward=False, schedule="offline",
+                            finalize=False, gather_once=config.fsdp.gather_once_per_step)  # fmt: skip
+        sync.start()  # every microbatch now one before the step's last: none reduces
+        timed("fsdp_accumulating", stage, args.fsdp_samples, fresh=False)
+        sync.finish()
+    if args.tensor_samples:
+        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("tp",))
+        stage = parallelize(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
+        timed("tensor", stage, args.tensor_samples)
+    if args.context_samples:
+        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("cp",))
+        stage = parallelize(provider.build_stage(0, 1), cp_mesh=mesh, config=provider.parallel)
+        timed("context", stage, args.context_samples)
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps(times))
 
 
 if __name__ == "__main__":

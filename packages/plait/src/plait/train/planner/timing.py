@@ -9,6 +9,7 @@ itself, :func:`run_job`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +35,7 @@ __all__ = [
     "probe_ranks",
     "run_job",
     "split_parallel_s",
+    "static_shapes",
 ]
 
 
@@ -281,6 +283,17 @@ def load_machine(path: Path | None, memory_gib: float | None) -> Machine:
     return replace(machine, memory_gib=memory_gib) if memory_gib is not None else machine
 
 
+@contextlib.contextmanager
+def static_shapes() -> Iterator[None]:
+    """Inside: compiled layers compile each batch shape as a graph of its own, as the job's layers do for its
+    one microbatch shape. Outside, a layer timed at a second sample count recompiles for any size (other
+    kernels, more host time: a graph the job never runs); and as each model variant built in one process
+    (other parameter types: DTensors, FSDP2's) recompiles the layers' shared code, torch's recompile limit
+    soon leaves the later variants uncompiled: call ``torch.compiler.reset()`` before each."""
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # noqa: SLF001 (no torch.compiler name)
+        yield
+
+
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3, rounds: int = 3) -> float:
     """Seconds of one ``fn()``: the mean of ``repeats`` calls in the fastest of ``rounds`` (whatever else
     the host runs only slows a round), after a warm-up."""
@@ -460,9 +473,9 @@ def split_parallel_s(
 def fsdp_s(times: dict[str, Any], samples: int) -> dict[str, float]:
     """What FSDP2 adds per unit to a microbatch, from :func:`probe_ranks`' ``times``
     (``fsdp_samples=samples``), as :class:`Machine`'s ``fsdp_*`` figures: FSDP2 less the plain model at one
-    sample (the host's: the hooks, the copies in and out, the launches) and at ``samples`` (the job's
-    microbatch, the GPU's: the collectives' kernels beside the compute, the waits for a gather not yet done or
-    for the other ranks), for a microbatch that reduces its gradients and for one that accumulates them; and
+    sample (the host's: the hooks, the copies in and out, the launches) and at ``samples`` (enough for the GPU
+    to bound both, the GPU's: the collectives' kernels beside the compute, the waits for a gather not yet done
+    or for the other ranks), for a microbatch that reduces its gradients and for one that accumulates them; and
     the allocator's slack under FSDP2 at one sample (0 without a GPU's measurement)."""
     units = times["fsdp_units"]
 
