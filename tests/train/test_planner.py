@@ -438,8 +438,8 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
             raise RuntimeError(f"the {ranks}-rank probe exited with 1: boom")
         if context_samples:
             return {"ranks": ranks, "plain": {"1": 0.04, "2": 0.05}, "context": {"1": 0.1, "2": 0.12}}
-        return {"ranks": ranks, "plain": {"1": 0.01}, "fsdp": {"1": 0.03}, "fsdp_accumulating": {"1": 0.02},
-                "fsdp_units": 2}  # fmt: skip
+        return {"ranks": ranks, "plain": {"1": 0.01, "2": 0.02}, "fsdp": {"1": 0.03, "2": 0.05},
+                "fsdp_accumulating": {"1": 0.02, "2": 0.04}, "fsdp_units": 2}  # fmt: skip
 
     monkeypatch.setattr(planner, "probe_ranks", probe)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on the CPU: FSDP2 on one gloo rank
@@ -448,8 +448,8 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
         figures = planner._rank_figures(
             PlanJob(_config()), Machine(gpus_per_node=2), tmp_path / "job.json", 2
         )
-    # tensor and context parallelism at two microbatches in one (a CPU's microbatch: one sample)
-    assert calls == [(1, 0, 1, 0, 0), (2, 0, 0, 2, 2), (2, 0, 0, 2, 0), (2, 0, 0, 0, 2)]
+    # FSDP2, tensor and context parallelism at two microbatches in one (a CPU's microbatch: one sample)
+    assert calls == [(1, 0, 2, 0, 0), (2, 0, 0, 2, 2), (2, 0, 0, 2, 0), (2, 0, 0, 0, 2)]
     assert figures["tensor_host_s"] == figures["tensor_token_s"] == ()
     layers = _config().model.num_hidden_layers  # type: ignore[union-attr]
     assert dict(figures["context_host_s"]) == pytest.approx({"2": 0.06 / layers})
@@ -469,6 +469,7 @@ def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # ty
                        activation_scale=(("selective", 0.9),), backward_scale=(("none", 0.1), ("full", 0.4)),
                        allocator_slack=0.6, step_s=0.002, microbatch_s=0.004, fsdp_unit_s=0.001, fsdp_unit_gpu_s=0.003,
                        gpus_per_node=4, fsdp_accumulate_s=0.0004, fsdp_accumulate_gpu_s=0.0002, fsdp_slack_bytes=7e8,
+                       fsdp_unit_bytes=8.5e7,
                        tensor_host_s=(("2", 0.0003),), tensor_token_s=(("2", 2e-9),),
                        context_host_s=(("2", 0.0001),), context_token_s=(("2", 3e-9),),
                        expert_host_s=(("all_gather:2", 0.002),), expert_token_s=(("all_gather:2", 1e-8),))  # fmt: skip
