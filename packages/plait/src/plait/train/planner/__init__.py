@@ -26,8 +26,8 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   gradients, and those before it, which accumulate them, plus what expert parallelism adds per MoE layer). The
   GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the machine's FLOP/s,
   divided by the tensor-parallel degree, times the mode's recompute factor, plus FSDP2's GPU time per unit
-  (the same mean, for units of the layout's mean gathered bytes) and expert parallelism's per token and MoE layer; a forward is a third of it before
-  recomputation. FSDP2's and expert parallelism's figures are measured by ``--calibrate`` on the machine's
+  (the same mean, for units of the layout's mean gathered bytes) and expert parallelism's per token and MoE
+  layer; a forward is a third of it before recomputation. FSDP2's and expert parallelism's figures are measured by ``--calibrate`` on the machine's
   GPUs (the job's model with and without them: their collectives, the waits for the other ranks, their own
   kernels and launches; :func:`~plait.train.planner.timing.fsdp_s`,
   :func:`~plait.train.planner.timing.expert_parallel_s`); without them expert parallelism's exchanges' bytes
@@ -874,8 +874,8 @@ def calibrated(
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - FSDP2's figures (planning for more than one GPU): the model under FSDP2 (``parallel``'s units, resharding
       and mixed precision) over as many of this machine's GPUs as planned for (one gloo rank without CUDA)
-      against the same model without it, at one sample and at two microbatches in one, reducing its gradients and
-      accumulating them: the host's and the GPU's extra time per unit of each (``fsdp_unit_s``,
+      against the same model without it, at one sample and at two microbatches in one, reducing its gradients
+      and accumulating them: the host's and the GPU's extra time per unit of each (``fsdp_unit_s``,
       ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``) for units of the mean gathered
       bytes ``fsdp_unit_bytes``, and on a GPU the allocator's slack under FSDP2 (``fsdp_slack_bytes``;
       :func:`fsdp_s`).

@@ -4,8 +4,8 @@ GPUs (``plait plan --calibrate``).
 Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-per-node=P``: every rank builds
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
 checkpointing; each variant compiled afresh, one static graph per batch size as the job's:
-:func:`~plait.train.planner.timing.static_shapes`) and times a forward and backward on its own random tokens (the ranks' routings differ as the
-job's do; a tensor- or context-parallel group's ranks share theirs), of one sample (the host's floor, as
+:func:`~plait.train.planner.timing.static_shapes`) and times a forward and backward on its own random tokens
+(the ranks' routings differ as the job's do; a tensor- or context-parallel group's ranks share theirs), of one sample (the host's floor, as
 ``calibrated`` measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives,
 their waits for the other ranks and their kernels beside the compute show in the wall time; a profiler's busy
 time would count a collective's kernel waiting on its stream beside the compute). The variants:
