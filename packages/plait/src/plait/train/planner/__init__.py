@@ -999,7 +999,7 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
     # can keep one microbatch host-bound, and the difference would be priced as GPU work (H200s: a 0.6B Llama
     # context-parallel over two, 88 ms at 8 samples against the model's 46 on its share, 113 ms at 16 against
     # 91; a 0.9B Qwen3-MoE under FSDP2 over two, 15 units at one microbatch: 40 ms of "GPU" time where the
-    # job's layout shows ~7)
+    # job's layout shows ~10)
     samples = 2 * mb if visible else 2
     figures: dict[str, Any] = {}  # what is not measured here keeps the machine's figure (dataclasses.replace)
     named = {f"{kind}_{part}": dict(getattr(machine, f"{kind}_{part}"))
