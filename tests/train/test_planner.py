@@ -814,6 +814,14 @@ def test_parallelisms_are_measured_on_their_ranks_and_priced(tmp_path: Path) -> 
     mean = sum(states.gathered) / states.units
     ep2 = Layout(1, 1, 2, 1, 1, 2, None, 1, 2, "none")
     ((ep_states, _),) = PlanJob(cfg).rank_states(ep2, 1, ((0,),))
+    # against the model's own parameters: FSDP2's units gather all of them, under EP all but the experts
+    from plait.train.job import build_provider
+
+    sizes = {
+        n: p.numel() * p.element_size() for n, p in build_provider(cfg).build_stage(0, 1).named_parameters()
+    }
+    assert sum(states.gathered) == sum(sizes.values())
+    assert sum(ep_states.gathered) == sum(b for n, b in sizes.items() if ".experts." not in n)
     ratio = sum(ep_states.gathered) / ep_states.units / mean
     assert ratio < 0.5
     for unit_bytes, fsdp2_scale, ep2_scale in [(mean, 1.0, ratio), (mean / 2, 2.0, 2 * ratio)]:

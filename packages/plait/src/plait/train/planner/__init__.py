@@ -27,9 +27,9 @@ a fake process group of N ranks, one or two layers of each kind standing for the
   GPU work is the training FLOPs of its layers (and of the LM head on the last stage) at the machine's FLOP/s,
   divided by the tensor-parallel degree, times the mode's recompute factor, plus FSDP2's GPU time per unit
   (the same mean, for units of the layout's mean gathered bytes) and expert parallelism's per token and MoE
-  layer; a forward is a third of it before recomputation. FSDP2's and expert parallelism's figures are measured by ``--calibrate`` on the machine's
-  GPUs (the job's model with and without them: their collectives, the waits for the other ranks, their own
-  kernels and launches; :func:`~plait.train.planner.timing.fsdp_s`,
+  layer; a forward is a third of it before recomputation. FSDP2's and expert parallelism's figures are
+  measured by ``--calibrate`` on the machine's GPUs (the job's model with and without them: their
+  collectives, the waits for the other ranks, their own kernels and launches; :func:`~plait.train.planner.timing.fsdp_s`,
   :func:`~plait.train.planner.timing.expert_parallel_s`); without them expert parallelism's exchanges' bytes
   are priced at the bandwidth. Tensor and context parallelism are measured the same way (what they add to a
   layer's host and GPU time; :func:`~plait.train.planner.timing.split_parallel_s`); without the figures their
@@ -859,6 +859,7 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(1)
 
 
+@static_shapes()  # each model compiled as the job compiles it
 def calibrated(
     job: PlanJob, machine: Machine, *, modes: tuple[str, ...] = CHECKPOINTING, steps: int = 6, gpus: int = 1
 ) -> Machine:
@@ -918,32 +919,31 @@ def calibrated(
         on_ranks = _rank_figures(job, machine, config_file, gpus)
     host, busy, idle, scale, backward, one_sample = {}, {}, {}, {}, {}, {}
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
-    with static_shapes():
-        for mode in dict.fromkeys(("none", *modes, job_mode)):
-            ac = par.activation_checkpointing.model_copy(update={"mode": mode})
-            provider = job.provider(activation_checkpointing=ac)
-            model = provider.parallelize(provider.build_stage(0, 1), None)
-            provider.materialize(model, device)
-            torch.compiler.reset()  # the mode's own graphs, each shape's static (static_shapes)
-            one = one_sample[mode] = host[mode] = forward_backward_s(model, 1, seq, device)
-            # the GPU's busy time at the microbatch (elsewhere than CUDA: the wall time)
-            busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
-            if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
-                wall = forward_backward_s(model, mb, seq, device)
-                idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
-                counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
-                kept, peak = activation_bytes(model, mb, seq, device)
-                scale[mode] = kept / counted
-                backward[mode] = (peak - kept) / layer_bytes
-            else:  # ops run as issued: a fixed time per microbatch, the rest per sample
-                fixed = min(max((mb * one - busy[mode]) / (mb - 1), 0.0), one) if mb > 1 else 0.0
-                if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
-                    fixed = 0.0
-                wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
-            if mode == job_mode:
-                t_microbatch = wall
-                t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
-            del model
+    for mode in dict.fromkeys(("none", *modes, job_mode)):
+        ac = par.activation_checkpointing.model_copy(update={"mode": mode})
+        provider = job.provider(activation_checkpointing=ac)
+        model = provider.parallelize(provider.build_stage(0, 1), None)
+        provider.materialize(model, device)
+        torch.compiler.reset()  # the mode's own graphs, each shape's static (static_shapes)
+        one = one_sample[mode] = host[mode] = forward_backward_s(model, 1, seq, device)
+        # the GPU's busy time at the microbatch (elsewhere than CUDA: the wall time)
+        busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
+        if device.type == "cuda":  # the compiled kernels' saves and peak against the meta count
+            wall = forward_backward_s(model, mb, seq, device)
+            idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
+            counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
+            kept, peak = activation_bytes(model, mb, seq, device)
+            scale[mode] = kept / counted
+            backward[mode] = (peak - kept) / layer_bytes
+        else:  # ops run as issued: a fixed time per microbatch, the rest per sample
+            fixed = min(max((mb * one - busy[mode]) / (mb - 1), 0.0), one) if mb > 1 else 0.0
+            if fixed >= busy[mode]:  # no time per sample above the noise: all of it counts as compute
+                fixed = 0.0
+            wall, host[mode], busy[mode] = busy[mode], fixed, busy[mode] - fixed
+        if mode == job_mode:
+            t_microbatch = wall
+            t_optimizer, moved = optimizer_step(build_optimizer(job.config.optimizer, model), device)
+        del model
     step_s = max(0.0, mb * seq / tok_s - t_microbatch - t_optimizer)
     per_microbatch = (_FEW * seq / few_tok_s - t_optimizer - step_s) / _FEW
     return dataclasses.replace(

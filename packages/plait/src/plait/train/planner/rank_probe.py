@@ -5,10 +5,11 @@ Run by :func:`~plait.train.planner.timing.probe_ranks` under ``torchrun --nproc-
 the job's model as the job would (compiled and dispatched by its ``parallel`` settings, without activation
 checkpointing; each variant compiled afresh, one static graph per batch size as the job's:
 :func:`~plait.train.planner.timing.static_shapes`) and times a forward and backward on its own random tokens
-(the ranks' routings differ as the job's do; a tensor- or context-parallel group's ranks share theirs), of one sample (the host's floor, as
-``calibrated`` measures it on one GPU) and of more (enough for the GPU to bound the model: the collectives,
-their waits for the other ranks and their kernels beside the compute show in the wall time; a profiler's busy
-time would count a collective's kernel waiting on its stream beside the compute). The variants:
+(the ranks' routings differ as the job's do; a tensor- or context-parallel group's ranks share theirs), of
+one sample (the host's floor, as ``calibrated`` measures it on one GPU) and of more (enough for the GPU to
+bound the model: the collectives, their waits for the other ranks and their kernels beside the compute show
+in the wall time; a profiler's busy time would count a collective's kernel waiting on its stream beside the
+compute). The variants:
 
 - ``plain``: every parameter and expert on every rank, at one sample and at each count below;
 - ``experts`` (``--expert-samples N``): the experts sharded over the P ranks, at one sample and at N;
@@ -78,12 +79,12 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        with static_shapes():
-            _probe(args, device)
+        _probe(args, device)
     finally:
         dist.destroy_process_group()
 
 
+@static_shapes()
 def _probe(args: argparse.Namespace, device: torch.device) -> None:
     """Every variant the command line asks for, timed; rank 0 writes the times."""
     config = load_config(args.config, [], cls=JobConfig)

@@ -178,8 +178,7 @@ class Machine:
                 f"GB/s; FSDP2 per unit and microbatch: host {self.fsdp_unit_s * 1e3:.2f} ms, GPU "
                 f"{self.fsdp_unit_gpu_s * 1e3:.2f} ms (accumulating: {self.fsdp_accumulate_s * 1e3:.2f} ms, "
                 f"{self.fsdp_accumulate_gpu_s * 1e3:.2f} ms; units of {self.fsdp_unit_bytes / 1e6:.1f} MB), "
-                f"allocator slack at least "
-                f"{self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms fixed per step, the "
+                f"allocator slack at least {self.fsdp_slack_bytes / 2**30:.2f} GiB; {self.step_s * 1e3:.1f} ms fixed per step, the "
                 f"job's {self.microbatch_s * 1e3:.1f} ms per microbatch; allocator slack "
                 f"{self.allocator_slack:.2f}x a layer's activations"
                 + "".join(f"; {name} {k}: host {host * 1e3:.2f} ms per {layer} and microbatch, GPU "
@@ -290,7 +289,8 @@ def static_shapes() -> Iterator[None]:
     one microbatch shape. Outside, a layer timed at a second sample count recompiles for any size (other
     kernels, more host time: a graph the job never runs); and as each model variant built in one process
     (other parameter types: DTensors, FSDP2's) recompiles the layers' shared code, torch's recompile limit
-    soon leaves the later variants uncompiled: call ``torch.compiler.reset()`` before each."""
+    soon leaves the later variants uncompiled: call ``torch.compiler.reset()`` before each. A context manager
+    or a function's decorator."""
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # noqa: SLF001 (no torch.compiler name)
         yield
 
