@@ -457,6 +457,33 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
     assert (figures["fsdp_unit_s"], figures["fsdp_accumulate_s"]) == pytest.approx((0.01, 0.005))
 
 
+def test_host_figures_are_each_models_lowest_wall_time_against_the_plain_models() -> None:
+    """A wall time bounds the host's floor from above at any sample count: each variant's host figure is its
+    lowest time less the plain model's lowest, so one slow timing of one sample (here FSDP2's, as an H200
+    lease measured a 0.9B MoE: 117.7 ms at one sample, 103.2 at the job's eight) moves no figure; the GPU
+    figures stay the difference at two microbatches in one (16 samples)."""
+    from plait.train.planner.timing import expert_parallel_s, fsdp_s, split_parallel_s
+
+    times = {"ranks": 2, "fsdp_units": 15, "plain": {"1": 0.0397, "16": 0.0902},
+             "fsdp": {"1": 0.1177, "8": 0.1032, "16": 0.1111},
+             "fsdp_accumulating": {"1": 0.0900, "8": 0.0950, "16": 0.1050},
+             "experts": {"1": 0.0700, "16": 0.1200}, "tensor": {"1": 0.0800, "16": 0.0600},
+             "context": {"1": 0.0300, "16": 0.0500}}  # fmt: skip
+    figures = fsdp_s(times, 16)
+    assert figures["fsdp_unit_s"] == pytest.approx((0.1032 - 0.0397) / 15)  # the job's microbatch's
+    assert figures["fsdp_accumulate_s"] == pytest.approx((0.0900 - 0.0397) / 15)  # one sample's
+    assert figures["fsdp_unit_gpu_s"] == pytest.approx((0.1111 - 0.0902) / 15)
+    assert figures["fsdp_accumulate_gpu_s"] == pytest.approx((0.1050 - 0.0902) / 15)
+    assert expert_parallel_s(times, 16, 64, 4) == pytest.approx(
+        ((0.0700 - 0.0397) / 4, (0.1200 - 0.0902) / (16 * 64) / 4)
+    )
+    # tensor parallelism: faster at 16 samples than at one, its floor is the 16 samples' time
+    assert split_parallel_s(times, "tensor", 16, 64, 8) == pytest.approx(
+        ((0.0600 - 0.0397) / 8, (0.0600 - 0.0902 / 2) / (16 * 64) / 8)
+    )
+    assert split_parallel_s(times, "context", 16, 64, 8)[0] == 0  # below the plain model's floor: none
+
+
 def test_a_saved_machine_reads_back_as_the_same_figures(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--save-machine`` writes what ``--machine`` reads: every figure, those by checkpointing mode too; a
     figure of the wrong type or range, or an unknown one, is an error naming it."""

@@ -446,12 +446,18 @@ def _extra(times: dict[str, Any], variant: str, samples: int) -> float:
     return max(0.0, times[variant][str(samples)] - times["plain"][str(samples)])
 
 
+def _host_extra(times: dict[str, Any], variant: str) -> float:
+    """What ``variant`` adds to the plain model's host floor (not below 0): each model's lowest wall time at
+    any sample count (every one bounds the floor from above; one sample's, unless a slow timing of it)."""
+    return max(0.0, min(times[variant].values()) - min(times["plain"].values()))
+
+
 def expert_parallel_s(times: dict[str, Any], samples: int, seq: int, moe_layers: int) -> tuple[float, float]:
     """What expert parallelism adds to each of the model's ``moe_layers``, from :func:`probe_ranks`'
     ``times`` (``expert_samples=samples``): ``(host seconds per microbatch, GPU seconds per token)``, the
-    experts sharded less the plain model at one sample of ``seq`` tokens (the host bounds it) and at
-    ``samples`` (the GPU bounds it)."""
-    host, gpu = _extra(times, "experts", 1), _extra(times, "experts", samples)
+    experts sharded less the plain model on the host's floor (:func:`_host_extra`) and at ``samples`` of
+    ``seq`` tokens (the GPU bounds it)."""
+    host, gpu = _host_extra(times, "experts"), _extra(times, "experts", samples)
     return host / moe_layers, gpu / (samples * seq) / moe_layers
 
 
@@ -461,11 +467,11 @@ def split_parallel_s(
     """What tensor (``kind="tensor"``) or context parallelism (``"context"``) over the probe's P ranks adds to
     each of the model's ``layers``, from :func:`probe_ranks`' ``times`` (``tensor_samples=samples`` or
     ``context_samples=samples``): ``(host seconds per microbatch, GPU seconds per token of a rank)``, the
-    split model less the plain one at one sample (the host bounds it) and at ``samples`` less the plain
+    split model less the plain one on the host's floor (:func:`_host_extra`) and at ``samples`` less the plain
     model's time split P ways (the GPU bounds it; not below 0). A rank's tokens: all ``samples x seq`` under
     tensor parallelism, its ``1/P`` shard of them under context parallelism."""
     ranks = int(times["ranks"])
-    host = _extra(times, kind, 1)
+    host = _host_extra(times, kind)
     gpu = max(0.0, times[kind][str(samples)] - times["plain"][str(samples)] / ranks)
     tokens = samples * seq // (ranks if kind == "context" else 1)
     return host / layers, gpu / tokens / layers
@@ -473,19 +479,17 @@ def split_parallel_s(
 
 def fsdp_s(times: dict[str, Any], samples: int) -> dict[str, float]:
     """What FSDP2 adds per unit to a microbatch, from :func:`probe_ranks`' ``times``
-    (``fsdp_samples=samples``), as :class:`Machine`'s ``fsdp_*`` figures: FSDP2 less the plain model at one
-    sample (the host's: the hooks, the copies in and out, the launches) and at ``samples`` (enough for the GPU
-    to bound both, the GPU's: the collectives' kernels beside the compute, the waits for a gather not yet done
-    or for the other ranks), for a microbatch that reduces its gradients and for one that accumulates them; and
-    the allocator's slack under FSDP2 at one sample (0 without a GPU's measurement)."""
+    (``fsdp_samples=samples``), as :class:`Machine`'s ``fsdp_*`` figures: FSDP2 less the plain model on the
+    host's floor (the hooks, the copies in and out, the launches: :func:`_host_extra`, at one sample or at the
+    job's microbatch) and at ``samples`` (enough for the GPU to bound both, the GPU's: the collectives' kernels
+    beside the compute, the waits for a gather not yet done or for the other ranks), for a microbatch that
+    reduces its gradients and for one that accumulates them; and the allocator's slack under FSDP2 at one
+    sample (0 without a GPU's measurement)."""
     units = times["fsdp_units"]
-
-    def per_unit(variant: str, n: int) -> float:
-        return _extra(times, variant, n) / units
-
-    return {"fsdp_unit_s": per_unit("fsdp", 1), "fsdp_unit_gpu_s": per_unit("fsdp", samples),
-            "fsdp_accumulate_s": per_unit("fsdp_accumulating", 1),
-            "fsdp_accumulate_gpu_s": per_unit("fsdp_accumulating", samples),
+    return {"fsdp_unit_s": _host_extra(times, "fsdp") / units,
+            "fsdp_unit_gpu_s": _extra(times, "fsdp", samples) / units,
+            "fsdp_accumulate_s": _host_extra(times, "fsdp_accumulating") / units,
+            "fsdp_accumulate_gpu_s": _extra(times, "fsdp_accumulating", samples) / units,
             "fsdp_slack_bytes": float(times.get("slack", {}).get("fsdp", 0.0))}  # fmt: skip
 
 
