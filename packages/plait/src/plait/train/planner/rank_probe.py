@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from plait.dist_core.fsdp_state import param_groups
 from plait.loop import load_config
-from plait.models import parallelize
+from plait.models import DecoderStage, parallelize
 from plait.models.common.parallel import apply_data_parallel
 from plait.pipelining import GradientSync
 from plait.train.config import JobConfig
@@ -123,7 +123,7 @@ def _probe(args: argparse.Namespace, device: torch.device) -> None:
 
     provider = build_provider(config)
 
-    def plain() -> torch.nn.Module:
+    def plain() -> DecoderStage:
         return parallelize(provider.build_stage(0, 1), config=provider.parallel)
 
     counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples, args.context_samples)
