@@ -7,7 +7,7 @@
 
 Plans the job on ``--gpus`` GPUs (with ``--calibrate``: the job measured on this machine's GPU first, as
 ``plait plan --calibrate`` does: its model's rate and fixed costs, its optimizer, FSDP2's cost per unit, a
-few steps of one microbatch), then
+few steps of one microbatch; each rank probe's raw times printed, the ``plait.plan`` logger at INFO), then
 runs ``--layouts`` of the layouts that fit (the fastest predicted ones, then every k-th of the rest, so that
 the table spans the ranking) with ``plait train`` on that many GPUs for ``--steps`` steps, no checkpoints,
 no export, no evaluation. Measured: the last logging interval's tokens per second per GPU (the first
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -68,7 +69,12 @@ def main() -> None:
         machine = dataclasses.replace(
             machine, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30
         )
-    if args.calibrate:
+    if (
+        args.calibrate
+    ):  # the probes' raw times printed as they come (the planner's figures are taken from them)
+        probes = logging.getLogger("plait.plan")
+        probes.setLevel(logging.INFO)
+        probes.addHandler(logging.StreamHandler(sys.stdout))
         machine = calibrated(job, machine, modes=tuple(args.checkpointing.split(",")), gpus=args.gpus)
         print("calibrated: " + machine.measured(), flush=True)
     if args.save_machine:

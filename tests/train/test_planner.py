@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -421,12 +422,12 @@ def test_calibration_measures_the_job_on_this_device() -> None:
 
 
 def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_the_bandwidth(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A model the job accepts tensor-parallel but whose probe fails (here a stand-in probe that raises)
     leaves its tensor-parallel figures unmeasured, with a warning naming the probe's error; the launch is run
     again with context parallelism alone, whose figures stand (against the plain model of their own launch),
-    as do the calibration's others."""
+    as do the calibration's others; each probe that ran logs its raw times (``plait.plan``, INFO)."""
     from plait.train import planner
 
     calls = []
@@ -443,11 +444,15 @@ def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_t
 
     monkeypatch.setattr(planner, "probe_ranks", probe)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on the CPU: FSDP2 on one gloo rank
+    caplog.set_level(logging.INFO, logger="plait.plan")
     with pytest.warns(UserWarning, match=r"tensor parallelism over 2 GPUs was not measured \(the 2-rank probe exited "
                       r"with 1: boom\): its layouts price its collectives' bytes at the bandwidth"):  # fmt: skip
         figures = planner._rank_figures(
             PlanJob(_config()), Machine(gpus_per_node=2), tmp_path / "job.json", 2
         )
+    # every probe that ran logged its raw times
+    logged = [json.loads(r.getMessage().split(": ", 1)[1]) for r in caplog.records if r.name == "plait.plan"]
+    assert [run["ranks"] for run in logged] == [1, 2] and logged[1]["context"] == {"1": 0.1, "2": 0.12}
     # FSDP2, tensor and context parallelism at two microbatches in one (a CPU's microbatch: one sample)
     assert calls == [(1, 0, 2, 0, 0), (2, 0, 0, 2, 2), (2, 0, 0, 2, 0), (2, 0, 0, 0, 2)]
     assert figures["tensor_host_s"] == figures["tensor_token_s"] == ()

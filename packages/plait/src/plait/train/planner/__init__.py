@@ -54,6 +54,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import tempfile
 import warnings
 from collections import Counter, defaultdict
@@ -144,6 +145,7 @@ class Plan:
 
 Placement = tuple[tuple[int, ...], ...]  # the stages of each pipeline rank
 RankStates = list[tuple[StateBytes, dict[int, list[int]]]]  # per pipeline rank: states, layers per stage
+log = logging.getLogger("plait.plan")  # INFO: the calibration's raw probe times
 _REFUSALS = (ValueError, NotImplementedError, RuntimeError, AssertionError)  # the job's checks raise these
 
 
@@ -1023,6 +1025,8 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
                 except RuntimeError as e:  # a model the job accepts so but the probe could not run
                     warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts "
                                   "price its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
+        for run in runs:
+            log.info("probe over %d GPUs (seconds, slowest rank): %s", p, json.dumps(run))
         times = runs[0] if runs else {}  # the expert and FSDP2 figures' run, when there are any
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"
