@@ -1025,8 +1025,8 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
                 except RuntimeError as e:  # a model the job accepts so but the probe could not run
                     warnings.warn(f"{kind} parallelism over {p} GPUs was not measured ({e}): its layouts "
                                   "price its collectives' bytes at the bandwidth", stacklevel=2)  # fmt: skip
-        for run in runs:
-            log.info("probe over %d GPUs (seconds, slowest rank): %s", p, json.dumps(run))
+        for logged in runs:
+            log.info("probe over %d GPUs (seconds, slowest rank): %s", p, json.dumps(logged))
         times = runs[0] if runs else {}  # the expert and FSDP2 figures' run, when there are any
         if p in ep_ranks:
             key = f"{job.config.parallel.expert_dispatch}:{p}"
