@@ -69,9 +69,8 @@ def main() -> None:
         machine = dataclasses.replace(
             machine, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30
         )
-    if (
-        args.calibrate
-    ):  # the probes' raw times printed as they come (the planner's figures are taken from them)
+    if args.calibrate:
+        # the probes' raw times printed as they come (the planner's figures are taken from them)
         probes = logging.getLogger("plait.plan")
         probes.setLevel(logging.INFO)
         probes.addHandler(logging.StreamHandler(sys.stdout))

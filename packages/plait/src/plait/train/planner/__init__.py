@@ -877,12 +877,11 @@ def calibrated(
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - FSDP2's figures (planning for more than one GPU): the model under FSDP2 (``parallel``'s units, resharding
       and mixed precision) over as many of this machine's GPUs as planned for (one gloo rank without CUDA)
-      against the same model without it, at one sample (on a GPU also at the microbatch: the host's floor
-      is the lowest wall time) and at two microbatches in one, reducing its gradients
-      and accumulating them: the host's and the GPU's extra time per unit of each (``fsdp_unit_s``,
-      ``fsdp_unit_gpu_s``, ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``) for units of the mean gathered
-      bytes ``fsdp_unit_bytes``, and on a GPU the allocator's slack under FSDP2 (``fsdp_slack_bytes``;
-      :func:`fsdp_s`).
+      against the same model without it, at one sample (on a GPU also at the microbatch: the host's floor is
+      the lowest wall time) and at two microbatches in one, reducing its gradients and accumulating them: the
+      host's and the GPU's extra time per unit of each (``fsdp_unit_s``, ``fsdp_unit_gpu_s``,
+      ``fsdp_accumulate_s``, ``fsdp_accumulate_gpu_s``) for units of the mean gathered bytes
+      ``fsdp_unit_bytes``, and on a GPU the allocator's slack under FSDP2 (``fsdp_slack_bytes``; :func:`fsdp_s`).
     - ``step_s``: ``plait train`` run for ``steps`` steps of one microbatch each (:func:`run_job`): its step
       less the model's forward and backward (wall time) and the optimizer step; ``microbatch_s``: the job run
       again with four microbatches of one sample per step (the host bounds them), each less the model's

@@ -55,7 +55,7 @@ from plait.pipelining import GradientSync
 from plait.train.config import JobConfig
 from plait.train.job import build_provider
 from plait.train.planner.timing import forward_backward_s, static_shapes
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 
@@ -123,20 +123,24 @@ def _probe(args: argparse.Namespace, device: torch.device) -> None:
 
     provider = build_provider(config)
 
-    def plain() -> DecoderStage:
-        return parallelize(provider.build_stage(0, 1), config=provider.parallel)
+    def mesh(dim: str) -> DeviceMesh:  # the P ranks as one mesh dimension
+        return init_device_mesh(device.type, (ranks,), mesh_dim_names=(dim,))
+
+    def build(dense: str = "", expert: str = "", cp: str = "") -> DecoderStage:
+        """The job's model, parallel over the P ranks as the meshes named (dense: tensor, expert, context)."""
+        dense_mesh, expert_mesh, cp_mesh = (mesh(dim) if dim else None for dim in (dense, expert, cp))
+        return parallelize(provider.build_stage(0, 1), dense_mesh=dense_mesh, expert_mesh=expert_mesh,
+                           cp_mesh=cp_mesh, config=provider.parallel)  # fmt: skip
 
     counts = (args.expert_samples, args.fsdp_samples, args.tensor_samples, args.context_samples)
     stage: torch.nn.Module | None = None
-    timed("plain", plain(), *(n for n in counts if n))
+    timed("plain", build(), *(n for n in counts if n))
     if args.expert_samples:
-        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("ep_shard",))
-        stage = parallelize(provider.build_stage(0, 1), expert_mesh=mesh, config=provider.parallel)
+        stage = build(expert="ep_shard")
         timed("experts", stage, args.expert_samples)
     if args.fsdp_samples:  # FSDP2 as the job applies it, over a mesh of any size (one rank too)
-        stage = plain()
-        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("dp_cp_shard",))
-        apply_data_parallel(stage, mesh, provider.parallel)
+        stage = build()
+        apply_data_parallel(stage, mesh("dp_cp_shard"), provider.parallel)
         # the units that gather parameters, as the plan counts them (on one rank too, where the plan's
         # state_bytes sees nothing to gather)
         units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
@@ -150,16 +154,14 @@ def _probe(args: argparse.Namespace, device: torch.device) -> None:
         timed("fsdp_accumulating", stage, *fsdp_counts, fresh=False)
         sync.finish()
     if args.tensor_samples:
-        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("tp",))
-        stage = parallelize(provider.build_stage(0, 1), dense_mesh=mesh, config=provider.parallel)
+        stage = build(dense="tp")
         timed("tensor", stage, args.tensor_samples)
     if args.context_samples:
-        mesh = init_device_mesh(device.type, (ranks,), mesh_dim_names=("cp",))
-        stage = parallelize(provider.build_stage(0, 1), cp_mesh=mesh, config=provider.parallel)
+        stage = build(cp="cp")
         timed("context", stage, args.context_samples)
     if stage is not None:  # the plain model's floor again, built afresh: the host figures' common term
         stage = None
-        timed("plain", plain())
+        timed("plain", build())
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(times))
 
