@@ -143,6 +143,10 @@ class ParallelConfig(BaseModel):
             compute hides them, and no gathered table in memory. Every data-parallel rank must pass the
             same number of tokens in every forward (packed or fixed-length batches; checked on the device).
             Needs an untied embedding, a 1-D FSDP mesh (no HSDP) and no tensor parallelism.
+        fsdp_symmetric_memory: FSDP2's all-gathers of the dense units into NCCL symmetric memory
+            (:mod:`plait.dist_core.fsdp_symmetric`: NCCL's symmetric kernels, fewer SMs taken from the
+            compute beside them). None: on wherever the data-parallel group is NCCL and torch and NCCL
+            support it; true: required (an error says why it cannot be); false: off.
         param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
@@ -215,6 +219,11 @@ class ParallelConfig(BaseModel):
         default=False,
         description="FSDP: keep the token embedding's rows sharded and exchange the looked-up vectors "
         "instead of gathering the table (equal token counts on every data rank; untied, no HSDP or TP).",
+    )
+    fsdp_symmetric_memory: bool | None = Field(
+        default=None,
+        description="FSDP2's all-gathers into NCCL symmetric memory (None: wherever NCCL and torch "
+        "support it; true: required; false: off).",
     )
     param_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         default=None, description="FSDP mixed-precision compute dtype (None: the parameters' own dtype)."

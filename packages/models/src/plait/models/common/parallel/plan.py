@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 
 from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
 from plait.dist_core.fsdp_state import keep_unsharded_storage
+from plait.dist_core.fsdp_symmetric import symmetric_memory_unavailable, use_symmetric_all_gather
 from plait.models.common.attention import ContextParallel, ContextParallelMode, GroupedQueryAttention
 from plait.models.common.layer import DecoderLayer, SequentialMixer
 from plait.models.common.model import CausalLMStage, DecoderStage
@@ -208,6 +209,7 @@ def apply_fsdp(
     layers_per_unit: int = 1,
     cuda_graphs: bool = False,
     shard_embedding_rows: bool = False,
+    symmetric_memory: bool | None = None,
 ) -> None:
     """FSDP2 per group of ``layers_per_unit`` consecutive decoder layers, on the token embedding, on the
     LM head (kept gathered from its forward to its backward; both in the root's unit when tied) and on
@@ -222,6 +224,10 @@ def apply_fsdp(
 
     With ``shard_embedding_rows`` the token embedding is no unit: its rows stay sharded over ``dp_mesh``
     (:meth:`TokenEmbedding.shard_rows`, ``ParallelConfig.shard_embedding_rows``; a 1-D mesh, untied).
+
+    ``symmetric_memory`` (``ParallelConfig.fsdp_symmetric_memory``): the units over ``dp_mesh`` gather into
+    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it,
+    True = required. The experts' units over ``expert_dp_mesh`` keep the default all-gather.
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
@@ -244,6 +250,7 @@ def apply_fsdp(
         kwargs["reshard_after_forward"] = reshard_after_forward
     layers = list(model.decoder_layers())
     ignored_all: set[nn.Parameter] = set()
+    expert_units: list[nn.Module] = []
     for start in range(0, len(layers), layers_per_unit):
         unit = layers[start : start + layers_per_unit]
         ignored: set[nn.Parameter] = set()
@@ -252,6 +259,7 @@ def apply_fsdp(
                 experts = layer.mlp.experts
                 if expert_dp_mesh is not None:
                     fully_shard(experts, mesh=expert_dp_mesh, **kwargs)
+                    expert_units.append(experts)
                 else:
                     ignored |= set(experts.parameters())
         ignored_all |= ignored
@@ -261,9 +269,25 @@ def apply_fsdp(
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     ignored_all |= _shard_ends(model, dp_mesh, kwargs, shard_embedding_rows)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
+    if _symmetric(symmetric_memory, dp_mesh):
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and not any(module is e for e in expert_units):
+                use_symmetric_all_gather(module)
     if cuda_graphs:
         for layer in layers:
             keep_unsharded_storage(cast(FSDPModule, layer))
+
+
+def _symmetric(setting: bool | None, dp_mesh: DeviceMesh) -> bool:
+    """Whether FSDP2's all-gathers over ``dp_mesh``'s shard dim go into symmetric memory
+    (``ParallelConfig.fsdp_symmetric_memory``; True where it cannot be is an error naming why)."""
+    group = dp_mesh.get_group(dp_mesh.ndim - 1)
+    if setting is False or group.size() == 1:  # one rank gathers nothing
+        return False
+    why = symmetric_memory_unavailable(group)
+    if why is not None and setting:
+        raise ValueError(f"parallel.fsdp_symmetric_memory = true, but {why}")
+    return why is None
 
 
 def _shard_ends(
@@ -362,6 +386,7 @@ def apply_data_parallel(
         layers_per_unit=config.fsdp_layers_per_unit,
         cuda_graphs=config.cuda_graphs,
         shard_embedding_rows=config.shard_embedding_rows,
+        symmetric_memory=config.fsdp_symmetric_memory,
     )
 
 
