@@ -269,7 +269,7 @@ def apply_fsdp(
             fully_shard(list[nn.Module](unit), mesh=dp_mesh, ignored_params=ignored or None, **kwargs)
     ignored_all |= _shard_ends(model, dp_mesh, kwargs, shard_embedding_rows)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
-    if _symmetric(symmetric_memory, dp_mesh):
+    if _symmetric(symmetric_memory, dp_mesh, cuda_graphs):
         for module in model.modules():
             if isinstance(module, FSDPModule) and not any(module is e for e in expert_units):
                 use_symmetric_all_gather(module)
@@ -278,13 +278,16 @@ def apply_fsdp(
             keep_unsharded_storage(cast(FSDPModule, layer))
 
 
-def _symmetric(setting: bool | None, dp_mesh: DeviceMesh) -> bool:
+def _symmetric(setting: bool | None, dp_mesh: DeviceMesh, cuda_graphs: bool) -> bool:
     """Whether FSDP2's all-gathers over ``dp_mesh``'s shard dim go into symmetric memory
-    (``ParallelConfig.fsdp_symmetric_memory``; True where it cannot be is an error naming why)."""
+    (``ParallelConfig.fsdp_symmetric_memory``; True where it cannot be is an error naming why). Not
+    under CUDA graphs, where it is not verified (``packages/models/README.md``)."""
     group = dp_mesh.get_group(dp_mesh.ndim - 1)
     if setting is False or group.size() == 1:  # one rank gathers nothing
         return False
     why = symmetric_memory_unavailable(group)
+    if why is None and cuda_graphs:
+        why = "it is not verified under parallel.cuda_graphs (set one of them to false)"
     if why is not None and setting:
         raise ValueError(f"parallel.fsdp_symmetric_memory = true, but {why}")
     return why is None
