@@ -3,10 +3,10 @@
 FSDP2 gathers each unit's parameters into a staging buffer from the caching allocator, and NCCL runs the
 all-gather with its regular kernels, which take SMs from the matmuls beside them. With the buffer taken
 from torch's symmetric-memory pool (``torch.distributed._symmetric_memory``, NCCL backend) and registered
-with the group, NCCL runs its symmetric kernels (or, with ``NCCL_CTA_POLICY=2``, its copy engines) on it:
-on 2 x H200 the dense Qwen3-1.7B FSDP2 step ran 1.0-1.2% faster and the 1.14B MoE's FSDP2 Trainer step
-3.2% faster (``benchmarks/results/scaling.md``). The buffers come from the pool, which keeps them for
-the next all-gather of the same size (peak allocated memory unchanged).
+with the group, NCCL runs its symmetric kernels (or, with ``NCCL_CTA_POLICY=2``, its copy engines) on it,
+which take fewer SMs: on 2 x H200 the dense Qwen3-1.7B FSDP2 step ran 1.0-1.2% faster
+(``benchmarks/results/scaling.md``). The buffers come from the pool, which keeps them for the next
+all-gather of the same size (peak allocated memory unchanged).
 
 torch >= 2.12 has this as ``FSDPModule.set_symm_mem_for_comm``; :func:`use_symmetric_all_gather` sets the
 same through ``set_custom_all_gather``, which older torch has too. Only the all-gather: FSDP2's

@@ -226,8 +226,9 @@ def apply_fsdp(
     (:meth:`TokenEmbedding.shard_rows`, ``ParallelConfig.shard_embedding_rows``; a 1-D mesh, untied).
 
     ``symmetric_memory`` (``ParallelConfig.fsdp_symmetric_memory``): the units over ``dp_mesh`` gather into
-    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it,
-    True = required. The experts' units over ``expert_dp_mesh`` keep the default all-gather.
+    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it and
+    not with ``cuda_graphs``, True = required. The experts' units over ``expert_dp_mesh`` keep the default
+    all-gather.
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
