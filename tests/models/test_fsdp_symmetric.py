@@ -5,11 +5,13 @@ On NCCL (two GPUs): the same seeded model, FSDP2 over both ranks, gives the same
 gradients with the symmetric all-gather as with FSDP2's own, every unit gathers into symmetric memory when
 asked, and the default turns it on exactly where this
 machine supports it. On gloo: asking for it is refused naming the key and why; the default leaves FSDP2's
-own all-gather; with the group made to look capable, the default is off under CUDA graphs and asking for it
-with graphs is refused.
+own all-gather; with the group made to look capable, the default is off under CUDA graphs and over several nodes, and asking
+for it with graphs is refused.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -85,27 +87,30 @@ def test_symmetric_all_gather_gives_fsdp2s_own_loss_and_gradients_on_nccl() -> N
 
 def _decisions() -> list[object]:
     """``plan._symmetric`` on a 2-rank gloo mesh, the group made to look capable: the default follows
-    ``cuda_graphs``; asking for it with graphs is refused naming both keys."""
+    ``cuda_graphs`` and stays off over several nodes; asking for it with graphs is refused naming both keys."""
     from plait.models.common.parallel import plan
 
     mesh = init_device_mesh("cpu", (2,))
-    real = plan.symmetric_memory_unavailable
+    real, local = plan.symmetric_memory_unavailable, os.environ["LOCAL_WORLD_SIZE"]
     plan.symmetric_memory_unavailable = lambda group: None  # type: ignore[assignment]  # the pool's processes live on
     try:
         out: list[object] = [plan._symmetric(None, mesh, False), plan._symmetric(None, mesh, True)]
         out.append(plan._symmetric(False, mesh, False))
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank each: off by default, on when asked
+        out += [plan._symmetric(None, mesh, False), plan._symmetric(True, mesh, False)]
         try:
             plan._symmetric(True, mesh, True)
         except ValueError as e:
             out.append(str(e))
     finally:
         plan.symmetric_memory_unavailable = real
+        os.environ["LOCAL_WORLD_SIZE"] = local
     return out
 
 
-def test_default_follows_cuda_graphs_and_true_with_graphs_is_refused() -> None:
-    for on, with_graphs, off, msg in run_distributed(_decisions, 2):
-        assert (on, with_graphs, off) == (True, False, False)
+def test_default_follows_cuda_graphs_and_nodes_and_true_with_graphs_is_refused() -> None:
+    for on, with_graphs, off, nodes, nodes_asked, msg in run_distributed(_decisions, 2):
+        assert (on, with_graphs, off, nodes, nodes_asked) == (True, False, False, False, True)
         assert "parallel.fsdp_symmetric_memory = true" in msg and "parallel.cuda_graphs" in msg, msg
 
 

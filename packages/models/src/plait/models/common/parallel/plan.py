@@ -13,9 +13,11 @@ layer, then the root), so that FSDP shards the TP/EP DTensors as 2-D parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
+import torch.distributed as dist
 from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
 from plait.dist_core.fsdp_state import keep_unsharded_storage
 from plait.dist_core.fsdp_symmetric import symmetric_memory_unavailable, use_symmetric_all_gather
@@ -226,8 +228,8 @@ def apply_fsdp(
     (:meth:`TokenEmbedding.shard_rows`, ``ParallelConfig.shard_embedding_rows``; a 1-D mesh, untied).
 
     ``symmetric_memory`` (``ParallelConfig.fsdp_symmetric_memory``): the units over ``dp_mesh`` gather into
-    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it and
-    not with ``cuda_graphs``, True = required. The experts' units over ``expert_dp_mesh`` keep the default
+    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it, not
+    with ``cuda_graphs`` and within one node, True = required. The experts' units over ``expert_dp_mesh`` keep the default
     all-gather.
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
@@ -281,10 +283,16 @@ def apply_fsdp(
 
 def _symmetric(setting: bool | None, dp_mesh: DeviceMesh, cuda_graphs: bool) -> bool:
     """Whether FSDP2's all-gathers over ``dp_mesh``'s shard dim go into symmetric memory
-    (``ParallelConfig.fsdp_symmetric_memory``; True where it cannot be is an error naming why). Not
-    under CUDA graphs, where it is not verified (``packages/models/README.md``)."""
+    (``ParallelConfig.fsdp_symmetric_memory``; True where it cannot be is an error naming why). By default
+    not under CUDA graphs, where it is not verified (``packages/models/README.md``), and not over several
+    nodes (measured on one host only)."""
     group = dp_mesh.get_group(dp_mesh.ndim - 1)
     if setting is False or group.size() == 1:  # one rank gathers nothing
+        return False
+    if (
+        setting is None
+        and int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
+    ):
         return False
     why = symmetric_memory_unavailable(group)
     if why is None and cuda_graphs:
