@@ -289,10 +289,8 @@ def _symmetric(setting: bool | None, dp_mesh: DeviceMesh, cuda_graphs: bool) -> 
     group = dp_mesh.get_group(dp_mesh.ndim - 1)
     if setting is False or group.size() == 1:  # one rank gathers nothing
         return False
-    if (
-        setting is None
-        and int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
-    ):
+    world = dist.get_world_size()
+    if setting is None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:  # several nodes
         return False
     why = symmetric_memory_unavailable(group)
     if why is None and cuda_graphs:
