@@ -45,7 +45,7 @@ RESULTS = throughput.ROOT / "benchmarks" / "results" / "scaling.md"
 # layers' memory (still below torchtitan's peak); two layers per FSDP2 unit and the embedding's rows kept
 # sharded (its 151k x 2048 table never gathered), +1.9% on 2 x H200 over one layer per unit and a gathered
 # table (results/scaling.md). The all-gathers go into NCCL symmetric memory by default
-# (ParallelConfig.fsdp_symmetric_memory; +1.0-1.2% on 2 x H200).
+# (ParallelConfig.fsdp_symmetric_memory; +0.7-1.3% on 2 x H200).
 DENSE = {"reshard_after_forward": False, "fsdp_layers_per_unit": 2, "shard_embedding_rows": True}
 # the row at n GPUs -> the row at 1 GPU
 ROWS = {

@@ -4,7 +4,7 @@ FSDP2 gathers each unit's parameters into a staging buffer from the caching allo
 all-gather with its regular kernels, which take SMs from the matmuls beside them. With the buffer taken
 from torch's symmetric-memory pool (``torch.distributed._symmetric_memory``, NCCL backend) and registered
 with the group, NCCL runs its symmetric kernels (or, with ``NCCL_CTA_POLICY=2``, its copy engines) on it,
-which take fewer SMs: on 2 x H200 the dense Qwen3-1.7B FSDP2 step ran 1.0-1.2% faster
+which take fewer SMs: on 2 x H200 the dense Qwen3-1.7B FSDP2 step ran 0.7-1.3% faster
 (``benchmarks/results/scaling.md``). The buffers come from the pool, which keeps them for the next
 all-gather of the same size (peak allocated memory unchanged).
 
