@@ -23,6 +23,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
+try:
+    from torch.distributed import _symmetric_memory as symm_mem
+except ImportError:  # a torch without it: symmetric_memory_unavailable says so
+    symm_mem = None  # type: ignore[assignment]
+
 __all__ = ["SymmetricAllGather", "symmetric_memory_unavailable", "use_symmetric_all_gather"]
 
 _MIN_NCCL = (2, 27)  # NCCL's symmetric-memory windows
@@ -34,8 +39,6 @@ class SymmetricAllGather(AllGather):
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> Any:
-        from torch.distributed import _symmetric_memory as symm_mem
-
         pool = symm_mem.get_mem_pool(device)
         assert isinstance(pool, torch.cuda.MemPool), pool  # NCCL: a CUDA device
         with torch.cuda.use_mem_pool(pool):
@@ -48,8 +51,6 @@ class SymmetricAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Any:
-        from torch.distributed import _symmetric_memory as symm_mem
-
         symm_mem.rendezvous(output_tensor, group=group.group_name)  # a lookup once the buffer is registered
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -59,9 +60,7 @@ def symmetric_memory_unavailable(group: dist.ProcessGroup) -> str | None:
     backend = str(dist.get_backend(group)).lower()
     if backend != "nccl":
         return f"the data-parallel group's backend is {backend}, not nccl"
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError:
+    if symm_mem is None:
         return f"torch {torch.__version__} has no torch.distributed._symmetric_memory"
     if not hasattr(symm_mem, "get_mem_pool") or not hasattr(torch.cuda, "use_mem_pool"):
         return f"torch {torch.__version__} has no symmetric-memory pool"
@@ -74,7 +73,5 @@ def symmetric_memory_unavailable(group: dist.ProcessGroup) -> str | None:
 def use_symmetric_all_gather(module: FSDPModule) -> None:
     """Gather ``module``'s own FSDP2 parameter groups into symmetric memory (not recursive, like
     ``fully_shard``). Check :func:`symmetric_memory_unavailable` first."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
     symm_mem.set_backend("NCCL")
     module.set_custom_all_gather(SymmetricAllGather())

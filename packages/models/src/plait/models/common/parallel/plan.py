@@ -273,8 +273,9 @@ def apply_fsdp(
     ignored_all |= _shard_ends(model, dp_mesh, kwargs, shard_embedding_rows)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored_all or None, **kwargs)
     if _symmetric(symmetric_memory, dp_mesh, cuda_graphs):
+        experts_ids = {id(e) for e in expert_units}
         for module in model.modules():
-            if isinstance(module, FSDPModule) and not any(module is e for e in expert_units):
+            if isinstance(module, FSDPModule) and id(module) not in experts_ids:
                 use_symmetric_all_gather(module)
     if cuda_graphs:
         for layer in layers:
