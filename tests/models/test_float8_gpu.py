@@ -9,6 +9,8 @@ import torch
 from plait.models import CausalLMProvider, Float8Training, ParallelConfig
 from plait.models.llama import LlamaConfig
 
+pytest.importorskip("torchao.float8")
+
 # Every linear's dimensions are multiples of 16: all 4 x 7 decoder-layer linears are converted.
 CFG = LlamaConfig(
     vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
