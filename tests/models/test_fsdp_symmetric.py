@@ -3,10 +3,11 @@
 
 On NCCL (two GPUs): the same seeded model, FSDP2 over both ranks, gives the same loss and the same reduced
 gradients with the symmetric all-gather as with FSDP2's own, every unit gathers into symmetric memory when
-asked, and the default turns it on exactly where this
-machine supports it. On gloo: asking for it is refused naming the key and why; the default leaves FSDP2's
-own all-gather; with the group made to look capable, the default is off under CUDA graphs and over several nodes, and asking
-for it with graphs is refused.
+asked, and the default turns it on exactly where this machine supports it; after the process groups were
+destroyed and made again under the same names, it is refused. On gloo: asking for it is refused naming the
+key and why; the default leaves FSDP2's own all-gather; a group made again under the name of a group that
+registered buffers is refused; with the group made to look capable, the default is off under CUDA graphs
+and over several nodes, and asking for it with graphs is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from plait.dist_core import fsdp_symmetric
 from plait.dist_core.fsdp_state import param_groups
 from plait.dist_core.fsdp_symmetric import SymmetricAllGather, symmetric_memory_unavailable
 from plait.dist_core.testing import run_distributed
@@ -63,19 +65,28 @@ def _loss_and_grads(setting: bool | None) -> dict:
 
 
 def _nccl_rank() -> dict:
-    group = dist.group.WORLD
-    return {
-        "off": _loss_and_grads(False),
-        "on": _loss_and_grads(True),
+    """The default decided first (a model built, nothing gathered), then FSDP2's own and the symmetric
+    all-gather trained (``"on"`` is the error's text where asking for it is refused)."""
+    out = {
         "default": _symmetric_units(_build(None, "cuda")),
-        "available": symmetric_memory_unavailable(group) is None,  # type: ignore[arg-type]
+        "available": symmetric_memory_unavailable(dist.group.WORLD) is None,  # type: ignore[arg-type]
+        "off": _loss_and_grads(False),
     }
+    try:
+        out["on"] = _loss_and_grads(True)
+    except ValueError as e:
+        out["on"] = str(e)
+    return out
 
 
 @pytest.mark.multigpu
 def test_symmetric_all_gather_gives_fsdp2s_own_loss_and_gradients_on_nccl() -> None:
-    ranks = run_distributed(_nccl_rank, 2, backend="nccl", timeout=300.0)
-    for r in ranks:
+    """Then the same again in the same rank processes, whose process groups were destroyed and made anew
+    under the same names: the symmetric all-gather is refused there (off by default), as torch would gather
+    through the first groups' registrations (``fsdp_symmetric._name_reused``)."""
+    first = run_distributed(_nccl_rank, 2, backend="nccl", timeout=300.0)
+    again = run_distributed(_nccl_rank, 2, backend="nccl", timeout=300.0)
+    for r, r2 in zip(first, again, strict=True):
         assert r["available"], "NCCL symmetric memory should be available on this machine"
         assert r["off"]["symmetric"] and not any(r["off"]["symmetric"])
         assert r["on"]["symmetric"] and all(r["on"]["symmetric"])
@@ -83,6 +94,33 @@ def test_symmetric_all_gather_gives_fsdp2s_own_loss_and_gradients_on_nccl() -> N
         assert r["on"]["loss"] == pytest.approx(r["off"]["loss"], rel=1e-6)
         for name, want in r["off"]["grads"].items():
             torch.testing.assert_close(r["on"]["grads"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        assert "parallel.fsdp_symmetric_memory = true" in r2["on"] and "earlier process group" in r2["on"]
+        assert r2["default"] and not any(r2["default"])
+        assert r2["off"]["loss"] == r["off"]["loss"]
+
+
+def _register() -> str | None:
+    """A 2-rank gloo group noted as :class:`SymmetricAllGather` notes the groups it registers buffers with."""
+    group = init_device_mesh("cpu", (2,)).get_group()
+    fsdp_symmetric._REGISTERED[group.group_name] = group
+    return fsdp_symmetric._name_reused(group)
+
+
+def _made_again() -> str | None:
+    return fsdp_symmetric._name_reused(init_device_mesh("cpu", (2,)).get_group())
+
+
+def _forget() -> None:
+    fsdp_symmetric._REGISTERED.clear()  # the pool's processes serve later tests
+
+
+def test_a_group_made_again_under_a_registered_name_is_refused() -> None:
+    try:
+        assert run_distributed(_register, 2) == [None, None]  # the group itself may gather on
+        for why in run_distributed(_made_again, 2):
+            assert why is not None and "earlier process group" in why, why
+    finally:
+        run_distributed(_forget, 2)
 
 
 def _decisions() -> list[object]:

@@ -51,12 +51,18 @@ class SymmetricAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Any:
+        _REGISTERED.setdefault(group.group_name, group)
         symm_mem.rendezvous(output_tensor, group=group.group_name)  # a lookup once the buffer is registered
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+# The process groups this process registered symmetric buffers with, by name.
+_REGISTERED: dict[str, dist.ProcessGroup] = {}
+
+
 def symmetric_memory_unavailable(group: dist.ProcessGroup) -> str | None:
-    """Why FSDP2's all-gathers over ``group`` cannot use NCCL symmetric memory here, or None if they can."""
+    """Why FSDP2's all-gathers over ``group`` cannot use NCCL symmetric memory here, or None if they can
+    (the backend, the torch, the NCCL version, or :func:`_name_reused`)."""
     backend = str(dist.get_backend(group)).lower()
     if backend != "nccl":
         return f"the data-parallel group's backend is {backend}, not nccl"
@@ -67,7 +73,21 @@ def symmetric_memory_unavailable(group: dist.ProcessGroup) -> str | None:
     nccl = torch.cuda.nccl.version()
     if nccl < _MIN_NCCL:
         return f"NCCL {'.'.join(map(str, nccl))} is older than {'.'.join(map(str, _MIN_NCCL))}"
-    return None
+    return _name_reused(group)
+
+
+def _name_reused(group: dist.ProcessGroup) -> str | None:
+    """Why ``group`` cannot: torch keeps a buffer's registration with a group under the group's *name* for
+    the life of the buffer (and its pool keeps the buffers), while after ``destroy_process_group`` new groups
+    get the old names back. A new group of an earlier registered group's name would gather through the
+    destroyed group's registrations: on two GPUs a second model built so crashed (a segfault)."""
+    earlier = _REGISTERED.get(group.group_name)
+    if earlier is None or earlier is group:
+        return None
+    return (
+        f"this process registered symmetric buffers with an earlier process group named {group.group_name!r} "
+        "(destroyed since), and torch keeps those registrations under the name"
+    )
 
 
 def use_symmetric_all_gather(module: FSDPModule) -> None:
