@@ -64,39 +64,45 @@ def _loss_and_grads(setting: bool | None) -> dict:
     return {"loss": loss.item(), "grads": grads, "symmetric": _symmetric_units(model)}
 
 
-def _nccl_rank() -> dict:
-    """The default decided first (a model built, nothing gathered), then FSDP2's own and the symmetric
-    all-gather trained (``"on"`` is the error's text where asking for it is refused)."""
+def _nccl_rank(last: bool | None) -> dict:
+    """The default decided first (a model built, nothing gathered), FSDP2's own trained, then a third model:
+    ``last=True`` trains it with the symmetric all-gather (the error's text where that is refused), None
+    builds it with the default (its units)."""
     out = {
         "default": _symmetric_units(_build(None, "cuda")),
         "available": symmetric_memory_unavailable(dist.group.WORLD) is None,  # type: ignore[arg-type]
         "off": _loss_and_grads(False),
     }
-    try:
-        out["on"] = _loss_and_grads(True)
-    except ValueError as e:
-        out["on"] = str(e)
+    if last is None:
+        out["last"] = _symmetric_units(_build(None, "cuda"))
+    else:
+        try:
+            out["last"] = _loss_and_grads(True)
+        except ValueError as e:
+            out["last"] = str(e)
     return out
 
 
 @pytest.mark.multigpu
 def test_symmetric_all_gather_gives_fsdp2s_own_loss_and_gradients_on_nccl() -> None:
-    """Then the same again in the same rank processes, whose process groups were destroyed and made anew
-    under the same names: the symmetric all-gather is refused there (off by default), as torch would gather
-    through the first groups' registrations (``fsdp_symmetric._name_reused``)."""
-    first = run_distributed(_nccl_rank, 2, backend="nccl", timeout=300.0)
-    again = run_distributed(_nccl_rank, 2, backend="nccl", timeout=300.0)
-    for r, r2 in zip(first, again, strict=True):
+    """Then twice more in the same rank processes, whose process groups were destroyed and made again, the
+    third model's under the names of the first task's third (the groups are made in the same order): there
+    the default is off and asking for it is refused, as torch would gather through the first groups'
+    registrations (``fsdp_symmetric._name_reused``)."""
+    first, default_again, asked_again = (
+        run_distributed(_nccl_rank, 2, last, backend="nccl", timeout=300.0) for last in (True, None, True)
+    )
+    for r, r2, r3 in zip(first, default_again, asked_again, strict=True):
         assert r["available"], "NCCL symmetric memory should be available on this machine"
         assert r["off"]["symmetric"] and not any(r["off"]["symmetric"])
-        assert r["on"]["symmetric"] and all(r["on"]["symmetric"])
-        assert r["default"] == r["on"]["symmetric"]
-        assert r["on"]["loss"] == pytest.approx(r["off"]["loss"], rel=1e-6)
+        assert r["last"]["symmetric"] and all(r["last"]["symmetric"])
+        assert r["default"] == r["last"]["symmetric"]
+        assert r["last"]["loss"] == pytest.approx(r["off"]["loss"], rel=1e-6)
         for name, want in r["off"]["grads"].items():
-            torch.testing.assert_close(r["on"]["grads"][name], want, rtol=1e-5, atol=1e-6, msg=name)
-        assert "parallel.fsdp_symmetric_memory = true" in r2["on"] and "earlier process group" in r2["on"]
-        assert r2["default"] and not any(r2["default"])
-        assert r2["off"]["loss"] == r["off"]["loss"]
+            torch.testing.assert_close(r["last"]["grads"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        assert r2["last"] and not any(r2["last"])
+        assert "parallel.fsdp_symmetric_memory = true" in r3["last"] and "earlier process group" in r3["last"]
+        assert r2["off"]["loss"] == r3["off"]["loss"] == r["off"]["loss"]
 
 
 def _register() -> str | None:
