@@ -4,9 +4,9 @@
 On NCCL (two GPUs): the same seeded model, FSDP2 over both ranks, gives the same loss and the same reduced
 gradients with the symmetric all-gather as with FSDP2's own, every unit gathers into symmetric memory when
 asked, and the default turns it on exactly where this machine supports it; after the process groups were
-destroyed and made again under the same names, it is refused. On gloo: asking for it is refused naming the
-key and why; the default leaves FSDP2's own all-gather; a group made again under the name of a group that
-registered buffers is refused; with the group made to look capable, the default is off under CUDA graphs
+destroyed and made again, it is refused. On gloo: asking for it is refused naming the
+key and why; the default leaves FSDP2's own all-gather; a second process group, or one made again, is refused
+once a group gathered into symmetric memory; with the group made to look capable, the default is off under CUDA graphs
 and over several nodes, and asking for it with graphs is refused.
 """
 
@@ -85,10 +85,9 @@ def _nccl_rank(last: bool | None) -> dict:
 
 @pytest.mark.multigpu
 def test_symmetric_all_gather_gives_fsdp2s_own_loss_and_gradients_on_nccl() -> None:
-    """Then twice more in the same rank processes, whose process groups were destroyed and made again, the
-    third model's under the names of the first task's third (the groups are made in the same order): there
-    the default is off and asking for it is refused, as torch would gather through the first groups'
-    registrations (``fsdp_symmetric._name_reused``)."""
+    """Then twice more in the same rank processes, whose process groups were destroyed and made again: there
+    the default is off and asking for it is refused (``fsdp_symmetric._other_group``: torch would gather
+    through the first groups' registrations, which it keeps under names the new groups get back)."""
     first, default_again, asked_again = (
         run_distributed(_nccl_rank, 2, last, backend="nccl", timeout=300.0) for last in (True, None, True)
     )
@@ -101,30 +100,33 @@ def test_symmetric_all_gather_gives_fsdp2s_own_loss_and_gradients_on_nccl() -> N
         for name, want in r["off"]["grads"].items():
             torch.testing.assert_close(r["last"]["grads"][name], want, rtol=1e-5, atol=1e-6, msg=name)
         assert r2["last"] and not any(r2["last"])
-        assert "parallel.fsdp_symmetric_memory = true" in r3["last"] and "earlier process group" in r3["last"]
+        assert "parallel.fsdp_symmetric_memory = true" in r3["last"] and "another process group" in r3["last"]
         assert r2["off"]["loss"] == r3["off"]["loss"] == r["off"]["loss"]
 
 
-def _register() -> str | None:
-    """A 2-rank gloo group noted as :class:`SymmetricAllGather` notes the groups it registers buffers with."""
+def _first() -> list[str | None]:
+    """A 2-rank gloo group taken as the one :class:`SymmetricAllGather` notes at its first gather; then that
+    group and another group of the same ranks, made after it."""
     group = init_device_mesh("cpu", (2,)).get_group()
-    fsdp_symmetric._REGISTERED[group.group_name] = group
-    return fsdp_symmetric._name_reused(group)
+    fsdp_symmetric._GATHERING.append((group, group.group_name))
+    return [fsdp_symmetric._other_group(g) for g in (group, dist.new_group([0, 1]))]
 
 
 def _made_again() -> str | None:
-    return fsdp_symmetric._name_reused(init_device_mesh("cpu", (2,)).get_group())
+    return fsdp_symmetric._other_group(init_device_mesh("cpu", (2,)).get_group())
 
 
 def _forget() -> None:
-    fsdp_symmetric._REGISTERED.clear()  # the pool's processes serve later tests
+    fsdp_symmetric._GATHERING.clear()  # the pool's processes serve later tests
 
 
-def test_a_group_made_again_under_a_registered_name_is_refused() -> None:
+def test_one_group_per_process_gathers_into_symmetric_memory() -> None:
     try:
-        assert run_distributed(_register, 2) == [None, None]  # the group itself may gather on
-        for why in run_distributed(_made_again, 2):
-            assert why is not None and "earlier process group" in why, why
+        for same, other in run_distributed(_first, 2):
+            assert same is None  # the group itself gathers on
+            assert other is not None and "another process group" in other, other
+        for why in run_distributed(_made_again, 2):  # the groups destroyed and made again (the same names)
+            assert why is not None and "another process group" in why, why
     finally:
         run_distributed(_forget, 2)
 

@@ -51,18 +51,19 @@ class SymmetricAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Any:
-        _REGISTERED.setdefault(group.group_name, group)
+        if not _GATHERING:
+            _GATHERING.append((group, group.group_name))
         symm_mem.rendezvous(output_tensor, group=group.group_name)  # a lookup once the buffer is registered
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-# The process groups this process registered symmetric buffers with, by name.
-_REGISTERED: dict[str, dist.ProcessGroup] = {}
+# The one process group (and its name) this process gathers into symmetric memory over, once it has.
+_GATHERING: list[tuple[dist.ProcessGroup, str]] = []
 
 
 def symmetric_memory_unavailable(group: dist.ProcessGroup) -> str | None:
     """Why FSDP2's all-gathers over ``group`` cannot use NCCL symmetric memory here, or None if they can
-    (the backend, the torch, the NCCL version, or :func:`_name_reused`)."""
+    (the backend, the torch, the NCCL version, or :func:`_other_group`)."""
     backend = str(dist.get_backend(group)).lower()
     if backend != "nccl":
         return f"the data-parallel group's backend is {backend}, not nccl"
@@ -73,20 +74,23 @@ def symmetric_memory_unavailable(group: dist.ProcessGroup) -> str | None:
     nccl = torch.cuda.nccl.version()
     if nccl < _MIN_NCCL:
         return f"NCCL {'.'.join(map(str, nccl))} is older than {'.'.join(map(str, _MIN_NCCL))}"
-    return _name_reused(group)
+    return _other_group(group)
 
 
-def _name_reused(group: dist.ProcessGroup) -> str | None:
-    """Why ``group`` cannot: torch keeps a buffer's registration with a group under the group's *name* for
-    the life of the buffer (and its pool keeps the buffers), while after ``destroy_process_group`` new groups
-    get the old names back. A new group of an earlier registered group's name would gather through the
-    destroyed group's registrations: on two GPUs a second model built so crashed (a segfault)."""
-    earlier = _REGISTERED.get(group.group_name)
-    if earlier is None or earlier is group:
+def _other_group(group: dist.ProcessGroup) -> str | None:
+    """Why ``group`` cannot: this process already gathers into symmetric memory over another process group.
+
+    One group per process, the one of the process's first model that gathered. torch keeps a buffer's
+    registration with a group under the group's *name* for the life of the buffer, its pool keeps the
+    buffers for every group, and after ``destroy_process_group`` new groups get the old names back: on two
+    GPUs a second model trained in the same processes after their groups were made again crashed (a segfault),
+    and a second model over new groups in the same processes (with CUDA graphs) ended with weights beyond
+    bf16 tolerance of the same training with FSDP2's own all-gather."""
+    if not _GATHERING or _GATHERING[0][0] is group:
         return None
     return (
-        f"this process registered symmetric buffers with an earlier process group named {group.group_name!r} "
-        "(destroyed since), and torch keeps those registrations under the name"
+        f"this process already gathers into symmetric memory over another process group "
+        f"({_GATHERING[0][1]!r}, of an earlier model): one group per process"
     )
 
 

@@ -147,9 +147,9 @@ class ParallelConfig(BaseModel):
             (:mod:`plait.dist_core.fsdp_symmetric`: NCCL's symmetric kernels, fewer SMs taken from the
             compute beside them). None: on wherever the data-parallel group is NCCL, torch and NCCL
             support it, ``cuda_graphs`` is off (not verified with graphs), the job runs on one node
-            (measured on one host only) and no earlier, destroyed process group of this process registered
-            buffers under the group's name (torch would gather through its registrations); true: required
-            (an error says why it cannot be); false: off.
+            (measured on one host only) and the process gathers into symmetric memory over no other group
+            (one per process: torch keys its registrations by group name, and groups made again get the old
+            names back); true: required (an error says why it cannot be); false: off.
         param_dtype: FSDP mixed precision compute dtype (``bfloat16``, ``float16``, ``float32``).
         reduce_dtype: FSDP gradient reduction dtype.
         activation_checkpointing: Checkpointing policy for decoder layers.
@@ -226,8 +226,8 @@ class ParallelConfig(BaseModel):
     fsdp_symmetric_memory: bool | None = Field(
         default=None,
         description="FSDP2's all-gathers into NCCL symmetric memory (None: wherever NCCL and torch "
-        "support it, on one node, not with cuda_graphs, not for groups made again under a name an earlier group "
-        "registered buffers under; true: required; false: off).",
+        "support it, on one node, not with cuda_graphs, over one process group per process; true: required; "
+        "false: off).",
     )
     param_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         default=None, description="FSDP mixed-precision compute dtype (None: the parameters' own dtype)."
