@@ -4,10 +4,10 @@
 On NCCL (two GPUs): the same seeded model, FSDP2 over both ranks, gives the same loss and the same reduced
 gradients with the symmetric all-gather as with FSDP2's own, every unit gathers into symmetric memory when
 asked, and the default turns it on exactly where this machine supports it; after the process groups were
-destroyed and made again, it is refused. On gloo: asking for it is refused naming the
-key and why; the default leaves FSDP2's own all-gather; a second process group, or one made again, is refused
-once a group gathered into symmetric memory; with the group made to look capable, the default is off under CUDA graphs
-and over several nodes, and asking for it with graphs is refused.
+destroyed and made again, it is refused. On gloo: asking for it is refused naming the key and why; the default
+leaves FSDP2's own all-gather; a second process group, or one made again, is refused once a group gathered
+into symmetric memory; with the group made to look capable, the default is off under CUDA graphs and over
+several nodes, and asking for it with graphs is refused.
 """
 
 from __future__ import annotations

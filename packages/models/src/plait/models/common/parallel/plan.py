@@ -228,9 +228,9 @@ def apply_fsdp(
     (:meth:`TokenEmbedding.shard_rows`, ``ParallelConfig.shard_embedding_rows``; a 1-D mesh, untied).
 
     ``symmetric_memory`` (``ParallelConfig.fsdp_symmetric_memory``): the units over ``dp_mesh`` gather into
-    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it, not
-    with ``cuda_graphs`` and within one node, True = required. The experts' units over ``expert_dp_mesh`` keep the default
-    all-gather.
+    NCCL symmetric memory (:mod:`plait.dist_core.fsdp_symmetric`); None = where the group supports it (one
+    group per process), not with ``cuda_graphs`` and within one node, True = required. The experts' units
+    over ``expert_dp_mesh`` keep the default all-gather.
 
     With ``experts_sharded`` (expert parallelism applied), expert weights are left out of the dense
     ``fully_shard`` calls; with ``expert_dp_mesh`` (the expert domain's ``ep_replicate`` dim) they
