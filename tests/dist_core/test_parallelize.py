@@ -12,6 +12,7 @@ from plait.dist_core import (
     fully_shard_module,
     global_grad_norm,
     is_replicated,
+    prefetch_all_gathers,
     replicate,
     replicated_reduce,
     set_gradient_sync,
@@ -164,3 +165,37 @@ def test_all_reduce_grads_sums_over_ranks() -> None:
             if p.requires_grad:
                 assert res[name].dtype == p.dtype, name
                 torch.testing.assert_close(res[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def _prefetched_forward(units: int) -> dict[str, object]:
+    """FSDP2 per linear layer and the root over two gloo ranks: one SGD step, the next step's first all-gathers
+    started (``units`` of them), then the next forward; the output gathered over the ranks."""
+    ctx = DistributedContext.from_env(DeviceMeshParameters(data_shard=2), device="cpu")
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard_module(layer, ctx.mesh_for("dense"), reduce="sum")
+    fully_shard_module(model, ctx.mesh_for("dense"), reduce="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    xs = _inputs(2)
+    _loss(model, xs[ctx.rank][0]).backward()
+    opt.step()
+    asked = prefetch_all_gathers(model, units)
+    out = model(torch.cat([x[0] for x in xs])).detach()
+    names = {id(m): n for n, m in model.named_modules()}
+    ctx.shutdown()
+    return {"asked": [names[id(m)] for m in asked], "out": out}
+
+
+def test_prefetched_all_gathers_feed_the_next_forward_with_the_updated_parameters() -> None:
+    xs = _inputs(2)
+    ref = _model().double()  # the same SGD step on the summed losses, float64, one process
+    sum(_loss(ref, x[0].double()) for x in xs).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+        want = ref(torch.cat([x[0] for x in xs]).double())
+    for units, first in ((2, ["0", "2"]), (5, ["0", "2", "4"]), (0, [])):
+        for res in run_distributed(_prefetched_forward, 2, units):
+            assert res["asked"] == first  # module order; the root holds no parameters of its own
+            torch.testing.assert_close(res["out"].double(), want, rtol=1e-5, atol=1e-6)

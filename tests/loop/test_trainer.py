@@ -112,7 +112,20 @@ def _fsdp(module, ctx, config):
     return fully_shard_module(module, ctx.mesh_for("dense"))  # reduce="mean": the loop makes it a sum
 
 
-def _dp_run(run_dir: str, steps: int, fsdp: bool = False, gather_once: bool = False) -> list[float]:
+def _decay_after_each_step(trainer: Trainer) -> None:
+    """A subscriber that changes the parameters after each optimizer step: the next forward must see it."""
+
+    def decay(_event: AfterOptimizerStep) -> None:
+        with torch.no_grad():
+            for p in trainer.model_parts[0].parameters():
+                p.mul_(0.9)
+
+    trainer.subscribe(AfterOptimizerStep, decay)
+
+
+def _dp_run(
+    run_dir: str, steps: int, fsdp: bool = False, gather_once: bool = False, decay: bool = False
+) -> list[float]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -138,6 +151,8 @@ def _dp_run(run_dir: str, steps: int, fsdp: bool = False, gather_once: bool = Fa
     # the config field reaches the executor: with it, the executor keeps the FSDP2 modules gathered over a step
     fsdp_modules = [m for m in tr.model_parts[0].modules() if isinstance(m, FSDPModule)]
     assert tr.executor.grad_sync.gathered == (fsdp_modules if gather_once else [])
+    if decay:
+        _decay_after_each_step(tr)
     losses = _losses(tr)
     tr.fit()
     tr.close()
@@ -147,15 +162,17 @@ def _dp_run(run_dir: str, steps: int, fsdp: bool = False, gather_once: bool = Fa
 
 
 @pytest.mark.parametrize(
-    ("fsdp", "gather_once"),
-    [(False, False), (True, False), (True, True)],
-    ids=["plain", "fsdp2", "fsdp2-gather-once"],
+    ("fsdp", "gather_once", "decay"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
+    ids=["plain", "fsdp2", "fsdp2-gather-once", "fsdp2-parameters-changed-after-each-step"],
 )
-def test_data_parallel_2_matches_one_process(tmp_path, fsdp, gather_once):
+def test_data_parallel_2_matches_one_process(tmp_path, fsdp, gather_once, decay):
+    """FSDP2's first all-gathers of each step start at the end of the step before (``fsdp.prefetch_units``),
+    after the AfterOptimizerStep subscribers: a subscriber's change to the parameters reaches the next step."""
     from tests.loop._lm import load_reference_weights
 
     steps = 6
-    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps, fsdp, gather_once)
+    dp_losses = run_distributed(_dp_run, 2, str(tmp_path / "dp"), steps, fsdp, gather_once, decay)
     assert dp_losses[0] == dp_losses[1]
     single = Trainer(
         _config(tmp_path / "one", steps=steps),
@@ -163,6 +180,8 @@ def test_data_parallel_2_matches_one_process(tmp_path, fsdp, gather_once):
         DatasetProvider(_dataset()),
         CausalLMTask(),
     )
+    if decay:
+        _decay_after_each_step(single)
     ref = _losses(single)
     single.fit()
     single.close()

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from plait.dist_core import fsdp_copy_in
+from plait.dist_core.fsdp_state import param_groups
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -289,6 +290,36 @@ def set_gradient_sync(module: nn.Module, enabled: bool, *, recurse: bool = True)
         raise TypeError(
             f"{type(module).__name__} was not parallelized with replicate() or fully_shard_module()"
         )
+
+
+def prefetch_all_gathers(module: nn.Module, units: int) -> list[FSDPModule]:
+    """Start the all-gathers that open ``module``'s next forward: those of its first ``units`` FSDP2 units in
+    module order, the root's first (for a decoder stage: the root's own parameters, the token embedding's
+    unit, the first decoder layers' unit), each ``unshard(async_op=True)``; FSDP2's pre-forward waits on
+    them (a unit already gathered has nothing to start). Modules without parameters are passed over.
+
+    Call it where nothing changes the parameters before the next forward (after the optimizer step and
+    whatever follows it): each gather copies the sharded parameters when it starts. A training loop calls it
+    at the end of a step, so that these all-gathers run while the host prepares the next step instead of
+    holding up its first layers (``fsdp.prefetch_units`` of ``plait.loop``).
+
+    Returns:
+        The FSDP2 modules asked to gather (one per unit; a unit of several modules once).
+    """
+    asked: list[FSDPModule] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        if len(asked) == units:
+            break
+        if not isinstance(m, FSDPModule):
+            continue
+        groups = param_groups(m)
+        if not groups or id(groups[0]) in seen:
+            continue
+        seen.add(id(groups[0]))
+        m.unshard(async_op=True)
+        asked.append(m)
+    return asked
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.dist_core import DistributedContext, clip_factor
+from plait.dist_core import DistributedContext, clip_factor, prefetch_all_gathers
 from plait.loop.batch_plan import BatchPlan
 from plait.loop.checkpoint import (
     Checkpointer,
@@ -613,6 +613,9 @@ class Trainer:
                 self.stragglers.add_data_wait(data_wait)
                 pending = self._launch(batch)
                 queued.append(pending)
+                if self.step < total and (units := self.config.fsdp.prefetch_units):
+                    for part in self.model_parts:  # the next step's first all-gathers, behind this step
+                        prefetch_all_gathers(part, units)
                 self.gc.step(self.step)
                 self.profiler.step()
                 if first:

@@ -239,6 +239,16 @@ class FSDPConfig(_Section):
             "microbatch; fewer all-gathers for the memory of the unsharded stages held over the step"
         ),
     )
+    prefetch_units: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "after each optimizer step (and its AfterOptimizerStep subscribers) but the run's last, start the "
+            "all-gathers of each stage's first N FSDP2 units in module order (a decoder stage's root, token "
+            "embedding and first decoder layers), so that they run while the host prepares the next step instead "
+            "of holding up its first layers; 0: each is gathered when the next forward reaches it"
+        ),
+    )
 
 
 class CheckpointConfig(_Section):
