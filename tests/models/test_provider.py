@@ -79,3 +79,36 @@ def test_lm_head_is_a_one_pass_loss_the_loop_switches_under_gpipe():
         heads[0].grad_in_forward = explicit
         engine._bound_loss_gradients({1: stage}, program, 1)
         assert heads[0].grad_in_forward is expected
+
+
+def _initial_weights(mesh: dict[str, int] | None) -> dict[str, torch.Tensor]:
+    """The Qwen3-MoE above built, parallelized over ``mesh`` (gloo; None: one process), materialised: full
+    tensors."""
+    from plait.dist_core import DeviceMeshParameters, DistributedContext
+    from torch.distributed.tensor import DTensor
+
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**mesh), device="cpu") if mesh else None
+    provider = CausalLMProvider(Qwen3MoeConfig(**MOE), seed=3)
+    stage = provider.build_stage(0, 1)
+    provider.parallelize(stage, ctx)
+    provider.materialize(stage, "cpu")
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in stage.named_parameters()
+    }
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [{"data_shard": 2}, {"data_shard": 2, "expert": 2}, {"tensor": 2}, {"data_replicate": 2}],
+    ids=["fsdp", "ep_x_fsdp", "tp", "replicate"],
+)
+def test_a_sharded_model_starts_from_one_process_initial_weights(mesh: dict[str, int]) -> None:
+    """On CPU meshes, where torch draws each shard's random numbers as if it were the whole tensor (the
+    shards of a weight would repeat each other), every rank holds its part of one process's values."""
+    from plait.dist_core.testing import run_distributed
+
+    want = _initial_weights(None)
+    for weights in run_distributed(_initial_weights, 2, mesh):
+        assert weights.keys() == want.keys()
+        for name, w in want.items():
+            assert torch.equal(weights[name], w), name

@@ -703,7 +703,7 @@ def test_activations_equal_what_a_real_forward_saves() -> None:
     assert planned.ends == (tuple(saved.get(-1, [0, 0])), tuple(saved.get(-2, [0, 0])))
 
 
-@pytest.mark.parametrize("factor", [None, 1.5], ids=["exact", "buffer_factor"])
+@pytest.mark.parametrize("factor", [None, 1.75], ids=["exact", "buffer_factor"])
 def test_activations_of_the_all_gather_dispatch_equal_what_its_ranks_save(factor: float | None) -> None:
     """With expert parallelism by all-gather the experts' buffers hold every EP rank's tokens (or the
     buffer factor's share of them): the planner's activations of an EP=2 x FSDP=2 rank equal, per layer,

@@ -27,7 +27,7 @@ from plait.dist_core.domains import (
 from plait.dist_core.dtypes import dtype_name, parse_dtype
 from plait.dist_core.mesh_params import DeviceMeshParameters
 from plait.dist_core.pytree import ShardSpec, TensorSplit, Whole, shard_tree, split_sizes, unshard_tree
-from plait.dist_core.seeding import SeedKind, seed_for, seed_from_coordinates, set_seed
+from plait.dist_core.seeding import SeedKind, init_as_one_process, seed_for, seed_from_coordinates, set_seed
 
 if TYPE_CHECKING:
     from plait.dist_core.grad_norm import clip_factor, clip_grad_norm_, global_grad_norm
@@ -90,6 +90,7 @@ __all__ = [
     "gather_sequence",
     "gather_uneven",
     "global_grad_norm",
+    "init_as_one_process",
     "is_replicated",
     "load_balanced_indices",
     "parse_dtype",

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from plait.dist_core.context import DistributedContext
+from torch import nn
 
 SeedKind = Literal["model", "data", "compute"]
 
@@ -72,3 +74,41 @@ def set_seed(base_seed: int, ctx: DistributedContext, kind: SeedKind = "compute"
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def init_as_one_process(module: nn.Module, init: Callable[[], None]) -> None:
+    """Run ``init`` (which initialises ``module``'s parameters in place, e.g. its ``reset_parameters``) so
+    that every DTensor parameter on a CPU mesh ends up with its part of the values one process draws.
+
+    torch draws a sharded DTensor's random numbers per shard only on CUDA-like meshes; on a CPU mesh each
+    rank draws its local shard as if it were the whole tensor, so the shards of a weight repeat each other
+    (the rows of a router, say, come in identical copies). Here each such parameter is swapped for a plain
+    tensor of its full shape while ``init`` runs (the same numbers in the same order as one process, from
+    the same seed on every rank), then each rank keeps its part (``distribute_tensor`` of the full values,
+    no communication). Costs the memory of those parameters unsharded, during ``init`` only. DTensors on
+    other meshes are left to torch's sharded random numbers.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    swapped: list[tuple[nn.Module, str, DTensor]] = []
+    full: dict[int, tuple[DTensor, nn.Parameter]] = {}  # id -> (the DTensor, its full stand-in)
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if isinstance(p, DTensor) and p.device_mesh.device_type == "cpu":
+                if id(p) not in full:
+                    local = p.to_local()
+                    values = torch.empty(p.shape, dtype=local.dtype, device=local.device)
+                    full[id(p)] = (p, nn.Parameter(values, p.requires_grad))
+                setattr(m, name, full[id(p)][1])
+                swapped.append((m, name, p))
+    try:
+        init()
+    finally:
+        for m, name, sharded in swapped:
+            setattr(m, name, sharded)
+    with torch.no_grad():
+        for sharded, values in full.values():
+            part = distribute_tensor(
+                values.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
+            )
+            sharded.to_local().copy_(part.to_local())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from plait.dist_core import init_as_one_process
 from plait.model_state import materialize
 from torch import nn
 
@@ -160,7 +161,7 @@ class ModuleProvider:
     def materialize(self, module: nn.Module, device: torch.device) -> None:
         materialize(module, device)  # to_empty, keeping tied parameters tied
         with torch.no_grad():
-            self.init_fn(module)
+            init_as_one_process(module, lambda: self.init_fn(module))
 
     def load_initial_weights(self, modules: Sequence[nn.Module]) -> None:
         if self.initial_weights is not None:

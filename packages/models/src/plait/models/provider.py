@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plait.dist_core import DistributedContext
+from plait.dist_core import DistributedContext, init_as_one_process
 from plait.model_state import materialize
 from plait.models.common.config import DecoderConfig
 from plait.models.common.model import CausalLMStage
@@ -72,7 +72,8 @@ class CausalLMProvider:
 
     def materialize(self, module: nn.Module, device: torch.device | str) -> None:
         """Allocate on ``device`` (tied weights stay tied) and initialise (seeded, so every rank draws
-        the same numbers)."""
+        the same numbers; on a CPU mesh each rank keeps its part of one process's values:
+        :func:`plait.dist_core.init_as_one_process`)."""
         assert isinstance(module, CausalLMStage)
         materialize(module, device)
         # manual_seed seeds every device: fork the CUDA generator too, so that the caller's CUDA stream
@@ -85,7 +86,7 @@ class CausalLMProvider:
         )
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(self.seed + module.stage_index)
-            module.reset_parameters()
+            init_as_one_process(module, module.reset_parameters)
 
     def load_initial_weights(self, modules: Sequence[nn.Module]) -> None:
         """Load ``init_from`` (a Hugging Face checkpoint) into the local stages, if set."""
