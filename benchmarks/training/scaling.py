@@ -16,8 +16,10 @@ Workloads (``workloads.py``), equal tokens per GPU in every row:
 Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--steps`` steps after
 ``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows
 ((max - min) / median), peak GiB (rank 0) and the per-GPU ratio to the 1-GPU row of its workload;
-dense rows also show the ratio to torchtitan at the same GPU count. A row needing more GPUs than present is
-skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0, ``throughput.timeline``):
+dense rows also show the ratio to torchtitan at the same GPU count; MoE rows the routing's balance as
+expert parallelism meets it (the busiest of 2 / 4 equal ranges of experts over their mean, from rank 0's
+tokens of the timed steps: 1.00 is balanced, and an EP step waits for its busiest rank). A row needing more
+GPUs than present is skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0, ``throughput.timeline``):
 communication and its exposed part per step, the host's time to issue a step, the fraction of the step the
 GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of other settings (A/B in the same run; the
 MoE variants at 1 GPU too, e.g. ``--moe-variants '{"cuda_graphs": "--parallel.cuda_graphs=true"}'``; a
@@ -86,8 +88,11 @@ def baseline(row: str, n: int, against: str) -> str | None:
 def table(results: list[dict[str, Any]], profile: bool) -> str:
     """Markdown: one line per row and variant."""
     by = {_key(r): r for r in results}
-    head = "| workload, layout | GPUs | variant | tok/s per GPU | spread | peak GiB | per GPU vs 1 GPU | vs torchtitan |"
-    sep = "|---|---:|---|---:|---:|---:|---:|---:|"
+    head = (
+        "| workload, layout | GPUs | variant | tok/s per GPU | spread | peak GiB | per GPU vs 1 GPU | vs torchtitan "
+        "| EP busiest rank's expert load, 2 / 4 |"
+    )
+    sep = "|---|---:|---|---:|---:|---:|---:|---:|---:|"
     if profile:
         head += " comm ms/step (exposed) | host ms/step | GPU idle |"
         sep += "---:|---:|---:|"
@@ -97,14 +102,16 @@ def table(results: list[dict[str, Any]], profile: bool) -> str:
         name = r["row"]
         if "skipped" in r:
             lines.append(
-                f"| {name} | {n} | {r.get('variant', '')} | {r['skipped']} |" + " |" * (7 if profile else 4)
+                f"| {name} | {n} | {r.get('variant', '')} | {r['skipped']} |" + " |" * (8 if profile else 5)
             )
             continue
         tps = r["tok_s_per_gpu"]
         base, titan = (by.get((baseline(name, n, b), ""), {}).get("tok_s_per_gpu") for b in ("1", "titan"))
+        load = " / ".join(f"{r[k]:.2f}" for k in ("expert_load_ep2", "expert_load_ep4") if k in r)
         line = (
             f"| {name} | {n} | {r.get('variant', '') or 'default'} | {tps / 1e3:.1f}k | {r['spread']:.1%} | "
             f"{r['peak_gib']:.1f} | {f'{tps / base:.2f}x' if base else ''} | {f'{tps / titan:.2f}x' if titan else ''} |"
+            f" {load} |"
         )
         if profile:
             line += (

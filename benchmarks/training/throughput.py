@@ -455,21 +455,27 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
     warm = _trainer_steps(args)[0]
     timed_end = warm + args.steps * args.windows
     prof = _Profile(args, skip=timed_end)
-    if prof.prof is not None:  # profile the 3 steps after the timed ones (ticked at each step's end)
-        build = TrainingJob.trainer
+    load = _ExpertLoad(warm, timed_end)
+    build = TrainingJob.trainer
 
-        def build_and_tick(job: TrainingJob, **k: Any) -> Any:
-            trainer = build(job, **k)
-            trainer.subscribe(StepEnd, prof.tick)
-            return trainer
+    def build_and_subscribe(job: TrainingJob, **k: Any) -> Any:
+        trainer = build(job, **k)
+        trainer.subscribe(StepEnd, prof.tick)  # the profile: the 3 steps after the timed ones
+        trainer.subscribe(StepEnd, lambda e: load.read(trainer.model_parts, e.step))
+        return trainer
 
-        TrainingJob.trainer = build_and_tick  # type: ignore[method-assign]
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = tmp if world == 1 else "/tmp/plait_throughput_run"  # one run directory for all ranks
-        train_main(_pretrain_argv(args, run_dir, compiled, extra))
-        if int(os.environ.get("RANK", "0")) != 0:  # the main rank writes metrics.jsonl and reports
-            return {}
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    TrainingJob.trainer = build_and_subscribe  # type: ignore[method-assign]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = tmp if world == 1 else "/tmp/plait_throughput_run"  # one run directory for all ranks
+            train_main(_pretrain_argv(args, run_dir, compiled, extra))
+            if int(os.environ.get("RANK", "0")) != 0:  # the main rank writes metrics.jsonl and reports
+                return {}
+            records = [
+                json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            ]
+    finally:
+        TrainingJob.trainer = build  # type: ignore[method-assign]
     timed = [r for r in records if warm < r.get("step", 0) <= timed_end and "tokens_per_s" in r]
     if len(timed) != args.windows:
         raise RuntimeError(
@@ -477,7 +483,36 @@ def row_plait_trainer(args: argparse.Namespace, compiled: bool, extra: list[str]
         )
     s_per_step = [args.batch * args.seq * world / r["tokens_per_s"] for r in timed]  # one window per interval
     peak = max((r.get("mem_allocated_gib") or float("nan")) for r in timed)
-    return _result(args, s_per_step, peak, prof.report(statistics.median(s_per_step)))
+    return _result(args, s_per_step, peak, {**prof.report(statistics.median(s_per_step)), **load.report()})
+
+
+class _ExpertLoad:
+    """The routing balance of a MoE Trainer row as expert parallelism meets it: for each timed step and
+    router, the assignments of the busiest of ``ep`` equal ranges of experts (what one EP rank of ``ep``
+    computes) over their mean, averaged (``expert_load_ep2``, ``expert_load_ep4``; 1.0 is balanced, and an
+    EP step waits for its busiest rank). From rank 0's tokens (with EP, the other ranks' add to its load)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.steps: list[list[torch.Tensor]] = []
+
+    def read(self, parts: list[Any], step: int) -> None:
+        """After each step: the routers' counts of the step (read and reset on the device: no host wait)."""
+        from plait.moe import expert_load_stats
+
+        counts = [c for part in parts for c in expert_load_stats(part).values()]
+        if self.first < step <= self.last:
+            self.steps.append(counts)
+
+    def report(self) -> dict[str, float]:
+        out = {}
+        for ep in (2, 4):
+            shares = [
+                c.view(ep, -1).sum(1).float() for counts in self.steps for c in counts if c.numel() % ep == 0
+            ]
+            if shares:
+                out[f"expert_load_ep{ep}"] = torch.stack([s.max() / s.mean() for s in shares]).mean().item()
+        return out
 
 
 def _plait_provider(args: argparse.Namespace, compiled: bool, overrides: dict[str, Any] | None = None) -> Any:
