@@ -84,6 +84,7 @@ from plait.loop.tracking import (
 from plait.pipelining import PipelineState, Stack
 from torch import nn
 from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageWriter
+from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["StepResult", "Trainer", "TrainerState"]
 
@@ -177,6 +178,10 @@ class Trainer:
             )
             # listed once: walking the modules for them twice a step costs the host ~1 ms per step
             self._all_parameters = [p for part in self.model_parts for p in part.parameters()]
+            # the stages whose next step's first FSDP2 all-gathers start at the end of a step (fsdp.prefetch_units)
+            self._prefetched = [
+                part for part in self.model_parts if any(isinstance(m, FSDPModule) for m in part.modules())
+            ]
 
             # The model's own update after each optimizer step (e.g. MoE routers' expert biases); bound
             # here so that a provider without it fails now, not after the first step.
@@ -614,7 +619,7 @@ class Trainer:
                 pending = self._launch(batch)
                 queued.append(pending)
                 if self.step < total and (units := self.config.fsdp.prefetch_units):
-                    for part in self.model_parts:  # the next step's first all-gathers, behind this step
+                    for part in self._prefetched:  # the next step's first all-gathers, behind this step
                         prefetch_all_gathers(part, units)
                 self.gc.step(self.step)
                 self.profiler.step()
