@@ -19,8 +19,8 @@ Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--s
 dense rows also show the ratio to torchtitan at the same GPU count; MoE rows the routing's balance as
 expert parallelism meets it (the busiest of 2 / 4 equal ranges of experts over their mean, from rank 0's
 tokens of the timed steps: 1.00 is balanced, and an EP step waits for its busiest rank). A row needing more
-GPUs than present is skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0, ``throughput.timeline``):
-communication and its exposed part per step, the host's time to issue a step, the fraction of the step the
+GPUs than present is skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0,
+``throughput.timeline``): communication and its exposed part per step, the host's time to issue a step, the fraction of the step the
 GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of other settings (A/B in the same run; the
 MoE variants at 1 GPU too, e.g. ``--moe-variants '{"cuda_graphs": "--parallel.cuda_graphs=true"}'``; a
 variant's "vs 1 GPU" is against the default 1-GPU row).

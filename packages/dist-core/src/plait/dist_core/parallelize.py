@@ -292,6 +292,9 @@ def set_gradient_sync(module: nn.Module, enabled: bool, *, recurse: bool = True)
         )
 
 
+# --------------------------------------------------------------------------------------------------
+# FSDP2 / HSDP
+# --------------------------------------------------------------------------------------------------
 def prefetch_all_gathers(module: nn.Module, units: int) -> list[FSDPModule]:
     """Start the all-gathers that open ``module``'s next forward: those of its first ``units`` FSDP2 units in
     module order, the root's first (for a decoder stage: the root's own parameters, the token embedding's
@@ -322,9 +325,6 @@ def prefetch_all_gathers(module: nn.Module, units: int) -> list[FSDPModule]:
     return asked
 
 
-# --------------------------------------------------------------------------------------------------
-# FSDP2 / HSDP
-# --------------------------------------------------------------------------------------------------
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over, taken from the dense domain (or returned as given).
 

@@ -178,7 +178,7 @@ class Trainer:
             )
             # listed once: walking the modules for them twice a step costs the host ~1 ms per step
             self._all_parameters = [p for part in self.model_parts for p in part.parameters()]
-            # the stages whose next step's first FSDP2 all-gathers start at the end of a step (fsdp.prefetch_units)
+            # the stages whose next step's first FSDP2 all-gathers start at a step's end (fsdp.prefetch_units)
             self._prefetched = [
                 part for part in self.model_parts if any(isinstance(m, FSDPModule) for m in part.modules())
             ]
