@@ -490,7 +490,11 @@ class _ExpertLoad:
     """The routing balance of a MoE Trainer row as expert parallelism meets it: for each timed step and
     router, the assignments of the busiest of ``ep`` equal ranges of experts (what one EP rank of ``ep``
     computes) over their mean, averaged (``expert_load_ep2``, ``expert_load_ep4``; 1.0 is balanced, and an
-    EP step waits for its busiest rank). From rank 0's tokens (with EP, the other ranks' add to its load)."""
+    EP step waits for its busiest rank). From rank 0's tokens (with EP, the other ranks' add to its load).
+
+    ``expert_load_ep{2,4}_placed``: the same when each step's experts sit where the step before's loads
+    would place them (the heaviest first, each to the least loaded rank with room): the best that moving
+    experts between ranks (EPLB-like placement) can do when it follows the routing one step late."""
 
     def __init__(self, first: int, last: int) -> None:
         self.first, self.last = first, last
@@ -501,17 +505,40 @@ class _ExpertLoad:
         from plait.moe import expert_load_stats
 
         counts = [c for part in parts for c in expert_load_stats(part).values()]
-        if self.first < step <= self.last:
+        if self.first <= step <= self.last:  # the step before the timed ones: the first placement's loads
             self.steps.append(counts)
+
+    @staticmethod
+    def _busiest(counts: torch.Tensor, ep: int) -> float:
+        share = counts.view(ep, -1).sum(1).float()
+        return (share.max() / share.mean()).item()
+
+    @staticmethod
+    def _placement(loads: torch.Tensor, ep: int) -> torch.Tensor:
+        """Experts in rank order: the heaviest first, each to the least loaded rank with room left."""
+        per_rank = loads.numel() // ep
+        ranks: list[list[int]] = [[] for _ in range(ep)]
+        totals = [0] * ep
+        for e in loads.argsort(descending=True, stable=True).tolist():
+            r = min((r for r in range(ep) if len(ranks[r]) < per_rank), key=totals.__getitem__)
+            ranks[r].append(e)
+            totals[r] += int(loads[e])
+        return torch.tensor([e for r in ranks for e in r])
 
     def report(self) -> dict[str, float]:
         out = {}
         for ep in (2, 4):
-            shares = [
-                c.view(ep, -1).sum(1).float() for counts in self.steps for c in counts if c.numel() % ep == 0
+            pairs = [
+                (prev.cpu(), now.cpu())
+                for before, after in zip(self.steps, self.steps[1:])
+                for prev, now in zip(before, after)
+                if now.numel() % ep == 0
             ]
-            if shares:
-                out[f"expert_load_ep{ep}"] = torch.stack([s.max() / s.mean() for s in shares]).mean().item()
+            if pairs:
+                out[f"expert_load_ep{ep}"] = statistics.mean(self._busiest(now, ep) for _, now in pairs)
+                out[f"expert_load_ep{ep}_placed"] = statistics.mean(
+                    self._busiest(now[self._placement(prev, ep)], ep) for prev, now in pairs
+                )
         return out
 
 
