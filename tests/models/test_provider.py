@@ -81,19 +81,20 @@ def test_lm_head_is_a_one_pass_loss_the_loop_switches_under_gpipe():
         assert heads[0].grad_in_forward is expected
 
 
-def _initial_weights(mesh: dict[str, int] | None) -> dict[str, torch.Tensor]:
-    """The Qwen3-MoE above built, parallelized over ``mesh`` (gloo; None: one process), materialised: full
-    tensors."""
+def _initial_weights(mesh: dict[str, int] | None, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The Qwen3-MoE above built, parallelized over ``mesh`` (None: one process), materialised on
+    ``device`` (``"cpu"``: gloo; ``"cuda"``: NCCL, the rank's GPU): full tensors, on the CPU."""
     from plait.dist_core import DeviceMeshParameters, DistributedContext
     from torch.distributed.tensor import DTensor
 
-    ctx = DistributedContext.from_env(DeviceMeshParameters(**mesh), device="cpu") if mesh else None
+    ctx = DistributedContext.from_env(DeviceMeshParameters(**mesh), device=device) if mesh else None
     provider = CausalLMProvider(Qwen3MoeConfig(**MOE), seed=3)
     stage = provider.build_stage(0, 1)
     provider.parallelize(stage, ctx)
-    provider.materialize(stage, "cpu")
+    provider.materialize(stage, ctx.device if ctx else device)
     return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in stage.named_parameters()
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+        for n, p in stage.named_parameters()
     }
 
 
@@ -112,3 +113,23 @@ def test_a_sharded_model_starts_from_one_process_initial_weights(mesh: dict[str,
         assert weights.keys() == want.keys()
         for name, w in want.items():
             assert torch.equal(weights[name], w), name
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "mesh", [{"data_shard": 2}, {"data_shard": 2, "expert": 2}, {"tensor": 2}], ids=["fsdp", "ep_x_fsdp", "tp"]
+)
+def test_cuda_shards_of_a_weight_do_not_repeat(mesh: dict[str, int]) -> None:
+    """On CUDA meshes (NCCL, 2 GPUs) torch draws each shard's own part of the random numbers: no two halves
+    of a randomly initialised weight are equal, along either sharded dimension."""
+    from plait.dist_core.testing import run_distributed
+
+    ranks = run_distributed(_initial_weights, 2, mesh, "cuda", backend="nccl", timeout=300.0)
+    for name, w in ranks[0].items():
+        assert torch.equal(w, ranks[1][name]), name  # every rank holds the same model
+        if w.unique().numel() == 1:  # a norm's ones
+            continue
+        for dim in range(w.dim()):
+            if w.shape[dim] % 2 == 0:
+                a, b = w.chunk(2, dim)
+                assert not torch.equal(a, b), (name, dim)
