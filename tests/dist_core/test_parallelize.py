@@ -199,3 +199,5 @@ def test_prefetched_all_gathers_feed_the_next_forward_with_the_updated_parameter
         for res in run_distributed(_prefetched_forward, 2, units):
             assert res["asked"] == first  # module order; the root holds no parameters of its own
             torch.testing.assert_close(res["out"].double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="units must be >= 0"):
+        prefetch_all_gathers(_model(), -1)

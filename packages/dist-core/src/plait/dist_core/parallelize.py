@@ -308,7 +308,12 @@ def prefetch_all_gathers(module: nn.Module, units: int) -> list[FSDPModule]:
 
     Returns:
         The FSDP2 modules asked to gather (one per unit; a unit of several modules once).
+
+    Raises:
+        ValueError: ``units`` below 0.
     """
+    if units < 0:
+        raise ValueError(f"prefetch_all_gathers: units must be >= 0 (0 starts none), got {units}")
     asked: list[FSDPModule] = []
     seen: set[int] = set()
     for m in module.modules():
