@@ -117,7 +117,9 @@ def test_a_sharded_model_starts_from_one_process_initial_weights(mesh: dict[str,
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize(
-    "mesh", [{"data_shard": 2}, {"data_shard": 2, "expert": 2}, {"tensor": 2}], ids=["fsdp", "ep_x_fsdp", "tp"]
+    "mesh",
+    [{"data_shard": 2}, {"data_shard": 2, "expert": 2}, {"tensor": 2}],
+    ids=["fsdp", "ep_x_fsdp", "tp"],
 )
 def test_cuda_shards_of_a_weight_do_not_repeat(mesh: dict[str, int]) -> None:
     """On CUDA meshes (NCCL, 2 GPUs) torch draws each shard's own part of the random numbers: no two halves
