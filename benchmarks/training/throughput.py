@@ -205,12 +205,9 @@ class _Profile:
         summary = timeline(self.prof.events(), s_per_step, steps=3)
         print("TIMELINE " + json.dumps(summary), flush=True)
         events = self.prof.key_averages()
-        # Device time of kernels only: not the step / NCCL annotations that span them.
-        annotations = ("ProfilerStep", "nccl:", "record_param_comms")
+        # Device time of kernels only: not the annotations that span them.
         kernels = [
-            e
-            for e in events
-            if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(annotations)
+            e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not _annotation(e)
         ]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6 / 3  # seconds of kernels per step
         print(events.table(sort_by="self_device_time_total", row_limit=50), flush=True)
@@ -267,6 +264,13 @@ def _minus(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> floa
     return total
 
 
+def _annotation(event: Any) -> bool:
+    """Whether a profiler event on the device is a region that spans kernels (the step, a ``record_function``
+    such as the optimizer's step, NCCL's), not a kernel."""
+    name = getattr(event, "name", None) or event.key
+    return bool(event.is_user_annotation) or name.startswith(("ProfilerStep", "nccl:", "record_param_comms"))
+
+
 def timeline(events: Any, s_per_step: float, steps: int) -> dict[str, float]:
     """Where a profiled window of ``steps`` steps spends its time, per step:
 
@@ -284,7 +288,7 @@ def timeline(events: Any, s_per_step: float, steps: int) -> dict[str, float]:
     for e in events:
         r = (e.time_range.start, e.time_range.end)
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            if not e.name.startswith(("ProfilerStep", "nccl:", "record_param_comms")):  # not annotations
+            if not _annotation(e):
                 (comm if "nccl" in e.name.lower() else kernels).append(r)
         elif e.name.startswith("ProfilerStep"):
             steps_cpu.append(r)
