@@ -15,7 +15,9 @@ Workloads (``workloads.py``), equal tokens per GPU in every row:
 
 Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--steps`` steps after
 ``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows
-((max - min) / median), peak GiB (rank 0) and the per-GPU ratio to the 1-GPU row of its workload;
+((max - min) / median); with ``--runs N`` every row runs N times in new processes (all rows once, then
+again: a slow stretch of the machine meets every row alike) and the table shows the median of the runs'
+tok/s and the spread over the runs, which also holds what changes from one process to the next. Then peak GiB (rank 0) and the per-GPU ratio to the 1-GPU row of its workload;
 dense rows also show the ratio to torchtitan at the same GPU count; MoE rows the routing's balance as
 expert parallelism meets it (the busiest of 2 / 4 equal ranges of experts over their mean, from rank 0's
 tokens of the timed steps: 1.00 is balanced, and an EP step waits for its busiest rank). A row needing more
@@ -148,12 +150,56 @@ def _run(
     return throughput.spawn_rows(row, t, devices)
 
 
+def _measure(
+    rows: list[tuple[str, int]], targs: argparse.Namespace, args: argparse.Namespace, dense_variants: str
+) -> list[dict[str, Any]]:
+    """One run of every row (its variants included), in the table's order."""
+    results: list[dict[str, Any]] = []
+    gpus = max(1, torch.cuda.device_count())
+    for n in dict.fromkeys(n for _, n in rows):
+        # The dense rows of one GPU count side by side on disjoint GPUs (--concurrent): they are bound by
+        # the device, not the host. The MoE rows (host-bound) run alone.
+        dense = [r for r, m in rows if m == n and r.startswith("dense.")]
+        width = gpus // n if args.concurrent and not args.smoke else 1
+        for i in range(0, len(dense), width):
+            jobs = dense[i : i + width]
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                runs = [
+                    pool.submit(
+                        _run, r, targs, dense_variants if n > 1 else '{"": {}}', list(range(k * n, k * n + n))
+                    )
+                    for k, r in enumerate(jobs)
+                ]
+                results += [res for f in runs for res in f.result()]
+        for row in [r for r, m in rows if m == n and r.startswith("moe.")]:
+            results += throughput.spawn_rows(row, targs)
+            for name, flags in json.loads(args.moe_variants).items():
+                results += [{**r, "variant": name} for r in _run(row, targs, '{"": {}}', None, flags)]
+    return results
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row's runs as one result: the median run's tok/s (the upper one of an even count), the spread over
+    the runs ((max - min) / median), the highest peak memory, the mean of the other figures; a row skipped in
+    any run is skipped."""
+    if len({(r["row"], r.get("variant", "")) for r in runs}) != 1:
+        raise ValueError(f"median_of: runs of different rows: {[(r['row'], r.get('variant')) for r in runs]}")
+    if skipped := [r for r in runs if "skipped" in r]:
+        return skipped[0]
+    tps = sorted(r["tok_s_per_gpu"] for r in runs)
+    mid = tps[len(tps) // 2]
+    out = {k: sum(r[k] for r in runs) / len(runs) if isinstance(v, float) else v for k, v in runs[0].items()}
+    out.update(tok_s_per_gpu=mid, spread=(tps[-1] - tps[0]) / mid, peak_gib=max(r["peak_gib"] for r in runs))
+    return {**out, "runs": len(runs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4], help="GPU counts next to the 1-GPU rows")
     ap.add_argument("--workloads", nargs="+", choices=("dense", "moe"), default=["dense", "moe"])
     ap.add_argument("--steps", type=int, default=10, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=1, help="runs of every row, each in new processes")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--row-timeout", type=float, default=300)
     ap.add_argument("--smoke", action="store_true", help="CPU processes over gloo, tiny models, 2 steps")
@@ -177,6 +223,8 @@ def main() -> None:
     args = ap.parse_args()
     if any(n < 2 for n in args.gpus):
         ap.error(f"--gpus: counts of 2 or more (the 1-GPU rows always run), got {args.gpus}")
+    if args.runs < 1:
+        ap.error(f"--runs: 1 or more, got {args.runs}")
     rows = [r for r in rows_for(args.gpus) if r[0].split(".")[0] in args.workloads]
     if not args.titan:
         rows = [r for r in rows if "torchtitan" not in r[0]]
@@ -188,27 +236,8 @@ def main() -> None:
     peak, _, env = throughput.measure(targs, [])[1:]
     env = f"{torch.cuda.device_count()} x {env}" if torch.cuda.is_available() else env
     dense_variants = json.dumps({"": DENSE, **json.loads(args.dense_variants)})
-    results: list[dict[str, Any]] = []
-    gpus = max(1, torch.cuda.device_count())
-    for n in dict.fromkeys(n for _, n in rows):
-        # The dense rows of one GPU count side by side on disjoint GPUs (--concurrent): they are bound by
-        # the device, not the host. The MoE rows (host-bound) run alone.
-        dense = [r for r, m in rows if m == n and r.startswith("dense.")]
-        width = gpus // n if args.concurrent and not args.smoke else 1
-        for i in range(0, len(dense), width):
-            jobs = dense[i : i + width]
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                runs = [
-                    pool.submit(
-                        _run, r, targs, dense_variants if n > 1 else '{"": {}}', list(range(k * n, k * n + n))
-                    )
-                    for k, r in enumerate(jobs)
-                ]
-                results += [res for f in runs for res in f.result()]
-        for row in [r for r, m in rows if m == n and r.startswith("moe.")]:
-            results += throughput.spawn_rows(row, targs)
-            for name, flags in json.loads(args.moe_variants).items():
-                results += [{**r, "variant": name} for r in _run(row, targs, '{"": {}}', None, flags)]
+    runs = [_measure(rows, targs, args, dense_variants) for _ in range(args.runs)]
+    results = runs[0] if args.runs == 1 else [median_of(list(same)) for same in zip(*runs, strict=True)]
     body = table(results, args.profile)
     lines = verdicts(results)
     text = (
