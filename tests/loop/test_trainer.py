@@ -142,6 +142,7 @@ def _dp_run(
             "--optimizer.lr=0.02",
             "--logging.progress_bar=false",
             f"--fsdp.gather_once_per_step={str(gather_once).lower()}",
+            "--fsdp.prefetch_units=3",  # off by default
         ]
     )
     provider = ModuleProvider(
