@@ -14,18 +14,19 @@ Workloads (``workloads.py``), equal tokens per GPU in every row:
          with ``gpu1.toml``'s settings), FSDP over n and EP = n x FSDP = n (``all_gather`` dispatch).
 
 Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--steps`` steps after
-``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows
-((max - min) / median); with ``--runs N`` every row runs N times in new processes (all rows once, then
-again: a slow stretch of the machine meets every row alike) and the table shows the median of the runs'
-tok/s and the spread over the runs, which also holds what changes from one process to the next. Then peak GiB (rank 0) and the per-GPU ratio to the 1-GPU row of its workload;
-dense rows also show the ratio to torchtitan at the same GPU count; MoE rows the routing's balance as
-expert parallelism meets it (the busiest of 2 / 4 equal ranges of experts over their mean, from rank 0's
-tokens of the timed steps: 1.00 is balanced, and an EP step waits for its busiest rank). A row needing more
-GPUs than present is skipped. ``--profile`` adds, per row, a timeline of 3 more steps (rank 0,
-``throughput.timeline``): communication and its exposed part per step, the host's time to issue a step, the fraction of the step the
-GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of other settings (A/B in the same run; the
-MoE variants at 1 GPU too, e.g. ``--moe-variants '{"cuda_graphs": "--parallel.cuda_graphs=true"}'``; a
-variant's "vs 1 GPU" is against the default 1-GPU row).
+``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows ((max - min) /
+median); with ``--runs N`` every row runs N times in new processes (all rows once, then again: a slow stretch
+of the machine meets every row alike) and the table shows the median of the runs' tok/s and the spread over
+the runs, which also holds what changes from one process to the next. Then peak GiB (rank 0) and the per-GPU
+ratio to the 1-GPU row of its workload; dense rows also show the ratio to torchtitan at the same GPU count;
+MoE rows the routing's balance as expert parallelism meets it (the busiest of 2 / 4 equal ranges of experts
+over their mean, from rank 0's tokens of the timed steps: 1.00 is balanced, and an EP step waits for its
+busiest rank). A row needing more GPUs than present is skipped. ``--profile`` adds, per row, a timeline of 3
+more steps (rank 0, ``throughput.timeline``): communication and its exposed part per step, the host's time to
+issue a step, the fraction of the step the GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of
+other settings (A/B in the same run; the MoE variants at 1 GPU too, e.g.
+``--moe-variants '{"cuda_graphs": "--parallel.cuda_graphs=true"}'``; a variant's "vs 1 GPU" is against the
+default 1-GPU row).
 Writes ``--out`` (default ``benchmarks/results/scaling.md``; none with ``--smoke``).
 """
 
@@ -164,13 +165,13 @@ def _measure(
         for i in range(0, len(dense), width):
             jobs = dense[i : i + width]
             with ThreadPoolExecutor(len(jobs)) as pool:
-                runs = [
+                futures = [
                     pool.submit(
                         _run, r, targs, dense_variants if n > 1 else '{"": {}}', list(range(k * n, k * n + n))
                     )
                     for k, r in enumerate(jobs)
                 ]
-                results += [res for f in runs for res in f.result()]
+                results += [res for f in futures for res in f.result()]
         for row in [r for r, m in rows if m == n and r.startswith("moe.")]:
             results += throughput.spawn_rows(row, targs)
             for name, flags in json.loads(args.moe_variants).items():

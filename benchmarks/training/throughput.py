@@ -267,8 +267,9 @@ def _minus(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> floa
 def _annotation(event: Any) -> bool:
     """Whether a profiler event on the device is a region that spans kernels (the step, a ``record_function``
     such as the optimizer's step, NCCL's), not a kernel."""
-    name = getattr(event, "name", None) or event.key
-    return bool(event.is_user_annotation) or name.startswith(("ProfilerStep", "nccl:", "record_param_comms"))
+    return bool(event.is_user_annotation) or event.key.startswith(
+        ("ProfilerStep", "nccl:", "record_param_comms")
+    )
 
 
 def timeline(events: Any, s_per_step: float, steps: int) -> dict[str, float]:
