@@ -192,6 +192,14 @@ class StochasticAdamW(Optimizer):
         if rng is not None:
             self.generator.set_state(rng)
 
+    def _state(self, p: torch.Tensor, moment_dtype: torch.dtype) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+        return state
+
     @torch.no_grad()
     def step(self, closure: Any = None, *, grad_scale: torch.Tensor | None = None) -> Any:  # type: ignore[override]
         """One AdamW step; ``grad_scale`` (a 0-d tensor) multiplies every gradient as it is read."""
@@ -200,29 +208,30 @@ class StochasticAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("StochasticAdamW does not support sparse gradients")
+            if not params:
+                continue
+            states = [self._state(p, group["moment_dtype"]) for p in params]
+            steps = [st["step"] for st in states]
+            torch._foreach_add_(steps, 1)
+            # One draw for the group: the same stream as one draw per parameter, in order.
+            seeds = torch.randint(0, _SEED_MAX, (len(params),), generator=self.generator).tolist()
+            quads = [
+                (_local(p), _local(p.grad), _local(st["exp_avg"]), _local(st["exp_avg_sq"]))
+                for p, st in zip(params, states)
+            ]
+            every_triton = use_triton(*(x for q in quads for x in q))
             # Tensors the Triton kernel takes, one launch per (step, device, dtypes, 16-byte alignment):
             # the host cost of a step is then a few microseconds per parameter, not a kernel launch each.
             launches: dict[tuple[Any, ...], list[Any]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("StochasticAdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    md = group["moment_dtype"]
-                    state["exp_avg"] = torch.zeros_like(p, dtype=md, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=md, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = float(state["step"])
-                pl, gl = _local(p), _local(p.grad)
-                ml, vl = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                seed = int(torch.randint(0, _SEED_MAX, (1,), generator=self.generator).item())
+            for (pl, gl, ml, vl), step, seed in zip(quads, steps, seeds):
                 if pl.numel() == 0:
                     continue
+                t = float(step)
                 if (
-                    use_triton(pl, gl, ml, vl)
+                    (every_triton or use_triton(pl, gl, ml, vl))
                     and all(x.is_contiguous() and x.dtype in _TRITON_DTYPES for x in (pl, gl, ml, vl))
                     and pl.device == gl.device == ml.device
                 ):
