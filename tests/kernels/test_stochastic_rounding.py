@@ -241,15 +241,20 @@ def test_replicas_identical_with_same_seed_and_differ_otherwise():
 
 def test_a_step_draws_one_seed_per_parameter_with_a_gradient_in_order():
     # The random stream is part of a checkpoint (rng_state): a step takes one draw per parameter that
-    # has a gradient, in order, so resumed runs continue it identically. Reference: the same updates
-    # with each parameter stepped alone, in order, by an optimizer sharing one generator.
+    # has a gradient, in order, so resumed runs continue it identically. References: a generator that
+    # makes those single draws, and the same updates with each parameter stepped alone, in order, by
+    # optimizers sharing one generator (each seed reaches its own parameter).
     torch.manual_seed(0)
     init = [torch.randn(n, dtype=torch.bfloat16) for n in (7, 16, 0, 33)]
     grads = [[torch.randn_like(x) for x in init] for _ in range(3)]
     params = [torch.nn.Parameter(x.clone()) for x in init]
     opt = StochasticAdamW(params, lr=1e-2, seed=11)
     ref = [torch.nn.Parameter(x.clone()) for x in init]
-    ref_opts = [StochasticAdamW([p], lr=1e-2, seed=11) for p in ref]
+    ref_opts = [StochasticAdamW([p], lr=1e-2) for p in ref]
+    shared = torch.Generator().manual_seed(11)
+    for o in ref_opts:
+        o.generator = shared
+    draws = torch.Generator().manual_seed(11)
     for step, g in enumerate(grads):
         for i, (p, r, gi) in enumerate(zip(params, ref, g)):
             skip = step == 1 and i == 1  # no gradient: no draw
@@ -257,13 +262,12 @@ def test_a_step_draws_one_seed_per_parameter_with_a_gradient_in_order():
             r.grad = None if skip else gi.clone()
         opt.step()
         for r, o in zip(ref, ref_opts):
-            if r.grad is None:
-                continue
-            o.generator = ref_opts[0].generator
-            o.step()
+            if r.grad is not None:
+                o.step()
+                torch.randint(0, 2**31 - 1, (1,), generator=draws)
     for a, b in zip(params, ref):
         assert torch.equal(a, b)
-    assert torch.equal(opt.generator.get_state(), ref_opts[0].generator.get_state())
+    assert torch.equal(opt.generator.get_state(), draws.get_state())
 
 
 def test_bad_arguments():
