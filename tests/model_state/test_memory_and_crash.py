@@ -67,13 +67,18 @@ def test_streaming_peak_memory_is_about_one_group(tmp_path: Path) -> None:
     save_file(state, str(src))
     total = len(state) * EXPERT_BYTES
     args = [str(src), str(tmp_path / "out"), str(N_LAYERS), str(N_EXPERTS), str(ROWS), str(COLS)]
+    # glibc's malloc raises its mmap threshold to the largest block freed so far, after which freed
+    # group buffers stay in the heap (resident) for later reuse: the peak then varied by ~10 MiB from run
+    # to run with the threads' timing. A fixed threshold (its default start value) returns each freed
+    # buffer, so the peak is what the loader holds.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["check"] == float(state["layers.3.experts.5"][7, 11])
-    bound = 2 * GROUP_BYTES + 16 * 2**20  # 24 MiB: the constant covers allocator/dispatcher warm-up
+    bound = 2 * GROUP_BYTES + 4 * 2**20  # 12 MiB: the constant covers allocator/dispatcher warm-up
     assert got["load"] <= bound, (
         f"load peak {got['load'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
     )
