@@ -1,6 +1,7 @@
 """How close ``plait plan`` comes to real runs: predicted against measured tok/s per GPU and peak memory.
 
-    python3 -m benchmarks.training.plan_accuracy --config examples/qwen3_moe/configs/gpu1.toml --gpus 1
+    python3 -m benchmarks.training.plan_accuracy --config examples/qwen3_moe/configs/gpu1.toml --gpus 1 \
+        --set parallel.cuda_graphs=false
     python3 -m benchmarks.training.plan_accuracy --config F --gpus 4 --layouts 12 --calibrate --out results/plan_accuracy.md
     python3 -m benchmarks.training.plan_accuracy --config F --gpus 2 --calibrate --only "fsdp2 mb8 ac-none" \
         --set parallel.fsdp_layers_per_unit=4 --set parallel.reshard_after_forward=false
@@ -20,7 +21,9 @@ planner's first pick is within 5% of the fastest measured layout. ``--only`` run
 ``plait plan`` names them) instead; ``--set section.key=value`` changes the job for the planner and every run
 alike (e.g. FSDP's unit size, which the planner prices but does not choose). ``--save-machine F`` writes the
 planner's machine (calibrated or not) and ``--machine F`` starts from one, so a later run on the same machine
-can skip ``--calibrate``.
+can skip ``--calibrate``. ``gpu1.toml`` replays its layers as CUDA graphs, which allow FSDP and expert
+parallelism only (the planner lists no other layout); the tables of ``results/plan_accuracy.md`` were measured
+before the config turned them on, and ``--set parallel.cuda_graphs=false`` runs those jobs.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ Workloads (``workloads.py``), equal tokens per GPU in every row:
          blocks compiled, then torchtitan 0.2.2's own ``apply_fsdp`` (embeddings, each block, norm + output,
          the root; bf16 gradient reduction like plait's), fused torch AdamW.
   moe    the 1.14B Qwen3-MoE, 4 x 2048 per GPU: the main job's Trainer (``plait train``
-         with ``gpu1.toml``'s settings), FSDP over n and EP = n x FSDP = n (``all_gather`` dispatch).
+         with ``gpu1.toml``'s settings: the compiled layers replayed as CUDA graphs), FSDP over n and EP = n x
+         FSDP = n (``all_gather`` dispatch).
 
 Each row is one process per GPU (torchrun), ``--windows`` timed windows of ``--steps`` steps after
 ``--warmup``: the table shows the median window's tok/s per GPU and the spread over the windows ((max - min) /
@@ -25,7 +26,7 @@ busiest rank). A row needing more GPUs than present is skipped. ``--profile`` ad
 more steps (rank 0, ``throughput.timeline``): communication and its exposed part per step, the host's time to
 issue a step, the fraction of the step the GPU is idle. ``--dense-variants`` / ``--moe-variants`` add rows of
 other settings (A/B in the same run; the MoE variants at 1 GPU too, e.g.
-``--moe-variants '{"cuda_graphs": "--parallel.cuda_graphs=true"}'``; a variant's "vs 1 GPU" is against the
+``--moe-variants '{"no_graphs": "--parallel.cuda_graphs=false"}'``; a variant's "vs 1 GPU" is against the
 default 1-GPU row).
 Writes ``--out`` (default ``benchmarks/results/scaling.md``; none with ``--smoke``).
 """

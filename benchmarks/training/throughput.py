@@ -21,16 +21,18 @@ experts top-8, expert FFN 512, vocab 151936, batch 4 x 2048) and ``dense``, Qwen
   plait_step_fp8_compiled         the same, compiled, with float8 linears (``ParallelConfig.float8``, recipe
                                   ``--fp8-recipe``; dense and llama3_8b workloads; its "vs plait step" column
                                   is the float8 speed-up over bf16)
-  plait_trainer_eager / _compiled the MoE main job (plait train) with this model
-  plait_trainer_cuda_graphs       the same, compiled, its layers replayed as CUDA graphs
-                                  (``--parallel.cuda_graphs=true``)
+  plait_trainer_eager / _compiled the MoE main job (plait train) with this model (on CUDA with ``gpu1.toml``'s
+                                  settings: the compiled row's layers replayed as CUDA graphs)
+  plait_trainer_no_graphs         the same, compiled, its layers launched kernel by kernel
+                                  (``--parallel.cuda_graphs=false``)
   plait_trainer_fsdp<n>           the main job on n GPUs (torchrun) at the 1-GPU row's tokens per GPU: FSDP
                                   over n (``--parallel.reshard_after_forward=false``, 4 decoder layers per
                                   FSDP unit); skipped when fewer than n GPUs are present (``--smoke``: n CPU
                                   processes over gloo)
   plait_trainer_ep<n>             the same with EP=n x FSDP=n (`all_gather` dispatch: no host sync; all
                                   layers in one FSDP unit: with EP it holds only the dense weights)
-  plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step
+  plait_trainer_pp<n>             the same with n pipeline stages, 1F1B, 2n microbatches per step, no CUDA
+                                  graphs (they need one stage per process; the FSDP and EP rows keep them)
   plait_step_fsdp<n>              plait_step_compiled on n GPUs: FSDP2 over n (``provider.parallelize``), once per
                                   ``--variants`` entry (ParallelConfig overrides)
   torchtitan_fsdp<n>              torchtitan_compiled on n GPUs: torchtitan 0.2.2's own ``apply_fsdp``
@@ -110,7 +112,10 @@ def trainer_layout(row: str, batch: int, layers: int = 8) -> tuple[int, list[str
         return 1, []
     n = int(m[2])
     if m[1] == "pp":  # global batch batch x n sequences in microbatches of batch // 2: 2n microbatches
-        return n, [f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}"]
+        return n, [
+            f"--mesh.pipeline={n}", "--pipeline.kind=1f1b", f"--batching.microbatch_size={batch // 2}",
+            "--parallel.cuda_graphs=false",  # graphs need one stage per process
+        ]  # fmt: skip
     # EP rows: the all-gather dispatch (every size on the device: no host sync, one graph per layer)
     expert = [f"--mesh.expert={n}", "--parallel.expert_dispatch=all_gather"] if m[1] == "ep" else []
     # Decoder layers per FSDP unit, the best of 1/2/4/8 on 2 x H200 (8 layers): 4 with FSDP alone; with
@@ -444,6 +449,8 @@ def _pretrain_argv(args: argparse.Namespace, run_dir: str, compiled: bool, extra
             f"--batching.microbatch_size={args.batch}", f"--batching.seq_len={args.seq}",
             "--checkpoint.enabled=false", "--evaluation.enabled=false", "--logging.progress_bar=false", f"--logging.interval={args.steps}",
             f"--parallel.compile={str(compiled).lower()}", "--data.max_files=4000"]  # fmt: skip
+    if not compiled:  # the GPU config's CUDA graphs are the compiled layers'
+        argv.append("--parallel.cuda_graphs=false")
     if args.device == "cuda":  # the shipped GPU config: bf16 parameters, StochasticAdamW
         argv += ["--config", str(ROOT / "examples" / "qwen3_moe" / "configs" / "gpu1.toml")]
     fields = {k: v for k, v in args.model.items() if k != "model_type"}
@@ -668,10 +675,11 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
     if impl.startswith("plait_step_"):
         return row_plait_step(args, compiled)
     extra = trainer_layout(impl, args.batch, int(args.model["num_hidden_layers"]))[1]
-    if impl == "plait_trainer_cuda_graphs":
-        extra.append("--parallel.cuda_graphs=true")
-    if args.activation_checkpointing != "none":
+    if impl == "plait_trainer_no_graphs":
+        extra.append("--parallel.cuda_graphs=false")
+    if args.activation_checkpointing != "none":  # (measured without CUDA graphs: not run with them on GPU)
         extra.append(f"--parallel.activation_checkpointing.mode={args.activation_checkpointing}")
+        extra.append("--parallel.cuda_graphs=false")
     return row_plait_trainer(args, compiled, extra + args.trainer_args.split())
 
 
@@ -718,9 +726,6 @@ def _spawn(row: str, args: argparse.Namespace, devices: list[int] | None = None)
         args.activation_checkpointing,
     ]
     nproc = trainer_layout(row, 4)[0]
-    if row.endswith("cuda_graphs") and args.device != "cuda":
-        print(f"{row}: skipped, CUDA graphs need CUDA", flush=True)
-        return {"row": row, "skipped": "needs CUDA"}
     if nproc > 1:
         if not args.smoke and torch.cuda.device_count() < nproc:
             print(f"{row}: skipped, needs {nproc} GPUs ({torch.cuda.device_count()} present)", flush=True)
@@ -852,7 +857,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--activation-checkpointing",
         choices=("none", "full", "selective"),
         default="none",
-        help="plait rows: ParallelConfig.activation_checkpointing.mode (every decoder layer)",
+        help="plait rows: ParallelConfig.activation_checkpointing.mode (every decoder layer; the Trainer rows "
+        "then without CUDA graphs)",
     )
     ap.add_argument("--steps", type=int, default=20, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=1, help="timed windows per row (median and spread)")

@@ -30,7 +30,7 @@ COMPILED_FP8 = (*COMPILED, "plait_step_fp8_compiled")
 ALL_1GPU = (
     "hf_eager", "hf_compiled", "torchtitan_eager", "torchtitan_compiled",
     "plait_step_eager", "plait_step_compiled", "plait_trainer_eager", "plait_trainer_compiled",
-    "plait_trainer_cuda_graphs",
+    "plait_trainer_no_graphs",
 )  # fmt: skip
 
 

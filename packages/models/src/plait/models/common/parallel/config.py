@@ -279,6 +279,7 @@ class ParallelConfig(BaseModel):
     def _cuda_graphs_need_compile(self) -> ParallelConfig:
         if self.cuda_graphs and not self.compile:
             raise ValueError(
-                "parallel.cuda_graphs needs parallel.compile = true (the graphs are the compiled layers')"
+                "parallel.cuda_graphs needs parallel.compile = true (the graphs are the compiled layers'); "
+                "set parallel.cuda_graphs=false to run the layers uncompiled"
             )
         return self

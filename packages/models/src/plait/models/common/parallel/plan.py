@@ -351,7 +351,8 @@ def _check_cuda_graph_layout(
     if used := [f"{name}={n}" for name, n in sizes.items() if n > 1]:
         raise ValueError(
             "parallel.cuda_graphs needs one stage per process and no collective inside a layer but the "
-            f"expert dispatch's (data and expert parallelism only); this layout has {', '.join(used)}"
+            f"expert dispatch's (data and expert parallelism only); this layout has {', '.join(used)} "
+            "(set parallel.cuda_graphs=false for it)"
         )
     if (ep := _dim_size(expert_mesh, "ep_shard")) > 1 and expert_dispatch != "all_gather":
         raise ValueError(
