@@ -48,12 +48,16 @@ class PadCollator:
         length = -(-length // m) * m
         out: dict[str, torch.Tensor] = {}
         for k, v in rows.items():
-            t = torch.full((len(v), length), self.pad_values.get(k, 0), dtype=torch.long)
             for i, r in enumerate(v):
                 if len(r) != lengths[i]:
                     raise ValueError(
                         f"PadCollator: sample {i} has {len(r)} {k!r} but {lengths[i]} {keys[0]!r}"
                     )
+            if all(n == length for n in lengths):  # nothing to pad (packed rows): one copy
+                out[k] = torch.stack(v)
+                continue
+            t = torch.full((len(v), length), self.pad_values.get(k, 0), dtype=torch.long)
+            for i, r in enumerate(v):
                 t[i, : len(r)] = r
             out[k] = t
         if len(set(lengths)) > 1 or length != lengths[0]:

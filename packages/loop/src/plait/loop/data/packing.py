@@ -74,34 +74,36 @@ class PackedTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < self._n:
             raise IndexError(f"sample {i} out of range [0, {self._n})")
-        start = i * self.seq_len
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1]).astype(np.int64))
+        # numpy throughout (a few microseconds per call, where a torch op costs several): the training
+        # process builds every step's batch between its launches.
+        n, start = self.seq_len, i * self.seq_len
+        window = np.asarray(self.tokens[start : start + n + 1]).astype(np.int64)
+        doc = np.zeros(n + 1, dtype=np.int64)
         if self.doc_offsets is not None:
             offsets = self.doc_offsets
             lo = int(np.searchsorted(offsets, start, "right"))
-            hi = int(np.searchsorted(offsets, start + self.seq_len + 1, "left"))
-            starts = torch.zeros(self.seq_len + 1, dtype=torch.long)
-            starts[torch.from_numpy(np.asarray(offsets[lo:hi], dtype=np.int64) - start)] = 1
-            doc = torch.cumsum(starts, 0)
-        elif self.eos_id is None:
-            doc = torch.zeros(self.seq_len + 1, dtype=torch.long)
-        else:
-            # A new document begins right after each eos.
-            starts = torch.zeros(self.seq_len + 1, dtype=torch.long)
-            starts[1:] = (window[:-1] == self.eos_id).long()
-            doc = torch.cumsum(starts, 0)
-        inputs, labels = window[:-1], window[1:].clone()
+            hi = int(np.searchsorted(offsets, start + n + 1, "left"))
+            doc[np.asarray(offsets[lo:hi], dtype=np.int64) - start] = 1
+            np.cumsum(doc, out=doc)
+        elif self.eos_id is not None:  # a new document begins right after each eos
+            np.cumsum(window[:-1] == self.eos_id, out=doc[1:])
+        inputs, labels = window[:-1], window[1:].copy()
         doc_in = doc[:-1]
         if self.mask_cross_document and (self.eos_id is not None or self.doc_offsets is not None):
             labels[doc[1:] != doc_in] = self.ignore_index
         if self.loss_mask is not None:
-            target = np.asarray(self.loss_mask[start + 1 : start + self.seq_len + 1])
-            labels[torch.from_numpy(target == 0)] = self.ignore_index
-        idx = torch.arange(self.seq_len)
-        is_start = torch.ones(self.seq_len, dtype=torch.bool)
+            target = np.asarray(self.loss_mask[start + 1 : start + n + 1])
+            labels[target == 0] = self.ignore_index
+        idx = np.arange(n, dtype=np.int64)
+        is_start = np.ones(n, dtype=bool)
         is_start[1:] = doc_in[1:] != doc_in[:-1]
-        first = torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), 0).values
-        return {"input_ids": inputs, "labels": labels, "position_ids": idx - first, "document_ids": doc_in}
+        first = np.maximum.accumulate(np.where(is_start, idx, 0))
+        return {
+            "input_ids": torch.from_numpy(inputs),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(idx - first),
+            "document_ids": torch.from_numpy(doc_in),
+        }
 
 
 def pack_documents(
