@@ -358,7 +358,7 @@ def _check_cuda_graph_layout(
         raise ValueError(
             f"parallel.cuda_graphs with expert parallelism (mesh.expert={ep}) needs "
             f"parallel.expert_dispatch='all_gather' (every size on the device); "
-            f"{expert_dispatch!r} synchronises with the host inside the layer"
+            f"{expert_dispatch!r} synchronises with the host inside the layer (or set parallel.cuda_graphs=false)"
         )
 
 
