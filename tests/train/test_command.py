@@ -142,3 +142,19 @@ def test_init_from_a_small_vocabulary_with_its_own_tokenizer_is_accepted(tmp_pat
     assert (
         e.value.code == 2 and "data.tokenizer: bytes has 259 token ids, more than model.vocab_size=64" in err
     )
+
+
+def test_cuda_graphs_off_cuda_are_refused_before_anything_is_built() -> None:
+    """``gpu1.toml`` replays its layers as CUDA graphs: run on the CPU it stops at the start-up check, naming
+    both keys and the way out, not at the first forward."""
+    from plait.train.job import check_startup
+
+    gpu1 = REPO / "examples" / "qwen3_moe" / "configs" / "gpu1.toml"
+    cfg = load_config(gpu1, ["--run.device=cpu"], cls=JobConfig)
+    assert cfg.parallel.cuda_graphs
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel\.cuda_graphs needs run\.device=cuda, got 'cpu' \(set parallel\.cuda_graphs=false\)",
+    ):
+        check_startup(cfg, write_dirs={}, read_data=False)
+    check_startup(load_config(gpu1, ["--run.device=cpu", "--parallel.cuda_graphs=false"], cls=JobConfig), write_dirs={}, read_data=False)  # fmt: skip

@@ -187,7 +187,8 @@ def check_startup(config: JobConfig, *, write_dirs: dict[str, str], read_data: b
 
     Raises:
         StartupError: naming the flag or field, and the path or value.
-        ConfigError: FP8 training without torchao (names the extra) or without a float8 GPU.
+        ConfigError: FP8 training without torchao (names the extra) or without a float8 GPU; CUDA graphs
+            off CUDA.
     """
     assert config.model is not None
     try:
@@ -198,6 +199,10 @@ def check_startup(config: JobConfig, *, write_dirs: dict[str, str], read_data: b
         check_float8(config.parallel.float8)
     except (ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
+    if config.parallel.cuda_graphs and (device := _device(config)) != "cuda":
+        raise ConfigError(
+            f"parallel.cuda_graphs needs run.device=cuda, got {device!r} (set parallel.cuda_graphs=false)"
+        )
     corpus = None
     if read_data:
         corpus = check_corpus(
