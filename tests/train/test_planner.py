@@ -288,6 +288,13 @@ def test_explain_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         "run it with: --mesh.pipeline=",
     ):
         assert part in explained, explained
+    # A setting that rules out whole families of layouts is named under the table.
+    main(["--gpus", "2", "--checkpointing", "none", "--top", "1", "--parallel.compile=true", "--parallel.cuda_graphs=true"])  # fmt: skip
+    assert re.search(
+        r"^refused most often \(\d+x\): ValueError: parallel\.cuda_graphs needs",
+        capsys.readouterr().out,
+        re.M,
+    )
     with pytest.raises(SystemExit, match="unknown mode"):
         main(["--gpus", "2", "--checkpointing", "sometimes"])
     with pytest.raises(SystemExit, match="no valid layout named"):

@@ -162,7 +162,10 @@ def state_key(layout: Layout, num_stages: int) -> tuple[int, ...]:
 
 
 def _refusal(e: Exception) -> str:
-    return str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if isinstance(e, _Refused):
+        return str(e)
+    line = str(e).splitlines()[0]
+    return f"{type(e).__name__}: {line[:160]}{' ...' if len(line) > 160 else ''}"
 
 
 def _once(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
@@ -851,6 +854,9 @@ def main(argv: list[str] | None = None) -> None:
     if result.fits:
         print(_table(result.fits, args.top))
         print("best: " + " ".join(result.fits[0].layout.overrides()))
+        if result.refused:  # e.g. a setting of the job that rules out whole families of layouts
+            why, n = result.refused.most_common(1)[0]
+            print(f"refused most often ({n}x): {why}")
         return
     if result.too_big:
         need = result.too_big[0]
