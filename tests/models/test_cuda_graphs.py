@@ -224,16 +224,28 @@ def test_cuda_graphs_refuse_tensor_parallelism_and_host_synchronising_expert_dis
 
 
 def _train(
-    hf: dict, cuda_graphs: bool, microbatches: int, steps: int = 6, data_shard: int = 1, expert: int = 1
+    hf: dict,
+    cuda_graphs: bool,
+    microbatches: int,
+    steps: int = 6,
+    data_shard: int = 1,
+    expert: int = 1,
+    checkpointing: str = "none",
 ) -> tuple[list[float], dict[str, torch.Tensor], int, list[int]]:
     """``steps`` AdamW steps of the bf16 model on two alternating packed batches with different documents
     (FlexAttention with document masks, as the main job on a GPU), each step's gradient accumulated over
     ``microbatches`` backwards: losses, final weights, the graph launches seen in the steps after the
     first three (the graph trees' warm-up and recording), and the graph recordings seen in the first three
     steps and in the rest. ``data_shard`` > 1: FSDP over that many ranks (run on each), each rank its own
-    batches; ``expert`` > 1: the experts split over that many of them (the all-gather dispatch)."""
+    batches; ``expert`` > 1: the experts split over that many of them (the all-gather dispatch);
+    ``checkpointing``: every decoder layer's activation checkpointing mode."""
     torch._dynamo.reset()
-    parallel = ParallelConfig(compile=True, cuda_graphs=cuda_graphs, expert_dispatch="all_gather")
+    parallel = ParallelConfig(
+        compile=True,
+        cuda_graphs=cuda_graphs,
+        expert_dispatch="all_gather",
+        activation_checkpointing={"mode": checkpointing},
+    )
     provider = CausalLMProvider(config_from_hf(hf), parallel=parallel, dtype=torch.bfloat16, seed=0)
     model = provider.build_stage(0, 1)
     ctx = None
@@ -294,6 +306,23 @@ def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
     # (the first steps' recordings show that the profile sees them).
     assert records[0] > 0 and records[1] == 0
     # The same compiled kernels, replayed: equal up to bf16 rounding of the updates.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
+    for name, w in weights.items():
+        torch.testing.assert_close(w, ref_weights[name], msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_cuda_graph_training_of_checkpointed_layers_equals_compiled_training(mode):
+    """Each decoder layer checkpointed (its recomputation inside the compiled layer's backward graph), as a
+    user of ``gpu1.toml`` who turns checkpointing on runs it: the graphs replay and train as without them."""
+    from torch._dynamo.utils import counters
+
+    ref_losses, ref_weights, _, _ = _train(MOE, cuda_graphs=False, microbatches=2, checkpointing=mode)
+    counters.clear()
+    losses, weights, launches, records = _train(MOE, cuda_graphs=True, microbatches=2, checkpointing=mode)
+    assert counters["inductor"]["cudagraph_skips"] == 0 and launches > 0
+    assert records[0] > 0 and records[1] == 0
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
     for name, w in weights.items():
         torch.testing.assert_close(w, ref_weights[name], msg=name)
