@@ -22,8 +22,9 @@ planner's first pick is within 5% of the fastest measured layout. ``--only`` run
 alike (e.g. FSDP's unit size, which the planner prices but does not choose). ``--save-machine F`` writes the
 planner's machine (calibrated or not) and ``--machine F`` starts from one, so a later run on the same machine
 can skip ``--calibrate``. ``gpu1.toml`` replays its layers as CUDA graphs, which allow FSDP (and expert
-parallelism with the ``all_gather`` dispatch) only: the planner lists no other layout; the tables of ``results/plan_accuracy.md`` were measured
-before the config turned them on, and ``--set parallel.cuda_graphs=false`` runs those jobs.
+parallelism with the ``all_gather`` dispatch) only: the planner lists no other layout; the tables of
+``results/plan_accuracy.md`` were measured before the config turned them on, and ``--set
+parallel.cuda_graphs=false`` runs those jobs.
 """
 
 from __future__ import annotations
