@@ -675,10 +675,10 @@ def run_row(args: argparse.Namespace) -> dict[str, float]:
     if impl.startswith("plait_step_"):
         return row_plait_step(args, compiled)
     extra = trainer_layout(impl, args.batch, int(args.model["num_hidden_layers"]))[1]
-    if impl == "plait_trainer_no_graphs":
-        extra.append("--parallel.cuda_graphs=false")
-    if args.activation_checkpointing != "none":  # (measured without CUDA graphs: not run with them on GPU)
+    checkpointed = args.activation_checkpointing != "none"
+    if checkpointed:
         extra.append(f"--parallel.activation_checkpointing.mode={args.activation_checkpointing}")
+    if impl == "plait_trainer_no_graphs" or checkpointed:  # checkpointing: measured without CUDA graphs
         extra.append("--parallel.cuda_graphs=false")
     return row_plait_trainer(args, compiled, extra + args.trainer_args.split())
 

@@ -290,15 +290,13 @@ def _train(
     return losses, weights, launches, records
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("microbatches", [1, 2], ids=["one_backward", "accumulated"])
-@pytest.mark.parametrize("hf", [MOE, LLAMA], ids=["qwen3_moe", "llama"])
-def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
+def _graphs_train_as_compiled(hf: dict, **kw: int | str) -> None:
+    """``_train`` with graphs against the same compiled training without them."""
     from torch._dynamo.utils import counters
 
-    ref_losses, ref_weights, ref_launches, _ = _train(hf, cuda_graphs=False, microbatches=microbatches)
+    ref_losses, ref_weights, ref_launches, _ = _train(hf, cuda_graphs=False, **kw)
     counters.clear()
-    losses, weights, launches, records = _train(hf, cuda_graphs=True, microbatches=microbatches)
+    losses, weights, launches, records = _train(hf, cuda_graphs=True, **kw)
     assert counters["inductor"]["cudagraph_skips"] == 0  # no layer fell back to plain launches
     assert ref_launches == 0
     assert launches > 0
@@ -312,20 +310,18 @@ def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("microbatches", [1, 2], ids=["one_backward", "accumulated"])
+@pytest.mark.parametrize("hf", [MOE, LLAMA], ids=["qwen3_moe", "llama"])
+def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
+    _graphs_train_as_compiled(hf, microbatches=microbatches)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_cuda_graph_training_of_checkpointed_layers_equals_compiled_training(mode):
     """Each decoder layer checkpointed (its recomputation inside the compiled layer's backward graph), as a
     user of ``gpu1.toml`` who turns checkpointing on runs it: the graphs replay and train as without them."""
-    from torch._dynamo.utils import counters
-
-    ref_losses, ref_weights, _, _ = _train(MOE, cuda_graphs=False, microbatches=2, checkpointing=mode)
-    counters.clear()
-    losses, weights, launches, records = _train(MOE, cuda_graphs=True, microbatches=2, checkpointing=mode)
-    assert counters["inductor"]["cudagraph_skips"] == 0 and launches > 0
-    assert records[0] > 0 and records[1] == 0
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
-    for name, w in weights.items():
-        torch.testing.assert_close(w, ref_weights[name], msg=name)
+    _graphs_train_as_compiled(MOE, microbatches=2, checkpointing=mode)
 
 
 def _fsdp_pair(hf: dict, microbatches: int, expert: int) -> dict[str, object]:

@@ -191,15 +191,16 @@ def check_startup(config: JobConfig, *, write_dirs: dict[str, str], read_data: b
             off CUDA.
     """
     assert config.model is not None
+    device = _device(config)
     try:
-        check_fits(config.model, _device(config), parse_dtype(config.model_dtype), _world_size())
+        check_fits(config.model, device, parse_dtype(config.model_dtype), _world_size())
     except ValueError as e:
         raise StartupError(f"model: {e}") from None
     try:
         check_float8(config.parallel.float8)
     except (ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
-    if config.parallel.cuda_graphs and (device := _device(config)) != "cuda":
+    if config.parallel.cuda_graphs and device != "cuda":
         raise ConfigError(
             f"parallel.cuda_graphs needs run.device=cuda, got {device!r} (set parallel.cuda_graphs=false)"
         )
