@@ -231,14 +231,14 @@ def _train(
     data_shard: int = 1,
     expert: int = 1,
     checkpointing: str = "none",
-) -> tuple[list[float], dict[str, torch.Tensor], int, list[int]]:
+) -> tuple[list[float], dict[str, torch.Tensor], int, list[int], dict[str, torch.Tensor]]:
     """``steps`` AdamW steps of the bf16 model on two alternating packed batches with different documents
     (FlexAttention with document masks, as the main job on a GPU), each step's gradient accumulated over
     ``microbatches`` backwards: losses, final weights, the graph launches seen in the steps after the
-    first three (the graph trees' warm-up and recording), and the graph recordings seen in the first three
-    steps and in the rest. ``data_shard`` > 1: FSDP over that many ranks (run on each), each rank its own
-    batches; ``expert`` > 1: the experts split over that many of them (the all-gather dispatch);
-    ``checkpointing``: every decoder layer's activation checkpointing mode."""
+    first three (the graph trees' warm-up and recording), the graph recordings seen in the first three
+    steps and in the rest, and the initial weights. ``data_shard`` > 1: FSDP over that many ranks (run on
+    each), each rank its own batches; ``expert`` > 1: the experts split over that many of them (the
+    all-gather dispatch); ``checkpointing``: every decoder layer's activation checkpointing mode."""
     torch._dynamo.reset()
     parallel = ParallelConfig(
         compile=True,
@@ -255,6 +255,7 @@ def _train(
     provider.parallelize(model, ctx)
     provider.materialize(model, "cuda")
     model.train()
+    initial = _weights(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(ctx.rank if ctx is not None else 0)
     b, s = 2, 128  # FlexAttention's block size: shorter rows did not lower (fp32, 64 tokens)
@@ -283,37 +284,63 @@ def _train(
         sum(e.count for e in w.key_averages() if e.key.startswith("CUDAGraphNode.record"))
         for w in (first, rest)
     ]
-    weights = {
+    return losses, _weights(model), launches, records, initial
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()
     }
-    return losses, weights, launches, records
 
 
-def _graphs_train_as_compiled(hf: dict, **kw: int | str) -> None:
-    """``_train`` with graphs against the same compiled training without them."""
+def _graphs_and_compiled(hf: dict, **kw: int | str) -> dict[str, object]:
+    """``_train`` with graphs and without them."""
     from torch._dynamo.utils import counters
 
-    ref_losses, ref_weights, ref_launches, _ = _train(hf, cuda_graphs=False, **kw)
+    ref_losses, ref_weights, ref_launches, _, initial = _train(hf, cuda_graphs=False, **kw)
     counters.clear()
-    losses, weights, launches, records = _train(hf, cuda_graphs=True, **kw)
-    assert counters["inductor"]["cudagraph_skips"] == 0  # no layer fell back to plain launches
-    assert ref_launches == 0
-    assert launches > 0
+    losses, weights, launches, records, _ = _train(hf, cuda_graphs=True, **kw)
+    return {
+        "skips": counters["inductor"]["cudagraph_skips"], "launches": (launches, ref_launches),
+        "records": records, "losses": (losses, ref_losses), "weights": (weights, ref_weights, initial),
+    }  # fmt: skip
+
+
+def _check_trains_as_compiled(run: dict) -> None:
+    """The graphs replayed and trained as the compiled layers do.
+
+    The weights: each moved as without graphs, the two within a fifth of the distance it moved (plus bf16's
+    rounding, 2**-8 of its norm). Not equal up to bf16: the compiled training without graphs differs from
+    itself between runs (the small Qwen3-MoE's by up to 1.5% of a weight's norm after 6 steps, in hundreds
+    of elements beyond bf16's tolerance; a router's top-k choice that flips sends tokens to other experts),
+    while the graphs' runs repeated bit for bit (H200, 2026-12-02). A weight whose gradients a graph lost
+    would be off by all of its move."""
+    assert run["skips"] == 0  # no layer fell back to plain launches
+    launches, ref_launches = run["launches"]
+    assert ref_launches == 0 and launches > 0
     # New masks each forward, at the addresses of the last ones: the graphs replay, none records again
     # (the first steps' recordings show that the profile sees them).
-    assert records[0] > 0 and records[1] == 0
-    # The same compiled kernels, replayed: equal up to bf16 rounding of the updates.
+    assert run["records"][0] > 0 and run["records"][1] == 0
+    losses, ref_losses = run["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
+    weights, ref, initial = run["weights"]
+    worst = 0.0
     for name, w in weights.items():
-        torch.testing.assert_close(w, ref_weights[name], msg=name)
+        r = ref[name].float()
+        off, moved = (w.float() - r).norm().item(), (r - initial[name].float()).norm().item()
+        worst = max(worst, off / moved if moved else 0.0)  # a norm's weights near 1 round 1e-3 steps away
+        assert off <= moved / 5 + 2**-8 * r.norm().item(), (
+            f"{name}: {off:.3g} from the compiled run's, which moved {moved:.3g}"
+        )
+    print(f"largest distance from the compiled run's weights over their move: {worst:.3f}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("microbatches", [1, 2], ids=["one_backward", "accumulated"])
 @pytest.mark.parametrize("hf", [MOE, LLAMA], ids=["qwen3_moe", "llama"])
 def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
-    _graphs_train_as_compiled(hf, microbatches=microbatches)
+    _check_trains_as_compiled(_graphs_and_compiled(hf, microbatches=microbatches))
 
 
 @pytest.mark.gpu
@@ -321,21 +348,12 @@ def test_cuda_graph_training_equals_compiled_training(hf, microbatches):
 def test_cuda_graph_training_of_checkpointed_layers_equals_compiled_training(mode):
     """Each decoder layer checkpointed (its recomputation inside the compiled layer's backward graph), as a
     user of ``gpu1.toml`` who turns checkpointing on runs it: the graphs replay and train as without them."""
-    _graphs_train_as_compiled(MOE, microbatches=2, checkpointing=mode)
+    _check_trains_as_compiled(_graphs_and_compiled(MOE, microbatches=2, checkpointing=mode))
 
 
 def _fsdp_pair(hf: dict, microbatches: int, expert: int) -> dict[str, object]:
-    """On each of two ranks: FSDP (and EP) training with graphs against the same without them."""
-    from torch._dynamo.utils import counters
-
-    layout = {"microbatches": microbatches, "data_shard": 2, "expert": expert}
-    ref_losses, ref_weights, _, _ = _train(hf, cuda_graphs=False, **layout)
-    counters.clear()
-    losses, weights, launches, records = _train(hf, cuda_graphs=True, **layout)
-    return {
-        "skips": counters["inductor"]["cudagraph_skips"], "launches": launches, "records": records,
-        "losses": (losses, ref_losses), "weights": (weights, ref_weights),
-    }  # fmt: skip
+    """On each of two ranks: FSDP (and EP) training with graphs and without them."""
+    return _graphs_and_compiled(hf, microbatches=microbatches, data_shard=2, expert=expert)
 
 
 @pytest.mark.multigpu
@@ -347,10 +365,4 @@ def test_cuda_graph_training_under_fsdp_equals_compiled_fsdp_training(microbatch
     parameters at fixed addresses, replay as graphs without recording again, and train as the compiled
     layers do."""
     for rank in run_distributed(_fsdp_pair, 2, MOE, microbatches, expert, backend="nccl", timeout=600):
-        assert rank["skips"] == 0 and rank["launches"] > 0
-        assert rank["records"][0] > 0 and rank["records"][1] == 0
-        losses, ref_losses = rank["losses"]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-4)
-        weights, ref_weights = rank["weights"]
-        for name, w in weights.items():
-            torch.testing.assert_close(w, ref_weights[name], msg=name)
+        _check_trains_as_compiled(rank)

@@ -879,7 +879,10 @@ def calibrated(
       ``recompute`` (each mode's over it); on a GPU, ``idle_s``: that microbatch's wall time less its busy
       time when the GPU bounds it; ``activation_scale``: the bytes its forward keeps over
       the planner's count, and ``backward_scale``: the backward's peak above them over the count of the
-      largest layer's unchecked activations.
+      largest layer's unchecked activations. Under ``parallel.cuda_graphs`` the times are the graphs' and
+      the bytes the same compiled layers' launched kernel by kernel (a graph replays its tensors at addresses
+      its pool holds, outside the allocator's count; the pool holds as much: the main job reserved 14.2 GiB
+      without graphs, 14.3 with, ``results/cuda_graphs.md``).
     - ``optimizer_bytes_per_s``: the job's optimizer stepped on that model's gradients.
     - FSDP2's figures (planning for more than one GPU): the model under FSDP2 (``parallel``'s units, resharding
       and mixed precision) over as many of this machine's GPUs as planned for (one gloo rank without CUDA)
@@ -892,8 +895,9 @@ def calibrated(
       less the model's forward and backward (wall time) and the optimizer step; ``microbatch_s``: the job run
       again with four microbatches of one sample per step (the host bounds them), each less the model's
       forward and backward of one sample.
-    - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps, over the
-      largest layer's activations of their microbatch.
+    - ``allocator_slack`` (on a GPU): the peak reserved less the peak allocated bytes of those steps (run
+      again without CUDA graphs if the job has them), over the largest layer's activations of their
+      microbatch.
     - ``expert_host_s`` and ``expert_token_s`` (a MoE model, for each expert-parallel degree P of ``gpus``
       that divides the experts and that this machine has the GPUs for): the model with its experts sharded
       over P GPUs against the same model whole on each, the wall times of one sample and of two microbatches
@@ -912,6 +916,7 @@ def calibrated(
     b, par = job.config.batching, job.config.parallel
     mb, seq = b.microbatch_size, b.seq_len
     job_mode = par.activation_checkpointing.mode
+    graphs = par.cuda_graphs and device.type == "cuda"
 
     def one_gpu(mode: str) -> Layout:
         return Layout(1, 1, 1, 1, 1, 1, None, 1, mb, mode)
@@ -921,6 +926,9 @@ def calibrated(
         config_file.write_text(json.dumps(job.config.model_dump(mode="json", exclude_unset=True)))
         overrides = [*one_gpu(job_mode).overrides(), f"--batching.global_batch_size={mb}"]
         tok_s, allocated, reserved = run_job(config_file, 1, overrides, steps)
+        if graphs:  # the memory without them: a graph's replayed tensors are outside the allocator's count
+            plain_job = [*overrides, "--parallel.cuda_graphs=false"]
+            _, allocated, reserved = run_job(config_file, 1, plain_job, steps)
         # microbatches of one sample, where the host bounds the job: what it adds to each beyond the model
         few = dataclasses.replace(one_gpu(job_mode), microbatch_size=1).overrides()
         few_tok_s = run_job(config_file, 1, [*few, f"--batching.global_batch_size={_FEW}"], steps)[0]
@@ -929,10 +937,7 @@ def calibrated(
     layer_bytes = mb * sum(job.activation(one_gpu(job_mode)).transient)  # the largest layer's, unchecked
     for mode in dict.fromkeys(("none", *modes, job_mode)):
         ac = par.activation_checkpointing.model_copy(update={"mode": mode})
-        provider = job.provider(activation_checkpointing=ac)
-        model = provider.parallelize(provider.build_stage(0, 1), None)
-        provider.materialize(model, device)
-        torch.compiler.reset()  # the mode's own graphs, each shape's static (static_shapes)
+        model = _built(job, device, activation_checkpointing=ac)
         one = one_sample[mode] = host[mode] = forward_backward_s(model, 1, seq, device)
         # the GPU's busy time at the microbatch (elsewhere than CUDA: the wall time)
         busy[mode] = forward_backward_s(model, mb, seq, device, busy=True)
@@ -940,7 +945,12 @@ def calibrated(
             wall = forward_backward_s(model, mb, seq, device)
             idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
-            kept, peak = activation_bytes(model, mb, seq, device)
+            if graphs:  # the same compiled layers launched one kernel at a time, their tensors all counted
+                plain = _built(job, device, activation_checkpointing=ac, cuda_graphs=False)
+                kept, peak = activation_bytes(plain, mb, seq, device)
+                del plain
+            else:
+                kept, peak = activation_bytes(model, mb, seq, device)
             scale[mode] = kept / counted
             backward[mode] = (peak - kept) / layer_bytes
         else:  # ops run as issued: a fixed time per microbatch, the rest per sample
@@ -956,7 +966,7 @@ def calibrated(
     per_microbatch = (_FEW * seq / few_tok_s - t_optimizer - step_s) / _FEW
     return dataclasses.replace(
         machine,
-        flops=provider.flops_per_token(seq) * seq * mb / busy["none"],
+        flops=job.flops_per_token * seq * mb / busy["none"],
         host_s=tuple(host.items()),
         idle_s=tuple(idle.items()),
         recompute=tuple((m, t / busy["none"]) for m, t in busy.items()),
@@ -969,6 +979,16 @@ def calibrated(
         host_overlaps=device.type == "cuda",
         **on_ranks,
     )
+
+
+def _built(job: PlanJob, device: torch.device, **parallel: Any) -> torch.nn.Module:
+    """The job's model as one stage on ``device``, with ``parallel`` changed, compiled afresh (the mode's own
+    graphs, each shape's static: :func:`~plait.train.planner.timing.static_shapes`)."""
+    provider = job.provider(**parallel)
+    model = provider.parallelize(provider.build_stage(0, 1), None)
+    provider.materialize(model, device)
+    torch.compiler.reset()
+    return model
 
 
 _FEW = 4  # microbatches of one sample in a step that measures the job's own time per microbatch
