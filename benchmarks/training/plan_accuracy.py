@@ -23,7 +23,7 @@ alike (e.g. FSDP's unit size, which the planner prices but does not choose). ``-
 planner's machine (calibrated or not) and ``--machine F`` starts from one, so a later run on the same machine
 can skip ``--calibrate``. ``gpu1.toml`` replays its layers as CUDA graphs, which allow FSDP (and expert
 parallelism with the ``all_gather`` dispatch) only: the planner lists no other layout; the tables of
-``results/plan_accuracy.md`` were measured before the config turned them on, and ``--set
+``results/plan_accuracy.md`` after its first were measured before the config turned them on, and ``--set
 parallel.cuda_graphs=false`` runs those jobs.
 """
 
