@@ -428,6 +428,28 @@ def test_calibration_measures_the_job_on_this_device() -> None:
         main(["--gpus", "1", "--calibrate", missing])
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_calibration_under_cuda_graphs_counts_the_activations_as_without_them() -> None:
+    """A replayed CUDA graph's tensors sit in its pool, outside the allocator's count: the calibration of a
+    job with graphs measures its activation figures as the same job's without them (read under the graphs,
+    they were 0.00x of the count for the main job on an H200), and its host floor below theirs (what the
+    graphs are for)."""
+    from plait.train.planner import calibrated
+
+    base = ("--batching.seq_len=256", "--batching.global_batch_size=8", "--batching.microbatch_size=4",
+            "--parallel.compile=true", "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
+    graphs, plain = (
+        calibrated(
+            PlanJob(_config(*base, f"--parallel.cuda_graphs={on}")), Machine(), modes=("none",), steps=4
+        )
+        for on in ("true", "false")
+    )
+    for field in ("activation_scale", "backward_scale"):
+        assert graphs.of_mode(field, "none") == pytest.approx(plain.of_mode(field, "none"), rel=0.1), field
+    assert graphs.of_mode("host_s", "none") < plain.of_mode("host_s", "none")
+
+
 def test_a_tensor_parallel_probe_that_fails_is_named_and_its_layouts_priced_at_the_bandwidth(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
