@@ -132,8 +132,10 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Plan:
-    """The priced layouts (fastest first), those over the GPU's memory, why the others were refused, and
-    how many valid-looking layouts were ranked below those built exactly (``unverified``)."""
+    """The priced layouts (fastest first), those over the GPU's memory, why the others were refused (counted
+    by the reasons' first 170 characters, which leave out most of what names one layout; ``examples``: the
+    first whole reason of each), and how many valid-looking layouts were ranked below those built exactly
+    (``unverified``)."""
 
     gpus: int
     machine: Machine
@@ -141,6 +143,7 @@ class Plan:
     too_big: list[Prediction]
     refused: Counter[str]
     unverified: int = 0
+    examples: dict[str, str] = field(default_factory=dict)
 
 
 Placement = tuple[tuple[int, ...], ...]  # the stages of each pipeline rank
@@ -164,8 +167,12 @@ def state_key(layout: Layout, num_stages: int) -> tuple[int, ...]:
 def _refusal(e: Exception) -> str:
     if isinstance(e, _Refused):
         return str(e)
-    line = str(e).splitlines()[0]
-    return f"{type(e).__name__}: {line[:160]}{' ...' if len(line) > 160 else ''}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+
+
+def _gist(reason: str) -> str:
+    """What refusals are counted by: ``reason``'s first 170 characters."""
+    return reason if len(reason) <= 170 else reason[:170] + " ..."
 
 
 def _once(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
@@ -694,6 +701,12 @@ def plan(
     job = job or PlanJob(config)
     experts = getattr(config.model, "num_experts", None)
     refused = Counter[str]()
+    examples: dict[str, str] = {}
+
+    def refuse(reason: str) -> None:
+        refused[_gist(reason)] += 1
+        examples.setdefault(_gist(reason), reason)
+
     coarse: dict[tuple[int, ...], list[tuple[Layout, Prediction]]] = {}
     for layout in candidate_layouts(
         gpus, global_batch_size=config.batching.global_batch_size, num_experts=experts,
@@ -701,7 +714,7 @@ def plan(
     ):  # fmt: skip
         result = predict(job, layout, machine, exact=False)
         if isinstance(result, str):
-            refused[result] += 1
+            refuse(result)
             continue
         coarse.setdefault(state_key(layout, result.num_stages), []).append((layout, result))
 
@@ -718,7 +731,7 @@ def plan(
         for layout, _ in coarse[keys.pop(0)]:
             result = predict(job, layout, machine)
             if isinstance(result, str):
-                refused[result] += 1
+                refuse(result)
                 continue
             (too_big if result.peak_bytes > machine.memory_gib * GIB else fits).append(result)
             valid = True
@@ -726,7 +739,7 @@ def plan(
     fits.sort(key=_rank)
     too_big.sort(key=lambda r: r.peak_bytes)
     unverified = sum(len(coarse[k]) for k in keys)
-    return Plan(gpus, machine, fits, too_big, refused, unverified)
+    return Plan(gpus, machine, fits, too_big, refused, unverified, examples)
 
 
 def _rank(p: Prediction) -> tuple[float, int]:
@@ -856,14 +869,15 @@ def main(argv: list[str] | None = None) -> None:
         print("best: " + " ".join(result.fits[0].layout.overrides()))
         if result.refused:  # e.g. a setting of the job that rules out whole families of layouts
             why, n = result.refused.most_common(1)[0]
-            print(f"refused most often ({n}x): {why}")
+            print(f"refused most often ({n}x): {result.examples.get(why, why)}")
         return
     if result.too_big:
         need = result.too_big[0]
         print(f"nothing fits in {machine.memory_gib:g} GiB: the smallest layout needs {need.peak_bytes / GIB:.3g} GiB "
               f"({need.layout.name}); " + _smallest_fit(config, args.gpus, machine, job))  # fmt: skip
     else:
-        print("no layout is valid: " + "; ".join(f"{k} ({n}x)" for k, n in result.refused.most_common(5)))
+        print("no layout is valid: "
+              + "; ".join(f"{result.examples.get(k, k)} ({n}x)" for k, n in result.refused.most_common(5)))  # fmt: skip
     raise SystemExit(1)
 
 
