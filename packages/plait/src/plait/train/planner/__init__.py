@@ -167,7 +167,7 @@ def state_key(layout: Layout, num_stages: int) -> tuple[int, ...]:
 def _refusal(e: Exception) -> str:
     if isinstance(e, _Refused):
         return str(e)
-    return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"  # a bare assert has no message
 
 
 def _gist(reason: str) -> str:
