@@ -959,12 +959,12 @@ def calibrated(
             wall = forward_backward_s(model, mb, seq, device)
             idle[mode] = max(0.0, wall - busy[mode]) if busy[mode] > one else 0.0  # GPU-bound only
             counted = mb * job.stage_activations(one_gpu(mode), 1)[0]
-            if graphs:  # the same compiled layers launched one kernel at a time, their tensors all counted
-                plain = _built(job, device, activation_checkpointing=ac, cuda_graphs=False)
-                kept, peak = activation_bytes(plain, mb, seq, device)
-                del plain
-            else:
-                kept, peak = activation_bytes(model, mb, seq, device)
+            # under graphs, the same compiled layers launched one kernel at a time: their tensors all counted
+            counting = (
+                _built(job, device, activation_checkpointing=ac, cuda_graphs=False) if graphs else model
+            )
+            kept, peak = activation_bytes(counting, mb, seq, device)
+            del counting
             scale[mode] = kept / counted
             backward[mode] = (peak - kept) / layer_bytes
         else:  # ops run as issued: a fixed time per microbatch, the rest per sample
