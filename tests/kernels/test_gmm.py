@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plait.kernels import GradDirection, gmm, grad_direction
+from plait.kernels.gmm import gmm_reference
 
 
 def _ref64(x, w, counts, trans_w):
@@ -97,3 +98,22 @@ def test_gmm_gpu_real_shapes(backend):
     counts = [512, 0, 1024, 8, 256, 0, 2048, 136]
     check_gmm(torch.bfloat16, counts, 2048, 768, True, backend, "cuda")
     check_gmm(torch.bfloat16, counts, 768, 2048, False, backend, "cuda")
+
+
+@pytest.mark.gpu
+def test_gmm_under_cuda_graph_capture_keeps_the_sizes_on_the_device_or_says_why_not():
+    """A CUDA graph cannot read device values on the host: bf16 operands (``_grouped_mm``) are captured and
+    replay the eager result for new sizes; float32 operands (the loop) raise an error naming why."""
+    tpe = torch.tensor([3, 0, 5, 8], device="cuda")
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16)
+    gmm(x, w, tpe, trans_w=True)  # warm-up outside the capture (cuBLAS/CUTLASS workspaces)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gmm(x, w, tpe, trans_w=True)
+    tpe.copy_(torch.tensor([8, 4, 0, 4]))
+    graph.replay()
+    torch.testing.assert_close(out, gmm_reference(x, w, tpe.cpu(), trans_w=True), atol=0.1, rtol=2e-2)
+    host = r"'loop' backend reads tokens_per_expert on the host.*bfloat16"
+    with pytest.raises(RuntimeError, match=host), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        gmm(x.float(), w.float(), tpe, trans_w=True)

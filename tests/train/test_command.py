@@ -50,10 +50,11 @@ def test_config_keys_lists_every_key(capsys) -> None:
 
 
 def test_config_prints_the_resolved_config_with_overrides(capsys) -> None:
-    plait(["config", "--run.steps=7", "--data.source=x.jsonl"])
+    plait(["config", "--run.steps=7", "--data.source=x.jsonl", "--model_dtype=bfloat16"])
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["run"]["steps"] == 7 and resolved["data"]["source"] == "x.jsonl"
     assert resolved["model"]["model_type"] == "qwen3_moe"
+    assert resolved["model_dtype"] == "bfloat16"  # a top-level key: no section
 
 
 def test_the_docs_config_reference_is_generated_from_the_classes() -> None:

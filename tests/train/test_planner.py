@@ -289,7 +289,8 @@ def test_explain_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     ):
         assert part in explained, explained
     # A setting that rules out whole families of layouts is named under the table, whole: with its way out.
-    main(["--gpus", "2", "--checkpointing", "none", "--top", "1", "--parallel.compile=true", "--parallel.cuda_graphs=true"])  # fmt: skip
+    graphs = ["--parallel.compile=true", "--parallel.cuda_graphs=true", "--model_dtype=bfloat16"]
+    main(["--gpus", "2", "--checkpointing", "none", "--top", "1", *graphs])
     assert re.search(
         r"^refused most often \(\d+x\): ValueError: parallel\.cuda_graphs needs .*this layout has mesh\.\w+=2 "
         r"\(set parallel\.cuda_graphs=false for it\)$",
@@ -439,7 +440,8 @@ def test_calibration_under_cuda_graphs_counts_the_activations_as_without_them() 
     from plait.train.planner import calibrated
 
     base = ("--batching.seq_len=256", "--batching.global_batch_size=8", "--batching.microbatch_size=4",
-            "--parallel.compile=true", "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
+            "--parallel.compile=true", "--data.max_files=8", "--data.validation_files=1",
+            "--model_dtype=bfloat16", "--optimizer.name=stochastic_adamw")  # fmt: skip
     graphs, plain = (
         calibrated(
             PlanJob(_config(*base, f"--parallel.cuda_graphs={on}")), Machine(), modes=("none",), steps=4
@@ -607,15 +609,11 @@ def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> No
     """Under CUDA graphs FSDP keeps every layer gathered (the plan of plait.models): the FSDP layouts are
     priced as without resharding after forward, those with pipeline, tensor or context ranks, or expert ranks
     with the (default) all-to-all dispatch, are refused by the plan."""
-    graphs = plan(
-        _config("--parallel.compile=true", "--parallel.cuda_graphs=true"), 2, checkpointing=("none",)
-    )
-    kept = plan(
-        _config("--parallel.compile=true", "--parallel.reshard_after_forward=false"),
-        2,
-        checkpointing=("none",),
-    )
-    resharded = plan(_config("--parallel.compile=true"), 2, checkpointing=("none",))
+    compiled = ("--parallel.compile=true", "--model_dtype=bfloat16")  # graphs need bf16 experts
+    on = (*compiled, "--parallel.cuda_graphs=true")
+    graphs = plan(_config(*on), 2, checkpointing=("none",))
+    kept = plan(_config(*compiled, "--parallel.reshard_after_forward=false"), 2, checkpointing=("none",))
+    resharded = plan(_config(*compiled), 2, checkpointing=("none",))
 
     def fsdp(p: Plan) -> dict[str, Any]:
         return {f.layout.name: f for f in p.fits if f.layout.dp_shard == 2 and f.layout.ep == 1}
@@ -628,13 +626,7 @@ def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> No
     assert any("parallel.cuda_graphs needs one stage per process" in why for why in graphs.refused)
     assert any("parallel.expert_dispatch='all_gather'" in why for why in graphs.refused)
     # with the all-gather dispatch (every size on the device) the expert layouts run under graphs
-    gathered = plan(
-        _config(
-            "--parallel.compile=true", "--parallel.cuda_graphs=true", "--parallel.expert_dispatch=all_gather"
-        ),
-        2,
-        checkpointing=("none",),
-    )
+    gathered = plan(_config(*on, "--parallel.expert_dispatch=all_gather"), 2, checkpointing=("none",))
     assert any(f.layout.ep == 2 for f in gathered.fits)
     assert all(f.layout.pp == f.layout.tp == f.layout.cp == 1 for f in gathered.fits)
 

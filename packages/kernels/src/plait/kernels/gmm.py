@@ -96,7 +96,7 @@ def _nv():  # type: ignore[no-untyped-def]
 
 def _resolve(backend: str, x: torch.Tensor, w: torch.Tensor) -> str:
     if backend == "auto":
-        return "torch" if _torch_fast_path(x, w) else "loop"
+        return "torch" if _device_path_refusal(x, w) is None else "loop"
     return backend
 
 
@@ -107,8 +107,18 @@ def _counts(tpe: torch.Tensor, rows: int) -> list[int]:
     return counts
 
 
-def _host_counts(tpe: torch.Tensor, backend: str, rows: int) -> Any:
-    """The group sizes the host-side backends take: a CPU int64 tensor (``"nv"``) or a list (``"loop"``)."""
+def _host_counts(tpe: torch.Tensor, backend: str, rows: int, x: torch.Tensor, w: torch.Tensor) -> Any:
+    """The group sizes the host-side backends take: a CPU int64 tensor (``"nv"``) or a list (``"loop"``).
+
+    Raises:
+        RuntimeError: a CUDA graph is being captured, which cannot read device values on the host.
+    """
+    if tpe.is_cuda and torch.cuda.is_current_stream_capturing():
+        why = f" ({reason})" if backend == "loop" and (reason := _device_path_refusal(x, w)) else ""
+        raise RuntimeError(
+            f"gmm: the {backend!r} backend reads tokens_per_expert on the host, which a CUDA graph being "
+            f"captured cannot do; the 'torch' backend (torch._grouped_mm) keeps them on the device{why}"
+        )
     return tpe.to("cpu", torch.int64) if backend == "nv" else _counts(tpe, rows)
 
 
@@ -121,7 +131,7 @@ def _gmm_host_op(
     x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str
 ) -> torch.Tensor:
     """The backends that read the group sizes on the host (``"loop"``, ``"nv"``): opaque to the compiler."""
-    counts = _host_counts(tpe, backend, x.shape[0])
+    counts = _host_counts(tpe, backend, x.shape[0], x, w)
     if backend == "nv":
         return _nv().gmm(x, w, counts, trans_a=False, trans_b=trans_w)
     return _loop_mm(x, w, counts, trans_w)
@@ -182,7 +192,7 @@ def _gmm_dw_op(
             if empty.numel():
                 dw.index_fill_(0, empty, 0)
         return dw
-    counts = _host_counts(tpe, backend, x.shape[0])
+    counts = _host_counts(tpe, backend, x.shape[0], x, w)
     if backend == "nv":
         nv = _nv()
         return nv.gmm(dy, x, counts, trans_a=True) if trans_w else nv.gmm(x, dy, counts, trans_a=True)
@@ -214,18 +224,20 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
 _gmm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _torch_fast_path(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or not x.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
-        return False
+def _device_path_refusal(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why ``"auto"`` does not take ``torch._grouped_mm`` for these operands (None: it does)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if not x.is_cuda:
+        return f"it runs on CUDA, the operands are on {x.device.type}"
+    if (cap := torch.cuda.get_device_capability(x.device)) < (9, 0):
+        return f"it needs compute capability 9.0 (Hopper) or newer, this GPU's is {cap[0]}.{cap[1]}"
     # CUTLASS path: bf16 operands, 16-byte aligned rows (multiples of 8 bf16 elements).
-    return (
-        x.dtype == w.dtype == torch.bfloat16
-        and x.shape[1] % 8 == 0
-        and w.shape[1] % 8 == 0
-        and w.shape[2] % 8 == 0
-    )
+    if not x.dtype == w.dtype == torch.bfloat16:
+        return f"it needs bfloat16 operands, these are {x.dtype} and {w.dtype}"
+    if x.shape[1] % 8 or w.shape[1] % 8 or w.shape[2] % 8:
+        return f"it needs dims that are multiples of 8, the weights are {tuple(w.shape)}"
+    return None
 
 
 def gmm(

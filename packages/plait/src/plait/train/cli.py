@@ -75,7 +75,7 @@ def config_main(argv: list[str]) -> object:
     what.add_argument("--keys", action="store_true", help="every key: type, default, description")
     what.add_argument("--markdown", action="store_true", help="the config reference page (Markdown)")
     what.add_argument("--schema", action="store_true", help="the JSON schema of the config")
-    overrides, rest = split_cli_overrides(argv)
+    overrides, rest = split_cli_overrides(argv, JobConfig)
     args = ap.parse_args(rest)
     if args.keys:
         print(render_text(JobConfig))

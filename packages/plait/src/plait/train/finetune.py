@@ -92,7 +92,7 @@ def parse_args(argv: list[str], prog: str = "plait finetune") -> tuple[FinetuneC
     ap.add_argument("--config", type=Path, help="TOML/YAML/JSON config file (defaults are built in)")
     ap.add_argument("--steps", type=int, help="optimizer steps (overrides run.steps)")
     ap.add_argument("--run-dir", help="run directory (overrides run.run_dir)")
-    overrides, rest = split_cli_overrides(argv)
+    overrides, rest = split_cli_overrides(argv, FinetuneConfig)
     args = ap.parse_args(rest)  # unknown or misspelt flags are errors
     if args.steps is not None:
         overrides.append(f"--run.steps={args.steps}")

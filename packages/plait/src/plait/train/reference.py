@@ -126,7 +126,8 @@ def render_markdown(cls: type[BaseModel], model_classes: dict[str, type[BaseMode
         "# Config reference",
         "",
         "Generated from the config classes by `plait config --markdown` (do not edit by hand). Every key is",
-        "set in a TOML/YAML/JSON file (`[section]` tables) or on the command line as `--section.key=value`;",
+        "set in a TOML/YAML/JSON file (`[section]` tables) or on the command line as `--section.key=value`",
+        "(a key outside the sections as `--key=value`, e.g. `--model_dtype=bfloat16`);",
         "`plait config [--config F] [--section.key=value ...]` prints the resolved values.",
         "",
     ]

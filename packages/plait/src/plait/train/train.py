@@ -7,11 +7,12 @@ standard library's own source files (CPU, or CUDA when present).
     plait train --init-from HF_DIR                          # start from a Hugging Face checkpoint
     torchrun --nproc-per-node 4 -m plait train --config examples/qwen3_moe/configs/gpu4.toml
 
-Every config key (``--section.key=value`` overrides them): ``plait config``, or the config reference of
-the docs. ``[model] model_type`` picks the family (Hugging Face's names); the other ``[model]`` keys are
-that family's ``config.json`` fields. With ``--init-from HF_DIR`` the checkpoint's ``config.json`` is the
-model (a ``[model]`` section may then be left out; keys it sets must agree with the checkpoint's, except
-the training-only ones, which override it) and its tokenizer the data's.
+Every config key (``--section.key=value`` overrides them, ``--key=value`` those outside the sections, e.g.
+``--model_dtype=bfloat16``): ``plait config``, or the config reference of the docs. ``[model] model_type``
+picks the family (Hugging Face's names); the other ``[model]`` keys are that family's ``config.json``
+fields. With ``--init-from HF_DIR`` the checkpoint's ``config.json`` is the model (a ``[model]`` section
+may then be left out; keys it sets must agree with the checkpoint's, except the training-only ones, which
+override it) and its tokenizer the data's.
 
 The run writes ``<run_dir>/metrics.jsonl``, async checkpoints under ``<run_dir>/checkpoints`` (a rerun
 with the same run dir resumes; a finished run's rerun changes nothing), and at the end a Hugging Face
@@ -85,7 +86,7 @@ def parse_args(
         help="write the freshly initialised model as a Hugging Face checkpoint to DIR and exit; every "
         "parallel layout that starts from it (--init-from DIR) starts from the same weights",
     )
-    overrides, rest = split_cli_overrides(argv)
+    overrides, rest = split_cli_overrides(argv, JobConfig)
     args = ap.parse_args(rest)  # anything else, e.g. "--step 3" for "--steps 3", is an error
     if args.steps is not None:
         overrides.append(f"--run.steps={args.steps}")

@@ -295,13 +295,17 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def split_cli_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split ``argv`` into dotted overrides (``--a.b=v``) and the remaining arguments."""
+def split_cli_overrides(
+    argv: Sequence[str], cls: type[BaseModel] | None = None
+) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into overrides and the remaining arguments: dotted ones (``--a.b=v``) and, with
+    ``cls``, ``--key=v`` for a top-level field ``key`` of ``cls`` (``--model_dtype=bfloat16``)."""
     overrides: list[str] = []
     rest: list[str] = []
+    top = set(cls.model_fields) if cls is not None else set()
     for arg in argv:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
-        (overrides if "." in key and "=" in arg else rest).append(arg)
+        (overrides if ("." in key or key in top) and "=" in arg else rest).append(arg)
     return overrides, rest
 
 

@@ -804,7 +804,7 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, PlanJob, Machine, t
     ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING), help="modes to consider")
     ap.add_argument("--top", type=int, default=15, help="rows of the table")
     ap.add_argument("--explain", metavar="LAYOUT", help="the breakdown of one layout (its name in the table)")
-    overrides, rest = split_cli_overrides(argv)
+    overrides, rest = split_cli_overrides(argv, JobConfig)
     args = ap.parse_args(rest)
     for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
         if value is not None and value < 1:
