@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from plait.loop import BatchPlan, ConfigError, TrainerConfig, config_json_schema, dump_config, load_config
+from plait.loop import (
+    BatchPlan,
+    ConfigError,
+    TrainerConfig,
+    config_json_schema,
+    dump_config,
+    load_config,
+    split_cli_overrides,
+)
 from plait.loop.config import SGDConfig, read_config_file
 
 TOML = """
@@ -274,3 +282,15 @@ def test_num_pipeline_stages_follows_mesh_and_schedule():
     )
     zbv = load_config(overrides=["--mesh.pipeline=2", "--pipeline.kind=zbv", "--batching.microbatch_size=2"])
     assert zbv.num_pipeline_stages == 4
+
+
+def test_command_line_overrides_are_dotted_keys_or_the_config_classs_top_level_keys():
+    class Job(TrainerConfig):
+        dtype: str = "float32"
+
+    argv = ["--run.steps=3", "--dtype=bfloat16", "--steps=4", "--dtype", "x", "--run-dir=d", "file.toml"]
+    overrides, rest = split_cli_overrides(argv, Job)
+    assert overrides == ["--run.steps=3", "--dtype=bfloat16"]
+    assert rest == ["--steps=4", "--dtype", "x", "--run-dir=d", "file.toml"]  # flags stay for argparse
+    assert split_cli_overrides(argv)[0] == ["--run.steps=3"]  # without the class: dotted keys only
+    assert load_config(None, overrides, cls=Job).dtype == "bfloat16"
