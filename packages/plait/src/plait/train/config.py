@@ -100,8 +100,11 @@ class JobConfig(TrainerConfig):
                 f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
             )
         compute = self.parallel.param_dtype or self.model_dtype
-        moe = any(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-        if self.parallel.cuda_graphs and moe and compute != "bfloat16":
+        if (  # the layers are walked only for a job that asks for graphs in another dtype
+            self.parallel.cuda_graphs
+            and compute != "bfloat16"
+            and any(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+        ):
             raise ValueError(
                 f"parallel.cuda_graphs needs this mixture-of-experts model's experts in bfloat16 (model_dtype or "
                 f"parallel.param_dtype = 'bfloat16'); in {compute} their grouped GEMM reads its group sizes on "

@@ -704,8 +704,9 @@ def plan(
     examples: dict[str, str] = {}
 
     def refuse(reason: str) -> None:
-        refused[_gist(reason)] += 1
-        examples.setdefault(_gist(reason), reason)
+        gist = _gist(reason)
+        refused[gist] += 1
+        examples.setdefault(gist, reason)
 
     coarse: dict[tuple[int, ...], list[tuple[Layout, Prediction]]] = {}
     for layout in candidate_layouts(
@@ -869,7 +870,7 @@ def main(argv: list[str] | None = None) -> None:
         print("best: " + " ".join(result.fits[0].layout.overrides()))
         if result.refused:  # e.g. a setting of the job that rules out whole families of layouts
             why, n = result.refused.most_common(1)[0]
-            print(f"refused most often ({n}x): {result.examples.get(why, why)}")
+            print(f"refused most often ({n}x): {result.examples[why]}")
         return
     if result.too_big:
         need = result.too_big[0]
@@ -877,7 +878,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({need.layout.name}); " + _smallest_fit(config, args.gpus, machine, job))  # fmt: skip
     else:
         print("no layout is valid: "
-              + "; ".join(f"{result.examples.get(k, k)} ({n}x)" for k, n in result.refused.most_common(5)))  # fmt: skip
+              + "; ".join(f"{result.examples[k]} ({n}x)" for k, n in result.refused.most_common(5)))  # fmt: skip
     raise SystemExit(1)
 
 
