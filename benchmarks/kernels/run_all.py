@@ -427,7 +427,7 @@ def bench_gmm(quick: bool) -> None:
         wt = (torch.randn(e, n, k, dtype=torch.bfloat16, device=DEV) * 0.02).requires_grad_()  # [E, N, K]
         dy = torch.randn(tokens, n, dtype=torch.bfloat16, device=DEV)
         fl = 2 * tokens * k * n
-        for be in ("auto", "loop"):
+        for be in ("auto", "triton", "loop"):
             attempt(
                 "gmm fwd",
                 shape,
@@ -464,6 +464,32 @@ def bench_gmm(quick: bool) -> None:
         a = torch.randn(tokens, k, dtype=torch.bfloat16, device=DEV)
         b = torch.randn(k, n * 1, dtype=torch.bfloat16, device=DEV)
         attempt("gmm fwd", shape, "dense mm same FLOPs", lambda a=a, b=b: lambda: a @ b, flops=fl)
+    _bench_gmm_float32(e, k, tokens // 4)
+
+
+def _bench_gmm_float32(e: int, k: int, tokens: int) -> None:
+    """float32 experts (where ``_grouped_mm`` does not run): the Triton kernel against the loop and a dense
+    float32 GEMM of the same FLOPs, in full float32 and in TF32 (``torch.set_float32_matmul_precision``)."""
+    n = 768
+    counts = torch.distributions.Multinomial(tokens, torch.ones(e)).sample().long().to(DEV)
+    x = torch.randn(tokens, k, device=DEV, requires_grad=True)
+    wt = (torch.randn(e, n, k, device=DEV) * 0.02).requires_grad_()
+    dy = torch.randn(tokens, n, device=DEV)
+    a, b = torch.randn(tokens, k, device=DEV), torch.randn(k, n, device=DEV)
+    fl = 2 * tokens * k * n
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision, label in (("highest", "fp32"), ("high", "tf32")):
+            torch.set_float32_matmul_precision(precision)
+            shape = f"E={e} M={tokens} K={k} N={n} {label}"
+            for be in ("triton", "loop"):
+                fwd = lambda be=be: lambda: gmm(x, wt, counts, trans_w=True, backend=be)  # noqa: E731
+                attempt("gmm fwd", shape, f"plait {be}", fwd, flops=fl)
+                bwd = lambda be=be: _bwd(gmm(x, wt, counts, trans_w=True, backend=be), (x, wt), dy)  # noqa: E731
+                attempt("gmm bwd", shape, f"plait {be}", bwd, flops=2 * fl)
+            attempt("gmm fwd", shape, "dense mm same FLOPs", lambda: lambda: a @ b, flops=fl)
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def table(copy_gbs: float, mm_tfs: float) -> str:

@@ -61,6 +61,26 @@ def test_gmm_bf16(backend):
     check_gmm(torch.bfloat16, [5, 0, 11, 2], 32, 24, True, backend)
 
 
+# Triton grouped GEMM, interpreted on CPU: groups spanning several row tiles (fp32 tiles are 64 rows),
+# empty groups first/middle/last, K and N that are no multiples of the tiles, both weight layouts.
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 70, 0, 129], [131, 0, 0]])
+def test_gmm_triton_matches_float64(interpreter_pool, trans_w, counts):
+    interpreter_pool.apply(check_gmm, (torch.float32, counts, 40, 136, trans_w, "triton"))
+
+
+def check_gmm_triton_leaves_rows_past_the_groups(trans_w):
+    x, w = torch.randn(12, 16), torch.randn(3, 16, 8)
+    w = w.transpose(1, 2).contiguous() if trans_w else w
+    y = gmm(x, w, torch.tensor([2, 0, 5]), trans_w=trans_w, backend="triton")
+    assert y.shape == (12, 8)
+    torch.testing.assert_close(y[:7], gmm_reference(x, w, torch.tensor([2, 0, 5]), trans_w=trans_w)[:7])
+
+
+def test_gmm_triton_computes_only_the_grouped_rows(interpreter_pool):
+    interpreter_pool.apply(check_gmm_triton_leaves_rows_past_the_groups, (True,))
+
+
 def test_gmm_auto_backend_on_cpu_is_loop_and_works():
     check_gmm(torch.float32, [2, 3], 8, 8, False, "auto")
 
@@ -85,6 +105,8 @@ def test_gmm_errors():
         gmm(x, w, torch.tensor([2, 3]), trans_w=True)
     with pytest.raises(ValueError, match="backend"):
         gmm(x, w, torch.tensor([2, 3]), backend="cutlass")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"backend='triton'.*CUDA tensors"):
+        gmm(x, w, torch.tensor([2, 3]), backend="triton")  # CPU tensors, not interpreted
     try:
         import grouped_gemm  # noqa: F401
     except ImportError:
@@ -93,27 +115,40 @@ def test_gmm_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "torch", "loop"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton", "loop"])
 def test_gmm_gpu_real_shapes(backend):
     counts = [512, 0, 1024, 8, 256, 0, 2048, 136]
     check_gmm(torch.bfloat16, counts, 2048, 768, True, backend, "cuda")
     check_gmm(torch.bfloat16, counts, 768, 2048, False, backend, "cuda")
+    if backend != "torch":  # _grouped_mm's CUTLASS kernel is bf16 only
+        check_gmm(torch.float32, counts, 2048, 768, True, backend, "cuda")
+        check_gmm(torch.float32, [5, 0, 77, 3], 100, 36, False, backend, "cuda")  # dims no multiple of 8
 
 
 @pytest.mark.gpu
-def test_gmm_under_cuda_graph_capture_keeps_the_sizes_on_the_device_or_says_why_not():
-    """A CUDA graph cannot read device values on the host: bf16 operands (``_grouped_mm``) are captured and
-    replay the eager result for new sizes; float32 operands (the loop) raise an error naming why."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gmm_under_cuda_graph_capture_keeps_the_sizes_on_the_device(dtype):
+    """A CUDA graph cannot read device values on the host: "auto" (``_grouped_mm`` in bf16, the Triton
+    kernel in float32) is captured, forward and backward, and replays the reference for new group sizes;
+    the loop backend, which reads them on the host, raises an error naming the device-side ones."""
     tpe = torch.tensor([3, 0, 5, 8], device="cuda")
-    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16)
-    gmm(x, w, tpe, trans_w=True)  # warm-up outside the capture (cuBLAS/CUTLASS workspaces)
+    x = torch.randn(16, 64, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 32, 64, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(16, 32, device="cuda", dtype=dtype)
+    gmm(x, w, tpe, trans_w=True).backward(dy)  # warm-up outside the capture (workspaces, Triton's compile)
+    x.grad = w.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gmm(x, w, tpe, trans_w=True)
+        out.backward(dy)
     tpe.copy_(torch.tensor([8, 4, 0, 4]))
     graph.replay()
-    torch.testing.assert_close(out, gmm_reference(x, w, tpe.cpu(), trans_w=True), atol=0.1, rtol=2e-2)
-    host = r"'loop' backend reads tokens_per_expert on the host.*bfloat16"
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = gmm_reference(x64, w64, tpe.cpu(), trans_w=True)
+    ref.backward(dy.double())
+    tol = {"atol": 0.1, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    for got, want in ((out, ref), (x.grad, x64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), want, **tol)
+    host = r"'loop' backend reads tokens_per_expert on the host.*'triton' and 'torch' backends"
     with pytest.raises(RuntimeError, match=host), torch.cuda.graph(torch.cuda.CUDAGraph()):
-        gmm(x.float(), w.float(), tpe, trans_w=True)
+        gmm(x.detach(), w.detach(), tpe, trans_w=True, backend="loop")

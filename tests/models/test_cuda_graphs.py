@@ -67,13 +67,15 @@ def test_cuda_graphs_refuse_cpu_activations():
 
 
 class _PoolGrad(torch.autograd.Function):
-    """``x * w`` whose backward hands out the weight gradient in one buffer it rewrites at every call,
-    as a CUDA-graph replay's output in the graph trees' pool is rewritten by the next replay."""
+    """``x * w`` whose backward hands out the weight gradient in one buffer, which its forward overwrites, as
+    a CUDA-graph replay's output in the graph trees' pool is overwritten by the next forward's replays."""
 
     pool: torch.Tensor | None = None
 
     @staticmethod
     def forward(ctx, x, w):
+        if _PoolGrad.pool is not None:
+            _PoolGrad.pool.fill_(-1.0)  # the next forward's replays reuse the pool
         ctx.save_for_backward(x)
         return x * w
 
@@ -82,25 +84,34 @@ class _PoolGrad(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         if _PoolGrad.pool is None:
             _PoolGrad.pool = torch.empty_like(x[0])
-        _PoolGrad.pool.copy_((dy * x).sum(0))  # the next backward overwrites it
+        _PoolGrad.pool.copy_((dy * x).sum(0))
         return None, _PoolGrad.pool.view(_PoolGrad.pool.shape)  # a new tensor on that memory, as a replay's
 
 
-def _accumulate(w: torch.nn.Parameter, xs: list[torch.Tensor]) -> torch.Tensor:
+def _accumulate(w: torch.nn.Parameter, xs: list[torch.Tensor], read=None) -> torch.Tensor:
     """Two steps of ``len(xs)`` microbatches through :class:`_PoolGrad` on ``w``, each step from gradients
-    set to None as ``zero_grad`` does: the last step's accumulated gradient (float64)."""
+    set to None as ``zero_grad`` does, each forward after what the trunk's forward does first under graphs
+    (:func:`own_pending_graph_gradients`): the last step's accumulated gradient (float64). ``read(w)`` runs
+    after each step's backwards, where an optimizer step reads the gradients."""
+    from plait.models.common.model import own_pending_graph_gradients
+
     _PoolGrad.pool = None
     for _ in range(2):
         w.grad = None
         for x in xs:
+            own_pending_graph_gradients()
             _PoolGrad.apply(x, w).sum().backward()
-    return w.grad.double()
+        got = w.grad.double()
+        if read is not None:
+            read(w)
+    return got
 
 
 def test_gradients_accumulate_over_microbatches_whose_backward_reuses_its_output_memory():
-    """Four microbatches accumulate into one gradient although each backward writes its gradient into the
-    same memory (the graph trees' pool): equal to the float64 sum of the microbatches' gradients; without
-    own_graph_gradients, autograd keeps that memory as ``.grad`` and the sum is wrong."""
+    """Four microbatches accumulate into one gradient although each forward overwrites the memory the last
+    backward wrote its gradient in (the graph trees' pool): equal to the float64 sum of the microbatches'
+    gradients; without own_graph_gradients, autograd keeps that memory as ``.grad`` and the sum is wrong.
+    With one microbatch per step no gradient is copied: the step reads it before the next forward."""
     from plait.models.common.model import own_graph_gradients
 
     gen = torch.Generator().manual_seed(0)
@@ -114,6 +125,11 @@ def test_gradients_accumulate_over_microbatches_whose_backward_reuses_its_output
     assert owned.w.grad.data_ptr() != _PoolGrad.pool.data_ptr()
     assert not torch.allclose(_accumulate(plain.w, xs), expected)
     assert plain.w.grad.data_ptr() == _PoolGrad.pool.data_ptr()  # autograd kept the pool's memory
+
+    def in_pool(w):
+        assert w.grad.data_ptr() == _PoolGrad.pool.data_ptr()  # read where the backward left it
+
+    torch.testing.assert_close(_accumulate(owned.w, xs[:1], read=in_pool), xs[0].double().sum(0))
 
 
 def _graph_trunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
@@ -131,7 +147,8 @@ def _graph_trunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
 
 def test_a_training_forward_under_cuda_graphs_owns_the_materialised_layers_gradients(monkeypatch):
     """The hooks go on the parameters a training forward finds, not on those ``parallelize`` saw: materialising
-    the model built on meta replaced every parameter (and would have dropped hooks set before). The layers'
+    the model built on meta replaced every parameter (and would have dropped hooks set before); the next
+    forward copies a gradient the parameter still holds out of the pool. The layers'
     buffers (the routers' load counts, updated inside the layer) become static graph inputs."""
     model = _graph_trunk_on_cpu(monkeypatch)
     weight = model.model.layers["1"].self_attn.o_proj.weight
@@ -144,6 +161,13 @@ def test_a_training_forward_under_cuda_graphs_owns_the_materialised_layers_gradi
     assert not torch.allclose(_accumulate(weight, xs), expected)
     model(input_ids=ids)
     torch.testing.assert_close(_accumulate(weight, xs), expected, rtol=1e-5, atol=1e-5)  # fp32 sums
+    weight.grad = None
+    _PoolGrad.apply(xs[0], weight).sum().backward()
+    assert weight.grad.data_ptr() == _PoolGrad.pool.data_ptr()
+    with torch.no_grad():
+        model(input_ids=ids)  # any forward with graphs copies the held gradient before its replays
+    assert weight.grad.data_ptr() != _PoolGrad.pool.data_ptr()
+    torch.testing.assert_close(weight.grad, xs[0].sum(0))
     buffers = list(model.model.layers["0"].buffers())
     assert buffers and all(b._dynamo_static_input_type == "unguarded" for b in buffers)
 

@@ -119,15 +119,15 @@ def test_cuda_matches_cpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
-def test_cuda_forward_backward_has_no_host_sync(capacity_factor: float | None) -> None:
-    """Router, permute, grouped GEMM (torch._grouped_mm), SwiGLU, unpermute: no device-to-host sync,
-    dropless or with capacity dropping (the permuted buffer has a static size)."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the sync-free grouped GEMM is torch._grouped_mm, Hopper or newer")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_forward_backward_has_no_host_sync(capacity_factor: float | None, dtype: torch.dtype) -> None:
+    """Router, permute, grouped GEMM (torch._grouped_mm in bf16 on Hopper, plait's Triton kernel
+    otherwise), SwiGLU, unpermute: no device-to-host sync, dropless or with capacity dropping (the
+    permuted buffer has a static size)."""
     torch.manual_seed(5)
     layer = MoELayer(64, 32, 8, RouterConfig(top_k=2), capacity_factor=capacity_factor)
-    layer = layer.to(device="cuda", dtype=torch.bfloat16).train()
-    x = torch.randn(4, 96, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer = layer.to(device="cuda", dtype=dtype).train()
+    x = torch.randn(4, 96, 64, device="cuda", dtype=dtype, requires_grad=True)
 
     def step() -> None:
         out = layer(x)

@@ -440,8 +440,7 @@ def test_calibration_under_cuda_graphs_counts_the_activations_as_without_them() 
     from plait.train.planner import calibrated
 
     base = ("--batching.seq_len=256", "--batching.global_batch_size=8", "--batching.microbatch_size=4",
-            "--parallel.compile=true", "--data.max_files=8", "--data.validation_files=1",
-            "--model_dtype=bfloat16", "--optimizer.name=stochastic_adamw")  # fmt: skip
+            "--parallel.compile=true", "--data.max_files=8", "--data.validation_files=1")  # fmt: skip
     graphs, plain = (
         calibrated(
             PlanJob(_config(*base, f"--parallel.cuda_graphs={on}")), Machine(), modes=("none",), steps=4

@@ -4,11 +4,14 @@ Backends:
 
 * ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper+ for bf16; PyTorch >= 2.15
   also runs it on CPU). The default on CUDA when its fast path applies.
+* ``"triton"``: plait's Triton grouped GEMM (:mod:`plait.kernels._triton.gmm`): any float dtype, any
+  GPU Triton runs on, any dims; the group sizes stay on the device. The default on CUDA elsewhere.
 * ``"nv"``: nv-grouped-gemm (``pip install 'plait-kernels[gmm]'``), imported lazily.
-* ``"loop"``: one matmul per expert; works for every dtype/device (the CPU default).
+* ``"loop"``: one matmul per expert, reading the group sizes on the host; every dtype and device (the
+  CPU default).
 
 All backends share one torch op, ``plait::gmm``, a ``triton_op``: ``torch.compile`` traces its body,
-so the ``"torch"`` backend's ``_grouped_mm`` is a node of the compiled graph (no custom-op dispatch);
+so the ``"torch"`` backend's ``_grouped_mm`` (and the ``"triton"`` backend's kernel) is a node of the compiled graph (no custom-op dispatch);
 the host-side backends stay opaque (``plait::gmm_host``). Its backward computes ``dx`` as the forward
 does (with the opposite transpose) and ``dw`` with the custom op ``plait::gmm_weight_grad``, which honours
 :func:`plait.kernels.grad_direction` each time it runs: the inputs pass computes only ``dx``, the
@@ -23,11 +26,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from plait.kernels._dispatch import use_triton
 from plait.kernels.grad_direction import _returned, _weights_wanted
 
 __all__ = ["gmm", "gmm_reference"]
 
-Backend = Literal["auto", "torch", "nv", "loop"]
+Backend = Literal["auto", "torch", "triton", "nv", "loop"]
 
 
 def gmm_reference(
@@ -96,7 +100,9 @@ def _nv():  # type: ignore[no-untyped-def]
 
 def _resolve(backend: str, x: torch.Tensor, w: torch.Tensor) -> str:
     if backend == "auto":
-        return "torch" if _device_path_refusal(x, w) is None else "loop"
+        if _torch_path(x, w):
+            return "torch"
+        return "triton" if x.is_cuda and use_triton(x, w) else "loop"
     return backend
 
 
@@ -107,17 +113,17 @@ def _counts(tpe: torch.Tensor, rows: int) -> list[int]:
     return counts
 
 
-def _host_counts(tpe: torch.Tensor, backend: str, rows: int, x: torch.Tensor, w: torch.Tensor) -> Any:
+def _host_counts(tpe: torch.Tensor, backend: str, rows: int) -> Any:
     """The group sizes the host-side backends take: a CPU int64 tensor (``"nv"``) or a list (``"loop"``).
 
     Raises:
         RuntimeError: a CUDA graph is being captured, which cannot read device values on the host.
     """
     if tpe.is_cuda and torch.cuda.is_current_stream_capturing():
-        why = f" ({reason})" if backend == "loop" and (reason := _device_path_refusal(x, w)) else ""
         raise RuntimeError(
             f"gmm: the {backend!r} backend reads tokens_per_expert on the host, which a CUDA graph being "
-            f"captured cannot do; the 'torch' backend (torch._grouped_mm) keeps them on the device{why}"
+            "captured cannot do; the 'triton' and 'torch' backends keep them on the device ('auto' takes "
+            "them unless Triton is missing or PLAIT_KERNELS_DISABLE_TRITON=1)"
         )
     return tpe.to("cpu", torch.int64) if backend == "nv" else _counts(tpe, rows)
 
@@ -131,7 +137,7 @@ def _gmm_host_op(
     x: torch.Tensor, w: torch.Tensor, tpe: torch.Tensor, trans_w: bool, backend: str
 ) -> torch.Tensor:
     """The backends that read the group sizes on the host (``"loop"``, ``"nv"``): opaque to the compiler."""
-    counts = _host_counts(tpe, backend, x.shape[0], x, w)
+    counts = _host_counts(tpe, backend, x.shape[0])
     if backend == "nv":
         return _nv().gmm(x, w, counts, trans_a=False, trans_b=trans_w)
     return _loop_mm(x, w, counts, trans_w)
@@ -149,6 +155,10 @@ def _gmm_impl(
     backend = _resolve(backend, x, w)
     if backend == "torch":
         return _torch_mm(x, w, _offsets(tpe, x.device), trans_w)
+    if backend == "triton":
+        from plait.kernels._triton.gmm import grouped_mm
+
+        return grouped_mm(x, w, tpe, trans_w)
     return _gmm_host_op(x, w, tpe, trans_w, backend)  # type: ignore[no-any-return]
 
 
@@ -192,7 +202,11 @@ def _gmm_dw_op(
             if empty.numel():
                 dw.index_fill_(0, empty, 0)
         return dw
-    counts = _host_counts(tpe, backend, x.shape[0], x, w)
+    if backend == "triton":
+        from plait.kernels._triton.gmm import grouped_weight_grad
+
+        return grouped_weight_grad(x, dy, tpe, trans_w)
+    counts = _host_counts(tpe, backend, x.shape[0])
     if backend == "nv":
         nv = _nv()
         return nv.gmm(dy, x, counts, trans_a=True) if trans_w else nv.gmm(x, dy, counts, trans_a=True)
@@ -224,20 +238,16 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
 _gmm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _device_path_refusal(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """Why ``"auto"`` does not take ``torch._grouped_mm`` for these operands (None: it does)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
-    if not x.is_cuda:
-        return f"it runs on CUDA, the operands are on {x.device.type}"
-    if (cap := torch.cuda.get_device_capability(x.device)) < (9, 0):
-        return f"it needs compute capability 9.0 (Hopper) or newer, this GPU's is {cap[0]}.{cap[1]}"
-    # CUTLASS path: bf16 operands, 16-byte aligned rows (multiples of 8 bf16 elements).
-    if not x.dtype == w.dtype == torch.bfloat16:
-        return f"it needs bfloat16 operands, these are {x.dtype} and {w.dtype}"
-    if x.shape[1] % 8 or w.shape[1] % 8 or w.shape[2] % 8:
-        return f"it needs dims that are multiples of 8, the weights are {tuple(w.shape)}"
-    return None
+def _torch_path(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``"auto"`` takes ``torch._grouped_mm``: its CUTLASS kernel (Hopper+, bf16 operands,
+    16-byte aligned rows, i.e. dims that are multiples of 8)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and x.dtype == w.dtype == torch.bfloat16
+        and not (x.shape[1] % 8 or w.shape[1] % 8 or w.shape[2] % 8)
+    )
 
 
 def gmm(
@@ -256,7 +266,8 @@ def gmm(
             past the sum are not computed). The ``"loop"`` backend reads them on the host.
         trans_w: whether ``w`` is stored ``[E, N, K]``.
         backend: ``"auto"`` (``torch._grouped_mm`` on Hopper+ bf16 with 16-byte-aligned dims, else
-            ``"loop"``), ``"torch"``, ``"nv"`` (extra ``plait-kernels[gmm]``) or ``"loop"``.
+            ``"triton"`` on CUDA, else ``"loop"``), ``"torch"``, ``"triton"``, ``"nv"`` (extra
+            ``plait-kernels[gmm]``) or ``"loop"``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -282,6 +293,13 @@ def gmm(
         raise RuntimeError(
             f"gmm(backend='torch') needs torch._grouped_mm (torch {torch.__version__} lacks it)"
         )
-    elif backend not in ("auto", "torch", "loop"):
-        raise ValueError(f"gmm: unknown backend {backend!r} (expected 'auto', 'torch', 'nv' or 'loop')")
+    elif backend == "triton" and not use_triton(x, w, tokens_per_expert):
+        raise RuntimeError(
+            "gmm(backend='triton') needs triton and CUDA tensors (CPU ones under TRITON_INTERPRET=1), "
+            "and PLAIT_KERNELS_DISABLE_TRITON unset"
+        )
+    elif backend not in ("auto", "torch", "triton", "loop"):
+        raise ValueError(
+            f"gmm: unknown backend {backend!r} (expected 'auto', 'torch', 'triton', 'nv' or 'loop')"
+        )
     return _gmm_op(x, w, tokens_per_expert, trans_w, backend)  # type: ignore[no-any-return]

@@ -99,17 +99,6 @@ class JobConfig(TrainerConfig):
                 "model.tie_word_embeddings=true cannot be split over pipeline stages "
                 f"(mesh.pipeline={self.mesh.pipeline}); set it to false"
             )
-        compute = self.parallel.param_dtype or self.model_dtype
-        if (  # the layers are walked only for a job that asks for graphs in another dtype
-            self.parallel.cuda_graphs
-            and compute != "bfloat16"
-            and any(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-        ):
-            raise ValueError(
-                f"parallel.cuda_graphs needs this mixture-of-experts model's experts in bfloat16 (model_dtype or "
-                f"parallel.param_dtype = 'bfloat16'); in {compute} their grouped GEMM reads its group sizes on "
-                "the host, which a CUDA graph cannot capture (or set parallel.cuda_graphs=false)"
-            )
         ac, compiled = self.parallel.activation_checkpointing, self.parallel.compile
         if self.mesh.pipeline > 1 and ac.mode == "selective" and not compiled:  # else nothing to refuse
             from plait.loop import BatchPlan

@@ -9,6 +9,7 @@ contract). A family supplies its config and a layer factory; nothing here names 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -69,15 +70,33 @@ def estimate_num_parameters(config: DecoderConfig, layer_factory: LayerFactory) 
     return total
 
 
-_OWN = "_plait_own_graph_gradient"  # set on the gradients _own_gradient made
+_OWN = "_plait_own_graph_gradient"  # set on the gradients own_pending_graph_gradients made
+# (parameter, its first gradient of the step) for each gradient still in the graph trees' pool, by weak
+# reference: the graph trees are one per device, so any forward with graphs may overwrite any of them.
+_PENDING: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = []
 
 
 def _own_gradient(p: torch.Tensor) -> None:
-    """A parameter's post-accumulate-grad hook: the first gradient of a step becomes a tensor of its own."""
+    """A parameter's post-accumulate-grad hook: the first gradient of a step, left where the backward graph
+    wrote it, is noted for :func:`own_pending_graph_gradients`."""
     if p.grad is not None and not getattr(p.grad, _OWN, False):
-        grad = p.grad.clone()
-        setattr(grad, _OWN, True)
-        p.grad = grad
+        _PENDING.append((weakref.ref(p), weakref.ref(p.grad)))
+
+
+def own_pending_graph_gradients() -> None:
+    """Copy each noted gradient that its parameter still holds out of the graph trees' pool.
+
+    Called before the next replays may overwrite that pool (the trunk's forward, before it marks a new graph
+    step). A gradient the optimizer step consumed and ``zero_grad`` dropped is not copied: with one
+    microbatch per step no gradient is, with several only those that accumulate.
+    """
+    for p_ref, g_ref in _PENDING:
+        p, g = p_ref(), g_ref()
+        if p is not None and g is not None and p.grad is g:
+            grad = g.clone()
+            setattr(grad, _OWN, True)
+            p.grad = grad
+    _PENDING.clear()
 
 
 def own_graph_gradients(layers: Iterable[nn.Module]) -> None:
@@ -86,13 +105,14 @@ def own_graph_gradients(layers: Iterable[nn.Module]) -> None:
     A backward graph returns the layer's weight gradients in the graph trees' memory pool, and autograd
     keeps the first of a step as ``.grad`` without a copy; the next forward's replays overwrite that pool,
     so a gradient accumulated over several microbatches would be read overwritten (an error at the first
-    step, wrong gradients after it: pytorch/pytorch#169545). A hook after each accumulation replaces a
-    gradient it did not make with a copy (once per parameter and step, after ``zero_grad`` set it to None);
-    later microbatches add into that copy in place. The trunk calls this after each layer's forward in every
-    training forward under CUDA graphs, on the parameters the layer holds then (under FSDP the gathered
-    ones, which the layer keeps until its backward): materialising a model built on meta (``to_empty``) or
-    loading with ``assign`` replaces its parameters, and with them their hooks; parameters hooked already
-    are skipped.
+    step, wrong gradients after it: pytorch/pytorch#169545). A hook after each accumulation notes a
+    gradient it did not make (once per parameter and step, after ``zero_grad`` set it to None), and
+    :func:`own_pending_graph_gradients`, at the start of the next forward with graphs, replaces it by a copy
+    if the parameter still holds it; later microbatches add into that copy in place. The trunk calls this
+    after each layer's forward in every training forward under CUDA graphs, on the parameters the layer holds
+    then (under FSDP the gathered ones, which the layer keeps until its backward): materialising a model
+    built on meta (``to_empty``) or loading with ``assign`` replaces its parameters, and with them their
+    hooks; parameters hooked already are skipped.
     """
     for layer in layers:
         for p in layer.parameters():
@@ -258,6 +278,7 @@ class DecoderTrunk(nn.Module):
         own_gradients = self.cuda_graphs and torch.is_grad_enabled()
         if self.cuda_graphs:
             _check_graph_device(h)
+            own_pending_graph_gradients()
             # One graph step per forward: the previous step's graph outputs were consumed by its
             # backward (or were an evaluation forward's) and may be overwritten by this replay.
             torch.compiler.cudagraph_mark_step_begin()
