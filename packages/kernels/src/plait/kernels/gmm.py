@@ -11,8 +11,8 @@ Backends:
   CPU default).
 
 All backends share one torch op, ``plait::gmm``, a ``triton_op``: ``torch.compile`` traces its body,
-so the ``"torch"`` backend's ``_grouped_mm`` (and the ``"triton"`` backend's kernel) is a node of the compiled graph (no custom-op dispatch);
-the host-side backends stay opaque (``plait::gmm_host``). Its backward computes ``dx`` as the forward
+so the ``"torch"`` backend's ``_grouped_mm`` and the ``"triton"`` backend's kernel are nodes of the
+compiled graph (no custom-op dispatch); the host-side backends stay opaque (``plait::gmm_host``). Its backward computes ``dx`` as the forward
 does (with the opposite transpose) and ``dw`` with the custom op ``plait::gmm_weight_grad``, which honours
 :func:`plait.kernels.grad_direction` each time it runs: the inputs pass computes only ``dx``, the
 weights pass only ``dw``. Experts with zero tokens get a zero weight gradient.

@@ -103,6 +103,11 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _ends(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The groups' ends (inclusive prefix sums of their sizes), int32 on ``device``."""
+    return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+
+
 def _tiles(dtype: torch.dtype, weight_grad: bool) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, warps, stages), the fastest of a sweep on an H200 at 128 experts, K=2048, N=768 (BM is the
     rows' tile: the output's in the product, the reduction's in the weight gradient)."""
@@ -123,9 +128,8 @@ def grouped_mm(
     if not (m and n and e):
         return out
     bm, bn, bk, warps, stages = _tiles(a.dtype, weight_grad=False)
-    tpe = tokens_per_expert.to(device=a.device, dtype=torch.int64)
-    tile_end = torch.cumsum((tpe + bm - 1) // bm, 0).to(torch.int32)
-    row_end = torch.cumsum(tpe, 0).to(torch.int32)
+    tile_end = _ends((tokens_per_expert + bm - 1) // bm, a.device)
+    row_end = _ends(tokens_per_expert, a.device)
     s_be, s_bk, s_bn = (b.stride(0), b.stride(2), b.stride(1)) if trans_b else b.stride()
     grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn),)
     wrap_triton(_grouped_mm)[grid](
@@ -146,7 +150,7 @@ def grouped_weight_grad(
     if not (e and k and n):
         return dw
     bm, bn, bk, warps, stages = _tiles(x.dtype, weight_grad=True)
-    row_end = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int64), 0).to(torch.int32)
+    row_end = _ends(tokens_per_expert, x.device)
     s_we, s_wk, s_wn = (dw.stride(0), dw.stride(2), dw.stride(1)) if trans_w else dw.stride()
     wrap_triton(_grouped_weight_grad)[(e, triton.cdiv(k, bk) * triton.cdiv(n, bn))](
         x, dy, dw, row_end, x.shape[0], k, n, s_we, s_wk, s_wn,
