@@ -85,6 +85,32 @@ def test_gmm_auto_backend_on_cpu_is_loop_and_works():
     check_gmm(torch.float32, [2, 3], 8, 8, False, "auto")
 
 
+@pytest.mark.parametrize(
+    ("capability", "dtype", "dims", "torch_path"),
+    [
+        ((9, 0), torch.bfloat16, (64, 128), True),
+        ((10, 0), torch.bfloat16, (64, 128), True),
+        ((12, 0), torch.bfloat16, (64, 128), False),  # consumer Blackwell: torch's CUTLASS kernel is not built
+        ((8, 0), torch.bfloat16, (64, 128), False),
+        ((9, 0), torch.float32, (64, 128), False),
+        ((9, 0), torch.bfloat16, (64, 100), False),
+    ],
+)
+def test_gmm_auto_takes_grouped_mm_only_where_its_cutlass_kernel_runs(
+    monkeypatch, capability, dtype, dims, torch_path
+):
+    """Elsewhere torch's ``_grouped_mm`` loops on the host (a sync, and a crash under graph capture)."""
+    import importlib
+    from types import SimpleNamespace
+
+    gmm_module = importlib.import_module("plait.kernels.gmm")  # the module (the package exports the function)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    k, n = dims
+    x = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=dtype, shape=(32, k))
+    w = SimpleNamespace(dtype=dtype, shape=(4, k, n))
+    assert gmm_module._torch_path(x, w) is torch_path or not hasattr(torch, "_grouped_mm")
+
+
 def test_gmm_inputs_only_has_no_weight_grad():
     x = torch.randn(5, 8, requires_grad=True)
     w = torch.randn(2, 8, 4, requires_grad=True)

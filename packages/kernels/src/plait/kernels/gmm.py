@@ -2,8 +2,8 @@
 
 Backends:
 
-* ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper+ for bf16; PyTorch >= 2.15
-  also runs it on CPU). The default on CUDA when its fast path applies.
+* ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM for bf16 on compute capability 9.x/10.x;
+  PyTorch >= 2.15 also runs it on CPU). The default on CUDA when its fast path applies.
 * ``"triton"``: plait's Triton grouped GEMM (:mod:`plait.kernels._triton.gmm`): any float dtype, any
   GPU Triton runs on, any dims; the group sizes stay on the device. The default on CUDA elsewhere.
 * ``"nv"``: nv-grouped-gemm (``pip install 'plait-kernels[gmm]'``), imported lazily.
@@ -239,12 +239,13 @@ _gmm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _torch_path(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``"auto"`` takes ``torch._grouped_mm``: its CUTLASS kernel (Hopper+, bf16 operands,
+    """Whether ``"auto"`` takes ``torch._grouped_mm``: where its CUTLASS kernel runs (compute capability
+    9.x or 10.x, as torch's own gate: elsewhere torch loops over the groups on the host; bf16 operands,
     16-byte aligned rows, i.e. dims that are multiples of 8)."""
     return (
         hasattr(torch, "_grouped_mm")
         and x.is_cuda
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
         and x.dtype == w.dtype == torch.bfloat16
         and not (x.shape[1] % 8 or w.shape[1] % 8 or w.shape[2] % 8)
     )
@@ -265,9 +266,9 @@ def gmm(
         tokens_per_expert: ``[E]`` integer row counts summing to at most ``M`` (zeros allowed; rows
             past the sum are not computed). The ``"loop"`` backend reads them on the host.
         trans_w: whether ``w`` is stored ``[E, N, K]``.
-        backend: ``"auto"`` (``torch._grouped_mm`` on Hopper+ bf16 with 16-byte-aligned dims, else
-            ``"triton"`` on CUDA, else ``"loop"``), ``"torch"``, ``"triton"``, ``"nv"`` (extra
-            ``plait-kernels[gmm]``) or ``"loop"``.
+        backend: ``"auto"`` (``torch._grouped_mm`` for bf16 on compute capability 9.x/10.x with
+            16-byte-aligned dims, else ``"triton"`` on CUDA, else ``"loop"``), ``"torch"``, ``"triton"``,
+            ``"nv"`` (extra ``plait-kernels[gmm]``) or ``"loop"``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
