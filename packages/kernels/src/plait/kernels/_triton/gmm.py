@@ -65,7 +65,7 @@ def _grouped_mm(
 
 @triton.jit
 def _grouped_weight_grad(
-    x_ptr, dy_ptr, dw_ptr, row_end_ptr, n_rows, k_dim, n_dim, s_we, s_wk, s_wn,
+    x_ptr, dy_ptr, dw_ptr, row_end_ptr, n_rows, k_dim, n_dim, s_xm, s_xk, s_dm, s_dn, s_we, s_wk, s_wn,
     PRECISION: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0)
@@ -80,12 +80,12 @@ def _grouped_weight_grad(
     for m in range(start, end, BM):
         rows = (m + tl.arange(0, BM)).to(tl.int64)
         xt = tl.load(
-            x_ptr + rows[None, :] * k_dim + ks[:, None],
+            x_ptr + rows[None, :] * s_xm + ks[:, None] * s_xk,
             mask=(rows[None, :] < end) & (ks[:, None] < k_dim),
             other=0.0,
         )
         dy = tl.load(
-            dy_ptr + rows[:, None] * n_dim + ns[None, :],
+            dy_ptr + rows[:, None] * s_dm + ns[None, :] * s_dn,
             mask=(rows[:, None] < end) & (ns[None, :] < n_dim),
             other=0.0,
         )
@@ -108,12 +108,16 @@ def _ends(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(torch.int32)
 
 
-def _tiles(dtype: torch.dtype, weight_grad: bool) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, warps, stages), the fastest of a sweep on an H200 at 128 experts, K=2048, N=768 (BM is the
-    rows' tile: the output's in the product, the reduction's in the weight gradient)."""
+def _tiles(dtype: torch.dtype, precision: str, op: str) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages), the fastest of sweeps on an H200 at 128 experts, K=2048, N=768 (BM is the
+    rows' tile: the output's in the product, the reduction's in the weight gradient). ``op``: ``"mm_t"``
+    (weights read transposed, ``[E, N, K]``: the reduction runs along their rows), ``"mm"`` (``[E, K, N]``)
+    or ``"dw"`` (the weight gradient)."""
     if dtype.itemsize == 2:
-        return (64, 128, 128, 8, 3) if weight_grad else (128, 128, 64, 8, 3)
-    return (32, 128, 32, 4, 3) if weight_grad else (64, 128, 32, 4, 3)
+        return (64, 128, 128, 8, 3) if op == "dw" else (128, 128, 64, 8, 3)
+    if precision == "tf32":
+        return {"dw": (32, 128, 32, 4, 3), "mm": (128, 64, 32, 4, 3)}.get(op, (64, 128, 32, 4, 3))
+    return {"dw": (16, 64, 64, 4, 4), "mm_t": (64, 128, 16, 4, 4)}.get(op, (64, 128, 32, 4, 3))
 
 
 def grouped_mm(
@@ -127,14 +131,15 @@ def grouped_mm(
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if not (m and n and e):
         return out
-    bm, bn, bk, warps, stages = _tiles(a.dtype, weight_grad=False)
+    precision = _precision(a.dtype)
+    bm, bn, bk, warps, stages = _tiles(a.dtype, precision, "mm_t" if trans_b else "mm")
     tile_end = _ends((tokens_per_expert + bm - 1) // bm, a.device)
     row_end = _ends(tokens_per_expert, a.device)
     s_be, s_bk, s_bn = (b.stride(0), b.stride(2), b.stride(1)) if trans_b else b.stride()
     grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn),)
     wrap_triton(_grouped_mm)[grid](
         a, b, out, tile_end, row_end, m, n, k, s_be, s_bk, s_bn, e,
-        PRECISION=_precision(a.dtype), GROUPS=max(16, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=bk,
+        PRECISION=precision, GROUPS=max(16, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -149,11 +154,12 @@ def grouped_weight_grad(
     dw = torch.empty((e, n, k) if trans_w else (e, k, n), dtype=x.dtype, device=x.device)
     if not (e and k and n):
         return dw
-    bm, bn, bk, warps, stages = _tiles(x.dtype, weight_grad=True)
+    precision = _precision(x.dtype)
+    bm, bn, bk, warps, stages = _tiles(x.dtype, precision, "dw")
     row_end = _ends(tokens_per_expert, x.device)
     s_we, s_wk, s_wn = (dw.stride(0), dw.stride(2), dw.stride(1)) if trans_w else dw.stride()
     wrap_triton(_grouped_weight_grad)[(e, triton.cdiv(k, bk) * triton.cdiv(n, bn))](
-        x, dy, dw, row_end, x.shape[0], k, n, s_we, s_wk, s_wn,
-        PRECISION=_precision(x.dtype), BM=bm, BK=bk, BN=bn, num_warps=warps, num_stages=stages,
+        x, dy, dw, row_end, x.shape[0], k, n, *x.stride(), *dy.stride(), s_we, s_wk, s_wn,
+        PRECISION=precision, BM=bm, BK=bk, BN=bn, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return dw
