@@ -223,7 +223,7 @@ def test_cuda_graphs_under_fsdp_keep_the_gathered_layers_at_fixed_addresses():
         assert "parallel.reshard_after_forward=true frees nothing under parallel.cuda_graphs" in msg["error"]
 
 
-def _layout_worker(mesh: dict[str, int], expert_dispatch: str) -> str:
+def _layout_worker(mesh: dict[str, int], expert_dispatch: str | None) -> str:
     """Apply the graphs' plan (compiled lazily: nothing runs) to the small MoE over two gloo ranks."""
     ctx = DistributedContext.from_env(DeviceMeshParameters(**mesh), device="cpu")
     parallel = ParallelConfig(compile=True, cuda_graphs=True, expert_dispatch=expert_dispatch)
@@ -241,10 +241,11 @@ def test_cuda_graphs_refuse_tensor_parallelism_and_host_synchronising_expert_dis
         assert "mesh.tensor=2" in msg
     for msg in run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_to_all"):
         assert "parallel.expert_dispatch='all_gather'" in msg and "'all_to_all' synchronises" in msg
-    # the all-gather dispatch keeps every size on the device: its graphs are allowed
-    assert (
-        run_distributed(_layout_worker, 2, {"data_shard": 2, "expert": 2}, "all_gather") == ["no error"] * 2
-    )
+    # the all-gather dispatch keeps every size on the device: its graphs are allowed; it is the one an unset
+    # parallel.expert_dispatch takes under graphs
+    fsdp_ep = {"data_shard": 2, "expert": 2}
+    for dispatch in ("all_gather", None):
+        assert run_distributed(_layout_worker, 2, fsdp_ep, dispatch) == ["no error"] * 2
 
 
 def _train(

@@ -286,3 +286,15 @@ def test_expert_buffer_factor_config() -> None:
             ParallelConfig(expert_dispatch="all_gather", expert_buffer_factor=bad)
     with pytest.raises(ValidationError, match=r"expert_buffer_factor applies to parallel\.expert_dispatch"):
         ParallelConfig(expert_buffer_factor=2.0)  # the default dispatch is all_to_all
+    with pytest.raises(ValidationError, match=r"not 'all_to_all'"):
+        ParallelConfig(compile=True, cuda_graphs=True, expert_dispatch="all_to_all", expert_buffer_factor=2.0)
+    # unset under CUDA graphs: the all-gather dispatch, the one a graph captures
+    assert ParallelConfig(compile=True, cuda_graphs=True, expert_buffer_factor=2.0).dispatch == "all_gather"
+
+
+def test_expert_dispatch_unset_is_all_gather_under_cuda_graphs_and_all_to_all_otherwise() -> None:
+    assert ParallelConfig().expert_dispatch is None and ParallelConfig().dispatch == "all_to_all"
+    assert ParallelConfig(compile=True, cuda_graphs=True).dispatch == "all_gather"
+    for chosen in ("all_to_all", "all_gather", "deepep"):  # a value set is kept, graphs or not
+        assert ParallelConfig(expert_dispatch=chosen).dispatch == chosen
+        assert ParallelConfig(compile=True, cuda_graphs=True, expert_dispatch=chosen).dispatch == chosen

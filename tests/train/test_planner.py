@@ -607,7 +607,7 @@ def test_compiled_layers_are_priced_with_their_backward_run_whole_at_the_input_p
 def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> None:
     """Under CUDA graphs FSDP keeps every layer gathered (the plan of plait.models): the FSDP layouts are
     priced as without resharding after forward, those with pipeline, tensor or context ranks, or expert ranks
-    with the (default) all-to-all dispatch, are refused by the plan."""
+    with the all-to-all dispatch set, are refused by the plan; the dispatch unset is the all-gather one."""
     compiled = ("--parallel.compile=true", "--model_dtype=bfloat16")  # graphs need bf16 experts
     on = (*compiled, "--parallel.cuda_graphs=true")
     graphs = plan(_config(*on), 2, checkpointing=("none",))
@@ -621,13 +621,17 @@ def test_cuda_graphs_plan_fsdp_layouts_as_gathered_and_refuse_the_others() -> No
     for name, p in fsdp(graphs).items():
         assert p.memory["gathered"] == fsdp(kept)[name].memory["gathered"], name
     assert any(p.memory["gathered"] > fsdp(resharded)[n].memory["gathered"] for n, p in fsdp(graphs).items())
-    assert all(f.layout.pp == f.layout.tp == f.layout.cp == f.layout.ep == 1 for f in graphs.fits)
+    assert all(f.layout.pp == f.layout.tp == f.layout.cp == 1 for f in graphs.fits)
     assert any("parallel.cuda_graphs needs one stage per process" in why for why in graphs.refused)
-    assert any("parallel.expert_dispatch='all_gather'" in why for why in graphs.refused)
-    # with the all-gather dispatch (every size on the device) the expert layouts run under graphs
+    # the dispatch unset is the all-gather one under graphs (every size on the device): the expert layouts run
     gathered = plan(_config(*on, "--parallel.expert_dispatch=all_gather"), 2, checkpointing=("none",))
-    assert any(f.layout.ep == 2 for f in gathered.fits)
-    assert all(f.layout.pp == f.layout.tp == f.layout.cp == 1 for f in gathered.fits)
+    for p in (graphs, gathered):
+        assert any(f.layout.ep == 2 for f in p.fits)
+    assert {f.layout.name: f.step_s for f in graphs.fits} == {f.layout.name: f.step_s for f in gathered.fits}
+    # the all-to-all dispatch, set, reads its split sizes on the host: its expert layouts are refused
+    to_all = plan(_config(*on, "--parallel.expert_dispatch=all_to_all"), 2, checkpointing=("none",))
+    assert all(f.layout.ep == 1 for f in to_all.fits)
+    assert any("parallel.expert_dispatch='all_gather'" in why for why in to_all.refused)
 
 
 def test_equal_speeds_rank_the_larger_microbatch_first() -> None:

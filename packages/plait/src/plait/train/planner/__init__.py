@@ -387,7 +387,7 @@ class PlanJob:
         ``all_gather`` dispatch, whose expert buffers hold every EP rank's tokens (``P * T * k`` rows, or
         ``parallel.expert_buffer_factor`` times the balanced share: up to ``P`` times one GPU's expert
         activations), else 1 (the all-to-all's buffers follow the routing: balanced, one GPU's)."""
-        return layout.ep if self.config.parallel.expert_dispatch == "all_gather" else 1
+        return layout.ep if self.config.parallel.dispatch == "all_gather" else 1
 
     def activation(self, layout: Layout, *, exact: bool = True) -> ActivationProfile:
         """One sample's activations on a rank of ``layout`` (the first pass scales the whole sequence's by the
@@ -469,7 +469,7 @@ def _expert_parallel(job: PlanJob, layout: Layout, machine: Machine) -> tuple[fl
     if layout.ep == 1:
         return 0.0, 0.0, 0.0
     m = job.model
-    dispatch = job.config.parallel.expert_dispatch
+    dispatch = job.config.parallel.dispatch
     tokens = layout.microbatch_size * job.config.batching.seq_len // layout.cp
     if (measured := machine.expert_s(dispatch, layout.ep)) is not None:
         return (*_measured(measured, layout, machine, tokens), 0.0)
@@ -1069,7 +1069,7 @@ def _rank_figures(job: PlanJob, machine: Machine, config_file: Path, gpus: int) 
             log.info("probe over %d GPUs (seconds, slowest rank): %s", p, json.dumps(logged))
         times = runs[0] if runs else {}  # the expert and FSDP2 figures' run, when there are any
         if p in ep_ranks:
-            key = f"{job.config.parallel.expert_dispatch}:{p}"
+            key = f"{job.config.parallel.dispatch}:{p}"
             named["expert_host_s"][key], named["expert_token_s"][key] = expert_parallel_s(
                 times, samples, seq, moe_layers
             )

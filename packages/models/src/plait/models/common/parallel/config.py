@@ -160,9 +160,10 @@ class ParallelConfig(BaseModel):
             captured as CUDA graphs (inductor's CUDA-graph trees, ``mode="reduce-overhead"``) and
             replayed: a launch per graph instead of one per kernel, meant for host-bound steps. One
             stage per process and no host synchronisation inside a layer: pipeline stages, tensor and
-            context parallelism are refused, and expert parallelism unless ``expert_dispatch`` is
-            ``all_gather`` (its collectives are then captured in the graphs; the process groups' teardown
-            frees the graphs first: :func:`plait.dist_core.release_cuda_graphs`). Data parallelism
+            context parallelism are refused, and expert parallelism with an ``expert_dispatch`` other
+            than ``all_gather`` (the default under graphs; its collectives are then captured in the
+            graphs; the process groups' teardown frees the graphs first:
+            :func:`plait.dist_core.release_cuda_graphs`). Data parallelism
             (FSDP2/HSDP) is allowed: each layer then keeps its gathered parameters allocated at fixed
             addresses (the memory of the unsharded layers, held all the time; every all-gather writes them
             there) and from its forward to its backward (``reshard_after_forward`` unset means False; True
@@ -181,7 +182,8 @@ class ParallelConfig(BaseModel):
             or ``ring`` (K/V blocks passed around the group, overlapped with block compute). See
             :mod:`plait.models.blocks.context_parallel`.
         expert_dispatch: How MoE tokens reach their experts when the expert mesh's ``ep_shard`` dim
-            is > 1: ``all_to_all`` (``torch.distributed``, NCCL or gloo; the split sizes are read on
+            is > 1 (None, the default: ``all_gather`` with ``cuda_graphs``, the only one a graph captures,
+            else ``all_to_all``; :attr:`dispatch` is the one used): ``all_to_all`` (``torch.distributed``, NCCL or gloo; the split sizes are read on
             the host, a sync per MoE layer), ``all_gather`` (tokens all-gathered over the EP group
             and expert outputs reduce-scattered: every size stays on the device, so the host never
             waits and a compiled MoE layer is one graph; ``(P-1) * T`` rows each way, fewer bytes
@@ -249,9 +251,10 @@ class ParallelConfig(BaseModel):
         default="allgather",
         description="Attention over a sharded sequence: allgather (all-gather K/V) or ring (K/V blocks).",
     )
-    expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] = Field(
-        default="all_to_all",
-        description="How MoE tokens reach experts with expert parallelism: all_to_all, all_gather, deepep.",
+    expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] | None = Field(
+        default=None,
+        description="How MoE tokens reach experts with expert parallelism: all_to_all, all_gather, deepep "
+        "(None: all_gather with cuda_graphs, which capture only it, else all_to_all).",
     )
     expert_chunks: int | None = Field(
         default=None,
@@ -266,12 +269,18 @@ class ParallelConfig(BaseModel):
         "stops the step (None: exact P*T*k bound).",
     )
 
+    @property
+    def dispatch(self) -> str:
+        """The expert dispatch used: ``expert_dispatch``, or where unset ``all_gather`` under ``cuda_graphs``
+        (the one a graph captures) and ``all_to_all`` otherwise."""
+        return self.expert_dispatch or ("all_gather" if self.cuda_graphs else "all_to_all")
+
     @model_validator(mode="after")
     def _buffer_factor_needs_all_gather(self) -> ParallelConfig:
-        if self.expert_buffer_factor is not None and self.expert_dispatch != "all_gather":
+        if self.expert_buffer_factor is not None and self.dispatch != "all_gather":
             raise ValueError(
                 "parallel.expert_buffer_factor applies to parallel.expert_dispatch = 'all_gather' only, "
-                f"not {self.expert_dispatch!r}"
+                f"not {self.dispatch!r}"
             )
         return self
 

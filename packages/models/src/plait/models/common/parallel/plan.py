@@ -183,7 +183,7 @@ def apply_expert_parallel(
     Args:
         model: The stage, modified in place.
         ep_mesh: The expert-parallel mesh dimension (``ep_shard``).
-        dispatch: Token dispatch backend (``ParallelConfig.expert_dispatch``).
+        dispatch: Token dispatch backend (``ParallelConfig.dispatch``).
         num_chunks: overlap chunks of the ``all_to_all`` / ``all_gather`` dispatch
             (``ParallelConfig.expert_chunks``; None = 1).
         buffer_factor: the ``all_gather`` dispatch's expert buffer, in multiples of balanced
@@ -456,7 +456,7 @@ def parallelize_decoder(
     if cp_mesh is not None and cp_mesh.size() > 1:
         check_context_parallel(model, cp_mesh.size())  # before any plan changes the model
     if config.cuda_graphs:
-        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, config.expert_dispatch)
+        _check_cuda_graph_layout(dense_mesh, expert_mesh, cp_mesh, config.dispatch)
     apply_float8(model, config.float8, fsdp=fsdp, compile=config.compile)
     if _dim_size(dense_mesh, "tp") > 1:
         assert dense_mesh is not None
@@ -474,7 +474,7 @@ def parallelize_decoder(
         apply_expert_parallel(
             model,
             expert_mesh["ep_shard"],
-            config.expert_dispatch,
+            config.dispatch,
             config.expert_chunks,
             config.expert_buffer_factor,
         )
