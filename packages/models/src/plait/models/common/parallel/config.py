@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["ActivationCheckpointing", "Float8Training", "ParallelConfig"]
 
+ExpertDispatch = Literal["all_to_all", "all_gather", "deepep"]
+
 
 class ActivationCheckpointing(BaseModel):
     """Activation checkpointing of decoder layers.
@@ -251,7 +253,7 @@ class ParallelConfig(BaseModel):
         default="allgather",
         description="Attention over a sharded sequence: allgather (all-gather K/V) or ring (K/V blocks).",
     )
-    expert_dispatch: Literal["all_to_all", "all_gather", "deepep"] | None = Field(
+    expert_dispatch: ExpertDispatch | None = Field(
         default=None,
         description="How MoE tokens reach experts with expert parallelism: all_to_all, all_gather, deepep "
         "(None: all_gather with cuda_graphs, which capture only it, else all_to_all).",
@@ -270,7 +272,7 @@ class ParallelConfig(BaseModel):
     )
 
     @property
-    def dispatch(self) -> str:
+    def dispatch(self) -> ExpertDispatch:
         """The expert dispatch used: ``expert_dispatch``, or where unset ``all_gather`` under ``cuda_graphs``
         (the one a graph captures) and ``all_to_all`` otherwise."""
         return self.expert_dispatch or ("all_gather" if self.cuda_graphs else "all_to_all")
