@@ -21,8 +21,9 @@ planner's first pick is within 5% of the fastest measured layout. ``--only`` run
 ``plait plan`` names them) instead; ``--set section.key=value`` changes the job for the planner and every run
 alike (e.g. FSDP's unit size, which the planner prices but does not choose). ``--save-machine F`` writes the
 planner's machine (calibrated or not) and ``--machine F`` starts from one, so a later run on the same machine
-can skip ``--calibrate``. ``gpu1.toml`` replays its layers as CUDA graphs, which allow FSDP (and expert
-parallelism with the ``all_gather`` dispatch) only: the planner lists no other layout; the tables of
+can skip ``--calibrate``. ``gpu1.toml`` replays its layers as CUDA graphs, which allow FSDP and expert
+parallelism (the ``all_gather`` dispatch, which the graphs take by default) only: the planner lists no other
+layout; the tables of
 ``results/plan_accuracy.md`` after its first were measured before the config turned them on, and ``--set
 parallel.cuda_graphs=false`` runs those jobs.
 """
