@@ -97,8 +97,8 @@ class Machine:
             (the executor, the loss and its statistics, the microbatch's inputs), on the host's floor:
             ``--calibrate`` runs the job at one sample per microbatch, where the host bounds it.
         expert_host_s, expert_token_s: what expert parallelism adds to one MoE layer, by ``"{dispatch}:{P}"``
-            (the dispatch used, ``ParallelConfig.dispatch``, over P EP ranks): seconds of the host's floor per microbatch (the
-            dispatch's ops issued), and seconds of GPU work per token of a microbatch on one rank (the
+            (the dispatch used, ``ParallelConfig.dispatch``, over P EP ranks): seconds of the host's floor per
+            microbatch (the dispatch's ops issued), and seconds of GPU work per token of a microbatch on one rank (the
             exchanges' kernels with their waits for the other ranks' experts, the dispatch's own kernels).
             ``--calibrate`` on a machine of P GPUs or more measures them (:func:`expert_parallel_s`); a layout
             without them prices the exchanges' bytes at ``busbw``.
