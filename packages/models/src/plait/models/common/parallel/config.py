@@ -189,7 +189,8 @@ class ParallelConfig(BaseModel):
             NCCL or gloo; the split sizes are read on the host, a sync per MoE layer), ``all_gather``
             (tokens all-gathered over the EP group and expert outputs reduce-scattered: every size stays on
             the device, so the host never waits and a compiled MoE layer is one graph; ``(P-1) * T`` rows
-            each way, fewer bytes than the all-to-all when ``P`` is below top-k; ``plait.moe.AllGatherDispatcher``) or
+            each way, fewer bytes than the all-to-all when ``P`` is below top-k;
+            ``plait.moe.AllGatherDispatcher``) or
             ``deepep`` (DeepEP's normal-mode NVLink/RDMA kernels, CUDA only; needs ``pip install
             "plait-moe[deepep]"``, else applying the plan raises an ``ImportError`` naming that extra).
             Without expert parallelism every expert is local and none is used.
