@@ -39,20 +39,23 @@ def parse_number(cell: str) -> float | None:
 
 
 def parse_table(text: str, column: str, id_column: str = "id") -> dict[str, float]:
-    """The ``column`` figure of every row of the markdown table in ``text`` that has ``id_column``.
+    """The ``column`` figure of every row that has an id, in every markdown table of ``text`` with both
+    ``id_column`` and ``column`` (a page may hold more than one, e.g. a later call's rows).
 
-    Rows whose figure is not a number (a failed or skipped row) are left out.
+    Rows whose figure is not a number (a failed or skipped row) or whose id is ``-`` are left out.
 
     Raises:
         ValueError: no table in ``text`` has both columns, or an id appears twice.
     """
     lines = text.splitlines()
+    out: dict[str, float] = {}
+    found = False
     for i, line in enumerate(lines):
         header = _cells(line)
         if id_column not in header or column not in header:
             continue
+        found = True
         key, col = header.index(id_column), header.index(column)
-        out: dict[str, float] = {}
         for row in lines[i + 2 :]:
             if not row.lstrip().startswith("|"):
                 break
@@ -63,12 +66,13 @@ def parse_table(text: str, column: str, id_column: str = "id") -> dict[str, floa
             if rid in ("", "-"):  # a row kept for reading, not for the check
                 continue
             if rid in out:
-                raise ValueError(f"row id {rid!r} appears twice in the table")
+                raise ValueError(f"row id {rid!r} appears twice in the tables")
             value = parse_number(cells[col])
             if value is not None:
                 out[rid] = value
-        return out
-    raise ValueError(f"no markdown table with columns {id_column!r} and {column!r}")
+    if not found:
+        raise ValueError(f"no markdown table with columns {id_column!r} and {column!r}")
+    return out
 
 
 def _cells(line: str) -> list[str]:

@@ -45,6 +45,27 @@ def test_parse_table_reads_ids_and_numbers() -> None:
     assert parse_number("-") is None
 
 
+def test_parse_table_reads_every_table_with_the_columns() -> None:
+    later = """
+| id | row | ms | vs plait |
+|---|---|---:|---:|
+| `gmm-fwd/e64/plait` | gmm fwd | 0.41 | 1.00x |
+| - | torch (same call) | 0.52 | 0.79x |
+
+| kernel | ms |
+|---|---:|
+| not an id table | 9.9 |
+"""
+    rows = parse_table(TABLE + later, "ms")
+    assert rows == {
+        "rms-norm-fwd/32768x4096/plait": 0.184,
+        "rms-norm-bwd/32768x4096/plait": 0.311,
+        "gmm-fwd/e64/plait": 0.41,
+    }
+    with pytest.raises(ValueError, match="'rms-norm-fwd/32768x4096/plait' appears twice"):
+        parse_table(TABLE + later.replace("gmm-fwd/e64/plait", "rms-norm-fwd/32768x4096/plait"), "ms")
+
+
 def test_parse_table_names_the_missing_column_and_duplicate_ids() -> None:
     with pytest.raises(ValueError, match="'tok/s'"):
         parse_table(TABLE, "tok/s")
