@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from plait.moe import (
     AllGatherDispatcher,
     AllToAllDispatcher,
     DeepEPDispatcher,
+    ExpertDispatch,
     LocalDispatcher,
     MoELayer,
     RouterConfig,
@@ -30,7 +31,6 @@ from ._fake_deep_ep import fake_deep_ep
 from ._reference import reference_moe
 
 H, FFN, E, T = 8, 6, 8, 12
-Dispatch = Literal["all_to_all", "all_gather", "deepep"]
 
 
 def _inputs(world: int, seed: int, one_hot_expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ def _ep_worker(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str = "cpu",
-    backend: Dispatch = "all_to_all",
+    backend: ExpertDispatch = "all_to_all",
     num_chunks: int | None = None,
     buffer_factor: float | None = None,
 ) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def _ep_run(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None,
     device: str,
-    backend: Dispatch,
+    backend: ExpertDispatch,
     num_chunks: int | None,
     buffer_factor: float | None = None,
 ) -> dict[str, Any]:
@@ -177,7 +177,7 @@ def _check(
     router_kwargs: dict[str, Any],
     one_hot_expert: int | None = None,
     device: str = "cpu",
-    dispatch: Dispatch = "all_to_all",
+    dispatch: ExpertDispatch = "all_to_all",
     num_chunks: int | None = None,
     buffer_factor: float | None = None,
 ) -> None:

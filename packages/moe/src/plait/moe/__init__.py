@@ -32,7 +32,7 @@ from plait.moe.losses import (
     switch_aux_loss_from_stats,
     switch_loss_stats,
 )
-from plait.moe.parallel import expert_parallel
+from plait.moe.parallel import ExpertDispatch, expert_parallel
 from plait.moe.router import RouterOutput, TopKRouter
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "DeepEPDispatcher",
     "ExpertActivation",
     "ExpertAdapter",
+    "ExpertDispatch",
     "GroupedExperts",
     "LocalDispatcher",
     "MoELayer",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from plait.moe.dispatch.all_gather import AllGatherDispatcher
 from plait.moe.dispatch.all_to_all import AllToAllDispatcher
@@ -12,11 +12,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+ExpertDispatch = Literal["all_to_all", "all_gather", "deepep"]
+"""How an expert-parallel layer exchanges tokens (the ``backend`` of :func:`expert_parallel`)."""
+
 
 def expert_parallel(
     layer: MoELayer,
     ep_mesh: DeviceMesh,
-    backend: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
+    backend: ExpertDispatch = "all_to_all",
     num_chunks: int | None = None,
     buffer_factor: float | None = None,
 ) -> MoELayer:
@@ -59,7 +62,7 @@ def expert_parallel(
     group = ep_mesh.get_group()
     # Before touching the layer, so a missing DeepEP or a bad backend leaves it unchanged.
     dispatcher: AllToAllDispatcher | AllGatherDispatcher | DeepEPDispatcher
-    if backend not in ("all_to_all", "all_gather", "deepep"):
+    if backend not in get_args(ExpertDispatch):
         raise ValueError(
             f"expert_parallel: backend must be 'all_to_all', 'all_gather' or 'deepep', got {backend!r}"
         )

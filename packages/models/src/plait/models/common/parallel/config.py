@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from plait.moe import ExpertDispatch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["ActivationCheckpointing", "Float8Training", "ParallelConfig"]
-
-ExpertDispatch = Literal["all_to_all", "all_gather", "deepep"]
 
 
 class ActivationCheckpointing(BaseModel):

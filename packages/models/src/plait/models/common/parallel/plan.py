@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch.distributed as dist
 from plait.dist_core import DistributedContext, fsdp_copy_in, parse_dtype
@@ -27,7 +27,7 @@ from plait.models.common.model import CausalLMStage, DecoderStage
 from plait.models.common.parallel.activation_checkpointing import apply_activation_checkpointing
 from plait.models.common.parallel.config import ParallelConfig
 from plait.models.common.parallel.float8 import apply_float8
-from plait.moe import MoELayer
+from plait.moe import ExpertDispatch, MoELayer
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -174,7 +174,7 @@ def apply_context_parallel(
 def apply_expert_parallel(
     model: DecoderStage,
     ep_mesh: DeviceMesh,
-    dispatch: Literal["all_to_all", "all_gather", "deepep"] = "all_to_all",
+    dispatch: ExpertDispatch = "all_to_all",
     num_chunks: int | None = None,
     buffer_factor: float | None = None,
 ) -> None:
